@@ -1,0 +1,42 @@
+"""Converters: sources (image folders, existing datasets) and the parallel conversion engine.
+
+Installed as ``streamload.converters``.
+"""
+
+from __future__ import annotations
+
+from .engine import ConvertOptions, ConvertReport, convert, plan_shards
+from .imagefolder import IMAGE_EXTENSIONS, ImageFolderSource, path_to_key
+from .source import Item, ScanResult, Source
+
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "ConvertOptions",
+    "ConvertReport",
+    "ImageFolderSource",
+    "Item",
+    "ScanResult",
+    "Source",
+    "convert",
+    "open_source",
+    "path_to_key",
+    "plan_shards",
+]
+
+
+def open_source(src: str, storage_options: dict[str, object] | None = None) -> Source:
+    """Return the source for ``src``: an existing dataset if it holds ``index.json``,
+    else an image folder."""
+    from streamload.storage import is_local, local_path_of
+
+    if is_local(src):
+        import os
+
+        if os.path.isfile(os.path.join(local_path_of(src), "index.json")):
+            from .dataset_source import DatasetSource
+
+            return DatasetSource(src, storage_options)
+        return ImageFolderSource(local_path_of(src))
+    from .dataset_source import DatasetSource
+
+    return DatasetSource(src, storage_options)

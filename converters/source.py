@@ -1,0 +1,67 @@
+"""What the conversion engine needs from an input: a list of items, and a way to load one.
+
+A source is scanned once in the parent process (cheap: names and sizes), then each
+conversion worker loads the items of the shards it writes. Items are small, picklable
+records; loading reads the bytes and checks them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamload.manifest import SkippedInput
+
+__all__ = ["Item", "ScanResult", "Source"]
+
+
+@dataclass(frozen=True)
+class Item:
+    """One future sample: its key and its payload size estimate in bytes."""
+
+    key: str
+    nbytes: int
+
+
+@dataclass
+class ScanResult:
+    """A source's scan.
+
+    Attributes:
+        items: The samples to convert, in source order.
+        ignored: Files that are not inputs (e.g. not an image), listed and counted.
+        problems: Inputs that are broken as a whole (e.g. an empty class folder): an
+            error under ``on_error="raise"``, listed as skipped under ``"skip"``.
+    """
+
+    items: list[Item]
+    ignored: list[SkippedInput] = field(default_factory=list)
+    problems: list[SkippedInput] = field(default_factory=list)
+
+
+class Source(ABC):
+    """An input to convert: an image folder, an existing dataset..."""
+
+    #: Class names, label ``i`` = ``classes[i]``.
+    classes: list[str]
+
+    @abstractmethod
+    def scan(self) -> ScanResult:
+        """List the items in a deterministic order."""
+
+    @abstractmethod
+    def load(self, item: Item) -> dict[str, Any]:
+        """Return the sample of ``item``; raise :class:`~streamload.SourceError` if broken."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """Return a short description (a path or URL) for messages and the manifest."""
+
+    def origin(self, item: Item) -> str:
+        """Return where ``item`` comes from (a relative path), for error listings."""
+        return item.key
+
+    def meta(self) -> dict[str, Any]:
+        """Return JSON metadata about the source for the manifest."""
+        return {"source": self.describe()}

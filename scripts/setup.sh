@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create .venv (Python 3.10+) with torch 2.13.0 (CPU wheel) and streamload installed editable.
+# Usage: source scripts/setup.sh [extras]   (extras default: test)
+set -euo pipefail
+extras="${1:-test}"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$here"
+py="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$py" -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+stamp=".venv/.streamload-$(sha256sum pyproject.toml | cut -c1-16)-$extras"
+if [ ! -f "$stamp" ]; then
+  python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+  # torch first and pinned: an unpinned torch would pull gigabytes of CUDA packages.
+  python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
+  python -m pip install -q -e ".[$extras]" 2>&1 | grep -v "is ignored" || true
+  python -c "import torch, streamload; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+  touch "$stamp"
+fi

@@ -1,0 +1,51 @@
+"""streamload: feed PyTorch training from sharded datasets at the speed of the disk or the bucket.
+
+The public surface is re-exported here; submodules prefixed with ``_`` are private.
+"""
+
+from __future__ import annotations
+
+from ._errors import (
+    CacheError,
+    ConfigError,
+    CorruptShardError,
+    ManifestError,
+    ManifestNotFoundError,
+    PlanError,
+    SampleError,
+    ShardError,
+    ShardNotFoundError,
+    SourceError,
+    StorageError,
+    StreamloadError,
+    UnsafeShardError,
+)
+from .dataset import StreamingDataset
+from .decode import ImageLabel, decode_sample
+from .manifest import Manifest, ShardEntry
+from .writer import DatasetWriter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheError",
+    "ConfigError",
+    "CorruptShardError",
+    "DatasetWriter",
+    "ImageLabel",
+    "Manifest",
+    "ManifestError",
+    "ManifestNotFoundError",
+    "PlanError",
+    "SampleError",
+    "ShardEntry",
+    "ShardError",
+    "ShardNotFoundError",
+    "SourceError",
+    "StorageError",
+    "StreamingDataset",
+    "StreamloadError",
+    "UnsafeShardError",
+    "__version__",
+    "decode_sample",
+]

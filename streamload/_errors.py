@@ -1,0 +1,92 @@
+"""The exception tree of streamload.
+
+Every error raised on purpose by streamload derives from :class:`StreamloadError`.
+Where a builtin exception has the same meaning, the error also derives from it, so
+``except FileNotFoundError`` keeps working for a missing shard::
+
+    StreamloadError
+    ├── ManifestError (ValueError)           index.json missing fields, bad values, bad version
+    │   └── ManifestNotFoundError (FileNotFoundError)
+    ├── ShardError                           anything wrong with one shard
+    │   ├── ShardNotFoundError (FileNotFoundError)
+    │   ├── CorruptShardError (ValueError)   bad bytes, offsets, size or hash mismatch
+    │   └── UnsafeShardError (ValueError)    hostile content: path escape, links, huge sizes
+    ├── SampleError (ValueError)             one sample cannot be decoded
+    ├── SourceError (ValueError)             a conversion input is unreadable or corrupt
+    ├── StorageError (OSError)               remote storage failed after retries / permanently
+    │   └── CacheError                       the local shard cache cannot work as configured
+    ├── PlanError (ValueError)               the requested split or resume state is impossible
+    └── ConfigError (ValueError)             an option has a bad value or a missing extra
+
+Every message names the path, URL, shard, key or field involved.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CacheError",
+    "ConfigError",
+    "CorruptShardError",
+    "ManifestError",
+    "ManifestNotFoundError",
+    "PlanError",
+    "SampleError",
+    "ShardError",
+    "ShardNotFoundError",
+    "SourceError",
+    "StorageError",
+    "StreamloadError",
+    "UnsafeShardError",
+]
+
+
+class StreamloadError(Exception):
+    """Root of every error streamload raises on purpose."""
+
+
+class ManifestError(StreamloadError, ValueError):
+    """``index.json`` is malformed, inconsistent or of an unknown version."""
+
+
+class ManifestNotFoundError(ManifestError, FileNotFoundError):
+    """No ``index.json`` where a dataset was expected."""
+
+
+class ShardError(StreamloadError):
+    """A shard cannot be used; the message names the shard."""
+
+
+class ShardNotFoundError(ShardError, FileNotFoundError):
+    """A shard listed in the manifest does not exist."""
+
+
+class CorruptShardError(ShardError, ValueError):
+    """A shard's bytes do not match its manifest entry or its own structure."""
+
+
+class UnsafeShardError(ShardError, ValueError):
+    """A shard holds hostile content (path escapes, links, device files, absurd sizes)."""
+
+
+class SampleError(StreamloadError, ValueError):
+    """One sample (or one field of it) cannot be read or decoded."""
+
+
+class SourceError(StreamloadError, ValueError):
+    """A conversion input is unreadable or not what its extension says."""
+
+
+class StorageError(StreamloadError, OSError):
+    """Reading or writing storage failed permanently or after all retries."""
+
+
+class CacheError(StorageError):
+    """The local shard cache cannot work as configured (e.g. a limit below one shard)."""
+
+
+class PlanError(StreamloadError, ValueError):
+    """The requested split, epoch or resume state is impossible."""
+
+
+class ConfigError(StreamloadError, ValueError):
+    """An option has an invalid value, or an optional dependency is missing."""

@@ -1,0 +1,235 @@
+"""The ``streamload`` command line: ``convert``, ``info``, ``verify``, ``index``, ``demo``, ``bench``.
+
+Every subcommand is a ``_cmd_<name>`` function and an entry of :func:`build_parser`;
+errors of the :class:`~streamload.StreamloadError` family print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ._errors import ConfigError, StreamloadError
+from ._units import format_bytes
+
+__all__ = ["build_parser", "main"]
+
+
+def _storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """Parse ``key=value`` pairs; values are JSON when they parse (numbers, booleans,
+    objects), strings otherwise. Dotted keys nest: ``client_kwargs.endpoint_url=...``."""
+    out: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--storage-option {pair!r} must look like key=value")
+        try:
+            value: Any = json.loads(raw)
+        except ValueError:
+            value = raw
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def _add_storage_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--storage-option",
+        "-o",
+        action="append",
+        metavar="KEY=VALUE",
+        help="fsspec storage option for remote URLs (repeatable; dotted keys nest, "
+        "e.g. client_kwargs.endpoint_url=http://127.0.0.1:8333)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser of the ``streamload`` command."""
+    parser = argparse.ArgumentParser(
+        prog="streamload", description="Shard image datasets and stream them into PyTorch."
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("convert", help="convert an image folder or a dataset into shards")
+    p.add_argument("src", help="image folder (ROOT/<class>/<image>) or existing dataset (dir or URL)")
+    p.add_argument("dst", help="output directory or fsspec URL (s3://bucket/prefix, ...)")
+    p.add_argument("--format", "-f", default="tar", help="shard format: tar, lmdb or hdf5 (default: tar)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--shard-size", default="128MB", help="payload bytes per shard (default: 128MB)")
+    size.add_argument("--samples-per-shard", type=int, help="samples per shard (instead of --shard-size)")
+    p.add_argument("--workers", "-j", type=int, default=1, help="conversion processes (output is identical)")
+    p.add_argument("--shuffle", action="store_true", help="shuffle the sample order before sharding")
+    p.add_argument("--seed", type=int, default=0, help="seed for --shuffle (default: 0)")
+    p.add_argument("--on-error", choices=("raise", "skip"), default="raise",
+                   help="on a broken input: stop (raise) or skip it, listed in the manifest")
+    p.add_argument("--hash", choices=("sha256", "xxh3_128"), default="sha256", help="shard hash")
+    p.add_argument("--check", choices=("decode", "header", "none"), default="decode",
+                   help="how image inputs are checked (default: decode at reduced size)")
+    prog = p.add_mutually_exclusive_group()
+    prog.add_argument("--progress", dest="progress", action="store_true", default=None, help="force a progress bar")
+    prog.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    _add_storage_option(p)
+    p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser("info", help="summarise a dataset")
+    p.add_argument("dataset", help="dataset directory or URL")
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+    _add_storage_option(p)
+    p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("verify", help="re-hash every shard and read every sample; exit 1 on any problem")
+    p.add_argument("dataset", help="dataset directory or URL")
+    p.add_argument("--no-read", action="store_true", help="only check sizes and hashes")
+    _add_storage_option(p)
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("index", help="write index.json for tar shards written by other tools")
+    p.add_argument("directory", help="directory (or URL) holding *.tar shards")
+    p.add_argument("--format", default="tar", help="shard format (default: tar)")
+    p.add_argument("--classes", help="comma-separated class names to record")
+    p.add_argument("--hash", choices=("sha256", "xxh3_128"), default="sha256", help="shard hash")
+    p.set_defaults(func=_cmd_index)
+
+    p = sub.add_parser("demo", help="make a small image folder, convert it, and read it back")
+    p.add_argument("--dir", help="working directory (default: a temporary one, removed after)")
+    p.add_argument("--images", type=int, default=2000, help="number of images (default: 2000)")
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers (default: 2)")
+    p.add_argument("--format", default="tar", help="shard format (default: tar)")
+    p.set_defaults(func=_cmd_demo)
+
+    _add_optional_commands(sub)
+    return parser
+
+
+def _add_optional_commands(sub: Any) -> None:
+    """Subcommands that live in their own modules register themselves here."""
+    try:
+        from .bench import add_bench_parser
+    except ImportError:  # pragma: no cover - bench module not present
+        return
+    add_bench_parser(sub)
+
+
+def _version() -> str:
+    from . import __version__
+
+    return f"streamload {__version__}"
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from streamload.converters import ConvertOptions, ImageFolderSource, convert, open_source
+
+    options = ConvertOptions(
+        format=args.format,
+        shard_bytes=None if args.samples_per_shard else args.shard_size,
+        samples_per_shard=args.samples_per_shard,
+        workers=args.workers,
+        shuffle=args.shuffle,
+        seed=args.seed,
+        on_error=args.on_error,
+        hash_algorithm=args.hash,
+        progress=args.progress,
+        storage_options=_storage_options(args.storage_option),
+    )
+    source = open_source(args.src, options.storage_options)
+    if isinstance(source, ImageFolderSource):
+        source.check = args.check
+    report = convert(source, args.dst, options)
+    print(report.summary())
+    for skipped in report.skipped:
+        print(f"  skipped {skipped.path}: {skipped.error}", file=sys.stderr)
+    return 0
+
+
+def _load_manifest(url: str, storage_options: dict[str, Any]) -> Any:
+    from .manifest import MANIFEST_NAME, Manifest
+    from .storage import open_storage
+
+    storage = open_storage(url, storage_options)
+    try:
+        return Manifest.loads(storage.read_bytes(MANIFEST_NAME), where=f"{url}/{MANIFEST_NAME}")
+    finally:
+        storage.close()
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    manifest = _load_manifest(args.dataset, _storage_options(args.storage_option))
+    if args.json:
+        summary = {
+            "url": args.dataset,
+            "format": manifest.format,
+            "num_samples": manifest.num_samples,
+            "num_shards": len(manifest.shards),
+            "num_bytes": manifest.num_bytes,
+            "fields": list(manifest.fields),
+            "classes": list(manifest.classes),
+            "hash": manifest.hash_algorithm,
+            "skipped": len(manifest.skipped),
+        }
+        print(json.dumps(summary, indent=1))
+        return 0
+    counts = manifest.shard_counts or [0]
+    print(f"dataset   {args.dataset}")
+    print(f"format    {manifest.format}")
+    print(f"samples   {manifest.num_samples}")
+    print(f"shards    {len(manifest.shards)} (samples per shard: min {min(counts)}, max {max(counts)})")
+    print(f"size      {format_bytes(manifest.num_bytes)}")
+    print(f"fields    {', '.join(manifest.fields) or '-'}")
+    classes = ", ".join(manifest.classes[:10]) + (" ..." if len(manifest.classes) > 10 else "")
+    print(f"classes   {len(manifest.classes)}: {classes or '-'}")
+    print(f"hash      {manifest.hash_algorithm or 'none'}")
+    print(f"skipped   {len(manifest.skipped)} inputs at conversion")
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from .verify import verify_dataset
+
+    report = verify_dataset(args.dataset, _storage_options(args.storage_option), read_samples=not args.no_read)
+    for _name, problem in report.problems:
+        print(f"BAD  {problem}")
+    status = "OK" if report.ok else f"FAILED: {len(report.problems)} bad shard(s)"
+    print(f"{status}: {report.shards_checked} shards, {report.samples_checked} samples checked in {args.dataset}")
+    return 0 if report.ok else 1
+
+
+def _cmd_index(args: argparse.Namespace) -> int:
+    from .verify import index_directory
+
+    classes = tuple(c for c in (args.classes or "").split(",") if c)
+    manifest = index_directory(args.directory, args.format, args.hash, classes)
+    print(f"indexed {len(manifest.shards)} shards, {manifest.num_samples} samples; wrote {args.directory}/index.json")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    run_demo(args.dir, args.images, args.workers, args.format)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except StreamloadError as exc:
+        print(f"streamload {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"streamload {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The interface every shard format implements.
+
+A format is one module that defines a :class:`ShardWriter` (samples in, one local
+file out, plus an optional sidecar file) and a :class:`ShardReader` (one local file in,
+samples out by index), and registers a :class:`Format` describing them. Everything
+around a shard — rollover, temporary names, hashing, upload, the manifest, caching,
+splitting — is done once, outside the formats.
+
+The sample model (DESIGN.md §2): a ``dict`` with ``"__key__"`` (``str``) and one
+``bytes`` value per field, named by its WebDataset extension (``"jpg"``, ``"cls"``...).
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import SampleError, UnsafeShardError
+from ..manifest import ShardEntry
+
+__all__ = [
+    "MAX_KEY_BYTES",
+    "Format",
+    "Sample",
+    "ShardReader",
+    "ShardWriter",
+    "check_sample",
+]
+
+#: A sample: ``{"__key__": str, field: bytes, ...}``.
+Sample = dict[str, Any]
+#: Longest key (UTF-8 bytes) any format accepts; longer keys are hostile or broken.
+MAX_KEY_BYTES = 4096
+
+
+def check_sample(sample: Mapping[str, Any]) -> tuple[str, list[tuple[str, bytes]]]:
+    """Validate a sample for writing; return its key and its fields sorted by name.
+
+    Raises:
+        SampleError: If the key is missing or invalid, or a field is not bytes-like.
+    """
+    key = sample.get("__key__")
+    if not isinstance(key, str) or not key or len(key.encode()) > MAX_KEY_BYTES:
+        raise SampleError(f"sample key {key!r} must be a non-empty str of at most {MAX_KEY_BYTES} bytes")
+    last = key.rsplit("/", 1)[-1]
+    if "." in last or not last or key.startswith("/") or "\0" in key:
+        raise SampleError(f"sample key {key!r}: its last component must be non-empty and dot-free")
+    fields: list[tuple[str, bytes]] = []
+    for name in sorted(sample):
+        if name.startswith("__"):
+            continue
+        value = sample[name]
+        if isinstance(value, str):
+            value = value.encode()
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise SampleError(f"sample {key!r} field {name!r}: expected bytes, got {type(value).__name__}")
+        if not name or "/" in name or "\0" in name:
+            raise SampleError(f"sample {key!r}: invalid field name {name!r}")
+        fields.append((name, bytes(value)))
+    return key, fields
+
+
+class ShardWriter(ABC):
+    """Writes samples, in order, into one local shard file.
+
+    Subclasses implement :meth:`write` and :meth:`finish`. The caller guarantees that
+    ``path`` is a fresh temporary name and renames it when :meth:`finish` returns.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self.num_samples = 0
+
+    @abstractmethod
+    def write(self, sample: Mapping[str, Any]) -> None:
+        """Append one sample (validated with :func:`check_sample`)."""
+
+    @abstractmethod
+    def finish(self) -> str | None:
+        """Flush and close the shard; return the path of the sidecar written, if any."""
+
+    def abort(self) -> None:  # noqa: B027 - optional hook
+        """Release resources after a failure; the caller deletes the files."""
+
+
+class ShardReader(ABC):
+    """Reads the samples of one local shard file by index.
+
+    A reader is created lazily inside the process that reads (after the DataLoader
+    forked or spawned its workers) and is never pickled.
+    """
+
+    def __init__(self, path: str, entry: ShardEntry, sidecar_path: str | None = None) -> None:
+        self.path = path
+        self.entry = entry
+        self.sidecar_path = sidecar_path
+
+    def __len__(self) -> int:
+        return self.entry.num_samples
+
+    @abstractmethod
+    def get(self, index: int) -> Sample:
+        """Return sample ``index`` (0-based within the shard)."""
+
+    def iter_range(self, start: int, stop: int) -> Iterator[Sample]:
+        """Yield samples ``start..stop-1`` in order; formats may read them sequentially."""
+        for i in range(start, stop):
+            yield self.get(i)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release file handles; the reader is not used afterwards."""
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"{type(self).__name__} for {self.entry.name!r} holds open files and must not be "
+            "pickled; pickle the StreamingDataset instead (it opens shards lazily)"
+        )
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < self.entry.num_samples:
+            raise IndexError(f"{self.entry.name}: sample {index} out of range [0, {self.entry.num_samples})")
+
+
+#: ``indexer(shard_path, shard_name, sidecar_out)`` builds the sidecar of a shard written
+#: by another tool into ``sidecar_out``; returns ``(num_samples, field_names)``.
+Indexer = Callable[[str, str, str], tuple[int, list[str]]]
+
+
+@dataclass(frozen=True)
+class Format:
+    """A registered shard format.
+
+    Attributes:
+        name: The name used in manifests and ``--format``.
+        extension: Shard file extension, with the dot.
+        writer: The :class:`ShardWriter` subclass.
+        reader: The :class:`ShardReader` subclass.
+        sidecar_suffix: Suffix appended to the shard name for its sidecar, or ``None``.
+        needs_local_file: True if the reader must have the whole shard on local disk
+            (LMDB); false if it could read ranges of a remote object.
+        indexer: Builds a sidecar for a shard written by another tool, or ``None``.
+    """
+
+    name: str
+    extension: str
+    writer: type[ShardWriter]
+    reader: type[ShardReader]
+    sidecar_suffix: str | None = None
+    needs_local_file: bool = True
+    indexer: Indexer | None = None
+
+    def shard_name(self, index: int) -> str:
+        """Return the canonical file name of shard ``index``."""
+        return f"shard-{index:06d}{self.extension}"
+
+    def sidecar_name(self, shard_name: str) -> str | None:
+        """Return the sidecar file name for ``shard_name``, or ``None``."""
+        return None if self.sidecar_suffix is None else shard_name + self.sidecar_suffix
+
+
+def unsafe(entry_name: str, detail: str) -> UnsafeShardError:
+    """Return an :class:`UnsafeShardError` naming the shard."""
+    return UnsafeShardError(f"{entry_name}: {detail}")

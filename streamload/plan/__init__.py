@@ -1,0 +1,8 @@
+"""The split axis: which samples each rank and worker read, in which order, each epoch."""
+
+from __future__ import annotations
+
+from .planner import EpochPlan, Run, Split, samples_per_rank
+from .world import World, detect_rank_world, detect_world
+
+__all__ = ["EpochPlan", "Run", "Split", "World", "detect_rank_world", "detect_world", "samples_per_rank"]

@@ -1,0 +1,49 @@
+"""The storage axis: where shard bytes live and how they reach the worker.
+
+Local paths are used in place. Any other fsspec URL (``s3://``, ``gs://``, ``http(s)://``,
+``memory://``...) is read through :mod:`streamload.storage.remote`, which keeps a bounded
+local cache shared by every worker and rank on the machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .base import Destination, LocalDestination, LocalStorage, Storage, is_local, local_path_of
+
+__all__ = [
+    "Destination",
+    "LocalDestination",
+    "LocalStorage",
+    "Storage",
+    "is_local",
+    "local_path_of",
+    "open_destination",
+    "open_storage",
+]
+
+
+def open_storage(
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    cache_dir: str | None = None,
+    cache_limit: int | str | None = None,
+) -> Storage:
+    """Return the :class:`Storage` for a dataset directory or URL prefix."""
+    url = str(url)
+    if is_local(url):
+        return LocalStorage(local_path_of(url))
+    from .remote import RemoteStorage
+
+    return RemoteStorage(url, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
+
+
+def open_destination(url: str, storage_options: Mapping[str, Any] | None = None) -> Destination:
+    """Return the :class:`Destination` for writing a dataset to a directory or URL prefix."""
+    url = str(url)
+    if is_local(url):
+        return LocalDestination(local_path_of(url))
+    from .remote import RemoteDestination
+
+    return RemoteDestination(url, storage_options=storage_options)

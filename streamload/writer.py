@@ -1,0 +1,184 @@
+"""Writing shards and manifests: the part every format and every converter shares.
+
+A format only turns samples into one local file (:class:`~streamload.formats.ShardWriter`);
+this module stages it under a temporary name, hashes it, publishes it under its final
+name, and writes ``index.json`` last, so a dataset never looks complete before it is.
+
+For writing samples from your own code, :class:`DatasetWriter` rolls shards over by
+sample count or bytes, like WebDataset's ``ShardWriter``::
+
+    with DatasetWriter("out/", format="tar", max_bytes="128MB") as w:
+        for key, jpg, label in records:
+            w.write({"__key__": key, "jpg": jpg, "cls": str(label).encode()})
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from ._errors import ConfigError
+from ._units import parse_bytes
+from .formats import Format, check_sample, get_format
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, ShardEntry, SkippedInput, hash_stream
+from .storage import Destination, open_destination
+
+__all__ = ["DatasetWriter", "ShardResult", "publish_manifest", "sample_nbytes", "write_shard"]
+
+
+def sample_nbytes(sample: Mapping[str, Any]) -> int:
+    """Payload bytes of a sample (sum of its field sizes): the unit of ``max_bytes``."""
+    return sum(len(v) for k, v in sample.items() if not k.startswith("__"))
+
+
+@dataclass
+class ShardResult:
+    """What writing one shard produced."""
+
+    entry: ShardEntry
+    fields: set[str] = field(default_factory=set)
+    skipped: list[SkippedInput] = field(default_factory=list)
+    payload_bytes: int = 0
+
+
+def _hash_file(path: str, algorithm: str | None) -> tuple[str | None, int]:
+    if algorithm is None:
+        return None, os.stat(path).st_size
+    with open(path, "rb") as f:
+        return hash_stream(f, algorithm)
+
+
+def write_shard(
+    fmt: Format,
+    dest: Destination,
+    name: str,
+    samples: Iterable[Mapping[str, Any]],
+    hash_algorithm: str | None = "sha256",
+) -> ShardResult:
+    """Write ``samples`` into shard ``name`` at ``dest``: stage, hash, publish the sidecar
+    and then the shard. Returns its manifest entry."""
+    staged = dest.staging_path(name)
+    writer = fmt.writer(staged)
+    result = ShardResult(entry=ShardEntry(name=name, num_bytes=0))
+    sidecar_staged: str | None = None
+    try:
+        for sample in samples:
+            writer.write(sample)  # validates the sample
+            result.fields.update(k for k in sample if not k.startswith("__"))
+            result.payload_bytes += sample_nbytes(sample)
+        sidecar_staged = writer.finish()
+        digest, size = _hash_file(staged, hash_algorithm)
+        sidecar = None
+        if sidecar_staged is not None:
+            sidecar_name = fmt.sidecar_name(name) or name + ".idx"
+            s_digest, s_size = _hash_file(sidecar_staged, hash_algorithm)
+            dest.commit(sidecar_staged, sidecar_name)
+            sidecar = FileEntry(sidecar_name, s_size, s_digest)
+        dest.commit(staged, name)
+    except BaseException:
+        writer.abort()
+        dest.discard(staged)
+        if sidecar_staged is not None:
+            dest.discard(sidecar_staged)
+        raise
+    result.entry = ShardEntry(name=name, num_bytes=size, hash=digest, num_samples=writer.num_samples, sidecar=sidecar)
+    return result
+
+
+def publish_manifest(dest: Destination, manifest: Manifest) -> None:
+    """Write ``index.json`` atomically; call only after every shard is published."""
+    dest.write_bytes(MANIFEST_NAME, manifest.dumps())
+
+
+class DatasetWriter:
+    """Write samples into a new dataset, rolling over to a new shard by count or bytes.
+
+    Args:
+        url: Destination directory or fsspec URL.
+        format: Shard format name.
+        max_samples: Samples per shard at most.
+        max_bytes: Payload bytes per shard at most (a larger sample gets a shard alone).
+        classes: Class names to record in the manifest.
+        hash_algorithm: Shard hash algorithm, or ``None``.
+        storage_options: fsspec options for remote destinations.
+        meta: JSON metadata to store in the manifest.
+
+    The manifest is written by :meth:`close` only if no exception is pending, so a
+    failed ``with`` block leaves no complete-looking dataset.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        format: str = "tar",
+        *,
+        max_samples: int | None = None,
+        max_bytes: int | str | None = "128MB",
+        classes: Sequence[str] = (),
+        hash_algorithm: str | None = "sha256",
+        storage_options: Mapping[str, Any] | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        if max_samples is not None and max_samples < 1:
+            raise ConfigError(f"max_samples={max_samples} must be >= 1")
+        self.format = get_format(format)
+        self.dest = open_destination(url, storage_options)
+        self.max_samples = max_samples
+        self.max_bytes = None if max_bytes is None else parse_bytes(max_bytes, name="max_bytes")
+        self.classes = tuple(classes)
+        self.hash_algorithm = hash_algorithm
+        self.meta = dict(meta or {})
+        self._pending: list[Mapping[str, Any]] = []
+        self._pending_bytes = 0
+        self._results: list[ShardResult] = []
+        self._closed = False
+
+    def write(self, sample: Mapping[str, Any]) -> None:
+        """Add one sample; may flush a full shard."""
+        check_sample(sample)
+        size = sample_nbytes(sample)
+        full_count = self.max_samples is not None and len(self._pending) >= self.max_samples
+        full_bytes = self.max_bytes is not None and self._pending and self._pending_bytes + size > self.max_bytes
+        if full_count or full_bytes:
+            self._flush()
+        self._pending.append(sample)
+        self._pending_bytes += size
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        name = self.format.shard_name(len(self._results))
+        self._results.append(write_shard(self.format, self.dest, name, self._pending, self.hash_algorithm))
+        self._pending, self._pending_bytes = [], 0
+
+    def close(self) -> Manifest:
+        """Flush the last shard and write the manifest; return it."""
+        if self._closed:
+            raise ConfigError("DatasetWriter is already closed")
+        self._flush()
+        self._closed = True
+        fields: set[str] = set()
+        for r in self._results:
+            fields |= r.fields
+        manifest = Manifest(
+            format=self.format.name,
+            shards=tuple(r.entry for r in self._results),
+            fields=tuple(sorted(fields)),
+            classes=self.classes,
+            hash_algorithm=self.hash_algorithm,
+            meta=self.meta,
+        )
+        publish_manifest(self.dest, manifest)
+        return manifest
+
+    def __enter__(self) -> DatasetWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None:
+            self.close()
