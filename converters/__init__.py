@@ -25,8 +25,7 @@ __all__ = [
 
 
 def open_source(src: str, storage_options: dict[str, object] | None = None) -> Source:
-    """Return the source for ``src``: an existing dataset if it holds ``index.json``,
-    else an image folder."""
+    """Return the source for ``src``: an existing dataset if it holds ``index.json``, else an image folder."""
     from streamload.storage import is_local, local_path_of
 
     if is_local(src):

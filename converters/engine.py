@@ -102,8 +102,11 @@ class ConvertReport:
 
 
 def plan_shards(items: Sequence[Item], max_bytes: int | None, max_samples: int | None) -> list[list[Item]]:
-    """Cut ``items`` into consecutive shards of at most ``max_samples`` items or
-    ``max_bytes`` payload bytes (an item larger than ``max_bytes`` gets a shard alone)."""
+    """Cut ``items`` into consecutive shards by sample count or payload bytes.
+
+    A shard holds at most ``max_samples`` items (if given), else at most ``max_bytes``
+    payload bytes; an item larger than ``max_bytes`` gets a shard alone.
+    """
     shards: list[list[Item]] = []
     current: list[Item] = []
     size = 0

@@ -19,8 +19,11 @@ __all__ = ["build_parser", "main"]
 
 
 def _storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
-    """Parse ``key=value`` pairs; values are JSON when they parse (numbers, booleans,
-    objects), strings otherwise. Dotted keys nest: ``client_kwargs.endpoint_url=...``."""
+    """Parse ``key=value`` pairs into fsspec storage options.
+
+    Values are JSON when they parse (numbers, booleans, objects), strings otherwise.
+    Dotted keys nest: ``client_kwargs.endpoint_url=...``.
+    """
     out: dict[str, Any] = {}
     for pair in pairs or ():
         key, sep, raw = pair.partition("=")

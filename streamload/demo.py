@@ -59,9 +59,11 @@ def run_demo(workdir: str | None = None, images: int = 2000, workers: int = 2, f
             keys.append(sample["__key__"])
             nbytes += sum(len(v) for k, v in sample.items() if not k.startswith("__"))
         dt = time.perf_counter() - t
-        assert len(keys) == len(set(keys)) == len(made), "every sample exactly once"
+        if not len(keys) == len(set(keys)) == len(made):
+            raise RuntimeError(f"read {len(keys)} samples ({len(set(keys))} distinct), expected {len(made)}")
         results["raw_samples_s"] = len(keys) / dt
-        print(f"      {len(keys)} samples, each exactly once: {len(keys) / dt:.0f} samples/s, {nbytes / dt / 1e6:.1f} MB/s")
+        rate = f"{len(keys) / dt:.0f} samples/s, {nbytes / dt / 1e6:.1f} MB/s"
+        print(f"      {len(keys)} samples, each exactly once: {rate}")
 
         print(f"[4/4] decoding to 96x96 tensors with DataLoader(batch_size=64, num_workers={workers})")
         ds = StreamingDataset(shards, shuffle=True, seed=0, transform=ImageLabel(size=96))

@@ -33,7 +33,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from ._errors import ManifestError
 
@@ -59,10 +59,10 @@ HASH_ALGORITHMS = ("sha256", "xxh3_128")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 
-class _Hasher:
+class _Hasher(Protocol):
     """The subset of hashlib's interface streamload uses."""
 
-    def update(self, data: bytes | memoryview, /) -> None: ...  # pragma: no cover
+    def update(self, data: bytes, /) -> None: ...  # pragma: no cover
 
     def hexdigest(self) -> str: ...  # pragma: no cover
 
@@ -74,11 +74,12 @@ def new_hasher(algorithm: str) -> _Hasher:
         ManifestError: If the algorithm is unknown.
     """
     if algorithm == "sha256":
-        return hashlib.sha256()  # type: ignore[return-value]
+        return hashlib.sha256()
     if algorithm == "xxh3_128":
         import xxhash
 
-        return xxhash.xxh3_128()  # type: ignore[no-any-return]
+        hasher: _Hasher = xxhash.xxh3_128()
+        return hasher
     raise ManifestError(f"unknown hash algorithm {algorithm!r}; known: {', '.join(HASH_ALGORITHMS)}")
 
 
@@ -291,7 +292,7 @@ class Manifest:
             classes=_str_tuple(obj.get("classes", []), "classes"),
             hash_algorithm=hash_algorithm,
             skipped=tuple(_skipped(s, i) for i, s in enumerate(obj.get("skipped") or [])),
-            meta=obj.get("meta") if isinstance(obj.get("meta"), dict) else {},
+            meta=_meta(obj.get("meta")),
         )
         declared = obj.get("num_samples")
         if declared != manifest.num_samples:
@@ -299,6 +300,14 @@ class Manifest:
                 f"num_samples={declared!r} does not match the sum over shards ({manifest.num_samples})"
             )
         return manifest
+
+
+def _meta(value: object) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ManifestError("meta must be an object")
+    return value
 
 
 def _str_tuple(value: object, what: str) -> tuple[str, ...]:

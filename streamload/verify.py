@@ -112,7 +112,8 @@ def index_directory(
     if not is_local(url):
         from .storage.remote import index_remote
 
-        return index_remote(url, fmt, hash_algorithm, classes)
+        remote_manifest: Manifest = index_remote(url, fmt, hash_algorithm, classes)
+        return remote_manifest
     root = local_path_of(url)
     names = sorted(n for n in os.listdir(root) if n.endswith(fmt.extension) and not n.startswith("."))
     if not names:

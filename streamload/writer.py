@@ -58,8 +58,11 @@ def write_shard(
     samples: Iterable[Mapping[str, Any]],
     hash_algorithm: str | None = "sha256",
 ) -> ShardResult:
-    """Write ``samples`` into shard ``name`` at ``dest``: stage, hash, publish the sidecar
-    and then the shard. Returns its manifest entry."""
+    """Write ``samples`` into shard ``name`` at ``dest``.
+
+    The shard is staged, hashed, and published after its sidecar. Returns its result,
+    whose ``entry`` goes into the manifest.
+    """
     staged = dest.staging_path(name)
     writer = fmt.writer(staged)
     result = ShardResult(entry=ShardEntry(name=name, num_bytes=0))
