@@ -19,13 +19,14 @@ from typing import Any, Literal
 
 import numpy as np
 
-from streamload._errors import ConfigError, SourceError
+from streamload._errors import ConfigError, ConversionInterrupted, SourceError
 from streamload._units import parse_bytes
 from streamload.formats import Format, get_format
 from streamload.manifest import HASH_ALGORITHMS, Manifest, SkippedInput
 from streamload.storage import Destination, open_destination
 from streamload.writer import ShardResult, publish_manifest, write_shard
 
+from .journal import Journal, plan_fingerprint
 from .source import Item, Source
 
 __all__ = ["ConvertOptions", "ConvertReport", "convert", "plan_shards"]
@@ -49,6 +50,8 @@ class ConvertOptions:
         hash_algorithm: Shard hash algorithm.
         progress: Show a progress bar: ``True``, ``False`` or ``None`` (only on a terminal).
         storage_options: fsspec options for a remote destination.
+        resume: Finish an interrupted conversion, reusing the shards it published.
+        overwrite: Replace a dataset or an interrupted conversion at the destination.
     """
 
     format: str = "tar"
@@ -61,6 +64,8 @@ class ConvertOptions:
     hash_algorithm: str = "sha256"
     progress: bool | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
+    resume: bool = False
+    overwrite: bool = False
 
     def validate(self) -> None:
         """Raise :class:`~streamload.ConfigError` for impossible values."""
@@ -83,6 +88,7 @@ class ConvertReport:
     seconds: float
     payload_bytes: int
     ignored: list[SkippedInput]
+    resumed: int = 0
 
     @property
     def skipped(self) -> tuple[SkippedInput, ...]:
@@ -98,6 +104,7 @@ class ConvertReport:
             f"({m.num_bytes / 1e6:.1f} MB) in {self.seconds:.2f} s: "
             f"{m.num_samples / max(self.seconds, 1e-9):.0f} samples/s, {rate:.1f} MB/s; "
             f"{len(self.skipped)} broken inputs skipped, {len(self.ignored)} non-input files ignored"
+            + (f"; {self.resumed} shards reused from the interrupted run" if self.resumed else "")
         )
 
 
@@ -185,28 +192,56 @@ def convert(
     if scan.problems and options.on_error == "raise":
         first = scan.problems[0]
         raise SourceError(f"{source.describe()}/{first.path}: {first.error} (use on_error='skip' to go on)")
-    items = list(scan.items)
+    tasks = _plan(scan.items, options)
+    dest = open_destination(dst, options.storage_options)
+    names = [fmt.shard_name(index) for index, _ in tasks]
+    journal = Journal(dest, plan_fingerprint(_job(source, options), tasks), names)
+    done = journal.open(options.resume, options.overwrite, options.hash_algorithm)
+    results: dict[str, ShardResult] = dict(done)
+    todo = [task for task in tasks if fmt.shard_name(task[0]) not in done]
+    bar = _Progress(len(scan.items), options.progress)
+    bar.update(sum(r.entry.num_samples + len(r.skipped) for r in done.values()), 0)
+    try:
+        for result in _run_tasks(todo, source, fmt, dest, options):
+            journal.record(result)
+            results[result.entry.name] = result
+            bar.update(result.entry.num_samples + len(result.skipped), result.payload_bytes)
+            if on_progress is not None:
+                on_progress(sum(r.entry.num_samples for r in results.values()),
+                            sum(r.payload_bytes for r in results.values()))
+    except KeyboardInterrupt as exc:
+        raise ConversionInterrupted(
+            f"conversion into {dst} interrupted after {len(results)} of {len(tasks)} shards; "
+            "run the same command with --resume to finish it"
+        ) from exc
+    finally:
+        bar.close()
+    ordered = [results[name] for name in names]
+    manifest = _manifest(source, fmt, options, ordered, scan.problems)
+    publish_manifest(dest, manifest)
+    journal.finish()
+    payload = sum(r.payload_bytes for r in ordered)
+    return ConvertReport(manifest, time.perf_counter() - started, payload, scan.ignored, resumed=len(done))
+
+
+def _plan(scanned: Sequence[Item], options: ConvertOptions) -> list[tuple[int, list[Item]]]:
+    """Order the items (seeded shuffle) and cut them into numbered shards."""
+    items = list(scanned)
     if options.shuffle:
         order = np.random.default_rng(options.seed).permutation(len(items))
         items = [items[i] for i in order]
-    max_samples = options.samples_per_shard
     max_bytes = None if options.shard_bytes is None else parse_bytes(options.shard_bytes, name="shard_bytes")
-    tasks = list(enumerate(plan_shards(items, max_bytes, max_samples)))
-    dest = open_destination(dst, options.storage_options)
-    bar = _Progress(len(items), options.progress)
-    results: list[ShardResult] = []
-    try:
-        for result in _run_tasks(tasks, source, fmt, dest, options):
-            results.append(result)
-            bar.update(result.entry.num_samples + len(result.skipped), result.payload_bytes)
-            if on_progress is not None:
-                on_progress(sum(r.entry.num_samples for r in results), sum(r.payload_bytes for r in results))
-    finally:
-        bar.close()
-    manifest = _manifest(source, fmt, options, results, scan.problems)
-    publish_manifest(dest, manifest)
-    payload = sum(r.payload_bytes for r in results)
-    return ConvertReport(manifest, time.perf_counter() - started, payload, scan.ignored)
+    return list(enumerate(plan_shards(items, max_bytes, options.samples_per_shard)))
+
+
+def _job(source: Source, options: ConvertOptions) -> dict[str, Any]:
+    """What must not change between an interrupted run and its resume."""
+    return {
+        "source": source.describe(),
+        "format": options.format,
+        "hash": options.hash_algorithm,
+        "on_error": options.on_error,
+    }
 
 
 def _run_tasks(

@@ -8,6 +8,7 @@ from __future__ import annotations
 from ._errors import (
     CacheError,
     ConfigError,
+    ConversionInterrupted,
     CorruptShardError,
     ManifestError,
     ManifestNotFoundError,
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CacheError",
     "ConfigError",
+    "ConversionInterrupted",
     "CorruptShardError",
     "DatasetWriter",
     "ImageLabel",

@@ -16,7 +16,8 @@ Where a builtin exception has the same meaning, the error also derives from it, 
     ├── StorageError (OSError)               remote storage failed after retries / permanently
     │   └── CacheError                       the local shard cache cannot work as configured
     ├── PlanError (ValueError)               the requested split or resume state is impossible
-    └── ConfigError (ValueError)             an option has a bad value or a missing extra
+    ├── ConfigError (ValueError)             an option has a bad value or a missing extra
+    └── ConversionInterrupted                Ctrl-C during a conversion; resumable
 
 Every message names the path, URL, shard, key or field involved.
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 __all__ = [
     "CacheError",
     "ConfigError",
+    "ConversionInterrupted",
     "CorruptShardError",
     "ManifestError",
     "ManifestNotFoundError",
@@ -90,3 +92,7 @@ class PlanError(StreamloadError, ValueError):
 
 class ConfigError(StreamloadError, ValueError):
     """An option has an invalid value, or an optional dependency is missing."""
+
+
+class ConversionInterrupted(StreamloadError):
+    """A conversion was interrupted (Ctrl-C); the message says how to resume it."""

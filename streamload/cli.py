@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._errors import ConfigError, StreamloadError
+from ._errors import ConfigError, ConversionInterrupted, StreamloadError
 from ._units import format_bytes
 
 __all__ = ["build_parser", "main"]
@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hash", choices=("sha256", "xxh3_128"), default="sha256", help="shard hash")
     p.add_argument("--check", choices=("decode", "header", "none"), default="decode",
                    help="how image inputs are checked (default: decode at reduced size)")
+    again = p.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="finish an interrupted conversion, reusing the shards it wrote (checked by hash)")
+    again.add_argument("--overwrite", action="store_true", help="replace a dataset or interrupted conversion at DST")
     prog = p.add_mutually_exclusive_group()
     prog.add_argument("--progress", dest="progress", action="store_true", default=None, help="force a progress bar")
     prog.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -140,6 +144,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         hash_algorithm=args.hash,
         progress=args.progress,
         storage_options=_storage_options(args.storage_option),
+        resume=args.resume,
+        overwrite=args.overwrite,
     )
     source = open_source(args.src, options.storage_options)
     if isinstance(source, ImageFolderSource):
@@ -226,6 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
+    except ConversionInterrupted as exc:
+        print(f"streamload {args.command}: {exc}", file=sys.stderr)
+        return 130
     except StreamloadError as exc:
         print(f"streamload {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
 from .._errors import ManifestNotFoundError, ShardNotFoundError, StorageError
-from ..manifest import MANIFEST_NAME, FileEntry, check_file_name
+from ..manifest import MANIFEST_NAME, FileEntry, check_file_name, hash_stream, new_hasher
 
 __all__ = ["Destination", "LocalDestination", "LocalStorage", "Storage", "is_local", "local_path_of"]
 
@@ -142,6 +142,15 @@ class Destination(ABC):
         except FileNotFoundError:
             pass
 
+    def digest(self, name: str, algorithm: str) -> str:
+        """Return the ``algorithm`` hex digest of file ``name`` (for resume checks)."""
+        hasher = new_hasher(algorithm)
+        hasher.update(self.read_bytes(name))
+        return hasher.hexdigest()
+
+    def clean_staging(self) -> None:  # noqa: B027 - optional hook
+        """Remove staged files left behind by a crashed writer."""
+
 
 class LocalDestination(Destination):
     """A local directory; staged files live in it under hidden names and are renamed."""
@@ -167,6 +176,20 @@ class LocalDestination(Destination):
             return os.stat(os.path.join(self.root, check_file_name(name, "file name"))).st_size
         except FileNotFoundError:
             return None
+
+    def digest(self, name: str, algorithm: str) -> str:
+        """Hash file ``name`` in chunks."""
+        with open(os.path.join(self.root, check_file_name(name, "file name")), "rb") as f:
+            return hash_stream(f, algorithm)[0]
+
+    def clean_staging(self) -> None:
+        """Remove ``.tmp-*`` files a crashed writer left in the directory."""
+        for entry in os.scandir(self.root):
+            if entry.name.startswith(".tmp-") and entry.is_file(follow_symlinks=False):
+                try:
+                    os.unlink(entry.path)
+                except FileNotFoundError:
+                    pass
 
     def read_bytes(self, name: str) -> bytes:
         """Return the content of ``name``."""
