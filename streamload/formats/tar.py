@@ -17,10 +17,12 @@ Random access comes from a sidecar ``<shard>.idx`` (little-endian, no pickle)::
     u64[m]    member_offset  byte offset of a member's data
     u64[m]    member_size    byte size of a member's data
     u32[m]    member_field   index into names (padded to 8 bytes)
-    u32[m]    member_crc     zlib.crc32 of the member's data (padded to 8 bytes)
+    u64[m]    member_hash    xxh3_64 of the member's data
     keys      the keys, UTF-8, concatenated
 
-With it, reading sample ``i`` is one ``pread`` per field: no header parsing and
+With it, reading sample ``i`` is one ``pread`` per field, checked against its xxh3_64
+(about 1 µs per 64 KB, so every read is verified: a flipped byte raises an error naming
+the shard, key and field): no header parsing and
 no ``tarfile`` on the hot path. The sidecar is validated when a shard is opened (bounds,
 monotonic offsets) so a hostile index cannot point outside the shard.
 """
@@ -30,11 +32,11 @@ from __future__ import annotations
 import os
 import struct
 import tarfile
-import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from .._errors import CorruptShardError, ShardNotFoundError
 from ..manifest import ShardEntry
@@ -44,7 +46,7 @@ __all__ = ["FORMAT", "TarShardReader", "TarShardWriter", "index_tar"]
 
 _BLOCK = 512
 _RECORD = 20 * _BLOCK
-_MAGIC = b"SLTARIX1"
+_MAGIC = b"SLTARIX2"
 _HEAD = struct.Struct("<8s6Q")
 _MTIME = 0
 _MODE = 0o444
@@ -82,7 +84,7 @@ class _IndexBuilder:
         self.member_offset: list[int] = []
         self.member_size: list[int] = []
         self.member_field: list[int] = []
-        self.member_crc: list[int] = []
+        self.member_hash: list[int] = []
         self.names: dict[str, int] = {}
 
     def start_sample(self, key: str, offset: int) -> None:
@@ -91,11 +93,11 @@ class _IndexBuilder:
         self.keys += key.encode("utf-8", "surrogateescape")
         self.key_offset.append(len(self.keys))
 
-    def add_member(self, field: str, offset: int, size: int, crc: int) -> None:
+    def add_member(self, field: str, offset: int, size: int, digest: int) -> None:
         self.member_field.append(self.names.setdefault(field, len(self.names)))
         self.member_offset.append(offset)
         self.member_size.append(size)
-        self.member_crc.append(crc)
+        self.member_hash.append(digest)
 
     def to_bytes(self, end: int) -> bytes:
         n, m = len(self.sample_start), len(self.member_offset)
@@ -109,7 +111,7 @@ class _IndexBuilder:
             np.asarray(self.member_offset, dtype="<u8").tobytes(),
             np.asarray(self.member_size, dtype="<u8").tobytes(),
             _padded(np.asarray(self.member_field, dtype="<u4").tobytes()),
-            _padded(np.asarray(self.member_crc, dtype="<u4").tobytes()),
+            np.asarray(self.member_hash, dtype="<u8").tobytes(),
             bytes(self.keys),
         ]
         return b"".join(parts)
@@ -140,7 +142,7 @@ class TarShardWriter(ShardWriter):
             header = _header(f"{key}.{name}", len(data))
             self._file.write(header)
             self._pos += len(header)
-            self._index.add_member(name, self._pos, len(data), zlib.crc32(data))
+            self._index.add_member(name, self._pos, len(data), xxhash.xxh3_64_intdigest(data))
             self._file.write(data)
             self._file.write(bytes(_pad(len(data))))
             self._pos += len(data) + _pad(len(data))
@@ -194,7 +196,7 @@ class TarShardReader(ShardReader):
             raise CorruptShardError(f"{name}: sidecar holds {n} samples, manifest says {self.entry.num_samples}")
         m4 = 4 * m + _pad8(4 * m)
         expected = (
-            _HEAD.size + names_len + _pad8(names_len) + 3 * 8 * (n + 1) + 2 * 8 * m + 2 * m4 + keys_len
+            _HEAD.size + names_len + _pad8(names_len) + 3 * 8 * (n + 1) + 3 * 8 * m + m4 + keys_len
         )
         if len(raw) != expected:
             raise CorruptShardError(f"{name}: sidecar index is {len(raw)} bytes, expected {expected}")
@@ -212,11 +214,11 @@ class TarShardReader(ShardReader):
             return out
 
         start, member, key_off = take(n + 1, 8), take(n + 1, 8), take(n + 1, 8)
-        offset, size, field, crc = take(m, 8), take(m, 8), take(m, 4), take(m, 4)
+        offset, size, field, digest = take(m, 8), take(m, 8), take(m, 4), take(m, 8)
         keys = raw[pos : pos + keys_len]
         self._validate(start, member, key_off, offset, size, field, n_fields, keys_len)
         self._start, self._member, self._key_off = start, member, key_off
-        self._offset, self._msize, self._field, self._crc = offset, size, field, crc
+        self._offset, self._msize, self._field, self._hash = offset, size, field, digest
         self._keys, self._names = keys, names
 
     def _validate(self, start: memoryview, member: memoryview, key_off: memoryview, offset: memoryview,
@@ -251,16 +253,17 @@ class TarShardReader(ShardReader):
             n = size[j]
             # pread, not mmap: one copy, and pages read do not count in this process's RSS.
             data = os.pread(fd, n, offset[j])
-            if len(data) != n:
-                raise CorruptShardError(f"{self.entry.name}: sample {key!r} field {names[field[j]]!r} is truncated")
+            if len(data) != n or xxhash.xxh3_64_intdigest(data) != self._hash[j]:
+                what = "is truncated" if len(data) != n else "does not match its checksum (corrupt bytes)"
+                raise CorruptShardError(f"{self.path}: shard {self.entry.name}, sample {key!r}, field {names[field[j]]!r} {what}")
             sample[names[field[j]]] = data
         return sample
 
     def member_table(self, index: int) -> list[tuple[str, int, int, int]]:
-        """Return ``(field, data_offset, size, crc32)`` for each member of sample ``index``."""
+        """Return ``(field, data_offset, size, xxh3_64)`` for each member of sample ``index``."""
         self._check_index(index)
         return [
-            (self._names[self._field[j]], self._offset[j], self._msize[j], self._crc[j])
+            (self._names[self._field[j]], self._offset[j], self._msize[j], self._hash[j])
             for j in range(self._member[index], self._member[index + 1])
         ]
 
@@ -397,8 +400,8 @@ def index_tar(path: str, shard_name: str, sidecar_out: str) -> tuple[int, list[s
             if field in current_fields:
                 raise CorruptShardError(f"{shard_name}: sample {key!r} has field {field!r} twice")
             current_fields.add(field)
-            crc = zlib.crc32(os.pread(f.fileno(), size, data_at))
-            builder.add_member(field, data_at, size, crc)
+            digest = xxhash.xxh3_64_intdigest(os.pread(f.fileno(), size, data_at))
+            builder.add_member(field, data_at, size, digest)
             end = data_at + size + _pad(size)
     with open(sidecar_out, "wb") as out:
         out.write(builder.to_bytes(end))
