@@ -110,6 +110,19 @@ class ShardReader(ABC):
         for i in range(start, stop):
             yield self.get(i)
 
+    def catalog(self) -> tuple[list[str], list[int]]:
+        """Return every sample's key and payload bytes (sum of its field sizes), in order.
+
+        Converters plan shards by bytes from this. Formats that keep keys and sizes in an
+        index override it; this default reads every sample.
+        """
+        keys: list[str] = []
+        sizes: list[int] = []
+        for sample in self.iter_range(0, len(self)):
+            keys.append(sample["__key__"])
+            sizes.append(sum(len(v) for k, v in sample.items() if not k.startswith("__")))
+        return keys, sizes
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release file handles; the reader is not used afterwards."""
 

@@ -181,6 +181,7 @@ class TarShardReader(ShardReader):
         try:
             self._size = os.fstat(self._fd).st_size
             self._load_index(raw)
+            self._check_headers()
         except BaseException:
             self.close()
             raise
@@ -258,6 +259,35 @@ class TarShardReader(ShardReader):
                 raise CorruptShardError(f"{self.path}: shard {self.entry.name}, sample {key!r}, field {names[field[j]]!r} {what}")
             sample[names[field[j]]] = data
         return sample
+
+    def _check_headers(self) -> None:
+        """Check the tar headers of the first and last members against the sidecar.
+
+        Two 512-byte reads per opened shard catch a shard that was overwritten, damaged
+        at either end, or paired with another shard's sidecar.
+        """
+        m = len(self._offset)
+        for j in sorted({0, m - 1}) if m else ():
+            at = self._offset[j] - _BLOCK
+            block = os.pread(self._fd, _BLOCK, at) if at >= 0 and self._fd is not None else b""
+            where = f"{self.entry.name}: tar header at byte {at}"
+            if len(block) != _BLOCK or block == _ZERO_BLOCK:
+                raise CorruptShardError(f"{where} is missing: the shard does not match its sidecar index")
+            if _parse_octal(block[148:156], where) != sum(block[:148]) + 256 + sum(block[156:]):
+                raise CorruptShardError(f"{where} is damaged (checksum mismatch)")
+            size = _parse_octal(block[124:136], where)
+            if size != self._msize[j] and self._msize[j] < 8**11:  # larger sizes live in PAX records
+                raise CorruptShardError(f"{where} says {size} bytes, the sidecar index says {self._msize[j]}")
+
+    def catalog(self) -> tuple[list[str], list[int]]:
+        """Return keys and payload sizes from the sidecar index (no member is read)."""
+        n = self.entry.num_samples
+        bounds = np.frombuffer(self._key_off, dtype=np.uint64).tolist()
+        keys = [self._keys[bounds[i] : bounds[i + 1]].decode("utf-8", "surrogateescape") for i in range(n)]
+        total = np.zeros(len(self._msize) + 1, dtype=np.int64)
+        np.cumsum(np.frombuffer(self._msize, dtype=np.uint64), out=total[1:])
+        member = np.frombuffer(self._member, dtype=np.uint64).astype(np.int64)
+        return keys, (total[member[1:]] - total[member[:-1]]).tolist()
 
     def member_table(self, index: int) -> list[tuple[str, int, int, int]]:
         """Return ``(field, data_offset, size, xxh3_64)`` for each member of sample ``index``."""

@@ -1,0 +1,276 @@
+"""HDF5 shards: every field's bytes in one flat ``uint8`` dataset with an ``int64`` offsets dataset.
+
+Layout of a shard (no variable-length data: HDF5 filters skip vlen data and vlen reads
+are slow)::
+
+    /                       attribute "streamload": JSON {"format": "streamload-hdf5",
+                            "version": 1, "num_samples": n, "fields": [name, ...]}
+    /keys/data              uint8[...]   the keys, UTF-8, concatenated
+    /keys/offsets           int64[n + 1] key i is data[offsets[i]:offsets[i + 1]]
+    /fields/<j>/data        uint8[...]   field j's bytes of every sample, concatenated
+    /fields/<j>/offsets     int64[n + 1]
+    /fields/<j>/present     uint8[n]     1 if sample i has field j (an empty field is
+                                         present with zero bytes; a missing one is 0)
+
+Fields are numbered in sorted name order (``fields[j]`` is the name), so any field name
+is a valid HDF5 path. Datasets are contiguous and unfiltered, object headers carry no
+timestamps, so the same samples give the same bytes.
+
+Reading: the file is opened on first use in the reading process (reopened after a fork;
+never pickled). The small tables (offsets, presence, keys) are read into memory once;
+then reading a field is one ``os.pread`` at the dataset's file offset plus the sample's
+offset, with no HDF5 call on the hot path (several times faster than an h5py slice, see
+``benchmarks/bench_formats.py``). A dataset that is chunked or filtered (a file written
+by another tool) is read with h5py slices instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import h5py
+import numpy as np
+
+from .._errors import CorruptShardError, ShardNotFoundError
+from ..manifest import ShardEntry
+from .base import Format, Sample, ShardReader, ShardWriter, check_sample
+
+__all__ = ["FORMAT", "Hdf5ShardReader", "Hdf5ShardWriter"]
+
+_MAGIC = "streamload-hdf5"
+_VERSION = 1
+_ATTR = "streamload"
+
+
+class _Column:
+    """One field's bytes and per-sample bounds, accumulated while a shard is written."""
+
+    def __init__(self, samples_before: int) -> None:
+        self.data = bytearray()
+        self.ends = [0] * samples_before
+        self.present = [0] * samples_before
+
+    def add(self, value: bytes | None) -> None:
+        if value is not None:
+            self.data += value
+        self.ends.append(len(self.data))
+        self.present.append(0 if value is None else 1)
+
+
+def _create(group: h5py.Group, name: str, data: np.ndarray[Any, Any]) -> None:
+    group.create_dataset(name, data=data, track_times=False)
+
+
+class Hdf5ShardWriter(ShardWriter):
+    """Writes one HDF5 shard; columns are kept in memory and written by :meth:`finish`."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path)
+        self._keys = _Column(0)
+        self._columns: dict[str, _Column] = {}
+
+    def write(self, sample: Mapping[str, Any]) -> None:
+        """Append one sample to the columns."""
+        key, fields = check_sample(sample)
+        values = dict(fields)
+        for name in values:
+            if name not in self._columns:
+                self._columns[name] = _Column(self.num_samples)
+        for name, column in self._columns.items():
+            column.add(values.get(name))
+        self._keys.add(key.encode("utf-8", "surrogateescape"))
+        self.num_samples += 1
+
+    def finish(self) -> None:
+        """Write the shard file; no sidecar."""
+        names = sorted(self._columns)
+        meta = {"format": _MAGIC, "version": _VERSION, "num_samples": self.num_samples, "fields": names}
+        with h5py.File(self.path, "w", libver="earliest") as f:
+            f.attrs[_ATTR] = json.dumps(meta, sort_keys=True)
+            self._write_column(f.create_group("keys", track_order=False), self._keys, presence=False)
+            fields = f.create_group("fields")
+            for j, name in enumerate(names):
+                self._write_column(fields.create_group(str(j)), self._columns[name], presence=True)
+        self._columns = {}
+        return None
+
+    @staticmethod
+    def _write_column(group: h5py.Group, column: _Column, presence: bool) -> None:
+        _create(group, "data", np.frombuffer(bytes(column.data), dtype=np.uint8))
+        _create(group, "offsets", np.asarray([0, *column.ends], dtype="<i8"))
+        if presence:
+            _create(group, "present", np.asarray(column.present, dtype=np.uint8))
+
+
+@dataclass
+class _Field:
+    """A field of an open shard: its tables, and where its bytes are."""
+
+    name: str
+    offsets: np.ndarray[Any, Any]
+    present: np.ndarray[Any, Any]
+    file_offset: int | None  # contiguous, unfiltered data at this byte of the file
+    dataset: Any  # the h5py dataset when file_offset is None
+
+
+class Hdf5ShardReader(ShardReader):
+    """Reads one HDF5 shard: tables in memory, field bytes by ``pread``."""
+
+    def __init__(self, path: str, entry: ShardEntry, sidecar_path: str | None = None) -> None:
+        super().__init__(path, entry, sidecar_path)
+        self._pid = -1
+        self._fd: int | None = None
+        self._h5: Any = None
+        self._fields: list[_Field] = []
+        self._key_blob = b""
+        self._key_bounds: list[int] = []
+
+    # -- opening ---------------------------------------------------------------------
+
+    def _ensure_open(self) -> None:
+        if self._pid == os.getpid():
+            return
+        self.close()  # a forked child opens its own handles
+        name = self.entry.name
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise ShardNotFoundError(f"{name}: {self.path} does not exist") from exc
+        self._fd = fd
+        try:
+            self._load(os.fstat(fd).st_size)
+        except BaseException:
+            self.close()
+            raise
+        self._pid = os.getpid()
+
+    def _load(self, file_size: int) -> None:
+        name = self.entry.name
+        try:
+            h5 = h5py.File(self.path, "r")
+        except OSError as exc:
+            raise CorruptShardError(f"{name}: not a readable HDF5 file ({exc})") from exc
+        try:
+            names = self._check_meta(h5.attrs.get(_ATTR))
+            keys_blob, key_bounds = self._read_keys(h5)
+            fields = [self._read_field(h5, j, field, file_size) for j, field in enumerate(names)]
+        except (KeyError, OSError, ValueError, TypeError) as exc:
+            h5.close()
+            if isinstance(exc, CorruptShardError):
+                raise
+            raise CorruptShardError(f"{name}: HDF5 shard layout is damaged ({exc})") from exc
+        except BaseException:
+            h5.close()
+            raise
+        self._key_blob, self._key_bounds, self._fields = keys_blob, key_bounds, fields
+        if all(f.file_offset is not None for f in fields):
+            h5.close()  # the hot path needs only the fd
+        else:
+            self._h5 = h5
+
+    def _check_meta(self, raw: Any) -> list[str]:
+        name, n = self.entry.name, self.entry.num_samples
+        try:
+            meta = json.loads(raw) if isinstance(raw, (str, bytes)) else None
+        except ValueError as exc:
+            raise CorruptShardError(f"{name}: HDF5 attribute {_ATTR!r} is not JSON") from exc
+        if not isinstance(meta, dict) or meta.get("format") != _MAGIC:
+            raise CorruptShardError(f"{name}: not a streamload HDF5 shard (no {_ATTR!r} attribute)")
+        if meta.get("version") != _VERSION:
+            raise CorruptShardError(f"{name}: HDF5 shard version {meta.get('version')!r}, expected {_VERSION}")
+        if meta.get("num_samples") != n:
+            raise CorruptShardError(f"{name}: HDF5 shard holds {meta.get('num_samples')!r} samples, manifest says {n}")
+        fields = meta.get("fields")
+        if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
+            raise CorruptShardError(f"{name}: HDF5 shard field list is damaged")
+        return fields
+
+    def _offsets(self, group: Any, what: str, data_len: int) -> np.ndarray[Any, Any]:
+        offsets = np.asarray(group["offsets"][()], dtype=np.int64)
+        n = self.entry.num_samples
+        if offsets.shape != (n + 1,) or offsets[0] != 0 or offsets[-1] != data_len or np.any(np.diff(offsets) < 0):
+            raise CorruptShardError(f"{self.entry.name}: HDF5 offsets of {what} are inconsistent")
+        return offsets
+
+    def _read_keys(self, h5: Any) -> tuple[bytes, list[int]]:
+        data = h5["keys/data"]
+        offsets = self._offsets(h5["keys"], "keys", data.shape[0])
+        return np.asarray(data[()], dtype=np.uint8).tobytes(), offsets.tolist()
+
+    def _read_field(self, h5: Any, j: int, field: str, file_size: int) -> _Field:
+        group = h5[f"fields/{j}"]
+        data = group["data"]
+        if data.dtype != np.uint8 or data.ndim != 1:
+            raise CorruptShardError(f"{self.entry.name}: HDF5 field {field!r} is not a flat uint8 dataset")
+        offsets = self._offsets(group, f"field {field!r}", data.shape[0])
+        present = np.asarray(group["present"][()], dtype=np.uint8)
+        if present.shape != (self.entry.num_samples,):
+            raise CorruptShardError(f"{self.entry.name}: HDF5 presence table of field {field!r} is damaged")
+        where = data.id.get_offset()
+        contiguous = data.chunks is None and not data.compression and where is not None
+        if data.shape[0] and contiguous and where + data.shape[0] > file_size:
+            raise CorruptShardError(f"{self.entry.name}: HDF5 field {field!r} runs past the end of the file")
+        if not data.shape[0]:
+            return _Field(field, offsets, present, 0, None)
+        return _Field(field, offsets, present, where if contiguous else None, None if contiguous else data)
+
+    # -- reading ---------------------------------------------------------------------
+
+    def get(self, index: int) -> Sample:
+        """Return sample ``index``: one ``pread`` per field present."""
+        self._check_index(index)
+        self._ensure_open()
+        bounds = self._key_bounds
+        key = self._key_blob[bounds[index] : bounds[index + 1]].decode("utf-8", "surrogateescape")
+        sample: Sample = {"__key__": key}
+        for field in self._fields:
+            if not field.present[index]:
+                continue
+            start, stop = int(field.offsets[index]), int(field.offsets[index + 1])
+            sample[field.name] = self._read(field, start, stop, key)
+        return sample
+
+    def _read(self, field: _Field, start: int, stop: int, key: str) -> bytes:
+        if start == stop:
+            return b""
+        if field.file_offset is None:
+            return bytes(np.asarray(field.dataset[start:stop], dtype=np.uint8).tobytes())
+        assert self._fd is not None
+        data = os.pread(self._fd, stop - start, field.file_offset + start)
+        if len(data) != stop - start:
+            raise CorruptShardError(f"{self.entry.name}: sample {key!r} field {field.name!r} is truncated")
+        return data
+
+    def catalog(self) -> tuple[list[str], list[int]]:
+        """Return keys and payload sizes from the offsets tables (no field data is read)."""
+        self._ensure_open()
+        n = self.entry.num_samples
+        sizes = np.zeros(n, dtype=np.int64)
+        for field in self._fields:
+            sizes += np.diff(field.offsets)
+        bounds, blob = self._key_bounds, self._key_blob
+        keys = [blob[bounds[i] : bounds[i + 1]].decode("utf-8", "surrogateescape") for i in range(n)]
+        return keys, sizes.tolist()
+
+    def close(self) -> None:
+        """Close the file descriptor and any open HDF5 handle."""
+        fd, h5 = self._fd, self._h5
+        self._fd, self._h5, self._pid = None, None, -1
+        if h5 is not None:
+            h5.close()
+        if fd is not None:
+            os.close(fd)
+
+
+FORMAT = Format(
+    name="hdf5",
+    extension=".h5",
+    writer=Hdf5ShardWriter,
+    reader=Hdf5ShardReader,
+    sidecar_suffix=None,
+    needs_local_file=True,
+)

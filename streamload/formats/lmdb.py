@@ -1,0 +1,287 @@
+"""LMDB shards: one single-file LMDB environment per shard (``subdir=False``).
+
+Layout of a shard (one unnamed database)::
+
+    key  u64 big-endian sample index      value: the sample as a binary record (see _record.py)
+    key  b"__catalog__"                   u64 n, u64 sizes[n], u64 key_offsets[n + 1], keys (UTF-8)
+    key  b"__streamload__"                JSON: {"format": "streamload-lmdb", "version": 1,
+                                                 "num_samples": n, "fields": [...]}
+
+Index keys are 8 bytes and the two metadata keys are longer, so they never collide; they
+also sort after every index key, so the whole shard is written in key order with
+``append=True`` (full pages, no splits to repair).
+
+Writing: records are kept until :meth:`LmdbShardWriter.finish`, which sizes the map
+from their exact lengths with a margin (pages are at least half full, every value larger
+than a page's node limit goes to overflow pages), writes them in **one** write
+transaction, and grows and retries should that bound ever be short. The environment is
+opened with ``lock=False`` (the writer is the only user of its staging file), so no
+``-lock`` file appears. The file holds only the pages in use: no compaction copy is
+needed, and for the same samples on the same page size the bytes are identical.
+
+Reading: ``readonly=True, lock=False, readahead=False``. Without the lock file there is
+no reader table, so any number of workers and ranks can read one shard (no
+``MDB_READERS_FULL``); one read transaction lives as long as the reader. The
+environment is opened on first use in the reading process and reopened if that process
+forks; the reader is never pickled. LMDB trusts its file: a damaged page can crash the
+process, so shards from untrusted places should be hash-checked first
+(``streamload verify``, or the cache's verification); truncated files and damaged
+records are detected here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import lmdb
+import numpy as np
+
+from .._errors import CorruptShardError, ShardNotFoundError
+from ..manifest import ShardEntry
+from ._record import decode_record, encode_record
+from .base import Format, Sample, ShardReader, ShardWriter, check_sample
+
+__all__ = ["FORMAT", "LmdbShardReader", "LmdbShardWriter"]
+
+_INDEX = struct.Struct(">Q")
+_META_KEY = b"__streamload__"
+_CATALOG_KEY = b"__catalog__"
+_MAGIC = "streamload-lmdb"
+_VERSION = 1
+#: Reader slots; unused with ``lock=False`` (no lock file), set high in case a user reopens with locks.
+_MAX_READERS = 2048
+#: LMDB page header and node header sizes (lmdb.h internals, stable since 0.9).
+_PAGE_HEADER = 16
+_NODE_HEADER = 8
+
+
+def _page_size() -> int:
+    # LMDB uses the OS page size, capped at 64 KiB.
+    return min(os.sysconf("SC_PAGE_SIZE"), 1 << 16)
+
+
+def map_size_for(records: list[tuple[bytes, int]], page: int | None = None) -> int:
+    """Return a map size that holds ``records`` ``(key, value_size)`` in one environment.
+
+    An upper bound, not an estimate: values above a page's node limit take their own
+    overflow pages; every other node is counted twice (leaf pages are at least half
+    full); branch pages, the two meta pages and slack are added, then 1/8 on top.
+    """
+    page = page or _page_size()
+    node_max = (((page - _PAGE_HEADER) // 2) & ~1) - 2
+    overflow = leaf = 0
+    for key, size in records:
+        node = _NODE_HEADER + len(key) + size
+        if node > node_max:
+            overflow += (_PAGE_HEADER - 1 + size) // page + 1
+            node = _NODE_HEADER + len(key) + 8
+        leaf += node + (node & 1) + 2
+    leaf_pages = 2 * (leaf // (page - _PAGE_HEADER) + 1)
+    pages = 2 + overflow + leaf_pages + leaf_pages // 8 + 16
+    return (pages + pages // 8) * page
+
+
+def _catalog_bytes(keys: list[bytes], sizes: list[int]) -> bytes:
+    offsets = np.zeros(len(keys) + 1, dtype="<u8")
+    np.cumsum([len(k) for k in keys], out=offsets[1:])
+    return b"".join(
+        [_INDEX.pack(len(keys)), np.asarray(sizes, dtype="<u8").tobytes(), offsets.tobytes(), *keys]
+    )
+
+
+class LmdbShardWriter(ShardWriter):
+    """Writes one LMDB shard in a single write transaction."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path)
+        self._records: list[bytes] = []
+        self._keys: list[bytes] = []
+        self._sizes: list[int] = []
+        self._fields: set[str] = set()
+
+    def write(self, sample: Mapping[str, Any]) -> None:
+        """Encode one sample; it is written to the environment by :meth:`finish`."""
+        key, fields = check_sample(sample)
+        self._records.append(encode_record(key, fields))
+        self._keys.append(key.encode("utf-8", "surrogateescape"))
+        self._sizes.append(sum(len(data) for _, data in fields))
+        self._fields.update(name for name, _ in fields)
+        self.num_samples += 1
+
+    def _items(self) -> list[tuple[bytes, bytes]]:
+        meta = {"format": _MAGIC, "version": _VERSION, "num_samples": self.num_samples,
+                "fields": sorted(self._fields)}
+        items = [(_INDEX.pack(i), record) for i, record in enumerate(self._records)]
+        items.append((_CATALOG_KEY, _catalog_bytes(self._keys, self._sizes)))
+        items.append((_META_KEY, json.dumps(meta, sort_keys=True).encode()))
+        return items
+
+    def finish(self) -> None:
+        """Write every sample in one transaction into a map sized to fit; no sidecar."""
+        items = self._items()
+        map_size = map_size_for([(k, len(v)) for k, v in items])
+        while not _write_env(self.path, items, map_size):
+            map_size *= 2  # the bound was short: start over with twice the room
+        self._records, self._keys, self._sizes = [], [], []
+        return None
+
+
+def _write_env(path: str, items: list[tuple[bytes, bytes]], map_size: int) -> bool:
+    """Write ``items`` (in key order) into a fresh environment at ``path``; False if the map is full."""
+    with open(path, "wb"):
+        pass  # start from an empty file: a retry must not see the pages of the last try
+    env = lmdb.open(path, subdir=False, lock=False, map_size=map_size, max_dbs=0,
+                    readahead=False, meminit=True, metasync=True, sync=True)
+    try:
+        with env.begin(write=True) as txn:
+            cursor = txn.cursor()
+            for key, value in items:
+                if not cursor.put(key, value, append=True):
+                    raise CorruptShardError(f"{path}: LMDB refused key {key!r} (keys out of order)")
+    except lmdb.MapFullError:
+        return False
+    finally:
+        env.close()
+    return True
+
+
+class LmdbShardReader(ShardReader):
+    """Reads one LMDB shard through a read-only, lock-free environment opened on first use."""
+
+    def __init__(self, path: str, entry: ShardEntry, sidecar_path: str | None = None) -> None:
+        super().__init__(path, entry, sidecar_path)
+        self._env: Any = None
+        self._txn: Any = None
+        self._pid = -1
+        self._catalog: tuple[list[str], list[int]] | None = None
+
+    # -- opening ---------------------------------------------------------------------
+
+    def _transaction(self) -> Any:
+        """Return the read transaction of this process, opening the environment if needed."""
+        if self._txn is not None and self._pid == os.getpid():
+            return self._txn
+        self.close()  # handles inherited through fork are not used in the child
+        self._open()
+        return self._txn
+
+    def _open(self) -> None:
+        name = self.entry.name
+        try:
+            file_size = os.stat(self.path).st_size
+        except FileNotFoundError as exc:
+            raise ShardNotFoundError(f"{name}: {self.path} does not exist") from exc
+        try:
+            env = lmdb.open(self.path, subdir=False, readonly=True, lock=False, readahead=False,
+                            create=False, max_dbs=0, max_readers=_MAX_READERS,
+                            map_size=max(file_size, _page_size()))
+        except lmdb.Error as exc:
+            raise CorruptShardError(f"{name}: not a valid LMDB environment ({exc})") from exc
+        try:
+            end = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+            if end > file_size:
+                raise CorruptShardError(f"{name}: LMDB file is truncated ({file_size} bytes, its pages need {end})")
+            txn = env.begin(buffers=True)
+            self._check_meta(txn.get(_META_KEY), env.stat()["entries"])
+        except BaseException:
+            env.close()
+            raise
+        self._env, self._txn, self._pid = env, txn, os.getpid()
+
+    def _check_meta(self, raw: Any, entries: int) -> None:
+        name, n = self.entry.name, self.entry.num_samples
+        try:
+            meta = json.loads(bytes(raw)) if raw is not None else None
+        except ValueError as exc:
+            raise CorruptShardError(f"{name}: LMDB metadata record is not JSON") from exc
+        if not isinstance(meta, dict) or meta.get("format") != _MAGIC:
+            raise CorruptShardError(f"{name}: not a streamload LMDB shard (no {_META_KEY.decode()} record)")
+        if meta.get("version") != _VERSION:
+            raise CorruptShardError(f"{name}: LMDB shard version {meta.get('version')!r}, expected {_VERSION}")
+        if meta.get("num_samples") != n or entries != n + 2:
+            raise CorruptShardError(
+                f"{name}: LMDB shard holds {meta.get('num_samples')!r} samples ({entries} records), "
+                f"manifest says {n}"
+            )
+
+    # -- reading ---------------------------------------------------------------------
+
+    def _where(self, index: int) -> str:
+        return f"{self.entry.name}: sample {index}"
+
+    def get(self, index: int) -> Sample:
+        """Return sample ``index`` (one B-tree lookup, one copy out of the map)."""
+        self._check_index(index)
+        txn = self._transaction()
+        try:
+            value = txn.get(_INDEX.pack(index))
+        except lmdb.Error as exc:
+            raise CorruptShardError(f"{self._where(index)}: LMDB read failed ({exc})") from exc
+        if value is None:
+            raise CorruptShardError(f"{self._where(index)} is missing from the LMDB shard")
+        return decode_record(value, self._where(index))
+
+    def iter_range(self, start: int, stop: int) -> Iterator[Sample]:
+        """Yield samples ``start..stop-1`` walking one cursor through the B-tree."""
+        if start >= stop:
+            return
+        self._check_index(start)
+        self._check_index(stop - 1)
+        cursor = self._transaction().cursor()
+        try:
+            found = cursor.set_key(_INDEX.pack(start))
+            for index in range(start, stop):
+                if not found or bytes(cursor.key()) != _INDEX.pack(index):
+                    raise CorruptShardError(f"{self._where(index)} is missing from the LMDB shard")
+                sample = decode_record(cursor.value(), self._where(index))
+                found = cursor.next()
+                yield sample
+        except lmdb.Error as exc:
+            raise CorruptShardError(f"{self.entry.name}: LMDB read failed ({exc})") from exc
+        finally:
+            cursor.close()
+
+    def catalog(self) -> tuple[list[str], list[int]]:
+        """Return keys and payload sizes from the shard's catalog record (no sample is read)."""
+        if self._catalog is None:
+            self._catalog = self._read_catalog()
+        return self._catalog
+
+    def _read_catalog(self) -> tuple[list[str], list[int]]:
+        name, n = self.entry.name, self.entry.num_samples
+        raw = self._transaction().get(_CATALOG_KEY)
+        raw = bytes(raw) if raw is not None else b""
+        head = _INDEX.size + 8 * n + 8 * (n + 1)
+        if len(raw) < head or _INDEX.unpack_from(raw)[0] != n:
+            raise CorruptShardError(f"{name}: LMDB catalog record is missing or damaged")
+        sizes = np.frombuffer(raw, dtype="<u8", count=n, offset=_INDEX.size)
+        offsets = np.frombuffer(raw, dtype="<u8", count=n + 1, offset=_INDEX.size + 8 * n)
+        keys_blob = raw[head:]
+        if offsets[0] != 0 or np.any(np.diff(offsets.astype(np.int64)) < 0) or offsets[-1] != len(keys_blob):
+            raise CorruptShardError(f"{name}: LMDB catalog has inconsistent key offsets")
+        bounds = offsets.tolist()
+        keys = [keys_blob[bounds[i] : bounds[i + 1]].decode("utf-8", "surrogateescape") for i in range(n)]
+        return keys, [int(s) for s in sizes]
+
+    def close(self) -> None:
+        """Close the read transaction and the environment."""
+        txn, env = self._txn, self._env
+        self._txn = self._env = None
+        if txn is not None:
+            txn.abort()
+        if env is not None:
+            env.close()
+
+
+FORMAT = Format(
+    name="lmdb",
+    extension=".lmdb",
+    writer=LmdbShardWriter,
+    reader=LmdbShardReader,
+    sidecar_suffix=None,
+    needs_local_file=True,
+)
