@@ -1,0 +1,195 @@
+"""An existing streamload dataset as a conversion source: re-shard it or change its format.
+
+Any format reads here (tar, LMDB, HDF5, or WebDataset tar shards indexed with
+``streamload index``), local or remote. The scan lists every sample from the shards'
+own indexes (:meth:`~streamload.formats.ShardReader.catalog`: the tar sidecar, the LMDB
+catalog record, the HDF5 offsets tables), so payload sizes for byte-based shard planning
+come without reading any sample. An item is ``(key, nbytes, shard, index)``: small and
+picklable.
+
+Conversion workers load items shard by shard; each process keeps the source shards it
+opened in a small LRU of readers, so a shard is opened once per task, not once per
+sample. Readers and storage are per process and never pickled.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from streamload._errors import SourceError, StreamloadError
+from streamload.formats import ShardReader, get_format
+from streamload.manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedInput
+from streamload.storage import Storage, open_storage
+
+from .source import Item, ScanResult, Source
+
+__all__ = ["DatasetSource", "SampleItem"]
+
+#: Source shards a conversion process keeps open (a shuffled conversion reads from many).
+_OPEN_SHARDS = 64
+
+
+@dataclass(frozen=True)
+class SampleItem(Item):
+    """One sample of the source dataset: its shard's position in the manifest and its index there."""
+
+    shard: int = 0
+    index: int = 0
+
+
+class DatasetSource(Source):
+    """Read the samples of an existing dataset (directory or URL holding ``index.json``).
+
+    Args:
+        url: Dataset directory or fsspec URL prefix.
+        storage_options: fsspec options for remote URLs.
+        cache_dir: Local cache for remote shards (default: the storage layer's).
+
+    Attributes:
+        shard_opens: How many times this process opened a source shard (a shard is
+            opened once per scan and once per conversion task that reads it).
+    """
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None,
+                 cache_dir: str | None = None) -> None:
+        self.url = str(url).rstrip("/") or str(url)
+        self.storage_options = dict(storage_options or {})
+        self.cache_dir = cache_dir
+        storage = self._open_storage()
+        try:
+            raw = storage.read_bytes(MANIFEST_NAME)
+        finally:
+            storage.close()
+        self.manifest = Manifest.loads(raw, where=f"{self.url}/{MANIFEST_NAME}")
+        self.format = get_format(self.manifest.format)
+        self.classes = list(self.manifest.classes)
+        self.shard_opens = 0
+        self._storage: Storage | None = None
+        self._readers: OrderedDict[int, ShardReader] = OrderedDict()
+        self._pid = os.getpid()
+
+    def describe(self) -> str:
+        """Return the dataset's URL."""
+        return self.url
+
+    def meta(self) -> dict[str, Any]:
+        """Return the source URL and format for the new manifest."""
+        return {"source": self.url, "source_format": self.manifest.format}
+
+    def origin(self, item: Item) -> str:
+        """Return ``<shard name>#<index>`` of an item, for error listings."""
+        assert isinstance(item, SampleItem)
+        return f"{self.manifest.shards[item.shard].name}#{item.index}"
+
+    # -- scanning --------------------------------------------------------------------
+
+    def scan(self) -> ScanResult:
+        """List every sample, shard by shard, from the shards' indexes.
+
+        A shard that cannot be opened is a problem (named, with its sample count): an
+        error under ``on_error="raise"``, skipped and listed under ``"skip"``.
+        """
+        items: list[Item] = []
+        problems: list[SkippedInput] = []
+        try:
+            for s, entry in enumerate(self.manifest.shards):
+                try:
+                    keys, sizes = self._reader(s).catalog()
+                except (StreamloadError, OSError) as exc:
+                    problems.append(SkippedInput(entry.name, f"{entry.num_samples} samples unreadable: {exc}"))
+                    continue
+                finally:
+                    self.close()
+                if len(keys) != entry.num_samples or len(sizes) != entry.num_samples:
+                    problems.append(SkippedInput(entry.name, f"index lists {len(keys)} samples, "
+                                                 f"manifest says {entry.num_samples}"))
+                    continue
+                items.extend(SampleItem(key, int(size), s, i)
+                             for i, (key, size) in enumerate(zip(keys, sizes, strict=True)))
+        finally:
+            self.close(storage=True)
+        return ScanResult(items, [], problems)
+
+    # -- loading ---------------------------------------------------------------------
+
+    def load(self, item: Item) -> dict[str, Any]:
+        """Return the sample of ``item``, read with the shard's format reader.
+
+        Raises:
+            SourceError: Naming the dataset, shard and key, if the sample cannot be read
+                or is not the one the scan listed.
+        """
+        assert isinstance(item, SampleItem)
+        entry = self.manifest.shards[item.shard]
+        where = f"{self.url}/{entry.name}: sample {item.index} ({item.key!r})"
+        try:
+            sample = self._reader(item.shard).get(item.index)
+        except (StreamloadError, OSError) as exc:
+            raise SourceError(f"{where}: cannot read: {exc}") from exc
+        if sample.get("__key__") != item.key:
+            raise SourceError(f"{where}: the shard now holds key {sample.get('__key__')!r} there; "
+                              "was the source changed during the conversion?")
+        return sample
+
+    def _reader(self, shard: int) -> ShardReader:
+        """Return an open reader of ``shard`` in this process (LRU of :data:`_OPEN_SHARDS`)."""
+        if self._pid != os.getpid():  # a forked conversion worker: the parent's handles are not ours
+            self._readers, self._storage, self._pid = OrderedDict(), None, os.getpid()
+        reader = self._readers.get(shard)
+        if reader is not None:
+            self._readers.move_to_end(shard)
+            return reader
+        entry = self.manifest.shards[shard]
+        storage = self._get_storage()
+        path = storage.acquire(entry)
+        try:
+            sidecar = storage.acquire(entry.sidecar) if entry.sidecar else None
+            reader = self.format.reader(path, entry, sidecar)
+        except BaseException:
+            self._release(entry)
+            raise
+        self.shard_opens += 1
+        self._readers[shard] = reader
+        while len(self._readers) > _OPEN_SHARDS:
+            old, old_reader = self._readers.popitem(last=False)
+            old_reader.close()
+            self._release(self.manifest.shards[old])
+        return reader
+
+    def _open_storage(self) -> Storage:
+        return open_storage(self.url, self.storage_options, self.cache_dir)
+
+    def _get_storage(self) -> Storage:
+        if self._storage is None:
+            self._storage = self._open_storage()
+        return self._storage
+
+    def _release(self, entry: ShardEntry) -> None:
+        storage = self._get_storage()
+        storage.release(entry)
+        if entry.sidecar:
+            storage.release(entry.sidecar)
+
+    def close(self, storage: bool = False) -> None:
+        """Close the open source shards (and the storage, if ``storage``)."""
+        while self._readers:
+            shard, reader = self._readers.popitem()
+            reader.close()
+            self._release(self.manifest.shards[shard])
+        if storage and self._storage is not None:
+            self._storage.close()
+            self._storage = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_storage"] = None  # reopened lazily in the receiving process
+        state["_readers"] = OrderedDict()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pid = os.getpid()
