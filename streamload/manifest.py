@@ -83,6 +83,19 @@ def new_hasher(algorithm: str) -> _Hasher:
     raise ManifestError(f"unknown hash algorithm {algorithm!r}; known: {', '.join(HASH_ALGORITHMS)}")
 
 
+def algorithm_of(hexdigest: str) -> str:
+    """Return the hash algorithm that produces digests like ``hexdigest`` (by length).
+
+    Raises:
+        ManifestError: If no known algorithm has that digest length.
+    """
+    by_length = {64: "sha256", 32: "xxh3_128"}
+    try:
+        return by_length[len(hexdigest)]
+    except KeyError as exc:
+        raise ManifestError(f"digest {hexdigest!r} has no known algorithm") from exc
+
+
 def hash_stream(stream: BinaryIO, algorithm: str, chunk_size: int = 1 << 20) -> tuple[str, int]:
     """Hash a binary stream to its end; return ``(hexdigest, number_of_bytes)``."""
     hasher = new_hasher(algorithm)

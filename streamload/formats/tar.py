@@ -39,7 +39,7 @@ import numpy as np
 import xxhash
 
 from .._errors import CorruptShardError, ShardNotFoundError
-from ..manifest import ShardEntry
+from ..manifest import ShardEntry, algorithm_of, new_hasher
 from .base import MAX_KEY_BYTES, Format, Sample, ShardReader, ShardWriter, check_sample, unsafe
 
 __all__ = ["FORMAT", "TarShardReader", "TarShardWriter", "index_tar"]
@@ -180,11 +180,22 @@ class TarShardReader(ShardReader):
             raise ShardNotFoundError(f"{entry.name}: {exc.filename} does not exist") from exc
         try:
             self._size = os.fstat(self._fd).st_size
+            self._check_sidecar_hash(raw)
             self._load_index(raw)
             self._check_headers()
         except BaseException:
             self.close()
             raise
+
+    def _check_sidecar_hash(self, raw: bytes) -> None:
+        """Check the sidecar against its manifest digest (cheap: it is small, and it steers every read)."""
+        sidecar = self.entry.sidecar
+        if sidecar is None or sidecar.hash is None:
+            return
+        hasher = new_hasher(algorithm_of(sidecar.hash))
+        hasher.update(raw)
+        if hasher.hexdigest() != sidecar.hash:
+            raise CorruptShardError(f"{self.entry.name}: sidecar {sidecar.name} does not match its manifest hash")
 
     def _load_index(self, raw: bytes) -> None:
         name = self.entry.name
