@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -156,6 +157,7 @@ class LmdbShardReader(ShardReader):
         super().__init__(path, entry, sidecar_path)
         self._env: Any = None
         self._txn: Any = None
+        self._env_id = (0, 0)
         self._pid = -1
         self._catalog: tuple[list[str], list[int]] | None = None
 
@@ -170,27 +172,14 @@ class LmdbShardReader(ShardReader):
         return self._txn
 
     def _open(self) -> None:
-        name = self.entry.name
+        env_id, env = _acquire_env(self.path, self.entry.name)
         try:
-            file_size = os.stat(self.path).st_size
-        except FileNotFoundError as exc:
-            raise ShardNotFoundError(f"{name}: {self.path} does not exist") from exc
-        try:
-            env = lmdb.open(self.path, subdir=False, readonly=True, lock=False, readahead=False,
-                            create=False, max_dbs=0, max_readers=_MAX_READERS,
-                            map_size=max(file_size, _page_size()))
-        except lmdb.Error as exc:
-            raise CorruptShardError(f"{name}: not a valid LMDB environment ({exc})") from exc
-        try:
-            end = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-            if end > file_size:
-                raise CorruptShardError(f"{name}: LMDB file is truncated ({file_size} bytes, its pages need {end})")
             txn = env.begin(buffers=True)
             self._check_meta(txn.get(_META_KEY), env.stat()["entries"])
         except BaseException:
-            env.close()
+            _release_env(env_id, env)
             raise
-        self._env, self._txn, self._pid = env, txn, os.getpid()
+        self._env, self._env_id, self._txn, self._pid = env, env_id, txn, os.getpid()
 
     def _check_meta(self, raw: Any, entries: int) -> None:
         name, n = self.entry.name, self.entry.num_samples
@@ -268,13 +257,74 @@ class LmdbShardReader(ShardReader):
         return keys, [int(s) for s in sizes]
 
     def close(self) -> None:
-        """Close the read transaction and the environment."""
+        """End the read transaction and release the environment."""
         txn, env = self._txn, self._env
         self._txn = self._env = None
-        if txn is not None:
+        if env is None or self._pid != os.getpid():
+            return  # handles inherited through fork: the registry closes them in this process
+        try:
             txn.abort()
-        if env is not None:
+        except lmdb.Error:  # pragma: no cover - the environment was closed under it
+            pass
+        _release_env(self._env_id, env)
+
+
+# -- one environment per file and process ----------------------------------------------
+# LMDB (and py-lmdb's guard) forbid opening one environment twice in a process, so the
+# readers of a shard in one process share its environment, each with its own read
+# transaction. After a fork the child closes what it inherited and opens its own.
+
+_ENVS: dict[tuple[int, int], list[Any]] = {}  # (st_dev, st_ino) -> [env, references]
+_ENVS_PID = os.getpid()
+_ENVS_LOCK = threading.Lock()
+
+
+def _acquire_env(path: str, name: str) -> tuple[tuple[int, int], Any]:
+    """Return ``(file id, env)`` for ``path`` in this process, opening it if needed."""
+    global _ENVS_PID
+    try:
+        st = os.stat(path)
+    except FileNotFoundError as exc:
+        raise ShardNotFoundError(f"{name}: {path} does not exist") from exc
+    env_id = (st.st_dev, st.st_ino)
+    with _ENVS_LOCK:
+        if _ENVS_PID != os.getpid():
+            inherited = [slot[0] for slot in _ENVS.values()]
+            _ENVS.clear()
+            _ENVS_PID = os.getpid()
+            for env in inherited:
+                env.close()
+        slot = _ENVS.get(env_id)
+        if slot is None:
+            slot = _ENVS[env_id] = [_open_env(path, name, st.st_size), 0]
+        slot[1] += 1
+        return env_id, slot[0]
+
+
+def _release_env(env_id: tuple[int, int], env: Any) -> None:
+    with _ENVS_LOCK:
+        slot = _ENVS.get(env_id)
+        if slot is None or slot[0] is not env:
+            return
+        slot[1] -= 1
+        if slot[1] == 0:
+            del _ENVS[env_id]
             env.close()
+
+
+def _open_env(path: str, name: str, file_size: int) -> Any:
+    """Open a shard read-only, lock-free, without read-ahead; check it is not truncated."""
+    try:
+        env = lmdb.open(path, subdir=False, readonly=True, lock=False, readahead=False,
+                        create=False, max_dbs=0, max_readers=_MAX_READERS,
+                        map_size=max(file_size, _page_size()))
+    except lmdb.Error as exc:
+        raise CorruptShardError(f"{name}: not a valid LMDB environment ({exc})") from exc
+    end = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    if end > file_size:
+        env.close()
+        raise CorruptShardError(f"{name}: LMDB file is truncated ({file_size} bytes, its pages need {end})")
+    return env
 
 
 FORMAT = Format(
