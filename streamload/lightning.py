@@ -1,0 +1,264 @@
+"""PyTorch Lightning integration: :class:`StreamingDataModule` and :class:`SetEpochCallback`.
+
+Needs the optional ``lightning`` package (``pip install 'streamload[lightning]'``);
+``import streamload`` never imports this module, so the core works without it.
+
+How the pieces meet in a ``Trainer(strategy="ddp", devices=N)`` run::
+
+    setup(stage)           -- on every rank, after the process group exists:
+                              StreamingDataset(..., rank=trainer.global_rank,
+                                               world_size=trainer.world_size,
+                                               batch_size=batch_size)
+    train_dataloader()     -- a plain DataLoader: no sampler (Lightning injects a
+                              DistributedSampler only for map-style datasets)
+    on_train_epoch_start   -- SetEpochCallback: dataset.set_epoch(trainer.current_epoch),
+                              which reaches persistent workers through shared memory
+    iter(loader)           -- each worker plans its share of this rank's share
+
+Rank and world are passed explicitly rather than detected in the workers: a worker that
+is forked inherits the initialised process group, but one started with ``spawn`` or
+``forkserver`` (macOS, Windows, Python 3.14's default on Linux) does not, and would then
+fall back to the ``RANK``/``WORLD_SIZE`` variables, which not every launcher sets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from ._errors import ConfigError
+from .dataset import StreamingDataset
+
+try:
+    import lightning.pytorch as pl
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "streamload.lightning needs PyTorch Lightning: pip install 'streamload[lightning]' "
+        "(or pip install lightning)"
+    ) from exc
+
+__all__ = ["LoaderOptions", "SetEpochCallback", "StreamingDataModule", "streaming_datasets"]
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """DataLoader settings of a :class:`StreamingDataModule`, other than batch size and workers.
+
+    Attributes:
+        pin_memory: Copy batches into page-locked memory so ``.to(device, non_blocking=True)``
+            can overlap the copy with compute (only helps with a GPU).
+        persistent_workers: Keep workers alive between epochs (skips re-forking and
+            re-opening shards each epoch); ignored when ``num_workers == 0``.
+        prefetch_factor: Batches each worker loads ahead (PyTorch's default is 2); ignored
+            when ``num_workers == 0``.
+        drop_last: Drop each rank's last incomplete batch.
+        collate_fn: Batch collation function (PyTorch's default collate if ``None``).
+    """
+
+    pin_memory: bool = False
+    persistent_workers: bool = True
+    prefetch_factor: int | None = None
+    drop_last: bool = False
+    collate_fn: Callable[[list[Any]], Any] | None = None
+
+
+class StreamingDataModule(pl.LightningDataModule):
+    """A ``LightningDataModule`` reading train/val/test splits with :class:`StreamingDataset`.
+
+    Works with any strategy and device count, DDP included, without a
+    ``DistributedSampler``: each rank reads its own equal share of every epoch (padded
+    like ``DistributedSampler``, so no rank waits on another), and the training set is
+    reshuffled every epoch through :class:`SetEpochCallback`, which :meth:`setup` adds to
+    the trainer unless one is already there.
+
+    Args:
+        train: Training dataset directory or URL (``None``: no training loader).
+        val: Validation dataset directory or URL.
+        test: Test dataset directory or URL.
+        batch_size: Samples per batch on each rank.
+        num_workers: DataLoader worker processes per rank.
+        transform: Sample transform of the training set, e.g. :class:`~streamload.ImageLabel`.
+        eval_transform: Transform of the validation and test sets (default: ``transform``).
+        shuffle: Shuffle the training set (validation and test are read in order).
+        seed: Shuffle seed; with the epoch it fixes the order on every rank.
+        loader: Other DataLoader settings.
+        dataset_options: Further :class:`StreamingDataset` keyword arguments for every
+            split, e.g. ``storage_options``, ``cache_dir``, ``cache_limit``, ``drop_last``,
+            ``shuffle_window``, ``on_error``.
+
+    Example:
+        >>> dm = StreamingDataModule("shards/train", "shards/val", batch_size=64,
+        ...                          num_workers=4, transform=ImageLabel(size=224))  # doctest: +SKIP
+        >>> Trainer(strategy="ddp", devices=2).fit(model, datamodule=dm)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        train: str | None = None,
+        val: str | None = None,
+        test: str | None = None,
+        *,
+        batch_size: int = 32,
+        num_workers: int = 0,
+        transform: Callable[[Any], Any] | None = None,
+        eval_transform: Callable[[Any], Any] | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        loader: LoaderOptions | None = None,
+        dataset_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ConfigError(f"{batch_size=} must be >= 1")
+        if num_workers < 0:
+            raise ConfigError(f"{num_workers=} must be >= 0")
+        reserved = {"shuffle", "seed", "transform", "rank", "world_size", "batch_size"}
+        clash = reserved & set(dataset_options or {})
+        if clash:
+            raise ConfigError(f"dataset_options may not set {sorted(clash)}; use the arguments of the same name")
+        self.urls = {"train": train, "val": val, "test": test}
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.transform = transform
+        self.eval_transform = transform if eval_transform is None else eval_transform
+        self.shuffle = shuffle
+        self.seed = seed
+        self.loader = loader or LoaderOptions()
+        self.dataset_options = dict(dataset_options or {})
+        self.datasets: dict[str, StreamingDataset] = {}
+
+    # -- datasets --------------------------------------------------------------------
+
+    def setup(self, stage: str) -> None:
+        """Build the datasets ``stage`` needs (on every rank) and register the epoch callback.
+
+        Args:
+            stage: ``"fit"``, ``"validate"``, ``"test"`` or ``"predict"``.
+        """
+        wanted = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",)}.get(stage, ())
+        rank_world = self._rank_world()
+        for split in wanted:
+            built = self.datasets.get(split)
+            # Rebuild one made before a trainer was attached (or by another trainer).
+            if self.urls[split] is not None and (built is None or (built.rank, built.world_size) != rank_world):
+                self.datasets[split] = self._build(split)
+        trainer = self.trainer  # None outside a Trainer
+        if trainer is None:
+            return
+        # Trainer.callbacks is public and documented, but assigned outside __init__.
+        callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        if not any(isinstance(cb, SetEpochCallback) for cb in callbacks):
+            callbacks.append(SetEpochCallback())
+
+    def _build(self, split: str) -> StreamingDataset:
+        url = self.urls[split]
+        assert url is not None
+        rank, world_size = self._rank_world()
+        train = split == "train"
+        return StreamingDataset(
+            url,
+            shuffle=self.shuffle and train,
+            seed=self.seed,
+            transform=self.transform if train else self.eval_transform,
+            batch_size=self.batch_size,  # workers take whole batches in turn: no ragged batches
+            rank=rank,
+            world_size=world_size,
+            **self.dataset_options,
+        )
+
+    def _rank_world(self) -> tuple[int | None, int | None]:
+        trainer = self.trainer
+        if trainer is None:
+            return None, None  # detected at iteration time (torch.distributed, RANK/WORLD_SIZE)
+        return trainer.global_rank, trainer.world_size
+
+    # -- loaders ---------------------------------------------------------------------
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        """Return the training loader, its dataset set to the trainer's current epoch.
+
+        Lightning creates the first epoch's iterator (and so starts the workers) in the
+        fit loop's setup, before any epoch hook runs, but after a checkpoint has restored
+        ``current_epoch``; setting the epoch here makes a resumed run read the order of the
+        epoch it resumes in. :class:`SetEpochCallback` handles the epochs after it.
+        """
+        loader = self._loader("train")
+        if self.trainer is not None:
+            loader.dataset.set_epoch(self.trainer.current_epoch)  # type: ignore[attr-defined]
+        return loader
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        """Return the validation loader."""
+        return self._loader("val")
+
+    def test_dataloader(self) -> DataLoader[Any]:
+        """Return the test loader."""
+        return self._loader("test")
+
+    def _loader(self, split: str) -> DataLoader[Any]:
+        dataset = self.datasets.get(split)
+        if dataset is None:
+            if self.urls[split] is None:
+                raise ConfigError(f"StreamingDataModule has no {split} dataset: pass {split}=URL")
+            dataset = self.datasets[split] = self._build(split)
+        opts = self.loader
+        workers = self.num_workers > 0
+        extra: dict[str, Any] = {}
+        if workers and opts.prefetch_factor is not None:
+            extra["prefetch_factor"] = opts.prefetch_factor
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            pin_memory=opts.pin_memory,
+            persistent_workers=opts.persistent_workers and workers,
+            drop_last=opts.drop_last,
+            collate_fn=opts.collate_fn,
+            **extra,
+        )
+
+
+class SetEpochCallback(pl.Callback):
+    """Call ``set_epoch(trainer.current_epoch)`` on every training :class:`StreamingDataset`.
+
+    Lightning calls ``set_epoch`` on a loader's *sampler* only, and the loader of an
+    iterable dataset has none. From the second epoch of a run on, ``on_train_epoch_start``
+    runs in the main process before the epoch's iterator is created, and
+    :meth:`StreamingDataset.set_epoch` writes shared memory, so persistent workers see it.
+    The first epoch's iterator is created earlier (in the fit loop's setup), so whoever
+    builds the training loader sets that epoch: :meth:`StreamingDataModule.train_dataloader`
+    does. :class:`StreamingDataModule` adds this callback itself; when the loaders come
+    from a ``LightningModule``, add it to the trainer and call
+    ``dataset.set_epoch(self.trainer.current_epoch)`` in ``train_dataloader``.
+    """
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Set the epoch of every streaming dataset behind ``trainer.train_dataloader``."""
+        for dataset in streaming_datasets(trainer.train_dataloader):
+            dataset.set_epoch(trainer.current_epoch)
+
+
+def streaming_datasets(loaders: Any) -> Iterator[StreamingDataset]:
+    """Yield each :class:`StreamingDataset` behind a loader or a collection of loaders.
+
+    Args:
+        loaders: A DataLoader, a Lightning ``CombinedLoader``, or a list, tuple or dict of
+            them (what ``trainer.train_dataloader`` holds).
+    """
+    if loaders is None:
+        return
+    flattened = getattr(loaders, "flattened", None)  # CombinedLoader
+    if isinstance(flattened, list):
+        loaders = flattened
+    if isinstance(loaders, DataLoader):
+        if isinstance(loaders.dataset, StreamingDataset):
+            yield loaders.dataset
+    elif isinstance(loaders, Mapping):
+        for value in loaders.values():
+            yield from streaming_datasets(value)
+    elif isinstance(loaders, list | tuple):
+        for value in loaders:
+            yield from streaming_datasets(value)
