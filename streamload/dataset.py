@@ -8,7 +8,8 @@ One epoch in one worker, as a stream::
 
     detect world (rank, world_size, worker, num_workers)      -- at iteration time
     EpochPlan(shard_counts, world, Split(epoch, seed, ...))   -- pure, O(shards)
-    runs: (shard, [local indices])                             -- plan.runs(world)
+    resume point (stages, start item)                          -- load_state_dict, if any
+    runs: (shard, [local indices])                             -- plan.runs(world, start)
       -> storage.acquire(shard) -> local path                  -- cache/read-ahead if remote
       -> format reader .iter_range / .get -> sample dicts      -- {"__key__", field: bytes}
       -> transform(sample)                                     -- optional, e.g. decode
@@ -17,27 +18,46 @@ One epoch in one worker, as a stream::
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch.utils.data import IterableDataset
 
-from ._errors import ConfigError, SampleError, ShardError, StreamloadError
+from ._errors import ConfigError, PlanError, SampleError, ShardError, StreamloadError
 from .formats import Format, Sample, ShardReader, get_format
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry
-from .plan import EpochPlan, Run, Split, World, detect_rank_world, detect_world, samples_per_rank
+from .plan import (
+    EpochPlan,
+    Run,
+    Split,
+    Stage,
+    World,
+    default_window,
+    detect_rank_world,
+    detect_world,
+    distributed_world,
+    samples_per_rank,
+)
+from .plan.state import EpochState, WorkerPosition
 from .storage import Storage, open_storage
 
 __all__ = ["StreamingDataset"]
 
 log = logging.getLogger("streamload")
 
-#: Slots of the shared epoch counter: [base epoch, iterations started by worker 0, 1, ...].
+#: Slots of the shared epoch counter: [base epoch, offset, iterations started by worker 0, 1, ...].
+#: A worker's next epoch is base + offset + its slot: ``set_epoch`` sets base and clears the
+#: rest; a worker restoring a saved state sets the offset; each iteration bumps its slot.
 _MAX_WORKERS = 1024
-#: Shard readers a worker keeps open at once (a shuffle window spans a few shards).
+_BASE, _OFFSET, _SLOTS = 0, 1, 2
+#: Shard readers a worker keeps open at once, at least (a shuffle window spans a few shards).
 _OPEN_READERS = 8
+#: ... and at most (file descriptors).
+_MAX_OPEN_READERS = 64
 
 OnError = Literal["raise", "skip"]
 
@@ -59,6 +79,10 @@ class StreamingDataset(IterableDataset[Any]):
             chunks in turn, so batches leave the DataLoader in the planned order.
         transform: Function applied to each sample dict in the worker (e.g. a decoder from
             :mod:`streamload.decode`).
+        collate: Make whole batches in the worker: called with each planned batch's
+            samples (needs ``batch_size``; use ``DataLoader(batch_size=None)``). E.g.
+            :class:`streamload.batch.RawCollate` (one ``uint8`` tensor per batch, read
+            straight from the shards) or :class:`streamload.decode.DecodeBatch`.
         rank: Override the detected rank (default: torch.distributed, then ``RANK``).
         world_size: Override the detected world size.
         storage_options: Passed to fsspec for remote URLs (credentials, endpoint...).
@@ -70,6 +94,31 @@ class StreamingDataset(IterableDataset[Any]):
     Example:
         >>> ds = StreamingDataset("/data/imagenet-shards", shuffle=True, seed=1)  # doctest: +SKIP
         >>> loader = torch.utils.data.DataLoader(ds, batch_size=256, num_workers=8)  # doctest: +SKIP
+
+    Epochs:
+        ``set_epoch(n)`` makes the next iteration epoch ``n`` (it reaches persistent
+        workers through shared memory); each further iteration without ``set_epoch``
+        advances the epoch by one. An iteration counts once its first sample is asked for.
+
+    Stop and resume:
+        ``state_dict()`` returns a small plain dict (JSON- and ``torch.save``-safe): the
+        epoch, the seed and the global number of samples consumed, independent of the
+        number of ranks and workers. ``load_state_dict(state)`` makes the next iteration
+        continue that epoch at the first unseen sample, without reading the seen ones;
+        the following epoch is unchanged. With the same number of ranks the order is
+        exactly the uninterrupted one; with a different number (same global batch) the
+        unseen rest is re-split evenly over the new ranks. Two ways to use it:
+
+        * ``torchdata.stateful_dataloader.StatefulDataLoader`` calls ``state_dict`` and
+          ``load_state_dict`` in its workers; save and load the loader's state (same
+          number of ranks and workers).
+        * With a plain ``DataLoader`` (any workers; pass ``batch_size=`` to this dataset),
+          the training loop supplies the global count::
+
+              ckpt["data"] = ds.state_dict(samples_seen=step_in_epoch * global_batch)
+              ds.load_state_dict(ckpt["data"])  # on restart, before iterating
+
+          This is the elastic path: resume on any number of ranks and workers.
     """
 
     def __init__(
@@ -82,6 +131,7 @@ class StreamingDataset(IterableDataset[Any]):
         shuffle_window: int | None = None,
         batch_size: int | None = None,
         transform: Callable[[Sample], Any] | None = None,
+        collate: Callable[[list[Any]], Any] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
@@ -99,6 +149,9 @@ class StreamingDataset(IterableDataset[Any]):
         self.shuffle_window = shuffle_window
         self.batch_size = batch_size
         self.transform = transform
+        self.collate = collate
+        if collate is not None and batch_size is None:
+            raise ConfigError(f"collate={collate!r} needs batch_size= (the batches are made in the workers)")
         self.rank = rank
         self.world_size = world_size
         self.on_error: OnError = on_error
@@ -113,7 +166,14 @@ class StreamingDataset(IterableDataset[Any]):
             storage.close()
         self.format: Format = get_format(self.manifest.format)
         # Shared across fork/spawn so set_epoch() reaches persistent workers.
-        self._epochs = torch.zeros(1 + _MAX_WORKERS, dtype=torch.int64).share_memory_()
+        self._epochs = torch.zeros(_SLOTS + _MAX_WORKERS, dtype=torch.int64)
+        self._epochs.share_memory_()  # type: ignore[no-untyped-call]
+        #: The state given to load_state_dict (applies to iterations of its epoch).
+        self._resume: EpochState | None = None
+        #: This process's current (or last) iteration: where it stands.
+        self._progress: _Progress | None = None
+        #: (rank, world_size) of the process that pickled this dataset to a worker.
+        self._inherited_world: tuple[int, int] | None = None
         self._storage: Storage | None = None
         #: Per-process counts of skipped samples/shards under ``on_error="skip"``.
         self.errors: dict[str, int] = {"samples_skipped": 0}
@@ -126,9 +186,12 @@ class StreamingDataset(IterableDataset[Any]):
         return self.manifest.num_samples
 
     def __len__(self) -> int:
-        """Samples this rank yields per epoch (the world is detected now)."""
-        _, world_size = detect_rank_world(self.rank, self.world_size)
-        return samples_per_rank(self.num_samples, world_size, self.drop_last)
+        """Samples this rank yields per epoch (batches, with ``collate``); the world is detected now."""
+        _, world_size = detect_rank_world(self.rank, self.world_size, self._inherited_world)
+        per_rank = samples_per_rank(self.num_samples, world_size, self.drop_last)
+        if self.collate is not None and self.batch_size is not None:
+            return -(-per_rank // self.batch_size)  # the planner's chunks are the batches
+        return per_rank
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch``; later ones advance from it by one.
@@ -136,20 +199,36 @@ class StreamingDataset(IterableDataset[Any]):
         Works with ``persistent_workers=True``: the counter lives in shared memory.
         """
         if epoch < 0:
-            raise ConfigError(f"epoch={epoch} must be >= 0")
-        self._epochs[0] = epoch
-        self._epochs[1:] = 0
+            raise ConfigError(f"{epoch=} must be >= 0")
+        self._epochs[_BASE] = epoch
+        self._epochs[_OFFSET:] = 0
 
-    def _next_epoch(self, worker: int) -> int:
+    def _peek_epoch(self, worker: int) -> int:
         if worker >= _MAX_WORKERS:
-            raise ConfigError(f"num_workers must be < {_MAX_WORKERS}")
-        slot = 1 + worker
-        epoch = int(self._epochs[0]) + int(self._epochs[slot])
-        self._epochs[slot] += 1
-        return epoch
+            raise ConfigError(f"num_workers must be <= {_MAX_WORKERS}, got worker id {worker}")
+        return int(self._epochs[_BASE]) + int(self._epochs[_OFFSET]) + int(self._epochs[_SLOTS + worker])
 
-    def plan(self, epoch: int, world_size: int) -> EpochPlan:
-        """Return the :class:`EpochPlan` this dataset follows for ``epoch`` in a world of ``world_size``."""
+    def _commit_epoch(self, worker: int) -> None:
+        self._epochs[_SLOTS + worker] += 1
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of this process's current or last iteration, else the next one to run."""
+        if self._progress is not None:
+            return self._progress.epoch
+        started = int(self._epochs[_SLOTS:].max())
+        return int(self._epochs[_BASE]) + int(self._epochs[_OFFSET]) + max(started - 1, 0)
+
+    @property
+    def window(self) -> int:
+        """The shuffle window in items (see :mod:`streamload.plan.planner`)."""
+        return self.shuffle_window or default_window(self.manifest.shard_counts)
+
+    def plan(self, epoch: int, world_size: int, stages: tuple[Stage, ...] = ()) -> EpochPlan:
+        """Return the :class:`EpochPlan` this dataset follows for ``epoch`` in a world of ``world_size``.
+
+        ``stages`` are the earlier worlds of a resumed epoch (see :meth:`load_state_dict`).
+        """
         split = Split(
             epoch=epoch,
             seed=self.seed,
@@ -158,35 +237,147 @@ class StreamingDataset(IterableDataset[Any]):
             window=self.shuffle_window,
             chunk=self.batch_size,
         )
-        return EpochPlan(self.manifest.shard_counts, world_size, split)
+        return EpochPlan(self.manifest.shard_counts, world_size, split, stages)
+
+    # -- stop and resume -----------------------------------------------------------
+
+    def state_dict(self, samples_seen: int | None = None) -> dict[str, Any]:
+        """Return where the epoch stands, as a small plain dict (no I/O).
+
+        Args:
+            samples_seen: Global samples consumed in the current epoch by all ranks
+                (``steps * global_batch``). Required in a process whose DataLoader
+                workers do the reading; without it, the count of this process's own
+                iteration is used (``num_workers=0``) or, inside a DataLoader worker,
+                that worker's position (the ``StatefulDataLoader`` protocol).
+
+        Raises:
+            PlanError: If the count cannot be known or is not a multiple of the world size.
+        """
+        world = detect_world(self.rank, self.world_size, self._inherited_world)
+        progress = self._progress
+        stages = progress.stages if progress is not None else self._stages_for(self.epoch)
+        worker = None
+        if samples_seen is None:
+            if progress is None:
+                if int(self._epochs[_SLOTS:].max()) > 0:
+                    raise PlanError("this process has not read the dataset (DataLoader workers did): "
+                                    "pass samples_seen=steps * global_batch to state_dict()")
+                samples_seen = 0
+            else:
+                worker = WorkerPosition(world.rank, world.world_size, world.worker, world.num_workers,
+                                        progress.chunk, progress.next_item)
+                stage_start = stages[-1].samples_seen if stages else 0
+                single = world.num_workers == 1
+                samples_seen = stage_start + world.world_size * progress.next_item if single else None
+        state = EpochState(self.epoch, self.seed, self.shuffle, self.drop_last, self.window, self.num_samples,
+                           world.world_size, samples_seen, stages, worker)
+        return state.normalized(self.manifest.shard_counts).to_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue from ``state_dict`` (from :meth:`state_dict`) at the next iteration.
+
+        Sets the epoch to the saved one (the next one if it had finished); the iteration
+        of that epoch starts at the first unseen sample. Call it before iterating.
+
+        Raises:
+            PlanError: If the state is malformed or belongs to a differently configured dataset.
+        """
+        state = EpochState.from_dict(state_dict)
+        state.check_dataset(seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last, window=self.window,
+                            num_samples=self.num_samples)
+        state = state.normalized(self.manifest.shard_counts)
+        self._resume = state
+        self._progress = None
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        if info is None:
+            self.set_epoch(state.epoch)
+        else:  # a worker restored by StatefulDataLoader: shift this worker's epoch count
+            base = int(self._epochs[_BASE]) + int(self._epochs[_SLOTS + info.id])
+            self._epochs[_OFFSET] = state.epoch - base
+
+    def _stages_for(self, epoch: int) -> tuple[Stage, ...]:
+        resume = self._resume
+        return resume.stages if resume is not None and resume.epoch == epoch else ()
+
+    def _resume_point(self, world: World, epoch: int, chunk: int) -> tuple[tuple[Stage, ...], int]:
+        resume = self._resume
+        if resume is None or resume.epoch != epoch:
+            return (), 0
+        return resume.resume_point(world, chunk)
 
     # -- iteration -----------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
-        world = detect_world(self.rank, self.world_size)
-        epoch = self._next_epoch(world.worker)
-        return self._iter_plan(self.plan(epoch, world.world_size), world)
+        world = detect_world(self.rank, self.world_size, self._inherited_world)
+        epoch = self._peek_epoch(world.worker)  # committed when the first sample is asked for
+        chunk = self.plan(epoch, world.world_size).chunk_size(world.num_workers)
+        stages, start = self._resume_point(world, epoch, chunk)
+        plan = self.plan(epoch, world.world_size, stages)
+        progress = _Progress(epoch, stages, chunk, start)
+        self._progress = progress
+        return self._iter_plan(plan, world, progress)
 
-    def _iter_plan(self, plan: EpochPlan, world: World, start: int = 0) -> Iterator[Any]:
+    def _iter_plan(self, plan: EpochPlan, world: World, progress: _Progress) -> Iterator[Any]:
+        self._commit_epoch(world.worker)
         storage = self._get_storage()
-        readers = _ReaderCache(self, storage)
+        readers = _ReaderCache(self, storage, self._readers_needed(plan))
+        start = progress.next_item
         ahead = plan.worker_shards(world, start)
         try:
-            for run in plan.runs(world, start):
-                if storage.prefetches and run.shard not in readers:
-                    storage.prefetch(self.manifest.shards[s] for s in _take_after(ahead, run.shard, 4))
-                for sample in self._read_run(readers, run):
-                    yield sample
+            runs = self._prefetching(plan.runs(world, start), storage, readers, ahead)
+            if self.collate is not None:
+                yield from self._read_batches(readers, runs, progress)
+            else:
+                for run in runs:
+                    yield from self._read_run(readers, run, progress)
         finally:
             readers.close()
 
-    def _read_run(self, readers: _ReaderCache, run: Run) -> Iterator[Any]:
+    def _prefetching(self, runs: Iterator[Run], storage: Storage, readers: _ReaderCache,
+                     ahead: Iterator[int]) -> Iterator[Run]:
+        for run in runs:
+            if storage.prefetches and run.shard not in readers:
+                storage.prefetch(self.manifest.shards[s] for s in _take_after(ahead, run.shard, 4))
+            yield run
+
+    def _read_batches(self, readers: _ReaderCache, runs: Iterator[Run], progress: _Progress) -> Iterator[Any]:
+        """With ``collate``: one collated batch per planned batch (see :mod:`streamload.batch`).
+
+        A collate with ``read_batch`` reads the batch straight from the shard readers into
+        one buffer, unless a per-sample ``transform`` or ``on_error="skip"`` needs the dicts.
+        """
+        from .batch import group_runs
+
+        collate = self.collate
+        assert collate is not None
+        read_batch = getattr(collate, "read_batch", None)
+        direct = read_batch is not None and self.transform is None and self.on_error == "raise"
+        for batch_runs in group_runs(runs, progress.chunk):
+            if direct:
+                batch = read_batch(readers.get, [(run.shard, run.locals) for run in batch_runs])
+            else:
+                batch = collate([s for run in batch_runs for s in self._read_run(readers, run, progress)])
+            progress.next_item = int(batch_runs[-1].positions[-1]) + 1
+            yield batch
+
+    def _readers_needed(self, plan: EpochPlan) -> int:
+        """Shard readers to keep open: enough for the shards one shuffle window spans."""
+        if not self.shuffle or not self.manifest.shards:
+            return _OPEN_READERS
+        mean = max(1.0, self.num_samples / len(self.manifest.shards))
+        return min(_MAX_OPEN_READERS, max(_OPEN_READERS, math.ceil(plan.window / mean) + 2))
+
+    def _read_run(self, readers: _ReaderCache, run: Run, progress: _Progress) -> Iterator[Any]:
         entry = self.manifest.shards[run.shard]
         try:
             reader = readers.get(run.shard)
         except ShardError as exc:
             if self.on_error == "raise":
                 raise
+            progress.next_item = int(run.positions[-1]) + 1
             self._skip(entry, None, exc, count=len(run.locals))
             return
         if run.contiguous:
@@ -194,7 +385,8 @@ class StreamingDataset(IterableDataset[Any]):
         else:
             samples = (reader.get(int(i)) for i in run.locals)
         transform = self.transform
-        for sample in samples:
+        for position, sample in zip(run.positions.tolist(), samples, strict=True):
+            progress.next_item = position + 1
             if transform is None:
                 yield sample
                 continue
@@ -229,6 +421,9 @@ class StreamingDataset(IterableDataset[Any]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_storage"] = None  # opened again lazily in the receiving process
+        state["_progress"] = None
+        # A worker started with spawn has no torch.distributed: hand it this process's world.
+        state["_inherited_world"] = distributed_world() or self._inherited_world
         return state
 
     def __repr__(self) -> str:
@@ -251,12 +446,24 @@ def _take_after(ahead: Iterator[int], current: int, count: int) -> list[int]:
     return out
 
 
+@dataclass
+class _Progress:
+    """Where this process's iteration stands (read by :meth:`StreamingDataset.state_dict`)."""
+
+    epoch: int
+    stages: tuple[Stage, ...]
+    chunk: int
+    #: Rank-order index of this worker's next item.
+    next_item: int
+
+
 class _ReaderCache:
     """The shard readers one worker has open, least recently used closed first."""
 
-    def __init__(self, dataset: StreamingDataset, storage: Storage) -> None:
+    def __init__(self, dataset: StreamingDataset, storage: Storage, capacity: int = _OPEN_READERS) -> None:
         self._dataset = dataset
         self._storage = storage
+        self._capacity = capacity
         self._open: OrderedDict[int, ShardReader] = OrderedDict()
 
     def __contains__(self, shard: int) -> bool:
@@ -276,7 +483,7 @@ class _ReaderCache:
             self._release(entry)
             raise
         self._open[shard] = reader
-        while len(self._open) > _OPEN_READERS:
+        while len(self._open) > self._capacity:
             old_shard, old = self._open.popitem(last=False)
             old.close()
             self._release(self._dataset.manifest.shards[old_shard])

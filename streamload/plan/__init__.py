@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from .planner import EpochPlan, Run, Split, samples_per_rank
-from .world import World, detect_rank_world, detect_world
+from .planner import EpochPlan, Run, Split, Stage, default_window, samples_per_rank
+from .world import World, detect_rank_world, detect_world, distributed_world
 
-__all__ = ["EpochPlan", "Run", "Split", "World", "detect_rank_world", "detect_world", "samples_per_rank"]
+__all__ = [
+    "EpochPlan",
+    "Run",
+    "Split",
+    "Stage",
+    "World",
+    "default_window",
+    "detect_rank_world",
+    "detect_world",
+    "distributed_world",
+    "samples_per_rank",
+]

@@ -8,7 +8,7 @@ The epoch, step by step (N samples, R ranks, W workers per rank)::
     shards            s0 s1 s2 s3 ...                 (manifest order)
     shard order       s2 s0 s3 s1 ...                 (permuted when shuffling; seed, epoch)
     epoch sequence    positions 0..N-1 over the shards in that order
-    padded sequence   positions 0..P*R-1, position p reads sample (p mod N)
+    padded sequence   items 0..P*R-1, item q reads epoch position (q mod N)
                       P = ceil(N/R), or floor(N/R) with drop_last (the per-rank count)
     rank r            the contiguous block [r*P, (r+1)*P) of the padded sequence
     rank order        identity, or when shuffling a permutation inside each window of
@@ -19,9 +19,27 @@ The epoch, step by step (N samples, R ranks, W workers per rank)::
 
 Every sample of the epoch sequence lies in exactly one rank block (exactly once), every
 rank gets P items (equal per rank), padding repeats the first P*R-N positions of the
-epoch sequence (the fewest repeats possible), and the split is at sample granularity so a
-single shard is shared by any number of ranks and workers. Without shuffling, a worker's
-items are contiguous runs of the epoch sequence, so reads stay sequential.
+epoch sequence (the fewest repeats possible: no sample is repeated twice before every
+sample is repeated once), and the split is at sample granularity so a single shard is
+shared by any number of ranks and workers. Without shuffling, a worker's items are
+contiguous runs of the epoch sequence, so reads stay sequential.
+
+**The shuffle window.** With ``shuffle=True`` the shard order changes every epoch and,
+inside each rank's block, items are permuted within consecutive windows of ``window``
+items. The default window is four times the largest shard, at least 4096 items and at
+most 2**20 items, so a batch mixes samples of about four (or more) shards while a worker
+keeps only the shards of one window open. Samples never move between windows, so the
+order is "locally uniform": two samples more than one window apart keep their order.
+
+**Resumed epochs (stages).** An epoch interrupted after ``G`` samples (global count, all
+ranks; each rank had consumed ``G / R`` items of its rank order) and continued on a world
+of ``R'`` ranks is planned as a second *stage*: the unread suffixes of the old rank
+orders, concatenated in rank order, form a sequence of ``M = R * (P - G/R)`` items that is
+split into ``R'`` contiguous blocks of ``ceil(M / R')`` items, padded like the first stage
+(resumed stages always pad, never drop, so no unseen sample is lost). Stages chain, so an
+epoch can be interrupted and resumed on a new world any number of times; a stage costs
+O(1) memory and nothing is O(N). With the same world no stage is added: the rank orders
+simply continue, which reproduces the uninterrupted order exactly.
 
 Cost per worker: O(number of shards) to set up, then O(chunk) or O(window) memory while
 iterating; nothing is O(N).
@@ -30,6 +48,7 @@ iterating; nothing is O(N).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -38,10 +57,14 @@ import numpy as np
 from .._errors import PlanError
 from .world import World
 
-__all__ = ["EpochPlan", "Run", "Split", "samples_per_rank"]
+__all__ = ["DEFAULT_WINDOW_RANGE", "EpochPlan", "Run", "Split", "Stage", "default_window", "samples_per_rank"]
 
 #: Largest number of items materialised at once while iterating a worker's plan.
 _SLICE = 1 << 16
+#: Bounds of the default shuffle window, in items.
+DEFAULT_WINDOW_RANGE = (4096, 1 << 20)
+#: Window permutations kept per stage (a worker's chunks touch one or two windows at a time).
+_PERM_CACHE = 4
 
 
 @dataclass(frozen=True)
@@ -54,11 +77,10 @@ class Split:
         shuffle: Permute shard order and shuffle samples within windows.
         drop_last: Drop the tail so each rank gets ``floor(N / world_size)`` samples,
             instead of padding to ``ceil(N / world_size)`` by repeating samples.
-        window: Shuffle window in samples; ``None`` picks four times the largest shard
-            (always wider than one shard).
+        window: Shuffle window in items; ``None`` picks :func:`default_window`.
         chunk: Items of a rank's order handed to a worker at a time; ``None`` gives each
             worker one contiguous block. Set it to the DataLoader batch size so batches
-            leave the workers in the rank's order (needed for exact resume).
+            leave the workers in the rank's order (needed to resume from a sample count).
     """
 
     epoch: int = 0
@@ -75,6 +97,20 @@ class Split:
             raise PlanError(f"window={self.window} must be >= 1")
         if self.chunk is not None and self.chunk < 1:
             raise PlanError(f"chunk={self.chunk} must be >= 1")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """An earlier world of an interrupted epoch.
+
+    Attributes:
+        world_size: Ranks that read this stage.
+        samples_seen: Global samples of the epoch consumed when the stage stopped (all
+            stages so far, all ranks); a multiple of ``world_size`` past the stage start.
+    """
+
+    world_size: int
+    samples_seen: int
 
 
 @dataclass(frozen=True)
@@ -100,71 +136,164 @@ class Run:
 def samples_per_rank(total: int, world_size: int, drop_last: bool) -> int:
     """Return the number of samples every rank yields per epoch."""
     if world_size < 1:
-        raise PlanError(f"world_size={world_size} must be >= 1")
+        raise PlanError(f"{world_size=} must be >= 1")
     return total // world_size if drop_last else -(-total // world_size)
+
+
+def default_window(shard_counts: Sequence[int]) -> int:
+    """Return the default shuffle window: 4x the largest shard, clamped to :data:`DEFAULT_WINDOW_RANGE`."""
+    biggest = max((int(c) for c in shard_counts), default=0)
+    low, high = DEFAULT_WINDOW_RANGE
+    return min(max(4 * biggest, low), high)
 
 
 def _rng(*words: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([w & 0xFFFFFFFFFFFFFFFF for w in words]))
 
 
-class EpochPlan:
-    """The order and split of one epoch for a whole world (see the module docstring)."""
+class _Stage:
+    """One world's split of a parent sequence of ``parent_len`` items into rank orders."""
 
-    def __init__(self, shard_counts: Sequence[int], world_size: int, split: Split) -> None:
-        counts = np.asarray(shard_counts, dtype=np.int64)
-        if counts.ndim != 1 or (counts < 0).any():
-            raise PlanError("shard_counts must be a list of non-negative integers")
+    def __init__(self, parent_len: int, world_size: int, per_rank: int, window: int | None,
+                 seed_words: tuple[int, ...], consumed_below: int = 0) -> None:
+        self.parent_len = parent_len
+        #: Items per rank of the stage below consumed before this stage began; the parent
+        #: sequence is the concatenation of the stage below's rank orders from there on.
+        self.consumed_below = consumed_below
+        self.world_size = world_size
+        self.per_rank = per_rank
+        self.window = window  # None: no shuffle
+        self.seed_words = seed_words
+        self._perms: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+
+    def to_parent(self, ranks: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """Map rank-order ``items`` of ``ranks`` to indices of the parent sequence."""
+        inner = items if self.window is None else self._permute(ranks, items)
+        idx: np.ndarray = ranks * self.per_rank + inner
+        if self.parent_len and self.world_size * self.per_rank > self.parent_len:
+            idx %= self.parent_len  # padding wraps to the start of the parent sequence
+        return idx
+
+    def _permute(self, ranks: np.ndarray, items: np.ndarray) -> np.ndarray:
+        assert self.window is not None
+        size = self.window
+        windows = items // size
+        keys = ranks * (self.per_rank // size + 1) + windows
+        out = np.empty_like(items)
+        first, last = int(keys[0]), int(keys[-1])
+        groups = [first] if first == last and (len(keys) < 3 or bool(np.all(keys == first))) else np.unique(keys)
+        for key in groups:
+            mask = slice(None) if len(groups) == 1 else keys == key
+            rank, w = int(ranks[mask][0]), int(windows[mask][0])
+            perm = self._perm(rank, w)
+            out[mask] = w * size + perm[items[mask] - w * size]
+        return out
+
+    def _perm(self, rank: int, window: int) -> np.ndarray:
+        key = (rank, window)
+        perm = self._perms.get(key)
+        if perm is None:
+            assert self.window is not None
+            length = min(self.window, self.per_rank - window * self.window)
+            perm = _rng(*self.seed_words, rank, window, 0x57494E).permutation(length)
+            self._perms[key] = perm
+            while len(self._perms) > _PERM_CACHE:
+                self._perms.popitem(last=False)
+        else:
+            self._perms.move_to_end(key)
+        return perm
+
+
+class EpochPlan:
+    """The order and split of one epoch for a whole world (see the module docstring).
+
+    Args:
+        shard_counts: Samples per shard, in manifest order.
+        world_size: Ranks reading the epoch now.
+        split: Epoch, seed, shuffle, drop_last, window and chunk.
+        stages: Earlier worlds of this epoch when it was interrupted and resumed on a
+            different number of ranks (oldest first); empty for a fresh epoch.
+    """
+
+    def __init__(self, shard_counts: Sequence[int], world_size: int, split: Split,
+                 stages: Sequence[Stage] = ()) -> None:
+        counts = np.asarray(shard_counts, dtype=np.int64).reshape(-1)
+        if (counts < 0).any():
+            raise PlanError(f"shard_counts must be non-negative, got min {int(counts.min())}")
         self.split = split
         self.world_size = world_size
         self.total = int(counts.sum())
-        self.per_rank = samples_per_rank(self.total, world_size, split.drop_last)
+        self.stages = tuple(stages)
         if split.shuffle:
             self.shard_order = _rng(split.seed, split.epoch, 0x5A4D).permutation(len(counts))
         else:
             self.shard_order = np.arange(len(counts))
-        ordered = counts[self.shard_order]
-        self._cum = np.concatenate([[0], np.cumsum(ordered)])
-        biggest = int(counts.max()) if len(counts) else 1
-        self.window = split.window or max(4 * biggest, 1)
+        self._cum = np.concatenate([[0], np.cumsum(counts[self.shard_order])])
+        self.window = split.window or default_window(counts.tolist())
+        self._levels = self._build_levels()
+        top = self._levels[-1]
+        #: Items every rank yields in this (stage of the) epoch.
+        self.per_rank = top.per_rank
+
+    def _build_levels(self) -> list[_Stage]:
+        split = self.split
+        worlds = [s.world_size for s in self.stages] + [self.world_size]
+        first = worlds[0]
+        window = self.window if split.shuffle else None
+        levels = [_Stage(self.total, first, samples_per_rank(self.total, first, split.drop_last), window,
+                         (split.seed, split.epoch))]
+        previous_seen = 0
+        for stage, world_size in zip(self.stages, worlds[1:], strict=True):
+            prev = levels[-1]
+            done, rest = self._stage_progress(prev, stage, previous_seen)
+            remaining = prev.world_size * rest
+            per_rank = samples_per_rank(remaining, world_size, False)
+            levels.append(_Stage(remaining, world_size, per_rank, None, (), consumed_below=done))
+            previous_seen = stage.samples_seen
+        return levels
+
+    @staticmethod
+    def _stage_progress(prev: _Stage, stage: Stage, previous_seen: int) -> tuple[int, int]:
+        seen = stage.samples_seen - previous_seen
+        if seen < 0 or seen % prev.world_size:
+            raise PlanError(
+                f"stage samples_seen={stage.samples_seen} minus the earlier {previous_seen} must be a "
+                f"non-negative multiple of its world_size={prev.world_size}"
+            )
+        done = seen // prev.world_size
+        if done > prev.per_rank:
+            raise PlanError(f"stage samples_seen={stage.samples_seen} is past the end of its stage "
+                            f"({previous_seen + prev.world_size * prev.per_rank})")
+        return done, prev.per_rank - done
 
     # -- positions -----------------------------------------------------------------
 
+    @property
+    def stage_total(self) -> int:
+        """Items of all ranks in this stage: ``per_rank * world_size``."""
+        return self.per_rank * self.world_size
+
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Map padded-sequence positions to ``(shard index, index within shard)`` arrays."""
+        """Map epoch-sequence positions to ``(shard index, index within shard)`` arrays."""
         if self.total == 0:
             raise PlanError("cannot locate samples of an empty dataset")
-        p = positions % self.total
-        j = np.searchsorted(self._cum, p, side="right") - 1
-        return self.shard_order[j], p - self._cum[j]
+        j = np.searchsorted(self._cum, positions, side="right") - 1
+        return self.shard_order[j], positions - self._cum[j]
 
     def rank_positions(self, rank: int, begin: int, end: int) -> np.ndarray:
-        """Padded-sequence positions of rank ``rank``'s items ``begin..end-1`` (rank order)."""
+        """Epoch-sequence positions of rank ``rank``'s items ``begin..end-1`` (rank order)."""
         if not 0 <= begin <= end <= self.per_rank:
-            raise PlanError(f"items [{begin}, {end}) outside rank block of {self.per_rank}")
-        base = rank * self.per_rank
-        if not self.split.shuffle:
-            return base + np.arange(begin, end, dtype=np.int64)
-        out = np.empty(end - begin, dtype=np.int64)
-        filled = 0
-        while begin + filled < end:
-            item = begin + filled
-            w = item // self.window
-            w_start = w * self.window
-            w_len = min(self.window, self.per_rank - w_start)
-            perm = self._window_perm(rank, w, w_len)
-            take = min(end - item, w_start + w_len - item)
-            out[filled : filled + take] = base + w_start + perm[item - w_start : item - w_start + take]
-            filled += take
-        return out
-
-    def _window_perm(self, rank: int, window: int, length: int) -> np.ndarray:
-        cached = getattr(self, "_perm_cache", None)
-        if cached is not None and cached[0] == (rank, window):
-            return cached[1]  # type: ignore[no-any-return]
-        perm = _rng(self.split.seed, self.split.epoch, rank, window, 0x57494E).permutation(length)
-        self._perm_cache = ((rank, window), perm)
-        return perm
+            raise PlanError(f"items [{begin}, {end}) outside the rank block of per_rank={self.per_rank}")
+        if not 0 <= rank < self.world_size:
+            raise PlanError(f"{rank=} outside world_size={self.world_size}")
+        items = np.arange(begin, end, dtype=np.int64)
+        ranks = np.full_like(items, rank)
+        for k in range(len(self._levels) - 1, 0, -1):
+            level, below = self._levels[k], self._levels[k - 1]
+            idx = level.to_parent(ranks, items)
+            rest = below.per_rank - level.consumed_below
+            ranks, items = idx // rest, level.consumed_below + idx % rest
+        return self._levels[0].to_parent(ranks, items)
 
     # -- the worker's view ---------------------------------------------------------
 
@@ -177,17 +306,17 @@ class EpochPlan:
     def worker_items(self, world: World, start: int = 0) -> Iterator[tuple[int, int]]:
         """Yield the ``[begin, end)`` rank-order item ranges of ``world``'s worker, in order.
 
-        Items before ``start`` (already consumed by the rank) are left out.
+        Items before ``start`` are left out: the rank's consumed items (resume from a
+        sample count) or this worker's own consumed items (resume of one worker).
         """
         chunk = self.chunk_size(world.num_workers)
-        first = world.worker
-        c = first + max(0, (start // chunk - first + world.num_workers - 1) // world.num_workers) * world.num_workers
+        n = world.num_workers
+        c = world.worker + max(0, -(-(start // chunk - world.worker) // n)) * n
         while c * chunk < self.per_rank:
-            begin, end = c * chunk, min((c + 1) * chunk, self.per_rank)
-            begin = max(begin, start)
+            begin, end = max(c * chunk, start), min((c + 1) * chunk, self.per_rank)
             if begin < end:
                 yield begin, end
-            c += world.num_workers
+            c += n
 
     def worker_len(self, world: World, start: int = 0) -> int:
         """Number of items ``world``'s worker yields from rank item ``start`` on."""
@@ -195,16 +324,19 @@ class EpochPlan:
 
     def runs(self, world: World, start: int = 0) -> Iterator[Run]:
         """Yield the worker's reads as runs within one shard, in reading order."""
+        if world.world_size != self.world_size:
+            raise PlanError(f"world.world_size={world.world_size} differs from the plan's {self.world_size}")
         for begin, end in self.worker_items(world, start):
             for lo in range(begin, end, _SLICE):
                 hi = min(lo + _SLICE, end)
-                positions = self.rank_positions(world.rank, lo, hi)
-                shards, locals_ = self.locate(positions)
-                cuts = np.flatnonzero(np.diff(shards)) + 1
+                shards, locals_ = self.locate(self.rank_positions(world.rank, lo, hi))
+                breaks = shards[1:] != shards[:-1]
+                if not self.split.shuffle:  # also where padding wraps around: runs stay contiguous
+                    breaks |= locals_[1:] != locals_[:-1] + 1
+                cuts = np.flatnonzero(breaks) + 1
                 bounds = [0, *cuts.tolist(), len(shards)]
-                items = np.arange(lo, hi, dtype=np.int64)
                 for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-                    yield Run(int(shards[a]), locals_[a:b], items[a:b])
+                    yield Run(int(shards[a]), locals_[a:b], np.arange(lo + a, lo + b, dtype=np.int64))
 
     def worker_shards(self, world: World, start: int = 0) -> Iterator[int]:
         """Yield the shards the worker will open, in order of use (consecutive repeats merged)."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .._errors import PlanError
 
-__all__ = ["World", "detect_world"]
+__all__ = ["World", "detect_rank_world", "detect_world", "distributed_world"]
 
 
 @dataclass(frozen=True)
@@ -43,30 +43,55 @@ def _env_int(name: str) -> int | None:
         raise PlanError(f"environment variable {name}={value!r} is not an integer") from exc
 
 
-def detect_rank_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
-    """Return ``(rank, world_size)``: explicit values, else torch.distributed, else torchrun's
-    ``RANK``/``WORLD_SIZE`` variables, else ``(0, 1)``."""
-    detected_rank, detected_size = 0, 1
+def distributed_world() -> tuple[int, int] | None:
+    """Return ``(rank, world_size)`` from torch.distributed if it is initialised, else ``None``."""
     try:
         import torch.distributed as dist
-
-        initialised = dist.is_available() and dist.is_initialized()
     except ImportError:  # pragma: no cover - torch is a dependency
-        initialised = False
-    if initialised:
-        detected_rank, detected_size = dist.get_rank(), dist.get_world_size()
+        return None
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return None
+
+
+def _env_rank_world() -> tuple[int, int] | None:
+    env_rank, env_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if env_rank is None or env_size is None:
+        return None
+    return env_rank, env_size
+
+
+def detect_rank_world(
+    rank: int | None = None,
+    world_size: int | None = None,
+    inherited: tuple[int, int] | None = None,
+) -> tuple[int, int]:
+    """Return ``(rank, world_size)`` of this process, detected now.
+
+    In order: explicit ``rank``/``world_size``; torch.distributed when initialised; the
+    ``inherited`` world (captured by the process that started this DataLoader worker, for
+    workers started with ``spawn`` where torch.distributed is not initialised); torchrun's
+    ``RANK``/``WORLD_SIZE`` variables; else a single process ``(0, 1)``.
+
+    Raises:
+        PlanError: If the result is not a valid world.
+    """
+    if rank is not None and world_size is not None:
+        detected = (rank, world_size)
     else:
-        env_rank, env_size = _env_int("RANK"), _env_int("WORLD_SIZE")
-        if env_rank is not None and env_size is not None:
-            detected_rank, detected_size = env_rank, env_size
-    rank = detected_rank if rank is None else rank
-    world_size = detected_size if world_size is None else world_size
+        detected = distributed_world() or inherited or _env_rank_world() or (0, 1)
+    rank = detected[0] if rank is None else rank
+    world_size = detected[1] if world_size is None else world_size
     if world_size < 1 or not 0 <= rank < world_size:
-        raise PlanError(f"invalid world: rank={rank} world_size={world_size}")
+        raise PlanError(f"invalid world: {rank=} {world_size=}")
     return rank, world_size
 
 
-def detect_world(rank: int | None = None, world_size: int | None = None) -> World:
+def detect_world(
+    rank: int | None = None,
+    world_size: int | None = None,
+    inherited: tuple[int, int] | None = None,
+) -> World:
     """Return this process's :class:`World`, detected now (at iteration time).
 
     The worker comes from :func:`torch.utils.data.get_worker_info` (inside a DataLoader
@@ -74,7 +99,7 @@ def detect_world(rank: int | None = None, world_size: int | None = None) -> Worl
     """
     from torch.utils.data import get_worker_info
 
-    rank, world_size = detect_rank_world(rank, world_size)
+    rank, world_size = detect_rank_world(rank, world_size, inherited)
     info = get_worker_info()
     if info is None:
         return World(rank, world_size, 0, 1)
