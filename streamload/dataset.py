@@ -353,10 +353,11 @@ class StreamingDataset(IterableDataset[Any]):
 
         collate = self.collate
         assert collate is not None
-        read_batch = getattr(collate, "read_batch", None)
-        direct = read_batch is not None and self.transform is None and self.on_error == "raise"
+        read_batch: Callable[..., Any] | None = getattr(collate, "read_batch", None)
+        if self.transform is not None or self.on_error != "raise":
+            read_batch = None
         for batch_runs in group_runs(runs, progress.chunk):
-            if direct:
+            if read_batch is not None:
                 batch = read_batch(readers.get, [(run.shard, run.locals) for run in batch_runs])
             else:
                 batch = collate([s for run in batch_runs for s in self._read_run(readers, run, progress)])

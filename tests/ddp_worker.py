@@ -7,7 +7,8 @@ rank's results to ``config["out"]`` as JSON.
 
 Tasks:
     {"kind": "epoch", "num_workers": W, "batch": B, "shuffle": bool, "epoch": e}
-        one epoch; the dataset is built *before* ``init_process_group``.
+        one epoch; the dataset is built *before* ``init_process_group``. With
+        ``"spawn": true`` the workers are spawned and RANK/WORLD_SIZE are removed first.
     {"kind": "stop", "num_workers": W, "batch": B, "shuffle": bool, "steps": k}
         k steps, then ``state_dict(samples_seen=k * B * world_size)``; k = -1 runs the
         whole epoch (the uninterrupted order).
@@ -59,6 +60,13 @@ def train(model: DistributedDataParallel, opt: torch.optim.Optimizer, loader: Da
 
 
 def loader_for(ds: StreamingDataset, task: dict[str, Any]) -> DataLoader[Any]:
+    if task.get("spawn"):
+        # Like a job started by torch.multiprocessing.spawn: no RANK/WORLD_SIZE variables, and
+        # spawned workers without torch.distributed; they must get the world from the parent.
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            os.environ.pop(name, None)
+        return DataLoader(ds, batch_size=task["batch"], num_workers=task["num_workers"],
+                          multiprocessing_context="spawn")
     return DataLoader(ds, batch_size=task["batch"], num_workers=task["num_workers"])
 
 

@@ -7,7 +7,9 @@ Launches are few and each does many checks (process start + torch import cost se
   boundary, and each resumed on 2x2 (shuffle on and off).
 * 3 ranks: epochs with 0/2 workers; the 2x2 states resumed on 3x1.
 * in this process: the same states resumed on 1 rank x 3 workers.
-* two "nodes" (two torchrun launchers on 127.0.0.1): one epoch with 2 workers.
+* two "nodes" (two torchrun launchers on 127.0.0.1): one epoch with 2 workers, and one
+  with spawned workers and no RANK/WORLD_SIZE variables (the world reaches the workers
+  from the parent process).
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ def test_ddp_epochs_and_stop_resume_on_2_3_and_1_ranks(tmp_path: Path) -> None:
     for i, ((shuffle, k), state) in enumerate(states.items()):
         full_epoch = Counter(k2 for rank in two for k2 in flat(rank[first + stops.index(
             {"kind": "stop", "num_workers": 2, "batch": 6, "shuffle": shuffle, "steps": -1})]["batches"]))
-        seen = Counter(k2 for rank in two for k2 in flat(rank[first + stops.index(
+        seen_count = Counter(k2 for rank in two for k2 in flat(rank[first + stops.index(
             {"kind": "stop", "num_workers": 2, "batch": 6, "shuffle": shuffle, "steps": k})]["batches"]))
         rest3 = [flat(rank[len(epoch_tasks(4)) + i]["batches"]) for rank in three]
         assert len({len(r) for r in rest3}) == 1, "resumed ranks are equal"
@@ -173,15 +175,19 @@ def test_ddp_epochs_and_stop_resume_on_2_3_and_1_ranks(tmp_path: Path) -> None:
             continue
         remaining = 2 * (51 - 6 * k)
         assert len(rest3[0]) == -(-remaining // 3)
-        union3 = seen + Counter(k2 for r in rest3 for k2 in r)
+        union3 = seen_count + Counter(k2 for r in rest3 for k2 in r)
         assert not full_epoch - union3, "every unseen sample is read after resuming on 3 ranks"
         assert sum((union3 - full_epoch).values()) == 3 * len(rest3[0]) - remaining
-        assert seen + Counter(rest1) == full_epoch, "1 rank x 3 workers: exactly the unseen rest"
+        assert seen_count + Counter(rest1) == full_epoch, "1 rank x 3 workers: exactly the unseen rest"
 
 
 @pytest.mark.timeout(LAUNCH_TIMEOUT + 30)
 def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
     data = make_dataset(tmp_path / "ds", COUNTS)
-    task = {"kind": "epoch", "num_workers": 2, "batch": 5, "shuffle": True, "epoch": 1}
-    ranks = run_job(tmp_path, "nodes", data, [task], nproc=1, nnodes=2)
+    tasks = [
+        {"kind": "epoch", "num_workers": 2, "batch": 5, "shuffle": True, "epoch": 1},
+        {"kind": "epoch", "num_workers": 2, "batch": 5, "shuffle": False, "epoch": 0, "spawn": True},
+    ]
+    ranks = run_job(tmp_path, "nodes", data, tasks, nproc=1, nnodes=2)
     check_epoch([rank[0] for rank in ranks], 2)
+    check_epoch([rank[1] for rank in ranks], 2)
