@@ -46,7 +46,7 @@ from ..manifest import ShardEntry
 from ._record import decode_record, encode_record
 from .base import Format, Sample, ShardReader, ShardWriter, check_sample
 
-__all__ = ["FORMAT", "LmdbShardReader", "LmdbShardWriter"]
+__all__ = ["FORMAT", "LmdbShardReader", "LmdbShardWriter", "map_size_for", "write_environment"]
 
 _INDEX = struct.Struct(">Q")
 _META_KEY = b"__streamload__"
@@ -55,6 +55,8 @@ _MAGIC = "streamload-lmdb"
 _VERSION = 1
 #: Reader slots; unused with ``lock=False`` (no lock file), set high in case a user reopens with locks.
 _MAX_READERS = 2048
+#: Bytes per ``posix_fadvise(WILLNEED)`` call when a run of samples is read in order.
+_ADVISE_CHUNK = 2 << 20
 #: LMDB page header and node header sizes (lmdb.h internals, stable since 0.9).
 _PAGE_HEADER = 16
 _NODE_HEADER = 8
@@ -124,15 +126,24 @@ class LmdbShardWriter(ShardWriter):
     def finish(self) -> None:
         """Write every sample in one transaction into a map sized to fit; no sidecar."""
         items = self._items()
-        map_size = map_size_for([(k, len(v)) for k, v in items])
-        while not _write_env(self.path, items, map_size):
-            map_size *= 2  # the bound was short: start over with twice the room
+        write_environment(self.path, items, map_size_for([(k, len(v)) for k, v in items]))
         self._records, self._keys, self._sizes = [], [], []
         return None
 
 
-def _write_env(path: str, items: list[tuple[bytes, bytes]], map_size: int) -> bool:
-    """Write ``items`` (in key order) into a fresh environment at ``path``; False if the map is full."""
+def write_environment(path: str, items: list[tuple[bytes, bytes]], map_size: int) -> int:
+    """Write ``items`` (in key order) into a fresh single-file environment in one transaction.
+
+    Should ``map_size`` be short, the transaction is abandoned and written again from an
+    empty file with twice the room, so ``MapFullError`` never escapes. Returns the map
+    size used (it is recorded in the file, so it depends only on the items).
+    """
+    while not _try_write(path, items, map_size):
+        map_size *= 2
+    return map_size
+
+
+def _try_write(path: str, items: list[tuple[bytes, bytes]], map_size: int) -> bool:
     with open(path, "wb"):
         pass  # start from an empty file: a retry must not see the pages of the last try
     env = lmdb.open(path, subdir=False, lock=False, map_size=map_size, max_dbs=0,
@@ -155,7 +166,7 @@ class LmdbShardReader(ShardReader):
 
     def __init__(self, path: str, entry: ShardEntry, sidecar_path: str | None = None) -> None:
         super().__init__(path, entry, sidecar_path)
-        self._env: Any = None
+        self._env: _Env | None = None
         self._txn: Any = None
         self._env_id = (0, 0)
         self._pid = -1
@@ -172,14 +183,14 @@ class LmdbShardReader(ShardReader):
         return self._txn
 
     def _open(self) -> None:
-        env_id, env = _acquire_env(self.path, self.entry.name)
+        env_id, shared = _acquire_env(self.path, self.entry.name)
         try:
-            txn = env.begin(buffers=True)
-            self._check_meta(txn.get(_META_KEY), env.stat()["entries"])
+            txn = shared.env.begin(buffers=True)
+            self._check_meta(txn.get(_META_KEY), shared.env.stat()["entries"])
         except BaseException:
-            _release_env(env_id, env)
+            _release_env(env_id, shared)
             raise
-        self._env, self._env_id, self._txn, self._pid = env, env_id, txn, os.getpid()
+        self._env, self._env_id, self._txn, self._pid = shared, env_id, txn, os.getpid()
 
     def _check_meta(self, raw: Any, entries: int) -> None:
         name, n = self.entry.name, self.entry.num_samples
@@ -220,8 +231,10 @@ class LmdbShardReader(ShardReader):
             return
         self._check_index(start)
         self._check_index(stop - 1)
-        cursor = self._transaction().cursor()
+        txn = self._transaction()
+        cursor = txn.cursor()
         try:
+            self._prefetch_run(txn, start, stop)
             found = cursor.set_key(_INDEX.pack(start))
             for index in range(start, stop):
                 if not found or bytes(cursor.key()) != _INDEX.pack(index):
@@ -233,6 +246,11 @@ class LmdbShardReader(ShardReader):
             raise CorruptShardError(f"{self.entry.name}: LMDB read failed ({exc})") from exc
         finally:
             cursor.close()
+
+    def _prefetch_run(self, txn: Any, start: int, stop: int) -> None:
+        first, last = txn.get(_INDEX.pack(start)), txn.get(_INDEX.pack(stop - 1))
+        if stop - start > 1 and first is not None and last is not None and self._env is not None:
+            self._env.prefetch(first, last)
 
     def catalog(self) -> tuple[list[str], list[int]]:
         """Return keys and payload sizes from the shard's catalog record (no sample is read)."""
@@ -258,15 +276,15 @@ class LmdbShardReader(ShardReader):
 
     def close(self) -> None:
         """End the read transaction and release the environment."""
-        txn, env = self._txn, self._env
+        txn, shared = self._txn, self._env
         self._txn = self._env = None
-        if env is None or self._pid != os.getpid():
+        if shared is None or self._pid != os.getpid():
             return  # handles inherited through fork: the registry closes them in this process
         try:
             txn.abort()
         except lmdb.Error:  # pragma: no cover - the environment was closed under it
             pass
-        _release_env(self._env_id, env)
+        _release_env(self._env_id, shared)
 
 
 # -- one environment per file and process ----------------------------------------------
@@ -274,13 +292,63 @@ class LmdbShardReader(ShardReader):
 # readers of a shard in one process share its environment, each with its own read
 # transaction. After a fork the child closes what it inherited and opens its own.
 
-_ENVS: dict[tuple[int, int], list[Any]] = {}  # (st_dev, st_ino) -> [env, references]
+
+class _Env:
+    """An open environment shared by the readers of one shard file in this process."""
+
+    def __init__(self, env: Any, path: str, st: os.stat_result) -> None:
+        self.env = env
+        self.refs = 0
+        self.size = st.st_size
+        self.fd = os.open(path, os.O_RDONLY)  # for posix_fadvise only
+        self.base = _map_base(st)
+
+    def prefetch(self, first: Any, last: Any) -> None:
+        """Ask the kernel to read the file bytes from value ``first`` to the end of value ``last``.
+
+        The map is opened without read-ahead (random access must not read pages nobody
+        needs), so a run of samples read in order would fault one page at a time; this
+        asks for exactly the run's bytes in large requests instead.
+        """
+        if self.base is None:
+            return
+        lo = _address(first) - self.base
+        hi = _address(last) + len(last) - self.base
+        if 0 <= lo < hi <= self.size:
+            # One call reads at most the device's read-ahead limit (a few MiB): ask in chunks.
+            for at in range(lo, hi, _ADVISE_CHUNK):
+                os.posix_fadvise(self.fd, at, min(_ADVISE_CHUNK, hi - at), os.POSIX_FADV_WILLNEED)
+
+    def close(self) -> None:
+        self.env.close()
+        os.close(self.fd)
+
+
+def _address(value: Any) -> int:
+    return int(np.frombuffer(value, dtype=np.uint8).ctypes.data)
+
+
+def _map_base(st: os.stat_result) -> int | None:
+    """Return where this process mapped the file at offset 0 (Linux ``/proc/self/maps``), or None."""
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                parts = line.split(maxsplit=5)
+                if len(parts) >= 5 and parts[4] == str(st.st_ino) and parts[3] == device and int(parts[2], 16) == 0:
+                    return int(parts[0].split("-")[0], 16)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+_ENVS: dict[tuple[int, int], _Env] = {}  # (st_dev, st_ino) -> the open environment
 _ENVS_PID = os.getpid()
 _ENVS_LOCK = threading.Lock()
 
 
-def _acquire_env(path: str, name: str) -> tuple[tuple[int, int], Any]:
-    """Return ``(file id, env)`` for ``path`` in this process, opening it if needed."""
+def _acquire_env(path: str, name: str) -> tuple[tuple[int, int], _Env]:
+    """Return ``(file id, environment)`` for ``path`` in this process, opening it if needed."""
     global _ENVS_PID
     try:
         st = os.stat(path)
@@ -289,27 +357,26 @@ def _acquire_env(path: str, name: str) -> tuple[tuple[int, int], Any]:
     env_id = (st.st_dev, st.st_ino)
     with _ENVS_LOCK:
         if _ENVS_PID != os.getpid():
-            inherited = [slot[0] for slot in _ENVS.values()]
+            inherited = list(_ENVS.values())
             _ENVS.clear()
             _ENVS_PID = os.getpid()
-            for env in inherited:
-                env.close()
-        slot = _ENVS.get(env_id)
-        if slot is None:
-            slot = _ENVS[env_id] = [_open_env(path, name, st.st_size), 0]
-        slot[1] += 1
-        return env_id, slot[0]
+            for old in inherited:
+                old.close()
+        shared = _ENVS.get(env_id)
+        if shared is None:
+            shared = _ENVS[env_id] = _Env(_open_env(path, name, st.st_size), path, st)
+        shared.refs += 1
+        return env_id, shared
 
 
-def _release_env(env_id: tuple[int, int], env: Any) -> None:
+def _release_env(env_id: tuple[int, int], shared: _Env) -> None:
     with _ENVS_LOCK:
-        slot = _ENVS.get(env_id)
-        if slot is None or slot[0] is not env:
+        if _ENVS.get(env_id) is not shared:
             return
-        slot[1] -= 1
-        if slot[1] == 0:
+        shared.refs -= 1
+        if shared.refs == 0:
             del _ENVS[env_id]
-            env.close()
+            shared.close()
 
 
 def _open_env(path: str, name: str, file_size: int) -> Any:
