@@ -192,6 +192,15 @@ class TestFormat:
         by_key = {s["__key__"]: s for s in samples}
         assert all(s == by_key[s["__key__"]] for s in got)
 
+    def test_fork_while_the_parent_holds_open_shards(self, dataset: tuple[Path, list[Sample]]) -> None:
+        root, samples = dataset
+        ds = StreamingDataset(str(root))
+        it = iter(ds)
+        first = [next(it) for _ in range(9)]  # the parent has shards 0 and 1 open now
+        got = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+        assert Counter(keys_of(got)) == Counter(keys_of(samples))
+        assert first + list(it) == samples  # and the parent's own iteration goes on unharmed
+
     def test_exactly_once_across_ranks_and_workers(self, dataset: tuple[Path, list[Sample]]) -> None:
         root, samples = dataset
         seen: Counter[str] = Counter()
