@@ -302,21 +302,22 @@ class StreamingDataset(IterableDataset[Any]):
         resume = self._resume
         return resume.stages if resume is not None and resume.epoch == epoch else ()
 
-    def _resume_point(self, world: World, epoch: int, chunk: int) -> tuple[tuple[Stage, ...], int]:
+    def _resume_point(self, world: World, epoch: int) -> tuple[tuple[Stage, ...], int]:
+        """Return the stages and start item of ``epoch`` for ``world`` (a fresh epoch: none, 0)."""
         resume = self._resume
         if resume is None or resume.epoch != epoch:
             return (), 0
-        return resume.resume_point(world, chunk)
+        saved_chunk = self.plan(epoch, world.world_size, resume.stages).chunk_size(world.num_workers)
+        return resume.resume_point(world, saved_chunk)
 
     # -- iteration -----------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
         world = detect_world(self.rank, self.world_size, self._inherited_world)
         epoch = self._peek_epoch(world.worker)  # committed when the first sample is asked for
-        chunk = self.plan(epoch, world.world_size).chunk_size(world.num_workers)
-        stages, start = self._resume_point(world, epoch, chunk)
+        stages, start = self._resume_point(world, epoch)
         plan = self.plan(epoch, world.world_size, stages)
-        progress = _Progress(epoch, stages, chunk, start)
+        progress = _Progress(epoch, stages, plan.chunk_size(world.num_workers), start)
         self._progress = progress
         return self._iter_plan(plan, world, progress)
 

@@ -153,3 +153,30 @@ def test_main_process_without_count_refuses_to_guess(root: Path) -> None:
     with pytest.raises(PlanError, match="samples_seen"):
         ds.state_dict()
     assert ds.state_dict(samples_seen=64)["epoch"] == 1
+
+
+def test_stateful_resume_with_persistent_workers_and_set_epoch(root: Path) -> None:
+    def loader() -> StatefulDataLoader[Any]:
+        return StatefulDataLoader(dataset(root), batch_size=BATCH, num_workers=2, persistent_workers=True)
+
+    ref = loader()
+    epochs = [keys(ref) for _ in range(3)]
+    stopped = loader()
+    it = iter(stopped)
+    seen = [k for _ in range(5) for k in next(it)]
+    state = stopped.state_dict()
+    del it, stopped
+
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert seen + keys(resumed) == epochs[0]
+    assert keys(resumed) == epochs[1], "persistent workers advance past the restored epoch"
+    again = loader()
+    again.load_state_dict(state)
+    ds = again.dataset
+    assert isinstance(ds, StreamingDataset)
+    out = []
+    for epoch in range(3):  # the usual loop calling set_epoch
+        ds.set_epoch(epoch)
+        out.append(keys(again))
+    assert [seen + out[0], out[1], out[2]] == epochs
