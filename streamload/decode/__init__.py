@@ -15,10 +15,13 @@ import numpy as np
 import torch
 
 from .._errors import SampleError
+from .image import Backend, Crop, ImageDecoder
 
 __all__ = [
     "FIELD_DECODERS",
     "IMAGE_FIELDS",
+    "DecodeBatch",
+    "ImageDecoder",
     "ImageLabel",
     "decode_image",
     "decode_sample",
@@ -62,7 +65,9 @@ FIELD_DECODERS: Mapping[str, Callable[[bytes], Any]] = {
 }
 
 
-def decode_sample(sample: Mapping[str, Any], fields: Mapping[str, Callable[[bytes], Any]] | None = None) -> dict[str, Any]:
+def decode_sample(
+    sample: Mapping[str, Any], fields: Mapping[str, Callable[[bytes], Any]] | None = None
+) -> dict[str, Any]:
     """Return a copy of ``sample`` with each known field decoded (images to Pillow images).
 
     Args:
@@ -111,49 +116,136 @@ def label_of(sample: Mapping[str, Any], field: str = "cls") -> int:
 class ImageLabel:
     """Transform a sample into ``(image, label)``: a ``uint8`` tensor (CHW, RGB) and an int.
 
-    Decoding uses Pillow; when the image is much larger than ``size``, JPEG DCT scaling
-    (``Image.draft``) decodes it at a reduced size first.
+    With ``size``, decoding goes through :class:`ImageDecoder` (libjpeg-turbo DCT
+    scaling when the image is much larger than ``size``, one box resize); for whole
+    batches made in the worker, prefer :class:`DecodeBatch`.
 
     Args:
         size: If given, resize the shorter side to ``size`` and center-crop to
             ``size x size``; otherwise keep the original size (batching then needs a
             custom collate).
         label_field: Field holding the label.
+        backend: See :class:`ImageDecoder`.
 
     Example:
         >>> ds = StreamingDataset("shards/", transform=ImageLabel(size=224))  # doctest: +SKIP
         >>> image, label = next(iter(ds))  # doctest: +SKIP
     """
 
-    def __init__(self, size: int | None = None, label_field: str = "cls") -> None:
+    def __init__(self, size: int | None = None, label_field: str = "cls", backend: Backend = "auto") -> None:
         self.size = size
         self.label_field = label_field
+        self._decoder = None if size is None else ImageDecoder(size, backend=backend)
 
     def __call__(self, sample: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
         """Decode one sample."""
-        from PIL import Image
-
         name = image_field(sample)
         try:
-            with Image.open(io.BytesIO(sample[name])) as img:
-                if self.size is not None and img.format == "JPEG":
-                    img.draft("RGB", (self.size, self.size))
-                img = img.convert("RGB")
-                if self.size is not None:
-                    img = _resize_center_crop(img, self.size)
-                array = np.asarray(img)
+            if self._decoder is not None:
+                array = self._decoder.decode(sample[name])
+            else:
+                array = np.asarray(decode_image(sample[name]))
         except Exception as exc:
             raise SampleError(f"sample {sample.get('__key__')!r} field {name!r}: cannot decode image: {exc}") from exc
-        tensor = torch.from_numpy(array.copy()).permute(2, 0, 1)
+        tensor = torch.from_numpy(np.ascontiguousarray(array)).permute(2, 0, 1)
         return tensor, label_of(sample, self.label_field)
 
 
-def _resize_center_crop(img: Any, size: int) -> Any:
-    from PIL import Image
+class DecodeBatch:
+    """Collate samples into an :class:`~streamload.batch.ImageBatch`, decoding in the worker.
 
-    w, h = img.size
-    scale = size / min(w, h)
-    nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
-    img = img.resize((nw, nh), Image.Resampling.BILINEAR)
-    left, top = (nw - size) // 2, (nh - size) // 2
-    return img.crop((left, top, left + size, top + size))
+    Every image is decoded straight into its slot of one ``uint8`` batch buffer (shared
+    memory inside a DataLoader worker, recycled between batches), so the batch reaches
+    the main process without a copy. Use as ``StreamingDataset(collate=...)``.
+
+    Args:
+        size: Output ``(height, width)`` or one int for a square.
+        resize: Shorter side before a center crop (default: ``min(size)``).
+        crop: ``"center"`` or ``"random"`` (random-resized crop).
+        flip: Random horizontal flip.
+        scale: Random crop's area range.
+        ratio: Random crop's aspect-ratio range.
+        backend: ``"auto"``, ``"simplejpeg"`` or ``"pillow"`` (see :class:`ImageDecoder`).
+        field: Image field, or fields of which each sample's first present one is used.
+        label_field: ASCII-decimal label field, or ``None``.
+        layout: ``"CHW"`` (a channels-last ``[B, 3, H, W]`` view) or ``"HWC"``.
+        seed: Seed of the random crops and flips (default: from the worker's torch seed).
+
+    Example:
+        >>> ds = StreamingDataset("shards/", batch_size=256, shuffle=True,
+        ...                       collate=DecodeBatch(224, crop="random", flip=True))  # doctest: +SKIP
+        >>> for images, labels in DataLoader(ds, batch_size=None, num_workers=8): ...  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        size: int | tuple[int, int] = 224,
+        *,
+        resize: int | None = None,
+        crop: Crop = "center",
+        flip: bool = False,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        backend: Backend = "auto",
+        field: str | tuple[str, ...] = IMAGE_FIELDS,
+        label_field: str | None = "cls",
+        layout: str = "CHW",
+        seed: int | None = None,
+    ) -> None:
+        if layout not in ("CHW", "HWC"):
+            raise SampleError(f"layout={layout!r} must be 'CHW' or 'HWC'")
+        self.decoder = ImageDecoder(size, resize=resize, crop=crop, flip=flip, scale=scale, ratio=ratio,
+                                    backend=backend)
+        self.fields = (field,) if isinstance(field, str) else tuple(field)
+        self.label_field = label_field
+        self.layout = layout
+        self.seed = seed
+        self._rng: tuple[int, np.random.Generator] | None = None
+
+    def __repr__(self) -> str:
+        return f"DecodeBatch({self.decoder!r}, label_field={self.label_field!r}, layout={self.layout!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_rng"] = None
+        return state
+
+    def rng(self) -> np.random.Generator:
+        """This process's generator of random crops and flips."""
+        import os
+
+        if self._rng is None or self._rng[0] != os.getpid():
+            seed = torch.initial_seed() if self.seed is None else self.seed
+            from torch.utils.data import get_worker_info
+
+            info = get_worker_info()
+            worker = 0 if info is None else info.id
+            self._rng = (os.getpid(), np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, worker]))
+        return self._rng[1]
+
+    def __call__(self, samples: list[Any]) -> Any:
+        """Decode the samples into one :class:`~streamload.batch.ImageBatch`."""
+        from ..batch import ImageBatch, batch_buffer
+
+        buffer, lease = batch_buffer((len(samples), *self.decoder.shape))
+        slots = buffer.numpy()
+        decode_into, rng = self.decoder.decode_into, self.rng()
+        random = self.decoder.crop == "random" or self.decoder.flip
+        for i, sample in enumerate(samples):
+            name = self._field_of(sample)
+            try:
+                decode_into(sample[name], slots[i], rng if random else None)
+            except Exception as exc:
+                key = sample.get("__key__")
+                raise SampleError(f"sample {key!r} field {name!r}: cannot decode image: {exc}") from exc
+        labels = None
+        if self.label_field is not None:
+            labels = torch.tensor([label_of(s, self.label_field) for s in samples], dtype=torch.int64)
+        images = buffer.permute(0, 3, 1, 2) if self.layout == "CHW" else buffer
+        return ImageBatch(images, labels, lease)
+
+    def _field_of(self, sample: Mapping[str, Any]) -> str:
+        for name in self.fields:
+            if name in sample:
+                return name
+        raise SampleError(f"sample {sample.get('__key__')!r} has none of the fields {self.fields}")

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from .._errors import SampleError, UnsafeShardError
 from ..manifest import ShardEntry
@@ -122,6 +124,40 @@ class ShardReader(ABC):
             keys.append(sample["__key__"])
             sizes.append(sum(len(v) for k, v in sample.items() if not k.startswith("__")))
         return keys, sizes
+
+    # -- optional batch reads (streamload.batch) -------------------------------------
+    #: True if :meth:`field_sizes` and :meth:`read_into` work from the index alone, so a
+    #: batch can be read straight into one buffer. The defaults below read whole samples.
+    can_read_into: bool = False
+
+    def _first_field(self, sample: Sample, fields: Sequence[str]) -> bytes:
+        for name in fields:
+            if name in sample:
+                return sample[name]  # type: ignore[no-any-return]
+        raise SampleError(f"{self.entry.name}: sample {sample['__key__']!r} has none of the fields {tuple(fields)}")
+
+    def field_sizes(self, indices: np.ndarray, fields: Sequence[str]) -> np.ndarray:
+        """Return ``int64`` byte sizes of each sample's first present field of ``fields``.
+
+        Raises:
+            SampleError: Naming the key, if a sample has none of ``fields``.
+        """
+        return np.array([len(self._first_field(self.get(int(i)), fields)) for i in indices], dtype=np.int64)
+
+    def read_into(self, indices: np.ndarray, fields: Sequence[str], out: np.ndarray, sizes: np.ndarray) -> None:
+        """Write those fields' bytes back to back into the ``uint8`` array ``out``.
+
+        ``sizes`` is what :meth:`field_sizes` returned for the same arguments.
+        """
+        pos = 0
+        for i in indices:
+            data = self._first_field(self.get(int(i)), fields)
+            out[pos : pos + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            pos += len(data)
+
+    def keys_of(self, indices: np.ndarray) -> list[str]:
+        """Return the keys of samples ``indices``."""
+        return [self.get(int(i))["__key__"] for i in indices]
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release file handles; the reader is not used afterwards."""

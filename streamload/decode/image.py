@@ -1,0 +1,228 @@
+"""Image decode + geometry at the speed of the JPEG decoder.
+
+One sample, step by step (``ImageDecoder.decode_into``)::
+
+    header      width, height                    -- JPEG header only (no pixels)
+    geometry    source box, output size          -- center or random-resized crop
+    decode      libjpeg-turbo, DCT-scaled        -- simplejpeg when installed, else Pillow
+                (the smallest scale M/8 that keeps the box >= the output: a 2-8x smaller
+                decode when the source is much larger than the output)
+    resize      Pillow, bilinear, box=...        -- resamples only the cropped region
+    copy        into the caller's batch slot     -- flipped in the same copy
+
+Resize-then-crop is done as one ``resize(box=...)`` with the same scale factors, so the
+output matches a plain Pillow ``resize`` + ``crop`` up to rounding. The only per-sample
+Python is the geometry (a few float operations) and two or three calls into C.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from .._errors import ConfigError
+
+__all__ = ["Backend", "Crop", "ImageDecoder", "have_simplejpeg"]
+
+Crop = Literal["center", "random"]
+Backend = Literal["auto", "simplejpeg", "pillow"]
+
+_JPEG_MAGIC = b"\xff\xd8"
+
+
+def have_simplejpeg() -> bool:
+    """Return True if the ``simplejpeg`` package (libjpeg-turbo) is importable."""
+    try:
+        import simplejpeg  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _pair(size: int | Sequence[int]) -> tuple[int, int]:
+    """``size`` as ``(height, width)``."""
+    if isinstance(size, int):
+        return size, size
+    h, w = size
+    return int(h), int(w)
+
+
+class ImageDecoder:
+    """Decode an encoded image into an RGB ``uint8`` array of a fixed size.
+
+    Args:
+        size: Output ``(height, width)`` or one int for a square.
+        resize: For ``crop="center"``: the shorter side is resized to this first
+            (default: ``min(size)``, i.e. crop the largest centred square); e.g. 256 for
+            the usual "resize 256, center-crop 224".
+        crop: ``"center"`` or ``"random"`` (random-resized crop, as in
+            ``torchvision.transforms.RandomResizedCrop``).
+        scale: Random crop's range of area fractions.
+        ratio: Random crop's range of aspect ratios.
+        flip: Flip horizontally with probability 0.5.
+        backend: ``"simplejpeg"`` (libjpeg-turbo with DCT scaling to any M/8),
+            ``"pillow"`` (``Image.draft``: scales 1/2, 1/4, 1/8), or ``"auto"``: simplejpeg
+            when installed. Non-JPEG images always go through Pillow.
+        dct_scaling: Decode JPEGs at a reduced size when the output is smaller.
+    """
+
+    def __init__(
+        self,
+        size: int | Sequence[int] = 224,
+        *,
+        resize: int | None = None,
+        crop: Crop = "center",
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        flip: bool = False,
+        backend: Backend = "auto",
+        dct_scaling: bool = True,
+    ) -> None:
+        self.height, self.width = _pair(size)
+        if self.height < 1 or self.width < 1:
+            raise ConfigError(f"size={size!r} must be positive")
+        if crop not in ("center", "random"):
+            raise ConfigError(f"crop={crop!r} must be 'center' or 'random'")
+        if backend not in ("auto", "simplejpeg", "pillow"):
+            raise ConfigError(f"backend={backend!r} must be 'auto', 'simplejpeg' or 'pillow'")
+        if backend == "simplejpeg" and not have_simplejpeg():
+            raise ConfigError("backend='simplejpeg' needs the simplejpeg package: pip install streamload[fast]")
+        self.resize = resize if resize is not None else min(self.height, self.width)
+        self.crop: Crop = crop
+        self.scale = scale
+        self.log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+        self.flip = flip
+        self.backend: Backend = backend
+        self.dct_scaling = dct_scaling
+        self._use_simplejpeg = backend == "simplejpeg" or (backend == "auto" and have_simplejpeg())
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """Output shape ``(height, width, 3)``."""
+        return self.height, self.width, 3
+
+    def __repr__(self) -> str:
+        return (f"ImageDecoder(size=({self.height}, {self.width}), resize={self.resize}, crop={self.crop!r}, "
+                f"flip={self.flip}, backend={'simplejpeg' if self._use_simplejpeg else 'pillow'})")
+
+    # -- geometry --------------------------------------------------------------------
+
+    def box(self, width: int, height: int, rng: np.random.Generator | None = None) -> tuple[float, float, float, float]:
+        """Return the source box ``(left, top, right, bottom)`` that maps onto the output."""
+        if self.crop == "random":
+            return self._random_box(width, height, rng if rng is not None else np.random.default_rng())
+        short = min(width, height)
+        # The plain pipeline's resized size, and its exact per-axis scale factors.
+        rw = max(self.width, round(width * self.resize / short))
+        rh = max(self.height, round(height * self.resize / short))
+        sx, sy = rw / width, rh / height
+        left, top = (rw - self.width) // 2, (rh - self.height) // 2
+        return left / sx, top / sy, (left + self.width) / sx, (top + self.height) / sy
+
+    def _random_box(self, width: int, height: int, rng: np.random.Generator) -> tuple[float, float, float, float]:
+        area = width * height
+        for _ in range(10):
+            target = area * rng.uniform(*self.scale)
+            aspect = math.exp(rng.uniform(*self.log_ratio))
+            w = round(math.sqrt(target * aspect))
+            h = round(math.sqrt(target / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                left = int(rng.integers(0, width - w + 1))
+                top = int(rng.integers(0, height - h + 1))
+                return left, top, left + w, top + h
+        # Fallback: the largest centred crop within the ratio range.
+        in_ratio = width / height
+        lo, hi = math.exp(self.log_ratio[0]), math.exp(self.log_ratio[1])
+        if in_ratio < lo:
+            w, h = width, round(width / lo)
+        elif in_ratio > hi:
+            w, h = round(height * hi), height
+        else:
+            w, h = width, height
+        left, top = (width - w) // 2, (height - h) // 2
+        return left, top, left + w, top + h
+
+    def _reduction(self, width: int, height: int, box: tuple[float, float, float, float]) -> int:
+        """Largest power-of-two DCT reduction (1, 2, 4, 8) that keeps the box >= the output.
+
+        libjpeg-turbo also scales by M/8, but measured here those decodes are slower than a
+        full one; the power-of-two scales skip most of the inverse DCT and upsampling.
+        """
+        if not self.dct_scaling:
+            return 1
+        room = min((box[2] - box[0]) / self.width, (box[3] - box[1]) / self.height)
+        factor = 1
+        while factor < 8 and room >= 2 * factor:
+            factor *= 2
+        return factor
+
+        # -- decoding --------------------------------------------------------------------
+
+    def decode(self, data: bytes | memoryview | np.ndarray, rng: np.random.Generator | None = None) -> np.ndarray:
+        """Return the image as a new ``uint8`` array ``(height, width, 3)``."""
+        out = np.empty(self.shape, dtype=np.uint8)
+        self.decode_into(data, out, rng)
+        return out
+
+    def decode_into(self, data: bytes | memoryview | np.ndarray, out: np.ndarray,
+                    rng: np.random.Generator | None = None) -> None:
+        """Decode ``data`` into ``out`` (a ``uint8`` array of :attr:`shape`, e.g. a batch slot).
+
+        Raises:
+            ValueError / OSError: From the decoder, for data that is not a valid image
+            (the caller names the sample).
+        """
+        if self._use_simplejpeg and bytes(data[:2]) == _JPEG_MAGIC:
+            img, box = self._simplejpeg(data, rng)
+        else:
+            img, box = self._pillow(data, rng)
+        from PIL import Image
+
+        if img.size != (self.width, self.height) or box != (0, 0, self.width, self.height):
+            img = img.resize((self.width, self.height), Image.Resampling.BILINEAR, box=box)
+        pixels = np.asarray(img)
+        if pixels.shape[2] == 4:  # RGBX straight from libjpeg-turbo
+            pixels = pixels[:, :, :3]
+        if self.flip and (rng if rng is not None else np.random.default_rng()).random() < 0.5:
+            pixels = pixels[:, ::-1]
+        out[...] = pixels
+
+    def _simplejpeg(self, data: Any, rng: np.random.Generator | None) -> tuple[Any, tuple[float, ...]]:
+        import simplejpeg
+        from PIL import Image
+
+        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        box = self.box(width, height, rng)
+        factor = self._reduction(width, height, box)
+        # RGBX: Pillow's own pixel layout, so the decoded array becomes an image without a copy.
+        array = simplejpeg.decode_jpeg(data, "RGBX", min_width=-(-width // factor), min_height=-(-height // factor),
+                                       min_factor=factor)
+        h, w = array.shape[:2]
+        img = Image.frombuffer("RGBX", (w, h), array, "raw", "RGBX", 0, 1)
+        return img, _scaled(box, width, w)
+
+    def _pillow(self, data: Any, rng: np.random.Generator | None) -> tuple[Any, tuple[float, ...]]:
+        from PIL import Image
+
+        src = Image.open(io.BytesIO(data))
+        width, height = src.size
+        box = self.box(width, height, rng)
+        factor = self._reduction(width, height, box)
+        if factor > 1 and src.format == "JPEG":
+            src.draft("RGB", (width // factor, height // factor))  # Pillow: size // request >= scale
+        img = src.convert("RGB")
+        return img, _scaled(box, width, img.size[0])
+
+
+def _scaled(box: tuple[float, float, float, float], width: int, decoded_width: int) -> tuple[float, ...]:
+    """Map a source box onto an image decoded at 1/factor (factor a power of two).
+
+    A DCT-scaled decode has ``ceil(width / factor)`` columns, each covering exactly
+    ``factor`` source columns, so the map is ``x / factor``, not ``x * decoded / width``.
+    """
+    factor = 1 << max(0, round(math.log2(width / decoded_width)))
+    return box[0] / factor, box[1] / factor, box[2] / factor, box[3] / factor
