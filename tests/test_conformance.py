@@ -116,6 +116,40 @@ class TestFormat:
         finally:
             reader.close()
 
+    def test_batch_reads_agree_with_samples(self, dataset: tuple[Path, list[Sample]], fmt: str) -> None:
+        import numpy as np
+
+        from streamload import SampleError
+
+        root, samples = dataset
+        manifest = Manifest.loads((root / "index.json").read_bytes())
+        entry = manifest.shards[1]
+        sidecar = str(root / entry.sidecar.name) if entry.sidecar else None
+        reader = get_format(fmt).reader(str(root / entry.name), entry, sidecar)
+        try:
+            indices = np.array([6, 0, 3, 3, 1])
+            fields = ("json", "txt", "bin")  # the first present one of these, per sample
+            wanted = [next(s[f] for f in fields if f in s) for s in (samples[7 + i] for i in indices)]
+            sizes = reader.field_sizes(indices, fields)
+            assert sizes.tolist() == [len(w) for w in wanted]
+            out = np.zeros(int(sizes.sum()), dtype=np.uint8)
+            reader.read_into(indices, fields, out, sizes)
+            assert out.tobytes() == b"".join(wanted)
+            assert reader.keys_of(indices) == [samples[7 + i]["__key__"] for i in indices]
+            with pytest.raises(SampleError, match="nope"):
+                reader.field_sizes(indices, ("nope",))
+        finally:
+            reader.close()
+
+    def test_raw_batches_through_the_dataset(self, dataset: tuple[Path, list[Sample]]) -> None:
+        from streamload.batch import RawCollate
+
+        root, samples = dataset
+        ds = StreamingDataset(str(root), batch_size=6, collate=RawCollate(field=("txt", "bin"), label_field=None,
+                                                                          keys=True))
+        got = [(k, b.tobytes(i)) for b in DataLoader(ds, batch_size=None, num_workers=2) for i, k in enumerate(b.keys)]
+        assert sorted(got) == sorted((s["__key__"], s.get("txt", s["bin"])) for s in samples)
+
     def test_empty_field_and_missing_field_differ(self, tmp_path: Path, fmt: str) -> None:
         samples = [
             {"__key__": "a", "txt": b"", "cls": b"1"},

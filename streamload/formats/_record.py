@@ -15,11 +15,12 @@ value gives :class:`~streamload.CorruptShardError` instead of a wrong sample.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 
 from .._errors import CorruptShardError
 from .base import MAX_KEY_BYTES, Sample
 
-__all__ = ["decode_record", "encode_record", "record_payload_size"]
+__all__ = ["decode_record", "encode_record", "record_field", "record_payload_size"]
 
 _HEAD = struct.Struct("<II")
 _FIELD = struct.Struct("<IQ")
@@ -86,3 +87,27 @@ def record_payload_size(value: bytes | memoryview, where: str) -> int:
     """Return the payload bytes (sum of field sizes) of a record without copying its data."""
     _, table, _ = _table(memoryview(value), where)
     return sum(size for _, size in table)
+
+
+def record_field(value: bytes | memoryview, fields: Sequence[str], where: str) -> tuple[str, memoryview | None]:
+    """Return the record's key and a view of its first present field of ``fields`` (None if none).
+
+    Nothing is copied: the view points into ``value``.
+    """
+    view = memoryview(value)
+    key_len, table, pos = _table(view, where)
+    key = str(view[pos : pos + key_len], "utf-8", "surrogateescape")
+    pos += key_len
+    names = []
+    for name_len, _ in table:
+        names.append(str(view[pos : pos + name_len], "utf-8", "surrogateescape"))
+        pos += name_len
+    starts = {}
+    for name, (_, size) in zip(names, table, strict=True):
+        starts[name] = (pos, size)
+        pos += size
+    for name in fields:
+        if name in starts:
+            at, size = starts[name]
+            return key, view[at : at + size]
+    return key, None

@@ -35,15 +35,15 @@ import json
 import os
 import struct
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import lmdb
 import numpy as np
 
-from .._errors import CorruptShardError, ShardNotFoundError
+from .._errors import CorruptShardError, SampleError, ShardNotFoundError
 from ..manifest import ShardEntry
-from ._record import decode_record, encode_record
+from ._record import decode_record, encode_record, record_field
 from .base import Format, Sample, ShardReader, ShardWriter, check_sample
 
 __all__ = ["FORMAT", "LmdbShardReader", "LmdbShardWriter", "map_size_for", "write_environment"]
@@ -246,6 +246,42 @@ class LmdbShardReader(ShardReader):
             raise CorruptShardError(f"{self.entry.name}: LMDB read failed ({exc})") from exc
         finally:
             cursor.close()
+
+    # -- batch reads (streamload.batch): a view of one field of each record, no dict -----
+
+    can_read_into = True
+
+    def _field(self, txn: Any, index: int, fields: Sequence[str]) -> memoryview:
+        self._check_index(index)
+        value = txn.get(_INDEX.pack(index))
+        if value is None:
+            raise CorruptShardError(f"{self._where(index)} is missing from the LMDB shard")
+        key, view = record_field(value, fields, self._where(index))
+        if view is None:
+            raise SampleError(f"{self.entry.name}: sample {key!r} has none of the fields {tuple(fields)}")
+        return view
+
+    def field_sizes(self, indices: np.ndarray[Any, Any], fields: Sequence[str]) -> np.ndarray[Any, Any]:
+        """Return the sizes of each sample's first present field of ``fields`` (record headers only)."""
+        txn = self._transaction()
+        return np.array([len(self._field(txn, i, fields)) for i in indices.tolist()], dtype=np.int64)
+
+    def read_into(self, indices: np.ndarray[Any, Any], fields: Sequence[str], out: np.ndarray[Any, Any],
+                  sizes: np.ndarray[Any, Any]) -> None:
+        """Copy the fields straight from the map into ``out``: one copy per sample."""
+        txn = self._transaction()
+        pos = 0
+        for i, n in zip(indices.tolist(), sizes.tolist(), strict=True):
+            view = self._field(txn, i, fields)
+            if len(view) != n:
+                raise CorruptShardError(f"{self._where(i)}: field size changed between two reads")
+            out[pos : pos + n] = np.frombuffer(view, dtype=np.uint8)
+            pos += n
+
+    def keys_of(self, indices: np.ndarray[Any, Any]) -> list[str]:
+        """Return the keys of samples ``indices`` from the catalog record."""
+        keys = self.catalog()[0]
+        return [keys[i] for i in indices.tolist()]
 
     def _prefetch_run(self, txn: Any, start: int, stop: int) -> None:
         first, last = txn.get(_INDEX.pack(start)), txn.get(_INDEX.pack(stop - 1))
