@@ -362,3 +362,36 @@ def test_hdf5_layout_is_flat_uint8_with_int64_offsets(tmp_path: Path) -> None:
         assert f[f"fields/{txt}/present"][()].tolist() == [int("txt" in s) for s in samples]
         keys = f["keys/data"][()].tobytes().decode()
         assert keys == "".join(s["__key__"] for s in samples)
+
+
+def test_hdf5_chunked_compressed_layout_reads_through_h5py(tmp_path: Path) -> None:
+    """A shard with our layout written by another tool, chunked and gzip-compressed."""
+    import h5py
+    import numpy as np
+
+    from streamload.manifest import ShardEntry
+
+    samples = make_samples(12)
+    names = sorted({f for s in samples for f in s if f != "__key__"})
+    path = tmp_path / "foreign.h5"
+
+    def column(group: h5py.Group, values: list[bytes | None], presence: bool) -> None:
+        data = b"".join(v for v in values if v is not None)
+        ends = np.cumsum([0] + [len(v or b"") for v in values])
+        group.create_dataset("data", data=np.frombuffer(data, np.uint8), chunks=True, compression="gzip")
+        group.create_dataset("offsets", data=ends.astype(np.int64))
+        if presence:
+            group.create_dataset("present", data=np.array([v is not None for v in values], np.uint8))
+
+    with h5py.File(path, "w") as f:
+        f.attrs["streamload"] = json.dumps({"format": "streamload-hdf5", "version": 1, "num_samples": 12,
+                                            "fields": names})
+        column(f.create_group("keys"), [s["__key__"].encode() for s in samples], presence=False)
+        for j, name in enumerate(names):
+            column(f.create_group(f"fields/{j}"), [s.get(name) for s in samples], presence=True)
+    entry = ShardEntry(name="foreign.h5", num_bytes=path.stat().st_size, num_samples=12)
+    reader = get_format("hdf5").reader(str(path), entry)
+    try:
+        assert list(reader.iter_range(0, 12)) == samples
+    finally:
+        reader.close()

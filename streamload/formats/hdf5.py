@@ -151,7 +151,7 @@ class Hdf5ShardReader(ShardReader):
     def _load(self, file_size: int) -> None:
         name = self.entry.name
         try:
-            h5 = h5py.File(self.path, "r")
+            h5 = h5py.File(self.path, "r", locking=False)  # read-only: no lock (NFS, Lustre, many readers)
         except OSError as exc:
             raise CorruptShardError(f"{name}: not a readable HDF5 file ({exc})") from exc
         try:
@@ -238,7 +238,7 @@ class Hdf5ShardReader(ShardReader):
         if start == stop:
             return b""
         if field.file_offset is None:
-            return bytes(np.asarray(field.dataset[start:stop], dtype=np.uint8).tobytes())
+            return np.asarray(field.dataset[start:stop], dtype=np.uint8).tobytes()
         assert self._fd is not None
         data = os.pread(self._fd, stop - start, field.file_offset + start)
         if len(data) != stop - start:
