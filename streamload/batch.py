@@ -231,6 +231,47 @@ def _pool() -> _BufferPool:
     return _POOL[1]
 
 
+class _LocalPool:
+    """Recycled batch memory for batches used in the process that made them (no workers).
+
+    The pool keeps numpy buffers; each batch is a ``torch.from_numpy`` view whose storage
+    holds the buffer, and a finalizer on that storage marks the buffer free once the
+    caller has dropped every view (the buffer itself stays, so its pages stay mapped).
+    """
+
+    def __init__(self, slots: int = POOL_SLOTS) -> None:
+        self._buffers: list[np.ndarray | None] = [None] * slots
+        self._free = [True] * slots
+
+    def take(self, dims: tuple[int, ...]) -> torch.Tensor:
+        numel = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        free = [i for i, ok in enumerate(self._free) if ok]
+        slot = next((i for i in free if (b := self._buffers[i]) is not None and b.size >= numel), None)
+        if slot is None and not free:
+            return torch.empty(dims, dtype=torch.uint8)
+        if slot is None:
+            slot = free[0]
+            self._buffers[slot] = None
+            self._buffers[slot] = np.empty(-(-max(numel, 1) * 9 // 8 // (1 << 20)) * (1 << 20), dtype=np.uint8)
+        buffer = self._buffers[slot]
+        assert buffer is not None
+        tensor = torch.from_numpy(buffer[:numel]).view(dims)
+        self._free[slot] = False
+        weakref.finalize(tensor.untyped_storage(), self._free.__setitem__, slot, True)
+        return tensor
+
+
+_LOCAL: tuple[int, _LocalPool] | None = None
+
+
+def _local_pool() -> _LocalPool:
+    global _LOCAL
+    pid = os.getpid()
+    if _LOCAL is None or _LOCAL[0] != pid:
+        _LOCAL = (pid, _LocalPool())
+    return _LOCAL[1]
+
+
 def _release(flags: torch.Tensor, slot: int) -> None:
     flags[slot] = 0
 
@@ -272,7 +313,7 @@ def batch_buffer(shape: int | Sequence[int], shared: bool | None = None) -> tupl
     if shared is None:
         shared = in_worker()
     if not shared:
-        return torch.empty(dims, dtype=torch.uint8), None
+        return _local_pool().take(dims), None
     storage, lease = _pool().take(numel)
     strides = [int(np.prod(dims[i + 1 :], dtype=np.int64)) for i in range(len(dims))]
     return torch.empty(0, dtype=torch.uint8).set_(storage, 0, dims, strides), lease

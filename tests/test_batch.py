@@ -136,3 +136,20 @@ def test_corrupt_bytes_detected_on_direct_read(tar_dataset: Path, tmp_path: Path
     ds = StreamingDataset(str(root), batch_size=4, collate=RawCollate())
     with pytest.raises(CorruptShardError, match=rf"{shard.name}.*{first['__key__']}.*jpg"):
         next(iter(ds))
+
+
+def test_in_process_buffers_recycled_only_after_last_view_dies() -> None:
+    from streamload.batch import batch_buffer
+
+    first, _ = batch_buffer(1000, shared=False)
+    first[:] = 7
+    ptr = first.data_ptr()
+    view = first[3:5]
+    del first
+    gc.collect()
+    second, _ = batch_buffer(1000, shared=False)
+    assert second.data_ptr() != ptr and int(view.sum()) == 14  # still ours while a view lives
+    del view
+    gc.collect()
+    third, _ = batch_buffer(800, shared=False)
+    assert third.data_ptr() == ptr  # recycled

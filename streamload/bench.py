@@ -1,0 +1,323 @@
+"""``streamload bench DATASET``: the DataLoader tuning advice, measured on your data and machine.
+
+For each setting of the sweep (``num_workers`` x ``prefetch_factor`` x ``pin_memory``
+x batch size) it reads the dataset for a few seconds through a real DataLoader and
+records samples/s, MB/s, the time to the first batch and the peak memory (PSS summed
+over the main process and its workers: shared pages are counted once, not per worker).
+Then it says where throughput stops growing and recommends the smallest setting within
+5 % of the best, and can plot samples/s against workers.
+
+Three modes: ``raw`` (zero-copy :class:`~streamload.batch.RawBatch` batches: the I/O
+ceiling), ``decode`` (:class:`~streamload.decode.DecodeBatch` to ``--size`` pixels:
+what training sees) and ``samples`` (per-sample dicts batched by the DataLoader, the
+path without streamload's batching, for comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ._errors import ConfigError
+from ._units import format_bytes
+
+__all__ = ["BenchResult", "PeakMemory", "add_bench_parser", "recommend", "run_bench", "sweep"]
+
+MODES = ("raw", "decode", "samples")
+
+
+class PeakMemory:
+    """Sample the PSS of a process and its children in a thread; keep the peak.
+
+    PSS (proportional set size) splits each shared page among the processes that map it,
+    so summing it over the main process and the DataLoader workers counts the memory the
+    machine really spends (RSS would count torch's libraries once per worker).
+
+    Args:
+        pid: Process to watch (default: this one), with all its descendants.
+        interval: Seconds between samples.
+    """
+
+    def __init__(self, pid: int | None = None, interval: float = 0.1) -> None:
+        self.pid = pid if pid is not None else os.getpid()
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> int:
+        """Return the current PSS in bytes of the process tree (0 if it is gone)."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return 0
+        total = 0
+        for proc in procs:
+            try:
+                total += int(proc.memory_full_info().pss)
+            except psutil.Error:
+                continue
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.sample())
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> PeakMemory:
+        self.peak = self.sample()
+        self._thread = threading.Thread(target=self._run, name="streamload-pss", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.peak = max(self.peak, self.sample())
+
+
+@dataclass
+class BenchResult:
+    """One measured DataLoader setting."""
+
+    workers: int
+    prefetch_factor: int | None
+    pin_memory: bool
+    batch_size: int
+    samples: int
+    seconds: float
+    samples_per_s: float
+    mb_per_s: float
+    first_batch_s: float
+    peak_pss: int
+
+
+def _loader(dataset: str, mode: str, workers: int, prefetch: int | None, pin: bool, batch_size: int,
+            size: int, storage_options: dict[str, Any], cache_dir: str | None) -> Any:
+    from torch.utils.data import DataLoader
+
+    from .batch import RawCollate
+    from .dataset import StreamingDataset
+    from .decode import DecodeBatch
+
+    common: dict[str, Any] = dict(batch_size=batch_size, storage_options=storage_options, cache_dir=cache_dir)
+    extra: dict[str, Any] = dict(num_workers=workers, pin_memory=pin)
+    if workers:
+        extra.update(prefetch_factor=prefetch, persistent_workers=True)
+    if mode == "samples":
+        ds = StreamingDataset(dataset, **common)
+        return DataLoader(ds, batch_size=batch_size, collate_fn=_payloads, **extra)
+    collate: Any = RawCollate() if mode == "raw" else DecodeBatch(size)
+    ds = StreamingDataset(dataset, collate=collate, **common)
+    return DataLoader(ds, batch_size=None, **extra)
+
+
+def _payloads(samples: list[dict[str, Any]]) -> list[bytes]:
+    """Collate for the ``samples`` mode: each sample's bytes, pickled to the main process.
+
+    That is the path of any per-sample dataset; the main process then counts them.
+    """
+    return [v for s in samples for k, v in s.items() if not k.startswith("__") and k != "cls"]
+
+
+def _measure_batch(batch: Any) -> tuple[int, int]:
+    """Return ``(samples, payload bytes)`` of a batch of any mode."""
+    from .batch import ImageBatch, RawBatch
+
+    if isinstance(batch, RawBatch):
+        return batch.batch_size, int(batch.data.numel())
+    if isinstance(batch, ImageBatch):
+        return len(batch), int(batch.images.numel())
+    return len(batch), sum(len(b) for b in batch)
+
+
+def run_one(dataset: str, mode: str, workers: int, prefetch: int | None, pin: bool, batch_size: int, size: int,
+            seconds: float, storage_options: dict[str, Any] | None = None, cache_dir: str | None = None) -> BenchResult:
+    """Measure one setting: read for about ``seconds`` (at least one batch, epochs repeat)."""
+    loader = _loader(dataset, mode, workers, prefetch, pin, batch_size, size, dict(storage_options or {}), cache_dir)
+    samples = nbytes = 0
+    first = steady = 0.0
+    with PeakMemory() as memory:
+        start = time.perf_counter()
+        done = False
+        while not done:
+            for batch in loader:
+                n, b = _measure_batch(batch)
+                if not first:
+                    first = time.perf_counter() - start
+                    steady, samples, nbytes = time.perf_counter(), 0, 0  # rate excludes start-up
+                samples += n
+                nbytes += b
+                if time.perf_counter() - start >= seconds:
+                    done = True
+                    break
+            if not first:
+                raise ConfigError(f"dataset {dataset!r} yielded no batch")
+        elapsed = max(time.perf_counter() - steady, 1e-9)
+    del loader
+    rate = samples / elapsed if samples else 0.0
+    return BenchResult(workers, prefetch if workers else None, pin, batch_size, samples, elapsed, rate,
+                       nbytes / elapsed / 1e6, first, memory.peak)
+
+
+def sweep(dataset: str, mode: str = "raw", workers: Sequence[int] = (0, 1, 2), prefetch: Sequence[int] = (2,),
+          pin_memory: Sequence[bool] = (False,), batch_sizes: Sequence[int] = (256,), size: int = 224,
+          seconds: float = 5.0, storage_options: dict[str, Any] | None = None, cache_dir: str | None = None,
+          progress: bool = True) -> list[BenchResult]:
+    """Measure every combination; return the results in sweep order."""
+    if mode not in MODES:
+        raise ConfigError(f"mode={mode!r} must be one of {MODES}")
+    out: list[BenchResult] = []
+    for bs in batch_sizes:
+        for pin in pin_memory:
+            for w in workers:
+                for pf in prefetch if w else (prefetch[0],):
+                    result = run_one(dataset, mode, w, pf, pin, bs, size, seconds, storage_options, cache_dir)
+                    if progress:
+                        print(_row(result), flush=True)
+                    out.append(result)
+    return out
+
+
+def recommend(results: Sequence[BenchResult], within: float = 0.05) -> BenchResult:
+    """The cheapest setting within ``within`` of the best rate (fewest workers, then memory)."""
+    if not results:
+        raise ConfigError("no results to recommend from")
+    best = max(r.samples_per_s for r in results)
+    good = [r for r in results if r.samples_per_s >= (1 - within) * best]
+    return min(good, key=lambda r: (r.workers, r.prefetch_factor or 0, r.peak_pss))
+
+
+def plateau(results: Sequence[BenchResult], gain: float = 0.05) -> int | None:
+    """The worker count after which one more step of the sweep adds less than ``gain``."""
+    by_workers: dict[int, float] = {}
+    for r in results:
+        by_workers[r.workers] = max(by_workers.get(r.workers, 0.0), r.samples_per_s)
+    counts = sorted(by_workers)
+    for a, b in zip(counts, counts[1:], strict=False):
+        if by_workers[b] < (1 + gain) * by_workers[a]:
+            return a
+    return None
+
+
+_HEADER = f"{'workers':>7} {'prefetch':>8} {'pin':>5} {'batch':>5} {'samples/s':>10} {'MB/s':>8} " \
+          f"{'1st batch':>9} {'peak PSS':>10}"
+
+
+def _row(r: BenchResult) -> str:
+    prefetch = "-" if r.prefetch_factor is None else str(r.prefetch_factor)
+    return (f"{r.workers:>7} {prefetch:>8} {str(r.pin_memory):>5} {r.batch_size:>5} {r.samples_per_s:>10.0f} "
+            f"{r.mb_per_s:>8.1f} {r.first_batch_s:>8.2f}s {format_bytes(r.peak_pss):>10}")
+
+
+def plot(results: Sequence[BenchResult], path: str, title: str) -> None:
+    """Draw samples/s against workers, one line per (prefetch, pin, batch) setting."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ConfigError("--plot needs matplotlib: pip install streamload[plot]") from exc
+    fig, ax = plt.subplots(figsize=(6, 4))
+    series: dict[tuple[Any, ...], list[BenchResult]] = {}
+    for r in results:
+        series.setdefault((r.prefetch_factor if r.workers else None, r.pin_memory, r.batch_size), []).append(r)
+    for (pf, pin, bs), rs in series.items():
+        rs = sorted(rs, key=lambda r: r.workers)
+        label = f"batch {bs}, pin {pin}" + (f", prefetch {pf}" if pf is not None else "")
+        ax.plot([r.workers for r in rs], [r.samples_per_s for r in rs], marker="o", label=label)
+    ax.set_xlabel("num_workers")
+    ax.set_ylabel("samples/s")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise ConfigError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def _default_workers() -> str:
+    cpus = os.cpu_count() or 1
+    counts = {0, 1, cpus}
+    n = 2
+    while n < cpus:
+        counts.add(n)
+        n *= 2
+    return ",".join(str(c) for c in sorted(counts))
+
+
+def add_bench_parser(subparsers: Any) -> None:
+    """Add the ``bench`` subcommand to the ``streamload`` command line."""
+    from .cli import _add_storage_option
+
+    p = subparsers.add_parser("bench", help="sweep DataLoader settings on a dataset; recommend one")
+    p.add_argument("dataset", help="dataset directory or URL")
+    p.add_argument("--mode", choices=MODES, default="raw",
+                   help="raw: zero-copy encoded batches; decode: decoded images; samples: per-sample dicts")
+    p.add_argument("--workers", default=_default_workers(), help="num_workers values (default: %(default)s)")
+    p.add_argument("--prefetch", default="2", help="prefetch_factor values (default: 2)")
+    p.add_argument("--pin-memory", choices=("off", "on", "both"), default="off", help="pin_memory (default: off)")
+    p.add_argument("--batch-size", default="256", help="batch sizes (default: 256)")
+    p.add_argument("--size", type=int, default=224, help="decode mode: output size (default: 224)")
+    p.add_argument("--seconds", type=float, default=5.0, help="reading time per setting (default: 5)")
+    p.add_argument("--cache-dir", help="local cache directory for remote shards")
+    p.add_argument("--plot", metavar="FILE.png", help="draw samples/s against workers (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    _add_storage_option(p)
+    p.set_defaults(func=_cmd_bench)
+
+
+def run_bench(args: argparse.Namespace) -> list[BenchResult]:
+    """Run the sweep described by parsed ``bench`` arguments; print the table and advice."""
+    from .cli import _storage_options
+
+    pins = {"off": [False], "on": [True], "both": [False, True]}[args.pin_memory]
+    quiet = bool(args.json)
+    if not quiet:
+        print(f"streamload bench {args.dataset}: mode {args.mode}, {args.seconds:g} s per setting, "
+              f"{os.cpu_count()} CPUs")
+        print(_HEADER)
+    results = sweep(args.dataset, args.mode, _ints(args.workers), _ints(args.prefetch), pins,
+                    _ints(args.batch_size), args.size, args.seconds, _storage_options(args.storage_option),
+                    args.cache_dir, progress=not quiet)
+    best = recommend(results)
+    flat = plateau(results)
+    if quiet:
+        print(json.dumps({"results": [asdict(r) for r in results], "recommended": asdict(best),
+                          "plateau_workers": flat}, indent=1))
+    else:
+        if flat is not None:
+            print(f"throughput stops growing at num_workers={flat} (the next step adds < 5 %)")
+        else:
+            print("throughput still grows at the largest num_workers tried")
+        pf = "" if best.prefetch_factor is None else f", prefetch_factor={best.prefetch_factor}"
+        print(f"recommended: DataLoader(num_workers={best.workers}{pf}, pin_memory={best.pin_memory}) with "
+              f"batch_size={best.batch_size}: {best.samples_per_s:.0f} samples/s, peak {format_bytes(best.peak_pss)}")
+    if args.plot:
+        plot(results, args.plot, f"streamload bench ({args.mode}): {os.path.basename(args.dataset.rstrip('/'))}")
+        if not quiet:
+            print(f"plot written to {args.plot}")
+    return results
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    run_bench(args)
+    return 0
