@@ -56,6 +56,10 @@ class LoaderOptions:
             when ``num_workers == 0``.
         drop_last: Drop each rank's last incomplete batch.
         collate_fn: Batch collation function (PyTorch's default collate if ``None``).
+        stateful: Use ``torchdata``'s ``StatefulDataLoader`` (the ``stateful`` extra).
+            Lightning then stores the loader's position in every checkpoint and restores
+            it, so a run resumed from a mid-epoch checkpoint continues at the first unseen
+            batch instead of replaying the epoch from its start.
     """
 
     pin_memory: bool = False
@@ -63,6 +67,7 @@ class LoaderOptions:
     prefetch_factor: int | None = None
     drop_last: bool = False
     collate_fn: Callable[[list[Any]], Any] | None = None
+    stateful: bool = False
 
 
 class StreamingDataModule(pl.LightningDataModule):
@@ -209,7 +214,16 @@ class StreamingDataModule(pl.LightningDataModule):
         extra: dict[str, Any] = {}
         if workers and opts.prefetch_factor is not None:
             extra["prefetch_factor"] = opts.prefetch_factor
-        return DataLoader(
+        loader_class: type[DataLoader[Any]] = DataLoader
+        if opts.stateful:
+            try:
+                from torchdata.stateful_dataloader import StatefulDataLoader
+            except ImportError as exc:
+                raise ConfigError(
+                    "LoaderOptions(stateful=True) needs torchdata: pip install 'streamload[stateful]'"
+                ) from exc
+            loader_class = StatefulDataLoader
+        return loader_class(
             dataset,
             batch_size=self.batch_size,
             num_workers=self.num_workers,

@@ -26,6 +26,7 @@ from streamload.synthetic import make_image_folder
 NUM_SAMPLES = 99  # odd: two ranks need one padded sample per epoch
 BATCH = 8
 EPOCHS = 2
+STEPS_BEFORE_STOP = 3
 
 
 def key_and_label(sample: dict[str, Any]) -> tuple[str, float]:
@@ -80,7 +81,17 @@ def _make_lightning_module(out: Path) -> Any:
     return Recorder()
 
 
-def fit(data: str, out: Path, devices: int, epochs: int = EPOCHS, tag: str = "", resume: str | None = None) -> None:
+def fit(
+    data: str,
+    out: Path,
+    devices: int,
+    epochs: int = EPOCHS,
+    tag: str = "",
+    resume: str | None = None,
+    steps: int = -1,
+    stateful: bool = False,
+    checkpoint_every: int | None = None,
+) -> None:
     """Fit the recorder for ``epochs`` epochs with ``strategy="ddp"`` over ``devices`` CPU processes.
 
     Every call builds a fresh data module, as a new process would.
@@ -96,15 +107,22 @@ def fit(data: str, out: Path, devices: int, epochs: int = EPOCHS, tag: str = "",
         num_workers=2,
         transform=key_and_label,
         seed=3,
-        loader=LoaderOptions(persistent_workers=True, prefetch_factor=3),
+        loader=LoaderOptions(persistent_workers=True, prefetch_factor=3, stateful=stateful),
     )
+    callbacks = []
+    if checkpoint_every is not None:  # a checkpoint taken mid-epoch, in out/tag/mid.ckpt
+        callbacks.append(pl.callbacks.ModelCheckpoint(
+            dirpath=str(out / tag), filename="mid", every_n_train_steps=checkpoint_every, save_top_k=-1
+        ))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy="ddp" if devices > 1 else "auto",
         max_epochs=epochs,
+        max_steps=steps,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(callbacks),
+        callbacks=callbacks,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -113,6 +131,15 @@ def fit(data: str, out: Path, devices: int, epochs: int = EPOCHS, tag: str = "",
     trainer.fit(_make_lightning_module(out / tag if tag else out), datamodule=dm, ckpt_path=resume)
     if tag:
         trainer.save_checkpoint(str(out / tag / "last.ckpt"))
+
+
+def fit_and_resume_mid_epoch(data: str, out: Path) -> None:
+    """One process, stateful loaders: one epoch (``full/``), 3 steps (``first/``), the rest resumed."""
+    for tag in ("full", "first", "resumed"):
+        (out / tag).mkdir()
+    fit(data, out, 1, 1, tag="full", stateful=True)
+    fit(data, out, 1, 1, tag="first", steps=STEPS_BEFORE_STOP, stateful=True, checkpoint_every=STEPS_BEFORE_STOP)
+    fit(data, out, 1, 1, tag="resumed", resume=str(out / "first" / "mid.ckpt"), stateful=True)
 
 
 def fit_and_resume(data: str, out: Path) -> None:
@@ -192,6 +219,22 @@ def test_resumed_run_reads_the_epoch_it_resumes_in(dataset: tuple[Path, set[str]
     assert resumed["train1"] == full["train1"]
 
 
+@pytest.mark.slow
+def test_stateful_loader_resumes_mid_epoch_at_the_next_unseen_batch(
+    dataset: tuple[Path, set[str]], tmp_path: Path
+) -> None:
+    # Stop after 3 steps, checkpoint, resume: Lightning stores the StatefulDataLoader's
+    # state in the checkpoint, and the resumed run reads exactly the rest of the epoch.
+    data, keys = dataset
+    _run_script(data, tmp_path, devices=-1)
+    full = _load(tmp_path / "full", "seen", 0)["train0"]
+    first = _load(tmp_path / "first", "seen", 0)["train0"]
+    rest = _load(tmp_path / "resumed", "seen", 0)["train0"]
+    assert len(first) == STEPS_BEFORE_STOP * BATCH
+    assert sorted(full) == sorted(keys)
+    assert first + rest == full
+
+
 def test_datamodule_outside_a_trainer_builds_loaders(dataset: tuple[Path, set[str]]) -> None:
     from streamload.lightning import StreamingDataModule
 
@@ -229,8 +272,11 @@ except ImportError as exc:
 
 
 if __name__ == "__main__":
-    # python tests/test_lightning.py DATA OUT DEVICES  (DEVICES=0: fit_and_resume on one)
+    # python tests/test_lightning.py DATA OUT DEVICES
+    # (DEVICES=0: fit_and_resume; -1: fit_and_resume_mid_epoch; both on one process)
     if int(sys.argv[3]) == 0:
         fit_and_resume(sys.argv[1], Path(sys.argv[2]))
+    elif int(sys.argv[3]) == -1:
+        fit_and_resume_mid_epoch(sys.argv[1], Path(sys.argv[2]))
     else:
         fit(sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]))
