@@ -283,6 +283,28 @@ class TestFormat:
         report = verify_dataset(str(root))
         assert [name for name, _ in report.problems] == [entry["name"]]
 
+    def test_flipped_byte_in_a_sample_is_never_returned(self, tmp_path: Path, fmt: str) -> None:
+        import random
+
+        samples = [{"__key__": f"s{i}", "bin": random.Random(i).randbytes(3000), "cls": b"1"} for i in range(6)]
+        manifest = write_dataset(tmp_path, fmt, [samples])
+        path = tmp_path / manifest.shards[0].name
+        data = bytearray(path.read_bytes())
+        at = data.find(samples[4]["bin"])
+        assert at > 0 and data.count(samples[4]["bin"]) == 1  # stored once, raw
+        data[at + 1500] ^= 0x01
+        path.write_bytes(bytes(data))  # same size: only the format's own checks can tell
+        with pytest.raises(CorruptShardError, match=rf"{manifest.shards[0].name}.*s4") as info:
+            list(StreamingDataset(str(tmp_path)))
+        assert "s4" in str(info.value)
+        entry = manifest.shards[0]
+        sidecar = str(tmp_path / entry.sidecar.name) if entry.sidecar else None
+        reader = get_format(fmt).reader(str(path), entry, sidecar)
+        try:  # the other samples still read, exactly
+            assert [reader.get(i) for i in (0, 1, 2, 3, 5)] == [samples[i] for i in (0, 1, 2, 3, 5)]
+        finally:
+            reader.close()
+
     def test_verify_catches_flipped_bytes_and_info_shows_format(
         self, dataset: tuple[Path, list[Sample]], fmt: str, capsys: pytest.CaptureFixture[str]
     ) -> None:
@@ -337,7 +359,7 @@ def test_lmdb_shard_is_one_compact_file_readable_by_plain_lmdb(tmp_path: Path) -
         assert path.stat().st_size == (info["last_pgno"] + 1) * stat["psize"]  # no unused pages
         assert stat["entries"] == len(samples) + 2
         with env.begin() as txn:
-            meta = json.loads(txn.get(b"__streamload__"))
+            meta = json.loads(txn.get(b"__streamload__")[8:])  # after its xxh3_64
             assert meta["num_samples"] == 30 and meta["fields"] == ["bin", "cls", "json", "txt"]
             assert txn.get((5).to_bytes(8, "big")).count(samples[5]["bin"]) == 1
     finally:
@@ -368,6 +390,7 @@ def test_hdf5_chunked_compressed_layout_reads_through_h5py(tmp_path: Path) -> No
     """A shard with our layout written by another tool, chunked and gzip-compressed."""
     import h5py
     import numpy as np
+    import xxhash
 
     from streamload.manifest import ShardEntry
 
@@ -375,20 +398,27 @@ def test_hdf5_chunked_compressed_layout_reads_through_h5py(tmp_path: Path) -> No
     names = sorted({f for s in samples for f in s if f != "__key__"})
     path = tmp_path / "foreign.h5"
 
+    tables_hash = xxhash.xxh3_64()
+
     def column(group: h5py.Group, values: list[bytes | None], presence: bool) -> None:
         data = b"".join(v for v in values if v is not None)
-        ends = np.cumsum([0] + [len(v or b"") for v in values])
-        group.create_dataset("data", data=np.frombuffer(data, np.uint8), chunks=True, compression="gzip")
-        group.create_dataset("offsets", data=ends.astype(np.int64))
+        tables = {"offsets": np.cumsum([0] + [len(v or b"") for v in values]).astype("<i8")}
         if presence:
-            group.create_dataset("present", data=np.array([v is not None for v in values], np.uint8))
+            tables["present"] = np.array([v is not None for v in values], np.uint8)
+        tables["xxh3"] = np.array([0 if v is None else xxhash.xxh3_64_intdigest(v) for v in values], "<u8")
+        group.create_dataset("data", data=np.frombuffer(data, np.uint8), chunks=True, compression="gzip")
+        for name, table in tables.items():
+            group.create_dataset(name, data=table)
+            tables_hash.update(table.tobytes())
 
     with h5py.File(path, "w") as f:
-        f.attrs["streamload"] = json.dumps({"format": "streamload-hdf5", "version": 1, "num_samples": 12,
-                                            "fields": names})
         column(f.create_group("keys"), [s["__key__"].encode() for s in samples], presence=False)
         for j, name in enumerate(names):
             column(f.create_group(f"fields/{j}"), [s.get(name) for s in samples], presence=True)
+        meta = json.dumps({"format": "streamload-hdf5", "version": 1, "num_samples": 12, "fields": names,
+                           "tables_xxh3": f"{tables_hash.intdigest():016x}"})
+        f.attrs["streamload"] = meta
+        f.attrs["streamload_xxh3"] = f"{xxhash.xxh3_64_intdigest(meta.encode()):016x}"
     entry = ShardEntry(name="foreign.h5", num_bytes=path.stat().st_size, num_samples=12)
     reader = get_format("hdf5").reader(str(path), entry)
     try:

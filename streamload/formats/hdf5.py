@@ -4,13 +4,20 @@ Layout of a shard (no variable-length data: HDF5 filters skip vlen data and vlen
 are slow)::
 
     /                       attribute "streamload": JSON {"format": "streamload-hdf5",
-                            "version": 1, "num_samples": n, "fields": [name, ...]}
+                            "version": 1, "num_samples": n, "fields": [name, ...],
+                            "tables_xxh3": hex}; attribute "streamload_xxh3": its hex xxh3_64
     /keys/data              uint8[...]   the keys, UTF-8, concatenated
     /keys/offsets           int64[n + 1] key i is data[offsets[i]:offsets[i + 1]]
+    /keys/xxh3              uint64[n]    xxh3_64 of each key
     /fields/<j>/data        uint8[...]   field j's bytes of every sample, concatenated
     /fields/<j>/offsets     int64[n + 1]
     /fields/<j>/present     uint8[n]     1 if sample i has field j (an empty field is
                                          present with zero bytes; a missing one is 0)
+    /fields/<j>/xxh3        uint64[n]    xxh3_64 of each sample's bytes of field j
+
+``tables_xxh3`` covers every offsets, present and xxh3 table (keys, then fields in
+order), so the metadata is checked when a shard opens and every field read is checked
+against its own xxh3_64: damaged bytes raise an error naming shard, sample and field.
 
 Fields are numbered in sorted name order (``fields[j]`` is the name), so any field name
 is a valid HDF5 path. Datasets are contiguous and unfiltered, object headers carry no
@@ -34,6 +41,7 @@ from typing import Any
 
 import h5py
 import numpy as np
+import xxhash
 
 from .._errors import CorruptShardError, SampleError, ShardNotFoundError
 from ..manifest import ShardEntry
@@ -53,12 +61,30 @@ class _Column:
         self.data = bytearray()
         self.ends = [0] * samples_before
         self.present = [0] * samples_before
+        self.hashes = [0] * samples_before
 
     def add(self, value: bytes | None) -> None:
         if value is not None:
             self.data += value
         self.ends.append(len(self.data))
         self.present.append(0 if value is None else 1)
+        self.hashes.append(0 if value is None else xxhash.xxh3_64_intdigest(value))
+
+    def tables(self, presence: bool) -> dict[str, np.ndarray[Any, Any]]:
+        """The column's small tables, in the order :func:`_tables_digest` hashes them."""
+        out = {"offsets": np.asarray([0, *self.ends], dtype="<i8")}
+        if presence:
+            out["present"] = np.asarray(self.present, dtype=np.uint8)
+        out["xxh3"] = np.asarray(self.hashes, dtype="<u8")
+        return out
+
+
+def _tables_digest(tables: list[np.ndarray[Any, Any]]) -> str:
+    """Hex xxh3_64 over the tables' little-endian bytes, in order."""
+    hasher = xxhash.xxh3_64()
+    for table in tables:
+        hasher.update(np.ascontiguousarray(table).tobytes())
+    return f"{hasher.intdigest():016x}"
 
 
 def _create(group: h5py.Group, name: str, data: np.ndarray[Any, Any]) -> None:
@@ -88,22 +114,22 @@ class Hdf5ShardWriter(ShardWriter):
     def finish(self) -> None:
         """Write the shard file; no sidecar."""
         names = sorted(self._columns)
-        meta = {"format": _MAGIC, "version": _VERSION, "num_samples": self.num_samples, "fields": names}
+        columns = [("keys", self._keys, self._keys.tables(presence=False))]
+        columns += [(f"fields/{j}", self._columns[name], self._columns[name].tables(presence=True))
+                    for j, name in enumerate(names)]
+        meta = {"format": _MAGIC, "version": _VERSION, "num_samples": self.num_samples, "fields": names,
+                "tables_xxh3": _tables_digest([t for _, _, tables in columns for t in tables.values()])}
+        text = json.dumps(meta, sort_keys=True)
         with h5py.File(self.path, "w", libver="earliest") as f:
-            f.attrs[_ATTR] = json.dumps(meta, sort_keys=True)
-            self._write_column(f.create_group("keys", track_order=False), self._keys, presence=False)
-            fields = f.create_group("fields")
-            for j, name in enumerate(names):
-                self._write_column(fields.create_group(str(j)), self._columns[name], presence=True)
+            f.attrs[_ATTR] = text
+            f.attrs[_ATTR + "_xxh3"] = f"{xxhash.xxh3_64_intdigest(text.encode()):016x}"
+            for path, column, tables in columns:
+                group = f.create_group(path)
+                _create(group, "data", np.frombuffer(column.data, dtype=np.uint8))  # no copy of the bytes
+                for table_name, table in tables.items():
+                    _create(group, table_name, table)
         self._columns = {}
         return None
-
-    @staticmethod
-    def _write_column(group: h5py.Group, column: _Column, presence: bool) -> None:
-        _create(group, "data", np.frombuffer(column.data, dtype=np.uint8))  # no copy of the bytes
-        _create(group, "offsets", np.asarray([0, *column.ends], dtype="<i8"))
-        if presence:
-            _create(group, "present", np.asarray(column.present, dtype=np.uint8))
 
 
 @dataclass
@@ -113,6 +139,7 @@ class _Field:
     name: str
     offsets: np.ndarray[Any, Any]
     present: np.ndarray[Any, Any]
+    hashes: list[int]
     file_offset: int | None  # contiguous, unfiltered data at this byte of the file
     dataset: Any  # the h5py dataset when file_offset is None
 
@@ -155,9 +182,13 @@ class Hdf5ShardReader(ShardReader):
         except OSError as exc:
             raise CorruptShardError(f"{name}: not a readable HDF5 file ({exc})") from exc
         try:
-            names = self._check_meta(h5.attrs.get(_ATTR))
-            keys_blob, key_bounds = self._read_keys(h5)
-            fields = [self._read_field(h5, j, field, file_size) for j, field in enumerate(names)]
+            meta = self._check_meta(h5.attrs.get(_ATTR), h5.attrs.get(_ATTR + "_xxh3"))
+            tables: list[np.ndarray[Any, Any]] = []  # in the order the writer hashed them
+            keys_blob, key_bounds = self._read_keys(h5, tables)
+            fields = [self._read_field(h5, j, field, file_size, tables) for j, field in enumerate(meta["fields"])]
+            if _tables_digest(tables) != meta.get("tables_xxh3"):
+                raise CorruptShardError(f"{name}: HDF5 offsets, presence or checksum tables are damaged")
+            self._check_keys(keys_blob, key_bounds, tables[1])
         except (KeyError, OSError, ValueError, TypeError) as exc:
             h5.close()
             if isinstance(exc, CorruptShardError):
@@ -172,14 +203,15 @@ class Hdf5ShardReader(ShardReader):
         else:
             self._h5 = h5
 
-    def _check_meta(self, raw: Any) -> list[str]:
+    def _check_meta(self, raw: Any, digest: Any) -> dict[str, Any]:
         name, n = self.entry.name, self.entry.num_samples
-        try:
-            meta = json.loads(raw) if isinstance(raw, (str, bytes)) else None
-        except ValueError as exc:
-            raise CorruptShardError(f"{name}: HDF5 attribute {_ATTR!r} is not JSON") from exc
-        if not isinstance(meta, dict) or meta.get("format") != _MAGIC:
+        if not isinstance(raw, str):
             raise CorruptShardError(f"{name}: not a streamload HDF5 shard (no {_ATTR!r} attribute)")
+        if digest != f"{xxhash.xxh3_64_intdigest(raw.encode()):016x}":
+            raise CorruptShardError(f"{name}: HDF5 attribute {_ATTR!r} does not match its checksum")
+        meta = json.loads(raw)
+        if not isinstance(meta, dict) or meta.get("format") != _MAGIC:
+            raise CorruptShardError(f"{name}: not a streamload HDF5 shard (attribute {_ATTR!r})")
         if meta.get("version") != _VERSION:
             raise CorruptShardError(f"{name}: HDF5 shard version {meta.get('version')!r}, expected {_VERSION}")
         if meta.get("num_samples") != n:
@@ -187,36 +219,51 @@ class Hdf5ShardReader(ShardReader):
         fields = meta.get("fields")
         if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
             raise CorruptShardError(f"{name}: HDF5 shard field list is damaged")
-        return fields
+        return meta
+
+    def _table(self, group: Any, name: str, dtype: str, length: int, what: str) -> np.ndarray[Any, Any]:
+        table = np.asarray(group[name][()])
+        if table.shape != (length,) or table.dtype.kind != np.dtype(dtype).kind:
+            raise CorruptShardError(f"{self.entry.name}: HDF5 {name} table of {what} has the wrong shape or type")
+        return table.astype(dtype)
 
     def _offsets(self, group: Any, what: str, data_len: int) -> np.ndarray[Any, Any]:
-        offsets = np.asarray(group["offsets"][()], dtype=np.int64)
-        n = self.entry.num_samples
-        if offsets.shape != (n + 1,) or offsets[0] != 0 or offsets[-1] != data_len or np.any(np.diff(offsets) < 0):
+        offsets = self._table(group, "offsets", "<i8", self.entry.num_samples + 1, what)
+        if offsets[0] != 0 or offsets[-1] != data_len or np.any(np.diff(offsets) < 0):
             raise CorruptShardError(f"{self.entry.name}: HDF5 offsets of {what} are inconsistent")
         return offsets
 
-    def _read_keys(self, h5: Any) -> tuple[bytes, list[int]]:
-        data = h5["keys/data"]
-        offsets = self._offsets(h5["keys"], "keys", data.shape[0])
+    def _read_keys(self, h5: Any, tables: list[np.ndarray[Any, Any]]) -> tuple[bytes, list[int]]:
+        group = h5["keys"]
+        data = group["data"]
+        offsets = self._offsets(group, "keys", data.shape[0])
+        tables += [offsets, self._table(group, "xxh3", "<u8", self.entry.num_samples, "keys")]
         return np.asarray(data[()], dtype=np.uint8).tobytes(), offsets.tolist()
 
-    def _read_field(self, h5: Any, j: int, field: str, file_size: int) -> _Field:
+    def _check_keys(self, blob: bytes, bounds: list[int], hashes: np.ndarray[Any, Any]) -> None:
+        digest = xxhash.xxh3_64_intdigest
+        for i, expected in enumerate(hashes.tolist()):
+            if digest(blob[bounds[i] : bounds[i + 1]]) != expected:
+                raise CorruptShardError(f"{self.entry.name}: HDF5 key of sample {i} does not match its checksum")
+
+    def _read_field(self, h5: Any, j: int, field: str, file_size: int, tables: list[np.ndarray[Any, Any]]) -> _Field:
         group = h5[f"fields/{j}"]
         data = group["data"]
         if data.dtype != np.uint8 or data.ndim != 1:
             raise CorruptShardError(f"{self.entry.name}: HDF5 field {field!r} is not a flat uint8 dataset")
-        offsets = self._offsets(group, f"field {field!r}", data.shape[0])
-        present = np.asarray(group["present"][()], dtype=np.uint8)
-        if present.shape != (self.entry.num_samples,):
-            raise CorruptShardError(f"{self.entry.name}: HDF5 presence table of field {field!r} is damaged")
+        n, what = self.entry.num_samples, f"field {field!r}"
+        offsets = self._offsets(group, what, data.shape[0])
+        present = self._table(group, "present", "u1", n, what)
+        hashes = self._table(group, "xxh3", "<u8", n, what)
+        tables += [offsets, present, hashes]
         where = data.id.get_offset()
         contiguous = data.chunks is None and not data.compression and where is not None
         if data.shape[0] and contiguous and where + data.shape[0] > file_size:
             raise CorruptShardError(f"{self.entry.name}: HDF5 field {field!r} runs past the end of the file")
         if not data.shape[0]:
-            return _Field(field, offsets, present, 0, None)
-        return _Field(field, offsets, present, where if contiguous else None, None if contiguous else data)
+            return _Field(field, offsets, present, hashes.tolist(), 0, None)
+        return _Field(field, offsets, present, hashes.tolist(), where if contiguous else None,
+                      None if contiguous else data)
 
     # -- reading ---------------------------------------------------------------------
 
@@ -230,20 +277,29 @@ class Hdf5ShardReader(ShardReader):
         for field in self._fields:
             if not field.present[index]:
                 continue
-            start, stop = int(field.offsets[index]), int(field.offsets[index + 1])
-            sample[field.name] = self._read(field, start, stop, key)
+            sample[field.name] = self._read(field, index)
         return sample
 
-    def _read(self, field: _Field, start: int, stop: int, key: str) -> bytes:
+    def _read(self, field: _Field, index: int) -> bytes:
+        """Read and check sample ``index``'s bytes of ``field``: one ``pread``, one xxh3."""
+        start, stop = int(field.offsets[index]), int(field.offsets[index + 1])
         if start == stop:
             return b""
         if field.file_offset is None:
-            return np.asarray(field.dataset[start:stop], dtype=np.uint8).tobytes()
-        assert self._fd is not None
-        data = os.pread(self._fd, stop - start, field.file_offset + start)
-        if len(data) != stop - start:
-            raise CorruptShardError(f"{self.entry.name}: sample {key!r} field {field.name!r} is truncated")
+            data = np.asarray(field.dataset[start:stop], dtype=np.uint8).tobytes()
+        else:
+            assert self._fd is not None
+            data = os.pread(self._fd, stop - start, field.file_offset + start)
+        self._check_bytes(field, index, data, stop - start)
         return data
+
+    def _check_bytes(self, field: _Field, index: int, data: bytes | memoryview, size: int) -> None:
+        if len(data) != size or xxhash.xxh3_64_intdigest(data) != field.hashes[index]:
+            key = self.keys_of(np.array([index]))[0]
+            what = "is truncated" if len(data) != size else "does not match its checksum (corrupt bytes)"
+            raise CorruptShardError(
+                f"{self.path}: shard {self.entry.name}, sample {key!r}, field {field.name!r} {what}"
+            )
 
     # -- batch reads (streamload.batch): sizes from the offsets, bytes by preadv ---------
 
@@ -277,18 +333,20 @@ class Hdf5ShardReader(ShardReader):
 
     def read_into(self, indices: np.ndarray[Any, Any], fields: Sequence[str], out: np.ndarray[Any, Any],
                   sizes: np.ndarray[Any, Any]) -> None:
-        """Read the fields straight into ``out``: one ``preadv`` per sample."""
+        """Read the fields straight into ``out``: one ``preadv`` and one xxh3 per sample."""
         chosen = self._choose(indices, fields).tolist()
         fd, view = self._fd, out.data
+        if fd is None:
+            raise ValueError(f"{self.entry.name}: reader is closed")
         pos = 0
         for i, j, n in zip(indices.tolist(), chosen, sizes.tolist(), strict=True):
             field = self._fields[j]
-            start = int(field.offsets[i])
-            if field.file_offset is None:
-                out[pos : pos + n] = np.frombuffer(self._read(field, start, start + n, str(i)), dtype=np.uint8)
-            elif n and fd is not None and os.preadv(fd, [view[pos : pos + n]], field.file_offset + start) != n:
-                key = self.keys_of(np.array([i]))[0]
-                raise CorruptShardError(f"{self.entry.name}: sample {key!r} field {field.name!r} is truncated")
+            if field.file_offset is None or not n:
+                out[pos : pos + n] = np.frombuffer(self._read(field, i), dtype=np.uint8)
+            else:
+                dest = view[pos : pos + n]
+                got = os.preadv(fd, [dest], field.file_offset + int(field.offsets[i]))
+                self._check_bytes(field, i, dest if got == n else dest[:got], n)
             pos += n
 
     def keys_of(self, indices: np.ndarray[Any, Any]) -> list[str]:

@@ -7,6 +7,9 @@ Layout of a shard (one unnamed database)::
     key  b"__streamload__"                JSON: {"format": "streamload-lmdb", "version": 1,
                                                  "num_samples": n, "fields": [...]}
 
+Every value is sealed with its xxh3_64 (``_record.seal``) and checked on every read, so
+flipped bytes in a sample raise an error naming the shard and sample.
+
 Index keys are 8 bytes and the two metadata keys are longer, so they never collide; they
 also sort after every index key, so the whole shard is written in key order with
 ``append=True`` (full pages, no splits to repair).
@@ -43,7 +46,7 @@ import numpy as np
 
 from .._errors import CorruptShardError, SampleError, ShardNotFoundError
 from ..manifest import ShardEntry
-from ._record import decode_record, encode_record, record_field
+from ._record import decode_record, encode_record, record_field, seal, unseal
 from .base import Format, Sample, ShardReader, ShardWriter, check_sample
 
 __all__ = ["FORMAT", "LmdbShardReader", "LmdbShardWriter", "map_size_for", "write_environment"]
@@ -119,8 +122,8 @@ class LmdbShardWriter(ShardWriter):
         meta = {"format": _MAGIC, "version": _VERSION, "num_samples": self.num_samples,
                 "fields": sorted(self._fields)}
         items = [(_INDEX.pack(i), record) for i, record in enumerate(self._records)]
-        items.append((_CATALOG_KEY, _catalog_bytes(self._keys, self._sizes)))
-        items.append((_META_KEY, json.dumps(meta, sort_keys=True).encode()))
+        items.append((_CATALOG_KEY, seal(_catalog_bytes(self._keys, self._sizes))))
+        items.append((_META_KEY, seal(json.dumps(meta, sort_keys=True).encode())))
         return items
 
     def finish(self) -> None:
@@ -194,9 +197,13 @@ class LmdbShardReader(ShardReader):
 
     def _check_meta(self, raw: Any, entries: int) -> None:
         name, n = self.entry.name, self.entry.num_samples
+        if raw is None:
+            raise CorruptShardError(f"{name}: not a streamload LMDB shard (no {_META_KEY.decode()} record)")
         try:
-            meta = json.loads(bytes(raw)) if raw is not None else None
+            meta = json.loads(bytes(unseal(raw, f"{name}: LMDB metadata record")))
         except ValueError as exc:
+            if isinstance(exc, CorruptShardError):
+                raise
             raise CorruptShardError(f"{name}: LMDB metadata record is not JSON") from exc
         if not isinstance(meta, dict) or meta.get("format") != _MAGIC:
             raise CorruptShardError(f"{name}: not a streamload LMDB shard (no {_META_KEY.decode()} record)")
@@ -213,6 +220,20 @@ class LmdbShardReader(ShardReader):
     def _where(self, index: int) -> str:
         return f"{self.entry.name}: sample {index}"
 
+    def _decode(self, value: Any, index: int) -> Sample:
+        try:
+            return decode_record(value, self._where(index))
+        except CorruptShardError as exc:
+            raise self._with_key(exc, index) from exc
+
+    def _with_key(self, exc: CorruptShardError, index: int) -> CorruptShardError:
+        """Name the damaged sample's key too, from the catalog (sealed on its own)."""
+        try:
+            key = self.catalog()[0][index]
+        except (CorruptShardError, IndexError):
+            return CorruptShardError(f"{self.path}: {exc}")
+        return CorruptShardError(f"{self.path}: {exc}; key {key!r}")
+
     def get(self, index: int) -> Sample:
         """Return sample ``index`` (one B-tree lookup, one copy out of the map)."""
         self._check_index(index)
@@ -223,7 +244,7 @@ class LmdbShardReader(ShardReader):
             raise CorruptShardError(f"{self._where(index)}: LMDB read failed ({exc})") from exc
         if value is None:
             raise CorruptShardError(f"{self._where(index)} is missing from the LMDB shard")
-        return decode_record(value, self._where(index))
+        return self._decode(value, index)
 
     def iter_range(self, start: int, stop: int) -> Iterator[Sample]:
         """Yield samples ``start..stop-1`` walking one cursor through the B-tree."""
@@ -239,7 +260,7 @@ class LmdbShardReader(ShardReader):
             for index in range(start, stop):
                 if not found or bytes(cursor.key()) != _INDEX.pack(index):
                     raise CorruptShardError(f"{self._where(index)} is missing from the LMDB shard")
-                sample = decode_record(cursor.value(), self._where(index))
+                sample = self._decode(cursor.value(), index)
                 found = cursor.next()
                 yield sample
         except lmdb.Error as exc:
@@ -256,7 +277,10 @@ class LmdbShardReader(ShardReader):
         value = txn.get(_INDEX.pack(index))
         if value is None:
             raise CorruptShardError(f"{self._where(index)} is missing from the LMDB shard")
-        key, view = record_field(value, fields, self._where(index))
+        try:
+            key, view = record_field(value, fields, self._where(index))
+        except CorruptShardError as exc:
+            raise self._with_key(exc, index) from exc
         if view is None:
             raise SampleError(f"{self.entry.name}: sample {key!r} has none of the fields {tuple(fields)}")
         return view
@@ -296,8 +320,8 @@ class LmdbShardReader(ShardReader):
 
     def _read_catalog(self) -> tuple[list[str], list[int]]:
         name, n = self.entry.name, self.entry.num_samples
-        raw = self._transaction().get(_CATALOG_KEY)
-        raw = bytes(raw) if raw is not None else b""
+        sealed = self._transaction().get(_CATALOG_KEY)
+        raw = bytes(unseal(sealed, f"{name}: LMDB catalog record")) if sealed is not None else b""
         head = _INDEX.size + 8 * n + 8 * (n + 1)
         if len(raw) < head or _INDEX.unpack_from(raw)[0] != n:
             raise CorruptShardError(f"{name}: LMDB catalog record is missing or damaged")
