@@ -20,7 +20,7 @@ from streamload import StreamingDataset, StreamloadError
 from streamload.writer import DatasetWriter
 
 EXAMPLES = int(os.environ.get("STREAMLOAD_FUZZ_EXAMPLES", "120"))
-FORMATS = ["tar"]
+FORMATS = ["tar", "lmdb", "hdf5"]
 
 
 def _samples() -> list[dict[str, object]]:
