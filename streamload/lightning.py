@@ -87,6 +87,11 @@ class StreamingDataModule(pl.LightningDataModule):
         num_workers: DataLoader worker processes per rank.
         transform: Sample transform of the training set, e.g. :class:`~streamload.ImageLabel`.
         eval_transform: Transform of the validation and test sets (default: ``transform``).
+        collate: Make whole batches in the workers, e.g.
+            ``DecodeBatch(224, crop="random", flip=True)`` (see :mod:`streamload.batch`):
+            batches then cross to the main process as shared-memory tensors without a
+            copy, and the DataLoader does not batch again (``batch_size=None``).
+        eval_collate: Batch maker of the validation and test sets (default: ``collate``).
         shuffle: Shuffle the training set (validation and test are read in order).
         seed: Shuffle seed; with the epoch it fixes the order on every rank.
         loader: Other DataLoader settings.
@@ -110,6 +115,8 @@ class StreamingDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         transform: Callable[[Any], Any] | None = None,
         eval_transform: Callable[[Any], Any] | None = None,
+        collate: Callable[[list[Any]], Any] | None = None,
+        eval_collate: Callable[[list[Any]], Any] | None = None,
         shuffle: bool = True,
         seed: int = 0,
         loader: LoaderOptions | None = None,
@@ -120,7 +127,7 @@ class StreamingDataModule(pl.LightningDataModule):
             raise ConfigError(f"{batch_size=} must be >= 1")
         if num_workers < 0:
             raise ConfigError(f"{num_workers=} must be >= 0")
-        reserved = {"shuffle", "seed", "transform", "rank", "world_size", "batch_size"}
+        reserved = {"shuffle", "seed", "transform", "collate", "rank", "world_size", "batch_size"}
         clash = reserved & set(dataset_options or {})
         if clash:
             raise ConfigError(f"dataset_options may not set {sorted(clash)}; use the arguments of the same name")
@@ -129,9 +136,13 @@ class StreamingDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.transform = transform
         self.eval_transform = transform if eval_transform is None else eval_transform
+        self.collate = collate
+        self.eval_collate = collate if eval_collate is None else eval_collate
+        self.loader = loader or LoaderOptions()
+        if collate is not None and self.loader.collate_fn is not None:
+            raise ConfigError("pass either collate= (batches made by the dataset) or LoaderOptions(collate_fn=)")
         self.shuffle = shuffle
         self.seed = seed
-        self.loader = loader or LoaderOptions()
         self.dataset_options = dict(dataset_options or {})
         self.datasets: dict[str, StreamingDataset] = {}
 
@@ -168,6 +179,7 @@ class StreamingDataModule(pl.LightningDataModule):
             shuffle=self.shuffle and train,
             seed=self.seed,
             transform=self.transform if train else self.eval_transform,
+            collate=self.collate if train else self.eval_collate,
             batch_size=self.batch_size,  # workers take whole batches in turn: no ragged batches
             rank=rank,
             world_size=world_size,
@@ -225,7 +237,8 @@ class StreamingDataModule(pl.LightningDataModule):
             loader_class = StatefulDataLoader
         return loader_class(
             dataset,
-            batch_size=self.batch_size,
+            # With a collate the dataset yields whole batches: the loader must not batch again.
+            batch_size=None if dataset.collate is not None else self.batch_size,
             num_workers=self.num_workers,
             pin_memory=opts.pin_memory,
             persistent_workers=opts.persistent_workers and workers,

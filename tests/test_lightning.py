@@ -249,6 +249,21 @@ def test_datamodule_outside_a_trainer_builds_loaders(dataset: tuple[Path, set[st
         StreamingDataModule(data, dataset_options={"shuffle": True})
 
 
+def test_datamodule_with_batches_made_in_the_workers(dataset: tuple[Path, set[str]]) -> None:
+    from streamload.decode import DecodeBatch
+    from streamload.lightning import StreamingDataModule
+
+    data, _ = dataset
+    dm = StreamingDataModule(data, data, batch_size=BATCH, num_workers=2, collate=DecodeBatch(8), shuffle=False)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    batches = [(images.clone(), labels.clone()) for images, labels in loader]
+    assert len(loader) == len(batches) == -(-NUM_SAMPLES // BATCH)
+    assert all(images.shape[1:] == (3, 8, 8) and images.dtype == torch.uint8 for images, _ in batches)
+    labels = torch.cat([labels for _, labels in batches])
+    assert torch.bincount(labels).tolist() == [NUM_SAMPLES // 3] * 3
+
+
 def test_import_streamload_without_lightning() -> None:
     # A meta-path finder that hides lightning, as if the extra were not installed.
     code = """

@@ -106,10 +106,6 @@ def _for_test_server(code: str, request: pytest.FixtureRequest, env: dict[str, s
         import tests.s3server  # noqa: F401
     except ImportError as exc:  # pragma: no cover - the S3 test server is part of the suite
         pytest.skip(f"marked `needs: s3` and tests/s3server.py is not importable: {exc}")
-    import importlib.util
-
-    if importlib.util.find_spec("streamload.storage.remote") is None:  # TEMPORARY, until s3:// lands
-        pytest.skip("marked `needs: s3` and streamload.storage.remote (s3:// support) does not exist yet")
     server = request.getfixturevalue("s3_server")
     assert README_ENDPOINT in code, "an s3 block should use the README's local endpoint"
     env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"] = server.key, server.secret
@@ -117,10 +113,46 @@ def _for_test_server(code: str, request: pytest.FixtureRequest, env: dict[str, s
     return code.replace(README_ENDPOINT, server.endpoint_url).replace(README_CREDENTIALS, credentials)
 
 
+class Reader:
+    """Runs the README's blocks in order in one directory, as a reader following it would."""
+
+    def __init__(self, workspace: Path) -> None:
+        self.workspace = workspace
+        self.done: set[int] = set()
+
+    def run_through(self, block: Block, request: pytest.FixtureRequest) -> None:
+        """Run every earlier block not run yet (their files are the input of later ones), then ``block``."""
+        for earlier in RUNNABLE:
+            if earlier.index >= block.index:
+                break
+            if earlier.index not in self.done and not _no_run(earlier):
+                self._run(earlier, request, f"(an earlier block, needed by the one at line {block.line}) ")
+        self._run(block, request)
+
+    def _run(self, block: Block, request: pytest.FixtureRequest, context: str = "") -> None:
+        env = _env()
+        code = _for_test_server(block.code, request, env) if _needs_s3(block) else block.code
+        suffix = ".py" if block.language == "python" else ".sh"
+        script = self.workspace / f"readme_block_{block.index:02d}{suffix}"
+        script.write_text(code, encoding="utf-8")
+        cmd = [sys.executable, script.name] if suffix == ".py" else ["bash", "-euo", "pipefail", script.name]
+        proc = subprocess.run(cmd, cwd=self.workspace, env=env, capture_output=True, text=True, timeout=540)
+        self.done.add(block.index)
+        assert proc.returncode == 0, (
+            f"README block at line {block.line} {context}failed ({proc.returncode}):\n{code}\n"
+            f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+        )
+
+
+@pytest.fixture(scope="module")
+def reader(workspace: Path) -> Reader:
+    return Reader(workspace)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
-def test_readme_block_runs(block: Block, workspace: Path, request: pytest.FixtureRequest) -> None:
+def test_readme_block_runs(block: Block, reader: Reader, request: pytest.FixtureRequest) -> None:
     if _no_run(block):
         reason = re.match(r"<!-- readme-test: no-run \((.+)\) -->", block.marker)
         assert reason, f"line {block.line}: a no-run marker must give its reason in parentheses"
@@ -128,17 +160,7 @@ def test_readme_block_runs(block: Block, workspace: Path, request: pytest.Fixtur
             assert any(p.match(line) for p in NO_RUN_ALLOWED), f"line {block.line}: may not skip {line!r}"
         return
     assert block.marker == "" or _needs_s3(block), f"line {block.line}: unknown marker {block.marker!r}"
-    env = _env()
-    code = _for_test_server(block.code, request, env) if _needs_s3(block) else block.code
-    suffix = ".py" if block.language == "python" else ".sh"
-    script = workspace / f"readme_block_{block.index:02d}{suffix}"
-    script.write_text(code, encoding="utf-8")
-    cmd = [sys.executable, script.name] if suffix == ".py" else ["bash", "-euo", "pipefail", script.name]
-    proc = subprocess.run(cmd, cwd=workspace, env=env, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, (
-        f"README block at line {block.line} failed ({proc.returncode}):\n{code}\n"
-        f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
-    )
+    reader.run_through(block, request)
 
 
 def test_readme_keeps_the_two_commands() -> None:
