@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -58,6 +58,10 @@ _BASE, _OFFSET, _SLOTS = 0, 1, 2
 _OPEN_READERS = 8
 #: ... and at most (file descriptors).
 _MAX_OPEN_READERS = 64
+#: Shards named to a remote storage's read-ahead (it fetches its own `read_ahead` of them),
+#: and how many shard changes ahead to look for them (a shuffle window revisits shards).
+_READ_AHEAD_SHARDS = 4
+_READ_AHEAD_SCAN = 64
 
 OnError = Literal["raise", "skip"]
 
@@ -324,7 +328,9 @@ class StreamingDataset(IterableDataset[Any]):
     def _iter_plan(self, plan: EpochPlan, world: World, progress: _Progress) -> Iterator[Any]:
         self._commit_epoch(world.worker)
         storage = self._get_storage()
-        readers = _ReaderCache(self, storage, self._readers_needed(plan))
+        capacity = self._readers_needed(plan)
+        bound = storage.max_open(max((_with_sidecar(s) for s in self.manifest.shards), default=0))
+        readers = _ReaderCache(self, storage, capacity if bound is None else max(1, min(capacity, bound)))
         start = progress.next_item
         ahead = plan.worker_shards(world, start)
         try:
@@ -335,13 +341,28 @@ class StreamingDataset(IterableDataset[Any]):
                 for run in runs:
                     yield from self._read_run(readers, run, progress)
         finally:
+            if storage.prefetches:
+                storage.prefetch(())  # cancel read-ahead: the epoch ended or was abandoned
             readers.close()
 
     def _prefetching(self, runs: Iterator[Run], storage: Storage, readers: _ReaderCache,
                      ahead: Iterator[int]) -> Iterator[Run]:
+        """Pass ``runs`` through; when a run opens a shard, tell the storage which shards
+        come next. ``ahead`` yields one shard per change of shard in ``runs`` (the same
+        plan), so the two stay in step; ``upcoming`` holds what was read from it early."""
+        upcoming: deque[int] = deque()
+        current = -1
         for run in runs:
-            if storage.prefetches and run.shard not in readers:
-                storage.prefetch(self.manifest.shards[s] for s in _take_after(ahead, run.shard, 4))
+            if run.shard != current:
+                current = run.shard
+                if upcoming:
+                    upcoming.popleft()  # == run.shard
+                else:
+                    next(ahead, None)
+                if storage.prefetches and run.shard not in readers:
+                    wanted = _next_shards(upcoming, ahead, readers, current, _READ_AHEAD_SHARDS)
+                    if wanted:
+                        storage.prefetch([self.manifest.shards[s] for s in wanted])
             yield run
 
     def _read_batches(self, readers: _ReaderCache, runs: Iterator[Run], progress: _Progress) -> Iterator[Any]:
@@ -433,6 +454,30 @@ class StreamingDataset(IterableDataset[Any]):
             f"StreamingDataset({self.source!r}, format={self.manifest.format!r}, "
             f"samples={self.num_samples}, shards={len(self.manifest.shards)}, shuffle={self.shuffle})"
         )
+
+
+def _with_sidecar(entry: ShardEntry) -> int:
+    return entry.num_bytes + (entry.sidecar.num_bytes if entry.sidecar else 0)
+
+
+def _next_shards(upcoming: deque[int], ahead: Iterator[int], readers: _ReaderCache, current: int,
+                 count: int) -> list[int]:
+    """Return up to ``count`` distinct shards, in order of first use, that come after
+    ``current`` and are not open; reads ``ahead`` into ``upcoming`` as far as needed
+    (at most :data:`_READ_AHEAD_SCAN` shard changes)."""
+    out: list[int] = []
+    index = 0
+    while len(out) < count and index < _READ_AHEAD_SCAN:
+        if index == len(upcoming):
+            shard = next(ahead, None)
+            if shard is None:
+                break
+            upcoming.append(shard)
+        shard = upcoming[index]
+        index += 1
+        if shard != current and shard not in out and shard not in readers:
+            out.append(shard)
+    return out
 
 
 def _take_after(ahead: Iterator[int], current: int, count: int) -> list[int]:

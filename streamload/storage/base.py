@@ -47,7 +47,17 @@ class Storage(ABC):
         """Tell the storage the local copy of ``entry`` is no longer in use."""
 
     def prefetch(self, entries: Iterable[FileEntry]) -> None:  # noqa: B027 - optional hook
-        """Start fetching ``entries`` in the background (remote storages)."""
+        """Start fetching ``entries`` (the next shards, in order of use) in the background.
+
+        Each call replaces the read-ahead window; an empty iterable cancels read-ahead.
+        """
+
+    def max_open(self, largest: int) -> int | None:
+        """Return how many shards of ``largest`` bytes a reader may keep acquired at once.
+
+        ``None`` means no bound. A bounded cache needs readers to release shards to make room.
+        """
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop background work and release resources."""
