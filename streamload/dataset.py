@@ -347,9 +347,11 @@ class StreamingDataset(IterableDataset[Any]):
 
     def _prefetching(self, runs: Iterator[Run], storage: Storage, readers: _ReaderCache,
                      ahead: Iterator[int]) -> Iterator[Run]:
-        """Pass ``runs`` through; when a run opens a shard, tell the storage which shards
-        come next. ``ahead`` yields one shard per change of shard in ``runs`` (the same
-        plan), so the two stay in step; ``upcoming`` holds what was read from it early."""
+        """Pass ``runs`` through; when a run opens a shard, tell the storage which come next.
+
+        ``ahead`` yields one shard per change of shard in ``runs`` (the same plan), so the
+        two stay in step; ``upcoming`` holds what was read from it early.
+        """
         upcoming: deque[int] = deque()
         current = -1
         for run in runs:
@@ -462,9 +464,11 @@ def _with_sidecar(entry: ShardEntry) -> int:
 
 def _next_shards(upcoming: deque[int], ahead: Iterator[int], readers: _ReaderCache, current: int,
                  count: int) -> list[int]:
-    """Return up to ``count`` distinct shards, in order of first use, that come after
-    ``current`` and are not open; reads ``ahead`` into ``upcoming`` as far as needed
-    (at most :data:`_READ_AHEAD_SCAN` shard changes)."""
+    """Return up to ``count`` distinct unopened shards that come after ``current``.
+
+    In order of first use; reads ``ahead`` into ``upcoming`` as far as needed (at most
+    :data:`_READ_AHEAD_SCAN` shard changes).
+    """
     out: list[int] = []
     index = 0
     while len(out) < count and index < _READ_AHEAD_SCAN:
