@@ -190,7 +190,11 @@ class StreamingDataset(IterableDataset[Any]):
         return self.manifest.num_samples
 
     def __len__(self) -> int:
-        """Samples this rank yields per epoch (batches, with ``collate``); the world is detected now."""
+        """Samples this rank yields per epoch (batches, with ``collate``); the world is detected now.
+
+        This is a whole epoch's count; an epoch resumed by :meth:`load_state_dict` yields
+        only its unseen rest.
+        """
         _, world_size = detect_rank_world(self.rank, self.world_size, self._inherited_world)
         per_rank = samples_per_rank(self.num_samples, world_size, self.drop_last)
         if self.collate is not None and self.batch_size is not None:
