@@ -10,7 +10,7 @@ Random access comes from a sidecar ``<shard>.idx`` (little-endian, no pickle)::
 
     magic  b"SLTARIX1"
     u64 x 6   n_samples, n_members, n_fields, names_len, keys_len, reserved
-    names     field names, UTF-8, "\\n"-joined, padded to 8 bytes
+    names     field names, UTF-8, newline-joined, padded to 8 bytes
     u64[n+1]  sample_start   byte offset of a sample's first header; [n] = end of data
     u64[n+1]  sample_member  index of a sample's first member;       [n] = n_members
     u64[n+1]  key_offset     offsets into the key blob
@@ -267,7 +267,9 @@ class TarShardReader(ShardReader):
             data = os.pread(fd, n, offset[j])
             if len(data) != n or xxhash.xxh3_64_intdigest(data) != self._hash[j]:
                 what = "is truncated" if len(data) != n else "does not match its checksum (corrupt bytes)"
-                raise CorruptShardError(f"{self.path}: shard {self.entry.name}, sample {key!r}, field {names[field[j]]!r} {what}")
+                raise CorruptShardError(
+                    f"{self.path}: shard {self.entry.name}, sample {key!r}, field {names[field[j]]!r} {what}"
+                )
             sample[names[field[j]]] = data
         return sample
 
@@ -325,7 +327,7 @@ class TarShardReader(ShardReader):
         found = cache.get(key)
         if found is None:
             counts = np.diff(np.frombuffer(self._member, dtype=np.uint64).astype(np.int64))
-            sample_of = np.repeat(np.arange(len(counts)), counts)
+            sample_of = np.repeat(np.arange(len(counts)), np.asarray(counts, dtype=np.int64))
             field_ids = np.frombuffer(self._field, dtype=np.uint32)
             found = np.full(len(counts), -1, dtype=np.int64)
             for name in reversed(key):  # earlier fields win
@@ -338,7 +340,7 @@ class TarShardReader(ShardReader):
     def _batch_members(self, indices: np.ndarray, fields: Sequence[str]) -> np.ndarray:
         if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= self.entry.num_samples):
             raise IndexError(f"{self.entry.name}: sample indices out of range [0, {self.entry.num_samples})")
-        members = self._members_of(fields)[indices]
+        members: np.ndarray = self._members_of(fields)[indices]
         missing = np.flatnonzero(members < 0)
         if len(missing):
             key = self.keys_of(indices[missing[:1]])[0]
@@ -348,7 +350,8 @@ class TarShardReader(ShardReader):
     def field_sizes(self, indices: np.ndarray, fields: Sequence[str]) -> np.ndarray:
         """Return the sizes of each sample's first present field of ``fields``, from the sidecar."""
         members = self._batch_members(indices, fields)
-        return np.frombuffer(self._msize, dtype=np.uint64)[members].astype(np.int64)
+        sizes: np.ndarray = np.frombuffer(self._msize, dtype=np.uint64)[members].astype(np.int64)
+        return sizes
 
     def read_into(self, indices: np.ndarray, fields: Sequence[str], out: np.ndarray, sizes: np.ndarray) -> None:
         """Read the fields straight into ``out``: one ``preadv`` per sample, checksum checked."""
@@ -358,7 +361,7 @@ class TarShardReader(ShardReader):
         members = self._batch_members(indices, fields)
         offsets = np.frombuffer(self._offset, dtype=np.uint64)[members].tolist()
         digests = np.frombuffer(self._hash, dtype=np.uint64)[members].tolist()
-        view = memoryview(out)
+        view = out.data
         pos = 0
         preadv, digest = os.preadv, xxhash.xxh3_64_intdigest
         for k, n in enumerate(sizes.tolist()):
@@ -464,8 +467,11 @@ def iter_members(path: str, shard_name: str) -> Iterator[tuple[str, int, int, in
 
 
 def split_name(name: str) -> tuple[str, str] | None:
-    """Split a member name into WebDataset ``(key, field)``: the field starts at the first dot
-    of the last path component. Returns ``None`` if there is no such dot."""
+    """Split a member name into WebDataset ``(key, field)``.
+
+    The field starts at the first dot of the last path component. Returns ``None`` if
+    there is no such dot.
+    """
     slash = name.rfind("/") + 1
     dot = name.find(".", slash)
     if dot <= slash:
