@@ -100,7 +100,9 @@ def test_shuffle_mixes_shards_within_the_window() -> None:
 
 def test_default_window_is_wider_than_a_shard_and_bounded() -> None:
     assert EpochPlan([10_000, 500], 1, Split(shuffle=True)).window == 40_000
-    assert EpochPlan([10] * 5, 1, Split(shuffle=True)).window == 4096
+    assert EpochPlan([1000] * 50, 1, Split(shuffle=True)).window == 4096
+    assert EpochPlan([10] * 5, 1, Split(shuffle=True)).window == 320  # 32 shards at most
+    assert EpochPlan([0, 0], 1, Split(shuffle=True)).window == 1
     assert EpochPlan([10**7], 1, Split(shuffle=True)).window == 2**20
 
 

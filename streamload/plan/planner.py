@@ -26,9 +26,11 @@ contiguous runs of the epoch sequence, so reads stay sequential.
 
 **The shuffle window.** With ``shuffle=True`` the shard order changes every epoch and,
 inside each rank's block, items are permuted within consecutive windows of ``window``
-items. The default window is four times the largest shard, at least 4096 items and at
-most 2**20 items, so a batch mixes samples of about four (or more) shards while a worker
-keeps only the shards of one window open. Samples never move between windows, so the
+items. The default window (:func:`default_window`) is four times the largest shard,
+raised towards 4096 items for small shards (but to no more than 32 average shards, the
+files a worker then keeps open) and capped at 2**20 items (8 MB of permutation), so a
+batch mixes samples of four or more shards while a worker keeps only the shards of one
+window open. Samples never move between windows, so the
 order is "locally uniform": two samples more than one window apart keep their order.
 
 **Resumed epochs (stages).** An epoch interrupted after ``G`` samples (global count, all
@@ -63,6 +65,8 @@ __all__ = ["DEFAULT_WINDOW_RANGE", "EpochPlan", "Run", "Split", "Stage", "defaul
 _SLICE = 1 << 16
 #: Bounds of the default shuffle window, in items.
 DEFAULT_WINDOW_RANGE = (4096, 1 << 20)
+#: Most average-sized shards the raised minimum window may span (shards open per worker).
+_MAX_WINDOW_SHARDS = 32
 #: Window permutations kept per stage (a worker's chunks touch one or two windows at a time).
 _PERM_CACHE = 4
 
@@ -141,10 +145,17 @@ def samples_per_rank(total: int, world_size: int, drop_last: bool) -> int:
 
 
 def default_window(shard_counts: Sequence[int]) -> int:
-    """Return the default shuffle window: 4x the largest shard, clamped to :data:`DEFAULT_WINDOW_RANGE`."""
-    biggest = max((int(c) for c in shard_counts), default=0)
+    """Return the default shuffle window in items.
+
+    Four times the largest shard; for small shards at least ``DEFAULT_WINDOW_RANGE[0]``
+    items or 32 average shards, whichever is smaller; at most ``DEFAULT_WINDOW_RANGE[1]``.
+    """
+    counts = [int(c) for c in shard_counts]
+    biggest = max(counts, default=0)
+    mean = sum(counts) / len(counts) if counts else 0.0
     low, high = DEFAULT_WINDOW_RANGE
-    return min(max(4 * biggest, low), high)
+    raised = min(low, math.ceil(_MAX_WINDOW_SHARDS * mean))
+    return max(1, min(max(4 * biggest, raised), high))
 
 
 def _rng(*words: int) -> np.random.Generator:
