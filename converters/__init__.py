@@ -5,6 +5,7 @@ Installed as ``streamload.converters``.
 
 from __future__ import annotations
 
+from .dataset_source import DatasetSource
 from .engine import ConvertOptions, ConvertReport, convert, plan_shards
 from .imagefolder import IMAGE_EXTENSIONS, ImageFolderSource, path_to_key
 from .source import Item, ScanResult, Source
@@ -13,6 +14,7 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "ConvertOptions",
     "ConvertReport",
+    "DatasetSource",
     "ImageFolderSource",
     "Item",
     "ScanResult",
@@ -32,10 +34,6 @@ def open_source(src: str, storage_options: dict[str, object] | None = None) -> S
         import os
 
         if os.path.isfile(os.path.join(local_path_of(src), "index.json")):
-            from .dataset_source import DatasetSource
-
             return DatasetSource(src, storage_options)
         return ImageFolderSource(local_path_of(src))
-    from .dataset_source import DatasetSource
-
     return DatasetSource(src, storage_options)
