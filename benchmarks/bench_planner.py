@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     print(f"one worker: rank {RANK}/{RANKS}, worker {WORKER}/{WORKERS}, {SHARDS} shards")
-    print(f"{'samples':>11} {'case':<34} {'first run':>10} {'all runs':>10} {'peak MB':>8} {'runs':>7} {'samples':>8}")
+    print(f"{'samples':>11} {'case':<36} {'first run':>10} {'all runs':>10} {'peak MB':>8} {'runs':>7} {'samples':>8}")
     for total in (10**6, 10**8):
         counts = shard_counts(total)
         per_rank = -(-total // RANKS)
@@ -83,7 +83,7 @@ def main() -> None:
         ]
         for name, split, stages, world_size in cases:
             r = measure(counts, split, stages, world_size, args.repeat)
-            print(f"{total:>11,} {name:<34} {r['first_ms']:>8.2f}ms {r['all_ms']:>8.1f}ms "
+            print(f"{total:>11,} {name:<36} {r['first_ms']:>8.2f}ms {r['all_ms']:>8.1f}ms "
                   f"{r['peak_mb']:>8.2f} {r['runs']:>7} {r['samples']:>8}")
 
 

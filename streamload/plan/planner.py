@@ -162,7 +162,7 @@ def _rng(*words: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([w & 0xFFFFFFFFFFFFFFFF for w in words]))
 
 
-class _Stage:
+class _RankSplit:
     """One world's split of a parent sequence of ``parent_len`` items into rank orders."""
 
     def __init__(self, parent_len: int, world_size: int, per_rank: int, window: int | None,
@@ -187,6 +187,8 @@ class _Stage:
 
     def _permute(self, ranks: np.ndarray, items: np.ndarray) -> np.ndarray:
         assert self.window is not None
+        if len(items) == 0:
+            return items
         size = self.window
         windows = items // size
         keys = ranks * (self.per_rank // size + 1) + windows
@@ -246,12 +248,12 @@ class EpochPlan:
         #: Items every rank yields in this (stage of the) epoch.
         self.per_rank = top.per_rank
 
-    def _build_levels(self) -> list[_Stage]:
+    def _build_levels(self) -> list[_RankSplit]:
         split = self.split
         worlds = [s.world_size for s in self.stages] + [self.world_size]
         first = worlds[0]
         window = self.window if split.shuffle else None
-        levels = [_Stage(self.total, first, samples_per_rank(self.total, first, split.drop_last), window,
+        levels = [_RankSplit(self.total, first, samples_per_rank(self.total, first, split.drop_last), window,
                          (split.seed, split.epoch))]
         previous_seen = 0
         for stage, world_size in zip(self.stages, worlds[1:], strict=True):
@@ -259,12 +261,12 @@ class EpochPlan:
             done, rest = self._stage_progress(prev, stage, previous_seen)
             remaining = prev.world_size * rest
             per_rank = samples_per_rank(remaining, world_size, False)
-            levels.append(_Stage(remaining, world_size, per_rank, None, (), consumed_below=done))
+            levels.append(_RankSplit(remaining, world_size, per_rank, None, (), consumed_below=done))
             previous_seen = stage.samples_seen
         return levels
 
     @staticmethod
-    def _stage_progress(prev: _Stage, stage: Stage, previous_seen: int) -> tuple[int, int]:
+    def _stage_progress(prev: _RankSplit, stage: Stage, previous_seen: int) -> tuple[int, int]:
         seen = stage.samples_seen - previous_seen
         if seen < 0 or seen % prev.world_size:
             raise PlanError(
