@@ -60,3 +60,73 @@ def dataset(num_images: int, fmt: str, samples_per_shard: int = 1000, seed: int 
     convert(src, root, ConvertOptions(format=fmt, samples_per_shard=samples_per_shard, workers=2,
                                       progress=False, hash_algorithm="xxh3_128"))
     return root
+
+
+def folder_items(folder: str) -> list[tuple[str, int]]:
+    """``(path, label)`` of every image of the folder, sorted (labels from the class folder order)."""
+    classes = sorted(d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d)))
+    out = []
+    for label, cls in enumerate(classes):
+        for name in sorted(os.listdir(os.path.join(folder, cls))):
+            if name.endswith(".jpg"):
+                out.append((os.path.join(folder, cls, name), label))
+    return out
+
+
+def folder_stats(folder: str) -> dict[str, float]:
+    sizes = np.array([os.path.getsize(p) for p, _ in folder_items(folder)])
+    return {"count": int(len(sizes)), "mean_bytes": float(sizes.mean()), "median_bytes": float(np.median(sizes)),
+            "min_bytes": float(sizes.min()), "max_bytes": float(sizes.max()), "total_bytes": float(sizes.sum())}
+
+
+def histogram(paths: dict[str, str]) -> list[int]:
+    labels = [label for _, label in folder_items(paths["folder"])]
+    return np.bincount(labels).tolist()
+
+
+def mds_dataset(num_images: int, seed: int = 0) -> str:
+    """The image folder as MosaicML Streaming MDS shards (``jpg`` bytes, ``cls`` int)."""
+    from streaming import MDSWriter
+
+    root = os.path.join(OUT, f"mds-{num_images}-s{seed}")
+    if os.path.exists(os.path.join(root, ".done")):
+        return root
+    with MDSWriter(out=root, columns={"jpg": "bytes", "cls": "int"}, size_limit="64mb", exist_ok=True) as writer:
+        for path, label in folder_items(image_folder(num_images, seed=seed)):
+            with open(path, "rb") as f:
+                writer.write({"jpg": f.read(), "cls": label})
+    open(os.path.join(root, ".done"), "w").close()
+    return root
+
+
+def _lit_item(item: tuple[str, int]) -> dict[str, object]:
+    path, label = item
+    with open(path, "rb") as f:
+        return {"jpg": f.read(), "cls": label}
+
+
+def litdata_dataset(num_images: int, seed: int = 0) -> str:
+    """The image folder as LitData chunks (``jpg`` bytes, ``cls`` int)."""
+    import litdata
+
+    root = os.path.join(OUT, f"litdata-{num_images}-s{seed}")
+    done = os.path.join(OUT, f".litdata-{num_images}-s{seed}.done")
+    if os.path.exists(done):
+        return root
+    items = folder_items(image_folder(num_images, seed=seed))
+    litdata.optimize(fn=_lit_item, inputs=items, output_dir=root, chunk_bytes="64MB", num_workers=1,
+                     mode="overwrite")
+    open(done, "w").close()
+    return root
+
+
+def all_datasets(num_images: int, formats: list[str], peers: list[str]) -> dict[str, str]:
+    """Every on-disk form of the ``num_images`` set the benchmark reads."""
+    out = {"folder": image_folder(num_images)}
+    for fmt in formats:
+        out[fmt] = dataset(num_images, fmt)
+    if "mosaicml-streaming" in peers:
+        out["mds"] = mds_dataset(num_images)
+    if "litdata" in peers:
+        out["litdata"] = litdata_dataset(num_images)
+    return out

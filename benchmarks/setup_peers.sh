@@ -17,7 +17,9 @@ if [ ! -x "$peers/bin/python" ]; then
 fi
 site_main="$("$main_venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 site_peers="$("$peers/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-echo "$site_main" > "$site_peers/_streamload_main_venv.pth"
+# addsitedir (not a bare path) so the main venv's own .pth files -- the editable
+# streamload install among them -- are processed too.
+echo "import site; site.addsitedir('$site_main')" > "$site_peers/_streamload_main_venv.pth"
 pip=("$peers/bin/python" -m pip install -q --no-deps)
 # The peers themselves (no torchvision, no torch from their requirements).
 "${pip[@]}" mosaicml-streaming litdata

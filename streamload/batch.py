@@ -409,33 +409,30 @@ class RawCollate:
         if not all(open_reader(shard).can_read_into for shard, _ in parts):
             samples = [open_reader(shard).get(int(i)) for shard, idx in parts for i in idx]
             return self(samples)
+        label = None if self.label_field is None else (self.label_field,)
         sizes = [open_reader(shard).field_sizes(idx, self.fields) for shard, idx in parts]
+        label_sizes = [open_reader(shard).field_sizes(idx, label) if label else None for shard, idx in parts]
         offsets = np.zeros(sum(len(s) for s in sizes) + 1, dtype=np.int64)
         np.cumsum(np.concatenate(sizes), out=offsets[1:])
         data, lease = batch_buffer(int(offsets[-1]))
         flat = data.numpy()
+        labels: list[torch.Tensor] = []
         at = 0
-        for (shard, idx), size in zip(parts, sizes, strict=True):
-            n = len(idx)
-            open_reader(shard).read_into(idx, self.fields, flat[offsets[at] : offsets[at + n]], size)
+        for (shard, idx), size, lsize in zip(parts, sizes, label_sizes, strict=True):
+            n, reader = len(idx), open_reader(shard)
+            groups = [(self.fields, flat[offsets[at] : offsets[at + n]], size)]
+            if label and lsize is not None:
+                loffsets = np.zeros(n + 1, dtype=np.int64)
+                np.cumsum(lsize, out=loffsets[1:])
+                raw = np.empty(int(loffsets[-1]), dtype=np.uint8)
+                groups.append((label, raw, lsize))
+            reader.read_groups_into(idx, groups)  # data and labels in one pass over the shard
+            if label and lsize is not None:
+                labels.append(parse_labels(raw, loffsets, _key_lookup(reader, idx), label[0]))
             at += n
-        labels = self._read_labels(open_reader, parts) if self.label_field is not None else None
         keys = tuple(k for shard, idx in parts for k in open_reader(shard).keys_of(idx)) if self.keys else None
-        return RawBatch(data, torch.from_numpy(offsets), labels, keys, lease)
-
-    def _read_labels(self, open_reader: Callable[[int], ShardReader], parts: Parts) -> torch.Tensor:
-        assert self.label_field is not None
-        fields = (self.label_field,)
-        out: list[torch.Tensor] = []
-        for shard, idx in parts:
-            reader = open_reader(shard)
-            sizes = reader.field_sizes(idx, fields)
-            offsets = np.zeros(len(idx) + 1, dtype=np.int64)
-            np.cumsum(sizes, out=offsets[1:])
-            raw = np.empty(int(offsets[-1]), dtype=np.uint8)
-            reader.read_into(idx, fields, raw, sizes)
-            out.append(parse_labels(raw, offsets, _key_lookup(reader, idx), self.label_field))
-        return torch.cat(out) if len(out) != 1 else out[0]
+        label_tensor = (torch.cat(labels) if len(labels) != 1 else labels[0]) if label else None
+        return RawBatch(data, torch.from_numpy(offsets), label_tensor, keys, lease)
 
 
 def _key_lookup(reader: ShardReader, indices: np.ndarray) -> Callable[[int], str]:

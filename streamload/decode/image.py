@@ -184,12 +184,11 @@ class ImageDecoder:
 
         if img.size != (self.width, self.height) or box != (0, 0, self.width, self.height):
             img = img.resize((self.width, self.height), Image.Resampling.BILINEAR, box=box)
-        pixels = np.asarray(img)
-        if pixels.shape[2] == 4:  # RGBX straight from libjpeg-turbo
-            pixels = pixels[:, :, :3]
         if self.flip and (rng if rng is not None else np.random.default_rng()).random() < 0.5:
-            pixels = pixels[:, ::-1]
-        out[...] = pixels
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        # Pack to RGB in C (RGBX -> RGB), then one memcpy into the slot: ~30 us, where
+        # np.asarray(img)[..., :3] costs ~0.5 ms.
+        out[...] = np.frombuffer(img.tobytes("raw", "RGB"), dtype=np.uint8).reshape(self.height, self.width, 3)
 
     def _simplejpeg(self, data: Any, rng: np.random.Generator | None) -> tuple[Any, tuple[float, ...]]:
         import simplejpeg
