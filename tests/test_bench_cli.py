@@ -9,6 +9,7 @@ import pytest
 
 from streamload.bench import BenchResult, PeakMemory, plateau, recommend
 from streamload.cli import main
+from tests.s3server import SeaweedS3, s3_bucket, s3_server  # noqa: F401 - fixtures
 
 
 def test_bench_sweeps_workers_and_plots(tar_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -56,3 +57,47 @@ def test_peak_memory_sees_an_allocation() -> None:
         block[:: 4096] = b"\x01" * len(block[:: 4096])
         during = memory.sample()
     assert during - before > 48 * 2**20 and memory.peak >= during
+
+
+def test_benchmark_rows_smoke(tmp_path: Path) -> None:
+    """benchmarks/run.py's row runner on a tiny set: streamload and a peer agree on count and labels."""
+    import sys
+
+    from streamload.converters import ConvertOptions, ImageFolderSource, convert
+
+    from streamload.synthetic import make_image_folder
+
+    bench_dir = Path(__file__).resolve().parent.parent / "benchmarks"
+    sys.path.insert(0, str(bench_dir))
+    try:
+        import _data
+        import run
+    finally:
+        sys.path.remove(str(bench_dir))
+    folder, tar = tmp_path / "img", tmp_path / "tar"
+    make_image_folder(str(folder), num_classes=3, per_class=4, size=(80, 60), seed=2)
+    convert(ImageFolderSource(str(folder)), str(tar), ConvertOptions(samples_per_shard=5, progress=False))
+    paths = {"folder": str(folder), "tar": str(tar)}
+    assert _data.histogram(paths) == [4, 4, 4]
+    for lib in ("streamload-tar", "imagefolder", "webdataset"):
+        for mode in ("bytes", "decode"):
+            spec = {"lib": lib, "mode": mode, "workers": 0, "paths": paths, "epochs": 1, "histogram": [4, 4, 4]}
+            result = run.run_row(spec)
+            assert result["ok"] and result["samples"] == 12, (lib, mode, result)
+    limit = run.raw_read_limit(str(tar), 12, repeats=1)
+    assert limit["shard_bytes"] == sum(p.stat().st_size for p in tar.glob("*.tar"))
+
+
+def test_bench_on_s3_dataset(tar_dataset: Path, s3_server: SeaweedS3, s3_bucket: str, tmp_path: Path,  # noqa: F811
+                             capsys: pytest.CaptureFixture[str]) -> None:
+    fs = s3_server.filesystem()
+    for path in sorted(tar_dataset.iterdir()):
+        fs.put_file(str(path), f"{s3_bucket}/ds/{path.name}")
+    opts = s3_server.storage_options()
+    args = ["bench", f"s3://{s3_bucket}/ds", "--workers", "0,1", "--seconds", "0.3", "--batch-size", "16", "--json",
+            "--cache-dir", str(tmp_path / "cache"), "-o", f"key={opts['key']}", "-o", f"secret={opts['secret']}",
+            "-o", f"client_kwargs.endpoint_url={opts['client_kwargs']['endpoint_url']}",
+            "-o", "client_kwargs.region_name=us-east-1"]
+    assert main(args) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert [r["workers"] for r in results] == [0, 1] and all(r["samples"] > 0 for r in results)
