@@ -58,4 +58,5 @@ def test_notebook_runs_top_to_bottom(tmp_path: Path) -> None:
     assert len(pngs) == 2
     for fmt in names:
         assert re.search(rf"^{fmt}\s+(\d+\s+){{3}}\d+$", text, re.MULTILINE), fmt
+    assert "recommended: DataLoader(num_workers=" in text  # `streamload bench` ran its sweep
     assert (tmp_path / "streamload-tutorial" / "train-tar" / "index.json").is_file()
