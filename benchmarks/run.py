@@ -165,6 +165,7 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     samples = first_n = nbytes = 0
     first = steady_start = 0.0
     ok = True
+    cpu0 = _tree_cpu_seconds()
     start = time.perf_counter()
     for _ in range(spec["epochs"]):
         hist = np.zeros(len(expected), dtype=np.int64)
@@ -192,7 +193,22 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     elapsed = time.perf_counter() - steady_start
     steady = samples - first_n
     return {"ok": ok, "samples": samples, "samples_per_s": steady / elapsed, "mb_per_s": nbytes / elapsed / 1e6,
-            "first_batch_s": first}
+            "first_batch_s": first, "cpu_s": _tree_cpu_seconds() - cpu0, "wall_s": time.perf_counter() - start}
+
+
+def _tree_cpu_seconds() -> float:
+    """CPU seconds (user + system) used so far by this process and its live workers."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            continue
+    return total
 
 
 # -- limits -------------------------------------------------------------------------------
@@ -410,6 +426,11 @@ def main() -> None:
     print(md)
 
 
+def _busy(r: dict[str, Any]) -> str:
+    """CPU seconds of the row's processes per wall second: how much of the machine it got."""
+    return f"{r['cpu_s'] / r['wall_s']:.2f}" if r.get("cpu_s") and r.get("wall_s") else "-"
+
+
 def _merge(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
     """Best rate of the rounds; correct only if every round was; the highest peak memory."""
     if old is None:
@@ -426,11 +447,12 @@ def _line(r: dict[str, Any]) -> str:
     flag = "" if r["ok"] else "  WRONG COUNT/LABELS"
     return (f"  {r['mode']:6} w={r['workers']} {r['lib']:20} {r['samples_per_s']:8.0f} samples/s "
             f"{r['mb_per_s']:7.0f} MB/s  x{r['samples_per_s'] / r['limit']:.2f} of limit  "
-            f"1st batch {r['first_batch_s']:.2f}s  peak PSS {r['peak_pss'] / 2**20:.0f} MiB{flag}")
+            f"1st batch {r['first_batch_s']:.2f}s  peak PSS {r['peak_pss'] / 2**20:.0f} MiB  CPUs {_busy(r)}{flag}")
 
 
 def markdown(report: dict[str, Any]) -> str:
     d, raw, dec = report["data"], report["raw_limit"], report["decode_limits"]
+    busy = [r["cpu_s"] / r["wall_s"] for r in report["rows"] if r.get("cpu_s") and r.get("wall_s")]
     lines = [
         f"Machine: {report['machine']}. Load average before/after the run: "
         f"{report['load_before'][0]:.1f} / {report['load_after'][0]:.1f} (the machine is shared; each row's best of "
@@ -444,8 +466,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"overhead is {100 * dec['stage_overhead']:.1f} %; the textbook Pillow pipeline the peers run: "
         f"{dec['pillow_textbook']:.0f}/s).",
         "",
-        "| mode | workers | library | samples/s | MB/s | × limit | 1st batch | peak PSS | correct |",
-        "|---|---:|---|---:|---:|---:|---:|---:|:-:|",
+        "| mode | workers | library | samples/s | MB/s | × limit | 1st batch | peak PSS | CPUs busy | correct |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|:-:|",
     ]
     for r in report["rows"]:
         if not r.get("samples_per_s"):
@@ -455,10 +477,13 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {r['mode']} | {r['workers']} | {r['lib']} | {r['samples_per_s']:.0f} | {mb} | "
             f"{r['samples_per_s'] / r['limit']:.2f} | {r['first_batch_s']:.2f} s | {r['peak_pss'] / 2**20:.0f} MiB | "
-            f"{'yes' if r['ok'] else 'NO'} |")
+            f"{_busy(r)} | {'yes' if r['ok'] else 'NO'} |")
     lines.append("")
     lines.append("× limit: bytes rows against the raw read rate; decode rows against the decode stage's rate "
-                 "times the cores the workers can use (0 workers: one core).")
+                 "times the cores the workers can use (0 workers: one core). CPUs busy: CPU seconds of the row's "
+                 "main process and workers per wall-clock second (at most 2 here; less means the row waited, "
+                 "or other processes had the CPUs).")
+    del busy
     return "\n".join(lines) + "\n"
 
 
