@@ -7,8 +7,9 @@ blocks make the data the later ones read. An HTML comment on the line before a b
 says how to treat it:
 
 - ``<!-- needs: s3 -->``: run against the SeaweedFS server of ``tests/s3server.py``; the
-  README's endpoint ``http://127.0.0.1:8333`` and its placeholder credentials are replaced
-  with that server's. Skipped, with the reason, only if that module cannot be imported.
+  README's endpoint ``http://127.0.0.1:8333`` and its placeholder credentials (``any``)
+  are replaced with that server's (which, unlike the README's server, checks them).
+  Skipped, with the reason, only if that module cannot be imported.
 - ``<!-- readme-test: no-run (reason) -->``: not run. Allowed only for the two setup
   commands (``bash scripts/...``, which would run this very test again) and for starting
   a long-running ``weed server`` (the test starts its own).
@@ -35,7 +36,11 @@ RUN_LANGUAGES = {"python", "bash", "sh"}
 #: Lines a no-run block may hold.
 NO_RUN_ALLOWED = (re.compile(r"^bash scripts/\w+\.sh\b"), re.compile(r"^(mkdir -p \S+ && )?weed server .*&$"))
 README_ENDPOINT = "http://127.0.0.1:8333"
-README_CREDENTIALS = "AWS_ACCESS_KEY_ID=any AWS_SECRET_ACCESS_KEY=any"
+#: The README's placeholder credentials (SeaweedFS without identities takes any), by template.
+README_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID=any AWS_SECRET_ACCESS_KEY=any": "AWS_ACCESS_KEY_ID={key} AWS_SECRET_ACCESS_KEY={secret}",
+    '"key": "any", "secret": "any"': '"key": "{key}", "secret": "{secret}"',
+}
 
 
 @dataclass(frozen=True)
@@ -101,16 +106,19 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _for_test_server(code: str, request: pytest.FixtureRequest, env: dict[str, str]) -> str:
+def _for_test_server(code: str, request: pytest.FixtureRequest) -> str:
+    """Point an s3 block at the test server: its endpoint and credentials for the README's."""
     try:
         import tests.s3server  # noqa: F401
     except ImportError as exc:  # pragma: no cover - the S3 test server is part of the suite
         pytest.skip(f"marked `needs: s3` and tests/s3server.py is not importable: {exc}")
     server = request.getfixturevalue("s3_server")
     assert README_ENDPOINT in code, "an s3 block should use the README's local endpoint"
-    env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"] = server.key, server.secret
-    credentials = f"AWS_ACCESS_KEY_ID={server.key} AWS_SECRET_ACCESS_KEY={server.secret}"
-    return code.replace(README_ENDPOINT, server.endpoint_url).replace(README_CREDENTIALS, credentials)
+    placeholders = [p for p in README_CREDENTIALS if p in code]
+    assert placeholders, "an s3 block should carry the README's placeholder credentials"
+    for placeholder in placeholders:
+        code = code.replace(placeholder, README_CREDENTIALS[placeholder].format(key=server.key, secret=server.secret))
+    return code.replace(README_ENDPOINT, server.endpoint_url)
 
 
 class Reader:
@@ -131,7 +139,7 @@ class Reader:
 
     def _run(self, block: Block, request: pytest.FixtureRequest, context: str = "") -> None:
         env = _env()
-        code = _for_test_server(block.code, request, env) if _needs_s3(block) else block.code
+        code = _for_test_server(block.code, request) if _needs_s3(block) else block.code
         suffix = ".py" if block.language == "python" else ".sh"
         script = self.workspace / f"readme_block_{block.index:02d}{suffix}"
         script.write_text(code, encoding="utf-8")
