@@ -184,6 +184,15 @@ class DatasetSource(Source):
             self._storage.close()
             self._storage = None
 
+    def __del__(self) -> None:
+        # A conversion in this process leaves its last shards open: close them with the
+        # source (readers hold plain file descriptors that nothing else would close).
+        if getattr(self, "_pid", None) == os.getpid() and getattr(self, "_readers", None):
+            try:
+                self.close(storage=True)
+            except Exception:  # noqa: BLE001, S110 - best effort at collection time
+                pass
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_storage"] = None  # reopened lazily in the receiving process

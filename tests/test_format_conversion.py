@@ -133,3 +133,12 @@ def test_corrupt_source_sample_is_named_or_skipped(tar_dataset: Path, tmp_path: 
                      ConvertOptions(format="lmdb", progress=False, on_error="skip"))
     assert len(report.skipped) == 1 and report.skipped[0].path.startswith("shard-000001.tar#")
     assert report.manifest.num_samples == StreamingDataset(str(tar_dataset)).num_samples - 1
+
+
+def test_conversion_leaves_no_source_shard_open(tar_dataset: Path, tmp_path: Path) -> None:
+    def open_in(root: Path) -> int:
+        fds = Path("/proc/self/fd")
+        return sum(1 for fd in fds.iterdir() if str(root) in str(fd.resolve(strict=False)))
+
+    _convert(tar_dataset, tmp_path / "o", "--format", "hdf5", "--samples-per-shard", "30")
+    assert open_in(tar_dataset) == 0
