@@ -30,8 +30,8 @@ forks; the reader is never pickled.
 
 Damage: truncated files, damaged metadata and damaged samples (every value is
 checksummed) raise :class:`~streamload.CorruptShardError`. LMDB itself trusts its
-B-tree pages, though: random bit flips in a shard (2000 tried) gave no wrong sample, but
-about one in 2000 crashed the reading process inside LMDB. Check shards from untrusted
+B-tree pages, though: of 4000 shards with random bit flips none gave a wrong sample, but
+one crashed the reading process inside LMDB. Check shards from untrusted
 places against their manifest hashes first (``streamload verify``; remote shards are
 checked by the cache), or use tar, whose reader parses nothing unchecked.
 """
@@ -77,7 +77,7 @@ def _page_size() -> int:
 def map_size_for(records: list[tuple[bytes, int]], page: int | None = None) -> int:
     """Return a map size that holds ``records`` ``(key, value_size)`` in one environment.
 
-    An upper bound, not an estimate: values above a page's node limit take their own
+    A generous bound, not an estimate: values above a page's node limit take their own
     overflow pages; every other node is counted twice (leaf pages are at least half
     full); branch pages, the two meta pages and slack are added, then 1/8 on top.
     """
