@@ -35,7 +35,7 @@ ALL_KEYS = Counter(f"s{i}_{j}" for i, n in enumerate(COUNTS) for j in range(n))
 WORKER = str(Path(__file__).with_name("ddp_worker.py"))
 GLOBAL_BATCH = 12  # 2 ranks x 6, 3 ranks x 4, 1 rank x 12
 STOPS = [0, 4, 8, 9]  # steps: start, middle, inside the last batch, epoch boundary (51 = 8*6 + 3)
-LAUNCH_TIMEOUT = 150
+LAUNCH_TIMEOUT = 200
 
 pytestmark = [pytest.mark.slow]
 
@@ -50,10 +50,11 @@ def torchrun(config: Path, nproc: int, port: int, nnodes: int = 1, node_rank: in
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--nnodes={nnodes}",
-        f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}", WORKER, str(config),
-    ]
+    if nnodes == 1:  # the launcher binds a free port itself: no race for the port
+        where = ["--standalone"]
+    else:
+        where = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *where, WORKER, str(config)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
