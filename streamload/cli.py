@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="tar", help="shard format (default: tar)")
     p.add_argument("--classes", help="comma-separated class names to record")
     p.add_argument("--hash", choices=("sha256", "xxh3_128"), default="sha256", help="shard hash")
+    _add_storage_option(p)
     p.set_defaults(func=_cmd_index)
 
     p = sub.add_parser("demo", help="make a small image folder, convert it, and read it back")
@@ -213,7 +214,8 @@ def _cmd_index(args: argparse.Namespace) -> int:
     from .verify import index_directory
 
     classes = tuple(c for c in (args.classes or "").split(",") if c)
-    manifest = index_directory(args.directory, args.format, args.hash, classes)
+    manifest = index_directory(args.directory, args.format, args.hash, classes,
+                               storage_options=_storage_options(args.storage_option))
     print(f"indexed {len(manifest.shards)} shards, {manifest.num_samples} samples; wrote {args.directory}/index.json")
     return 0
 

@@ -530,18 +530,23 @@ class _ReaderCache:
             self._open.move_to_end(shard)
             return reader
         entry = self._dataset.manifest.shards[shard]
+        # Close the least recently used first: a bounded shard cache needs the room.
+        while self._open and len(self._open) >= self._capacity:
+            old_shard, old = self._open.popitem(last=False)
+            old.close()
+            self._release(self._dataset.manifest.shards[old_shard])
         path = self._storage.acquire(entry)
-        sidecar = self._storage.acquire(entry.sidecar) if entry.sidecar else None
+        try:
+            sidecar = self._storage.acquire(entry.sidecar) if entry.sidecar else None
+        except BaseException:
+            self._storage.release(entry)
+            raise
         try:
             reader = self._dataset.format.reader(path, entry, sidecar)
         except BaseException:
             self._release(entry)
             raise
         self._open[shard] = reader
-        while len(self._open) > self._capacity:
-            old_shard, old = self._open.popitem(last=False)
-            old.close()
-            self._release(self._dataset.manifest.shards[old_shard])
         return reader
 
     def _release(self, entry: ShardEntry) -> None:

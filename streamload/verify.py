@@ -97,6 +97,7 @@ def index_directory(
     format: str = "tar",
     hash_algorithm: str | None = "sha256",
     classes: tuple[str, ...] = (),
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Manifest:
     """Write ``index.json`` (and sidecars) for shards written by another tool, in place.
 
@@ -112,7 +113,7 @@ def index_directory(
     if not is_local(url):
         from .storage.remote import index_remote
 
-        remote_manifest: Manifest = index_remote(url, fmt, hash_algorithm, classes)
+        remote_manifest: Manifest = index_remote(url, fmt, hash_algorithm, classes, storage_options)
         return remote_manifest
     root = local_path_of(url)
     names = sorted(n for n in os.listdir(root) if n.endswith(fmt.extension) and not n.startswith("."))

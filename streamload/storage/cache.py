@@ -8,7 +8,6 @@ named shared memory, and every lock dies with the process holding it, so a crash
 Layout, one directory per dataset (``<cache_dir>/<hash of the dataset URL>/``)::
 
     .lock                 exclusive while a process counts bytes / reserves / evicts
-    url                   the dataset URL, for humans
     data/<name>           complete, verified files; mtime = last use (the LRU clock)
     pins/<name>           shared flock = "in use"; exclusive flock = "being evicted"
     pins/<name>.dl        exclusive flock = "being downloaded" (one downloader per file)
@@ -199,7 +198,8 @@ class ShardCache:
                     return None
                 self._verify(part, entry, hash_algorithm)
                 final = self.data_path(entry.name)
-                os.replace(part, final)
+                with self._cache_lock():  # so a count under the lock never sees it twice
+                    os.replace(part, final)
             with self._stats_lock:
                 self.stats.downloads += 1
                 self.stats.bytes_downloaded += entry.num_bytes
@@ -251,10 +251,11 @@ class ShardCache:
             if not wait:
                 yield None
                 return
-            if not waited and on_wait is not None:
-                on_wait()
-                waited = True
-                continue
+            if on_wait is not None:
+                on_wait()  # every time: read-ahead may have pinned something meanwhile
+                if not waited:
+                    waited = True
+                    continue
             if time.monotonic() > deadline:
                 raise CacheError(
                     f"{self.root}: no room for {entry.name} ({format_bytes(entry.num_bytes)}) within "

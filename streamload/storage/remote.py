@@ -365,7 +365,6 @@ class RemoteStorage(Storage):
         self.cache_root = os.path.join(os.path.expanduser(str(base)), dataset_cache_key(self.url, storage_options))
         try:
             self.cache = ShardCache(self.cache_root, self.limit, verify_hash=verify_hash, wait_timeout=wait_timeout)
-            _write_url_note(self.cache_root, self.url)
         except OSError as exc:
             raise CacheError(f"cannot create the cache directory {self.cache_root} for {self.url}: {exc}") from exc
         self._hash_algorithm: str | None = None
@@ -382,6 +381,7 @@ class RemoteStorage(Storage):
         self._running: dict[str, _Task] = {}
         self._threads: list[threading.Thread] = []
         self._window: set[str] = set()
+        self._starved: set[str] = set()  # acquires waiting for room: read-ahead pauses
 
     def _check_process(self) -> None:
         """After a fork, forget the parent's threads and pins.
@@ -467,6 +467,9 @@ class RemoteStorage(Storage):
         except BaseException:
             pin.close()
             raise
+        finally:
+            with self._lock:
+                self._starved.discard(entry.name)
         assert path is not None
         with self._lock:
             self._pins[entry.name] = (pin, 1)
@@ -562,25 +565,27 @@ class RemoteStorage(Storage):
         pin = self.cache.pin(entry.name)
 
         def cancelled() -> bool:
-            return task.cancelled or self._stop.is_set()
+            return task.cancelled or self._stop.is_set() or bool(self._starved)
+
+        if cancelled():
+            pin.close()
+            return
 
         try:
-            path = self.cache.fill(entry, self._hash_algorithm, self._downloader(entry), wait=False,
-                                   cancelled=cancelled)
-        except BaseException:
-            pin.close()
-            raise
-        with self._lock:
-            keep = path is not None and not cancelled() and entry.name in self._window
-            keep = keep and entry.name not in self._ahead_pins and entry.name not in self._pins
-            if keep:
-                self._ahead_pins[entry.name] = pin
-        if not keep:
+            self.cache.fill(entry, self._hash_algorithm, self._downloader(entry), wait=False, cancelled=cancelled)
+        finally:
+            # Read-ahead files are not kept pinned: pins held by a reader that is not
+            # reading (its DataLoader queue is full) would starve the others. A fresh file
+            # is the most recently used, so it is evicted last.
             pin.close()
 
     def _drop_ahead(self, keep: str) -> None:
-        """Release this process's read-ahead pins (an acquire is waiting for room)."""
+        """Release this process's read-ahead pins: an acquire waits for room.
+
+        Read-ahead also pauses until that acquire is done, so it cannot take the room.
+        """
         with self._lock:
+            self._starved.add(keep)
             dropped = [self._ahead_pins.pop(n) for n in list(self._ahead_pins) if n != keep]
         for pin in dropped:
             pin.close()
@@ -628,15 +633,6 @@ class RemoteStorage(Storage):
 
 def _with_sidecar(entry: ShardEntry) -> int:
     return entry.num_bytes + (entry.sidecar.num_bytes if entry.sidecar else 0)
-
-
-def _write_url_note(root: str, url: str) -> None:
-    note = os.path.join(root, "url")
-    if not os.path.exists(note):
-        tmp = f"{note}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(url + "\n")
-        os.replace(tmp, note)
 
 
 class RemoteDestination(Destination):

@@ -1,0 +1,262 @@
+"""The shard cache, retries and fsspec URLs without an S3 server: memory://, http://, errors."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import http.server
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from streamload import StreamingDataset
+from streamload._errors import CacheError, ConfigError, CorruptShardError
+from streamload.manifest import FileEntry
+from streamload.storage import open_storage
+from streamload.storage.cache import ShardCache
+from streamload.storage.retry import RetryPolicy, is_transient, retry_call
+from streamload.writer import DatasetWriter
+
+SIZE = 1000
+
+
+def _entry(name: str, data: bytes) -> FileEntry:
+    return FileEntry(name, len(data), hashlib.sha256(data).hexdigest())
+
+
+def _writer(data: bytes) -> Callable[[str, Callable[[], bool]], None]:
+    def download(part: str, cancelled: Callable[[], bool]) -> None:
+        with open(part, "r+b") as f:
+            f.write(data)
+
+    return download
+
+
+def _fill(cache: ShardCache, name: str, byte: int) -> str:
+    data = bytes([byte]) * SIZE
+    pin = cache.pin(name)
+    try:
+        path = cache.fill(_entry(name, data), "sha256", _writer(data))
+    finally:
+        pin.close()
+    assert path is not None
+    return path
+
+
+def _cached(cache: ShardCache) -> set[str]:
+    return set(os.listdir(os.path.join(cache.root, "data")))
+
+
+def test_lru_eviction_keeps_the_limit_and_the_recently_used(tmp_path: Path) -> None:
+    cache = ShardCache(str(tmp_path), limit=2 * SIZE)
+    _fill(cache, "a", 1)
+    time.sleep(0.01)
+    _fill(cache, "b", 2)
+    time.sleep(0.01)
+    assert cache.lookup(_entry("a", b"\1" * SIZE)) is not None  # a is now the most recent
+    time.sleep(0.01)
+    _fill(cache, "c", 3)
+    assert _cached(cache) == {"a", "c"}
+    assert cache.usage() <= 2 * SIZE
+    assert Path(cache.data_path("c")).read_bytes() == b"\3" * SIZE
+
+
+def test_a_pinned_file_is_never_evicted(tmp_path: Path) -> None:
+    cache = ShardCache(str(tmp_path), limit=2 * SIZE, wait_timeout=1)
+    _fill(cache, "a", 1)
+    _fill(cache, "b", 2)
+    pin_a, pin_b = cache.pin("a"), cache.pin("b")
+    with pytest.raises(CacheError, match="every cached file is in use"):
+        _fill(cache, "c", 3)
+    assert _cached(cache) == {"a", "b"}
+    pin_b.close()
+    _fill(cache, "c", 3)
+    assert _cached(cache) == {"a", "c"}
+    pin_a.close()
+
+
+def _crash_mid_download(root: str) -> None:
+    cache = ShardCache(root, limit=10 * SIZE)
+
+    def half_then_die(part: str, cancelled: Callable[[], bool]) -> None:
+        with open(part, "r+b") as f:
+            f.write(b"\5" * (SIZE // 2))
+            f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    data = b"\5" * SIZE
+    cache.fill(_entry("x", data), "sha256", half_then_die)
+
+
+def test_a_crashed_downloaders_partial_file_is_not_used_and_is_cleaned(tmp_path: Path) -> None:
+    child = mp.get_context("fork").Process(target=_crash_mid_download, args=(str(tmp_path),))
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == -signal.SIGKILL
+    parts = os.listdir(tmp_path / "tmp")
+    assert len(parts) == 1  # left behind by the crash
+    cache = ShardCache(str(tmp_path), limit=10 * SIZE)
+    assert cache.lookup(_entry("x", b"\5" * SIZE)) is None
+    path = _fill(cache, "x", 5)  # downloads again; the dead part is deleted on the way
+    assert Path(path).read_bytes() == b"\5" * SIZE
+    assert os.listdir(tmp_path / "tmp") == []
+
+
+def test_a_download_with_the_wrong_hash_is_rejected(tmp_path: Path) -> None:
+    cache = ShardCache(str(tmp_path), limit=None)
+    good = b"\1" * SIZE
+    entry = _entry("a", good)
+    with pytest.raises(CorruptShardError, match="a: downloaded bytes have sha256"):
+        cache.fill(entry, "sha256", _writer(b"\2" * SIZE))
+    with pytest.raises(CorruptShardError, match="downloaded 10 bytes, the manifest says 1000"):
+        cache.fill(entry, "sha256", _writer(b"\1" * 10))
+    assert _cached(cache) == set() and os.listdir(tmp_path / "tmp") == []
+    unverified = ShardCache(str(tmp_path), limit=None, verify_hash=False)
+    assert unverified.fill(entry, "sha256", _writer(b"\2" * SIZE)) is not None  # size only
+
+
+# -- retries -----------------------------------------------------------------------------
+
+
+def _client_error(status: int, code: str) -> Exception:
+    from botocore.exceptions import ClientError
+
+    return ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                       "GetObject")
+
+
+def test_transient_and_permanent_errors_are_told_apart() -> None:
+    from botocore.exceptions import EndpointConnectionError, ReadTimeoutError
+
+    assert is_transient(ConnectionRefusedError(111, "Connection refused"))
+    assert is_transient(ConnectionResetError(104, "Connection reset by peer"))
+    assert is_transient(TimeoutError("timed out"))
+    assert is_transient(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
+    assert is_transient(ReadTimeoutError(endpoint_url="http://127.0.0.1:1"))
+    assert is_transient(_client_error(503, "SlowDown"))
+    assert is_transient(_client_error(500, "InternalError"))
+    assert is_transient(OSError("An error occurred (ServiceUnavailable) when calling GetObject"))
+    assert not is_transient(FileNotFoundError("bucket/key"))
+    assert not is_transient(PermissionError("Forbidden"))
+    assert not is_transient(_client_error(403, "AccessDenied"))
+    assert not is_transient(_client_error(404, "NoSuchKey"))
+    assert not is_transient(ValueError("bad argument"))
+
+
+def test_retry_call_rides_out_transient_errors_and_stops_at_permanent_ones() -> None:
+    calls: list[int] = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 4:
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return "ok"
+
+    policy = RetryPolicy(timeout=30, initial_delay=0.01, max_delay=0.05)
+    assert retry_call(flaky, policy, "GET x") == "ok" and len(calls) == 4
+
+    def missing() -> None:
+        calls.append(1)
+        raise FileNotFoundError("x")
+
+    calls.clear()
+    with pytest.raises(FileNotFoundError):
+        retry_call(missing, policy, "GET x")
+    assert len(calls) == 1
+
+    def down() -> None:
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    with pytest.raises(ConnectionRefusedError) as info:
+        retry_call(down, RetryPolicy(timeout=0.2, initial_delay=0.01, max_delay=0.05), "GET x")
+    assert "gave up after" in " ".join(info.value.__notes__)
+
+
+def test_default_policy_outlasts_a_thirty_second_outage() -> None:
+    policy = RetryPolicy()
+    assert policy.timeout >= 30
+    # The worst case of the waits before the budget is spent is also well past 30 s.
+    elapsed, attempt = 0.0, 0
+    while elapsed + policy.max_delay <= policy.timeout:
+        elapsed += policy.delay(attempt)
+        attempt += 1
+    assert elapsed >= 30
+
+
+# -- fsspec URLs without a server ------------------------------------------------------
+
+
+@pytest.fixture
+def memory_dataset() -> Iterator[str]:
+    import fsspec
+
+    url = f"memory://streamload-test-{os.getpid()}-{time.monotonic_ns()}"
+    with DatasetWriter(url, max_samples=5) as w:
+        for i in range(23):
+            w.write({"__key__": f"k{i:03d}", "txt": f"sample {i}".encode()})
+    yield url
+    fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+
+
+def test_memory_url_round_trip_and_second_epoch_from_cache(memory_dataset: str, tmp_path: Path) -> None:
+    ds = StreamingDataset(memory_dataset, cache_dir=str(tmp_path))
+    first = [s["txt"] for s in ds]
+    assert first == [f"sample {i}".encode() for i in range(23)]
+    storage = ds._get_storage()
+    downloads = storage.stats.downloads  # type: ignore[attr-defined]
+    assert [s["txt"] for s in ds] == first
+    assert storage.stats.downloads == downloads  # type: ignore[attr-defined]
+
+
+def test_read_ahead_threads_end_when_the_iterator_is_closed_early(memory_dataset: str, tmp_path: Path) -> None:
+    ds = StreamingDataset(memory_dataset, cache_dir=str(tmp_path))
+    it = iter(ds)
+    next(it)
+    it.close()  # type: ignore[attr-defined]
+    ds._get_storage().close()
+    deadline = time.monotonic() + 30
+    while any(t.name == "streamload-read-ahead" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [t for t in threading.enumerate() if t.name == "streamload-read-ahead"]
+
+
+def test_cache_limit_too_small_is_a_clear_error(memory_dataset: str, tmp_path: Path) -> None:
+    with pytest.raises(CacheError, match="cache_limit=.* is too small"):
+        StreamingDataset(memory_dataset, cache_dir=str(tmp_path), cache_limit=100)
+    with pytest.raises(ConfigError, match="is not a byte size"):
+        StreamingDataset(memory_dataset, cache_dir=str(tmp_path), cache_limit="lots")
+
+
+def test_missing_backend_package_says_what_to_install(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"pip install 'streamload\[gcs\]'"):
+        open_storage("gs://bucket/dataset", cache_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="unknown protocol"):
+        open_storage("nosuchproto://bucket/dataset", cache_dir=str(tmp_path))
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_http_url(tar_dataset: Path, tmp_path: Path) -> None:
+    handler = functools.partial(_QuietHandler, directory=str(tar_dataset))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        remote = StreamingDataset(url, cache_dir=str(tmp_path))
+        local = StreamingDataset(str(tar_dataset))
+        assert list(remote) == list(local)
+        with pytest.raises(FileNotFoundError, match=f"{url}/nothing/index.json"):
+            StreamingDataset(f"{url}/nothing", cache_dir=str(tmp_path))
+    finally:
+        server.shutdown()
+        server.server_close()
