@@ -5,20 +5,21 @@ Needs the optional ``lightning`` package (``pip install 'streamload[lightning]'`
 
 How the pieces meet in a ``Trainer(strategy="ddp", devices=N)`` run::
 
-    setup(stage)           -- on every rank, after the process group exists:
-                              StreamingDataset(..., rank=trainer.global_rank,
-                                               world_size=trainer.world_size,
-                                               batch_size=batch_size)
-    train_dataloader()     -- a plain DataLoader: no sampler (Lightning injects a
-                              DistributedSampler only for map-style datasets)
-    on_train_epoch_start   -- SetEpochCallback: dataset.set_epoch(trainer.current_epoch),
-                              which reaches persistent workers through shared memory
-    iter(loader)           -- each worker plans its share of this rank's share
+    setup(stage)           -- on every rank: StreamingDataset(..., rank=trainer.global_rank,
+                              world_size=trainer.world_size, batch_size=batch_size)
+    train_dataloader()     -- asked for by the fit loop after a checkpoint (if any) restored
+                              current_epoch: dataset.set_epoch(trainer.current_epoch), then
+                              a DataLoader (or StatefulDataLoader) without a sampler;
+                              Lightning injects a DistributedSampler only for map-style data
+    iter(loader)           -- for the run's first epoch right away, before any epoch hook;
+                              each worker plans its share of this rank's share
+    on_train_epoch_start   -- SetEpochCallback: set_epoch(current_epoch) before the later
+                              epochs' iter(loader); shared memory, so persistent workers see it
 
-Rank and world are passed explicitly rather than detected in the workers: a worker that
-is forked inherits the initialised process group, but one started with ``spawn`` or
-``forkserver`` (macOS, Windows, Python 3.14's default on Linux) does not, and would then
-fall back to the ``RANK``/``WORLD_SIZE`` variables, which not every launcher sets.
+Rank and world are the trainer's own, passed explicitly. Detecting them at iteration time
+would also work (the process group exists by then, forked workers inherit it, and a
+spawned worker gets the world its parent saw), but the trainer's values are the ones
+Lightning reasons with, and they make ``len(dataset)`` right wherever it is asked.
 """
 
 from __future__ import annotations
