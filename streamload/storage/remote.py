@@ -8,8 +8,8 @@ Reading (:class:`RemoteStorage`), per process::
       miss: reserve room (evict LRU unpinned), download to tmp/ (retried, resumed at
             the byte it stopped), verify size + hash, rename into data/
     prefetch([next shards])           -> the same, in `read_ahead` daemon threads, never
-                                         waiting for room; read-ahead files stay pinned
-                                         until the reader acquires them
+                                         waiting for room (nor pinning: an idle reader's
+                                         pins would starve the others)
     release(entry)                    -> drop the pin: the file becomes evictable
 
 Writing (:class:`RemoteDestination`): files are staged in a local temporary directory and
@@ -73,6 +73,17 @@ MIN_CACHE_SHARDS = 2
 _CHUNK = 8 << 20
 #: Filesystems inherited across a fork, kept alive so they are never finalized in a child.
 _INHERITED: list[Any] = []
+#: (pid, protocol, options) -> filesystem: see :func:`open_filesystem`.
+_FILESYSTEMS: dict[tuple[int, str, str], Any] = {}
+_FILESYSTEMS_LOCK = threading.Lock()
+
+
+def _reset_after_fork() -> None:
+    global _FILESYSTEMS_LOCK
+    _FILESYSTEMS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
 
 #: protocol -> what to install when fsspec cannot import its implementation.
 _INSTALL_HINTS: dict[str, str] = {
@@ -118,9 +129,13 @@ def _forget_inherited(fs: Any) -> None:
     Its event loop and connections belong to the parent; s3fs's finalizer would try to
     close them on this process's loop (``attached to a different loop`` errors at exit).
     """
+    _INHERITED.append(fs)
+    _detach_finalizers(fs)
+
+
+def _detach_finalizers(fs: Any) -> None:
     import weakref
 
-    _INHERITED.append(fs)
     for finalizer in list(getattr(weakref.finalize, "_registry", {})):
         info = finalizer.peek()
         if info is not None and info[0] is fs:
@@ -147,7 +162,13 @@ def filesystem_class(url: str) -> Any:
 
 
 def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
-    """Return ``(filesystem, root path)`` for ``url``: a fresh, uncached fsspec instance.
+    """Return ``(filesystem, root path)`` for ``url``, one instance per process and options.
+
+    Instances are cached here per process id, never shared with a parent through fsspec's
+    own instance cache; they live as long as the process, and their finalizers are
+    detached: s3fs's would schedule the session's close on whatever event loop the
+    collecting thread has (``Task exception was never retrieved`` at worker exit), and
+    the operating system closes the sockets with the process anyway.
 
     Raises:
         ConfigError: If the protocol is unknown or its package is not installed (the
@@ -157,10 +178,16 @@ def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) 
     options = _with_default_timeouts(protocol, dict(storage_options or {}))
     options.setdefault("skip_instance_cache", True)
     cls = filesystem_class(url)
-    try:
-        fs = cls(**options)
-    except TypeError as exc:
-        raise ConfigError(f"{url}: bad storage_options for {protocol}:// ({exc})") from exc
+    key = (os.getpid(), protocol, json.dumps(options, sort_keys=True, default=repr))
+    with _FILESYSTEMS_LOCK:
+        fs = _FILESYSTEMS.get(key)
+        if fs is None:
+            try:
+                fs = cls(**options)
+            except TypeError as exc:
+                raise ConfigError(f"{url}: bad storage_options for {protocol}:// ({exc})") from exc
+            _detach_finalizers(fs)
+            _FILESYSTEMS[key] = fs
     root = cls._strip_protocol(url)
     root = root.rstrip("/") if isinstance(root, str) else root
     return fs, root
@@ -247,6 +274,8 @@ class _Remote:
             return retry_call(func, self.retry, f"{action} {url}", stop)
         except Exception as exc:
             raise _translate(exc, url, action, manifest=manifest) from exc
+        finally:
+            _detach_finalizers(self._fs)  # s3fs registers one when it first connects
 
     def cat(self, name: str, *, manifest: bool = False) -> bytes:
         """Return the bytes of file ``name``."""
@@ -376,7 +405,6 @@ class RemoteStorage(Storage):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pins: dict[str, tuple[Pin, int]] = {}  # name -> (pin, acquire count)
-        self._ahead_pins: dict[str, Pin] = {}  # read-ahead files not yet acquired
         self._queue: list[_Task] = []
         self._running: dict[str, _Task] = {}
         self._threads: list[threading.Thread] = []
@@ -391,8 +419,6 @@ class RemoteStorage(Storage):
         """
         if self._pid != os.getpid():
             for pin, _ in self._pins.values():
-                pin.close()
-            for pin in self._ahead_pins.values():
                 pin.close()
             self._init_process_state()
 
@@ -473,9 +499,6 @@ class RemoteStorage(Storage):
         assert path is not None
         with self._lock:
             self._pins[entry.name] = (pin, 1)
-            ahead = self._ahead_pins.pop(entry.name, None)
-        if ahead is not None:
-            ahead.close()
         return path
 
     def _check_fits(self, entry: FileEntry) -> None:
@@ -515,24 +538,18 @@ class RemoteStorage(Storage):
             wanted.append(entry)
         names = {e.name for e in wanted}
         with self._lock:
-            previous, self._window = self._window, names
+            self._window = names
             for task in self._queue:
                 task.cancelled = task.entry.name not in names
             self._queue = [t for t in self._queue if not t.cancelled]
             if not names:
                 for task in self._running.values():
                     task.cancelled = True
-            stale = [n for n in self._ahead_pins if n not in names and n not in previous]
-            if not names:
-                stale = list(self._ahead_pins)
-            dropped = [self._ahead_pins.pop(n) for n in stale]
-            queued = {t.entry.name for t in self._queue} | set(self._running) | set(self._ahead_pins)
+            queued = {t.entry.name for t in self._queue} | set(self._running)
             for entry in wanted:
                 if entry.name not in queued and entry.name not in self._pins:
                     self._queue.append(_Task(entry))
             self._start_threads()
-        for pin in dropped:
-            pin.close()
 
     def _start_threads(self) -> None:
         """Start read-ahead threads up to ``read_ahead`` (caller holds the lock)."""
@@ -580,15 +597,12 @@ class RemoteStorage(Storage):
             pin.close()
 
     def _drop_ahead(self, keep: str) -> None:
-        """Release this process's read-ahead pins: an acquire waits for room.
+        """Pause read-ahead (and stop its downloads) while an acquire waits for room.
 
-        Read-ahead also pauses until that acquire is done, so it cannot take the room.
+        Otherwise read-ahead could take the room that acquire waits for.
         """
         with self._lock:
             self._starved.add(keep)
-            dropped = [self._ahead_pins.pop(n) for n in list(self._ahead_pins) if n != keep]
-        for pin in dropped:
-            pin.close()
 
     def _downloader(self, entry: FileEntry) -> Callable[[str, Callable[[], bool]], None]:
         def download(part: str, cancelled: Callable[[], bool]) -> None:
@@ -608,9 +622,8 @@ class RemoteStorage(Storage):
         for thread in threads:
             thread.join(timeout=30)
         with self._lock:
-            pins = [p for p, _ in self._pins.values()] + list(self._ahead_pins.values())
+            pins = [p for p, _ in self._pins.values()]
             self._pins.clear()
-            self._ahead_pins.clear()
             self._threads = []
         for pin in pins:
             pin.close()
