@@ -245,6 +245,9 @@ def test_datamodule_outside_a_trainer_builds_loaders(dataset: tuple[Path, set[st
     assert sorted(got) == sorted(keys)
     with pytest.raises(Exception, match="no val dataset"):
         dm.val_dataloader()
+    test_dm = StreamingDataModule(test=str(data), batch_size=BATCH, transform=key_and_label)
+    test_dm.setup("test")
+    assert sorted(k for batch_keys, _ in test_dm.test_dataloader() for k in batch_keys) == sorted(keys)
     with pytest.raises(Exception, match="dataset_options may not set"):
         StreamingDataModule(data, dataset_options={"shuffle": True})
 
