@@ -262,8 +262,11 @@ def main() -> int:
     p.add_argument("--json", help="also write the results as JSON here")
     args = p.parse_args()
     print(f"streamload format benchmark: {args.images} JPEGs, shards of {args.shard_size}, "
-          f"{'cold' if args.cold else 'warm'} page cache, {os.cpu_count()} CPUs", flush=True)
+          f"{'cold' if args.cold else 'warm'} page cache, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f} (other work on the machine skews every number)", flush=True)
     results = run(args)
+    results["load_average_after"] = os.getloadavg()[0]
+    print(f"load average after: {results['load_average_after']:.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
