@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -78,6 +79,19 @@ def free_port() -> int:
     raise RuntimeError("no free loopback port found")
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL this server if the test process dies (Linux).
+
+    A killed pytest (CI timeout) then leaves no server behind. The signal follows the
+    *thread* that started the child, so only servers started from the main thread ask.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
 def _answers(url: str) -> bool:
     """True if an HTTP server answers at ``url`` (any status)."""
     try:
@@ -107,6 +121,7 @@ class _Process:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                preexec_fn=_die_with_parent if threading.current_thread() is threading.main_thread() else None,
             )
         finally:
             log.close()
