@@ -21,13 +21,13 @@ import logging
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch.utils.data import IterableDataset
 
-from ._errors import ConfigError, PlanError, SampleError, ShardError, StreamloadError
+from ._errors import ConfigError, PlanError, SampleError, StreamloadError
 from .formats import Format, Sample, ShardReader, get_format
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry
 from .plan import (
@@ -92,8 +92,11 @@ class StreamingDataset(IterableDataset[Any]):
         storage_options: Passed to fsspec for remote URLs (credentials, endpoint...).
         cache_dir: Local cache directory for remote shards.
         cache_limit: Cache size bound, bytes or a string like ``"20GB"``.
-        on_error: ``"raise"`` (default) or ``"skip"`` samples that fail to read or
-            transform; skips are counted in :attr:`errors` and logged once per shard.
+        on_error: ``"raise"`` (default): a sample or shard that fails to read or
+            transform raises an error naming the dataset URL, shard, key and field.
+            ``"skip"``: it is counted (:attr:`skipped_samples`, shared with the workers),
+            logged once per shard, and replaced by a repeat of the last good sample, so
+            every rank still yields ``len(dataset)`` items and DDP cannot hang.
 
     Example:
         >>> ds = StreamingDataset("/data/imagenet-shards", shuffle=True, seed=1)  # doctest: +SKIP
@@ -179,6 +182,9 @@ class StreamingDataset(IterableDataset[Any]):
         #: (rank, world_size) of the process that pickled this dataset to a worker.
         self._inherited_world: tuple[int, int] | None = None
         self._storage: Storage | None = None
+        #: Skipped samples per worker id (shared memory, so the main process sees them).
+        self._skipped = torch.zeros(_MAX_WORKERS, dtype=torch.int64)
+        self._skipped.share_memory_()  # type: ignore[no-untyped-call]
         #: Per-process counts of skipped samples/shards under ``on_error="skip"``.
         self.errors: dict[str, int] = {"samples_skipped": 0}
 
@@ -344,6 +350,7 @@ class StreamingDataset(IterableDataset[Any]):
             else:
                 for run in runs:
                     yield from self._read_run(readers, run, progress)
+            yield from progress.substitute.finish()
         finally:
             if storage.prefetches:
                 storage.prefetch(())  # cancel read-ahead: the epoch ended or was abandoned
@@ -400,42 +407,103 @@ class StreamingDataset(IterableDataset[Any]):
         return min(_MAX_OPEN_READERS, max(_OPEN_READERS, math.ceil(plan.window / mean) + 2))
 
     def _read_run(self, readers: _ReaderCache, run: Run, progress: _Progress) -> Iterator[Any]:
+        """Yield the run's samples (transformed).
+
+        Under ``on_error="skip"`` a sample that cannot be read or transformed is counted
+        and replaced by a repeat of the last good one, so every rank still yields
+        ``len(dataset)`` items and DDP cannot hang.
+        """
         entry = self.manifest.shards[run.shard]
+        substitute = progress.substitute
         try:
             reader = readers.get(run.shard)
-        except ShardError as exc:
+        except StreamloadError as exc:
             if self.on_error == "raise":
-                raise
+                located = _located(exc, self.source, entry)
+                if located is exc:
+                    raise
+                raise located from exc
             progress.next_item = int(run.positions[-1]) + 1
             self._skip(entry, None, exc, count=len(run.locals))
+            yield from substitute.fail(len(run.locals))
             return
-        if run.contiguous:
-            samples: Iterator[Sample] = reader.iter_range(int(run.locals[0]), int(run.locals[-1]) + 1)
-        else:
-            samples = (reader.get(int(i)) for i in run.locals)
         transform = self.transform
-        for position, sample in zip(run.positions.tolist(), samples, strict=True):
+        for position, sample in zip(run.positions.tolist(), self._samples(reader, run, entry), strict=True):
             progress.next_item = position + 1
+            if isinstance(sample, _Failed):
+                self._skip(entry, sample.key, sample.error)
+                yield from substitute.fail(1)
+                continue
             if transform is None:
-                yield sample
+                yield from substitute.good(sample)
                 continue
             try:
-                yield transform(sample)
+                out = transform(sample)
             except Exception as exc:  # noqa: BLE001 - re-raised with context or counted
                 if self.on_error == "raise":
                     if isinstance(exc, StreamloadError):
-                        raise
+                        located = _located(exc, self.source, entry)
+                        if located is exc:
+                            raise
+                        raise located from exc
                     raise SampleError(
                         f"{self.source}/{entry.name}: sample {sample.get('__key__')!r}: transform failed: {exc}"
                     ) from exc
                 self._skip(entry, sample.get("__key__"), exc)
+                yield from substitute.fail(1)
+                continue
+            yield from substitute.good(out)
+
+    def _samples(self, reader: ShardReader, run: Run, entry: ShardEntry) -> Iterator[Sample | _Failed]:
+        """Read the run's samples.
+
+        Under ``on_error="skip"``, a bad sample becomes a :class:`_Failed` and reading
+        goes on with the next one.
+        """
+        locals_ = run.locals.tolist()
+        done = 0
+        try:
+            if run.contiguous:
+                for sample in reader.iter_range(locals_[0], locals_[-1] + 1):
+                    yield sample
+                    done += 1
+            else:
+                for index in locals_:
+                    yield reader.get(index)
+                    done += 1
+        except StreamloadError as exc:
+            if self.on_error == "raise":
+                located = _located(exc, self.source, entry)
+                if located is exc:
+                    raise
+                raise located from exc
+            yield _Failed(exc, None)
+            for index in locals_[done + 1 :]:
+                try:
+                    yield reader.get(index)
+                except StreamloadError as again:
+                    yield _Failed(again, None)
 
     def _skip(self, entry: ShardEntry, key: str | None, exc: BaseException, count: int = 1) -> None:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        self._skipped[0 if info is None else info.id] += count
         self.errors["samples_skipped"] += count
         logged = self.errors.setdefault(f"shard:{entry.name}", 0)
         self.errors[f"shard:{entry.name}"] = logged + count
         if not logged:
-            log.warning("skipping %d sample(s) of %s (first key %r): %s", count, entry.name, key, exc)
+            log.warning("skipping %d sample(s) of %s/%s (first key %r): %s; later ones of this shard are counted",
+                        count, self.source, entry.name, key, exc)
+
+    @property
+    def skipped_samples(self) -> int:
+        """Samples skipped under ``on_error="skip"`` by this process and its DataLoader workers.
+
+        Counted in shared memory, so the training loop sees its workers' skips; all-reduce
+        it over ranks for the job's total.
+        """
+        return int(self._skipped.sum())
 
     # -- per-process resources -----------------------------------------------------
 
@@ -460,6 +528,17 @@ class StreamingDataset(IterableDataset[Any]):
             f"StreamingDataset({self.source!r}, format={self.manifest.format!r}, "
             f"samples={self.num_samples}, shards={len(self.manifest.shards)}, shuffle={self.shuffle})"
         )
+
+
+def _located(exc: StreamloadError, source: str, entry: ShardEntry) -> StreamloadError:
+    """Return ``exc`` with the dataset URL and shard name in front, unless already there."""
+    message = str(exc)
+    if source in message:
+        return exc
+    try:
+        return type(exc)(f"{source}/{entry.name}: {message}")
+    except TypeError:  # an error type with another constructor: keep it as it is
+        return exc
 
 
 def _with_sidecar(entry: ShardEntry) -> int:
@@ -488,19 +567,6 @@ def _next_shards(upcoming: deque[int], ahead: Iterator[int], readers: _ReaderCac
     return out
 
 
-def _take_after(ahead: Iterator[int], current: int, count: int) -> list[int]:
-    """Advance ``ahead`` past ``current`` and return up to ``count`` following shards."""
-    out: list[int] = []
-    for shard in ahead:
-        if shard == current:
-            break
-    for shard in ahead:
-        out.append(shard)
-        if len(out) == count:
-            break
-    return out
-
-
 @dataclass
 class _Progress:
     """Where this process's iteration stands (read by :meth:`StreamingDataset.state_dict`)."""
@@ -510,6 +576,49 @@ class _Progress:
     chunk: int
     #: Rank-order index of this worker's next item.
     next_item: int
+    #: Replaces skipped samples so the count per rank stays equal.
+    substitute: _Substitute = field(default_factory=lambda: _Substitute())
+
+
+@dataclass
+class _Failed:
+    """A sample that could not be read (under ``on_error="skip"``)."""
+
+    error: StreamloadError
+    key: str | None
+
+
+class _Substitute:
+    """Keeps the item count whole under ``on_error="skip"``.
+
+    Each skipped item is replaced by a repeat of the last good one (owed until one exists).
+    """
+
+    def __init__(self) -> None:
+        self.last: Any = None
+        self.has_last = False
+        self.owed = 0
+
+    def good(self, item: Any) -> Iterator[Any]:
+        self.last, self.has_last = item, True
+        yield item
+        owed, self.owed = self.owed, 0
+        for _ in range(owed):
+            yield item
+
+    def fail(self, count: int) -> Iterator[Any]:
+        if not self.has_last:
+            self.owed += count
+            return
+        for _ in range(count):
+            yield self.last
+
+    def finish(self) -> Iterator[Any]:
+        if self.owed and not self.has_last:
+            raise StreamloadError(
+                f"every one of the {self.owed} samples this worker had to read failed; nothing to substitute"
+            )
+        yield from ()
 
 
 class _ReaderCache:
