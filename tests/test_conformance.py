@@ -425,3 +425,32 @@ def test_hdf5_chunked_compressed_layout_reads_through_h5py(tmp_path: Path) -> No
         assert list(reader.iter_range(0, 12)) == samples
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("damage", ["root_page", "child_page", "overflow_pages"])
+def test_lmdb_damaged_btree_is_refused_before_lmdb_reads_it(tmp_path: Path, damage: str) -> None:
+    """Page numbers LMDB would follow blindly (and crash on) are checked first."""
+    import struct
+
+    samples = [{"__key__": f"k{i:05d}", "bin": bytes([i % 251]) * (40 if i % 50 else 9000)} for i in range(3000)]
+    manifest = write_dataset(tmp_path, "lmdb", [samples])
+    path = tmp_path / manifest.shards[0].name
+    data = bytearray(path.read_bytes())
+    psize = 4096
+    meta = psize + 16  # the writer's single transaction commits meta page 1
+    root_at = meta + 24 + 48 + 40  # main db record: after magic/version/address/mapsize and the free db
+    root = struct.unpack_from("<Q", data, root_at)[0]
+    if damage == "root_page":
+        struct.pack_into("<Q", data, root_at, 10**9)
+    elif damage == "child_page":
+        page = root * psize
+        assert struct.unpack_from("<H", data, page + 10)[0] & 0x01, "3000 samples need a branch root"
+        node = struct.unpack_from("<H", data, page + 16 + 2)[0]  # second node of the root
+        struct.pack_into("<HH", data, page + node, 0xFFFF, 0xFFFF)
+    else:  # a leaf's overflow value claims more pages than the file has
+        at = next(p * psize for p in range(2, len(data) // psize)
+                  if struct.unpack_from("<H", data, p * psize + 10)[0] == 0x04)
+        struct.pack_into("<I", data, at + 12, 1)  # 9000 bytes in one page
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptShardError, match=rf"{path.name}.*LMDB structure is damaged"):
+        list(StreamingDataset(str(tmp_path)))

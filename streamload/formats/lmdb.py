@@ -30,10 +30,10 @@ forks; the reader is never pickled.
 
 Damage: truncated files, damaged metadata and damaged samples (every value is
 checksummed) raise :class:`~streamload.CorruptShardError`. LMDB itself trusts its
-B-tree pages, though: of 4000 shards with random bit flips none gave a wrong sample, but
-one crashed the reading process inside LMDB. Check shards from untrusted
-places against their manifest hashes first (``streamload verify``; remote shards are
-checked by the cache), or use tar, whose reader parses nothing unchecked.
+B-tree pages (a damaged page number can make it read outside its map and crash the
+process), so before an environment is opened its B-tree is walked in Python
+(``_lmdb_check.py``): every page, node, child and overflow page LMDB would follow is
+bounds-checked first.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ import numpy as np
 
 from .._errors import CorruptShardError, SampleError, ShardNotFoundError
 from ..manifest import ShardEntry
+from ._lmdb_check import check_lmdb_file
 from ._record import decode_record, encode_record, record_field, seal, unseal
 from .base import Format, Sample, ShardReader, ShardWriter, check_sample
 
@@ -453,7 +454,8 @@ def _get(txn: Any, key: bytes, where: str) -> Any:
 
 
 def _open_env(path: str, name: str, file_size: int) -> Any:
-    """Open a shard read-only, lock-free, without read-ahead; check it is not truncated."""
+    """Check a shard's structure, then open it read-only, lock-free, without read-ahead."""
+    check_lmdb_file(path, name)
     try:
         env = lmdb.open(path, subdir=False, readonly=True, lock=False, readahead=False,
                         create=False, max_dbs=0, max_readers=_MAX_READERS,
