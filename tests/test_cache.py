@@ -260,3 +260,24 @@ def test_http_url(tar_dataset: Path, tmp_path: Path) -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_a_lock_held_while_forking_is_not_kept_by_the_child(tmp_path: Path) -> None:
+    """A DataLoader forking its workers while a read-ahead thread holds a cache lock must
+    not leave that lock held by the workers (flocks belong to the shared open file)."""
+    cache = ShardCache(str(tmp_path), limit=10 * SIZE)
+    with cache._cache_lock():
+        child = mp.get_context("fork").Process(target=_sleep, args=(30,))
+        child.start()
+    try:
+        done = threading.Event()
+        threading.Thread(target=lambda: (cache.usage(), done.set()), daemon=True).start()
+        assert done.wait(timeout=10), "the forked child still holds the cache lock"
+        assert _fill(cache, "a", 1)  # and downloads go on
+    finally:
+        child.kill()
+        child.join()

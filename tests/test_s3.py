@@ -7,7 +7,9 @@ into a bucket by the CLI, read back in every way the issue asks for.
 from __future__ import annotations
 
 import fcntl
+import multiprocessing as mp
 import os
+import shutil
 import threading
 import time
 from collections import Counter
@@ -19,7 +21,13 @@ from streamload.converters import path_to_key
 from torch.utils.data import DataLoader
 
 from streamload import StreamingDataset
-from streamload._errors import CacheError, ManifestNotFoundError, ShardNotFoundError, StorageError
+from streamload._errors import (
+    CacheError,
+    CorruptShardError,
+    ManifestNotFoundError,
+    ShardNotFoundError,
+    StorageError,
+)
 from streamload.cli import main
 from streamload.storage.remote import RemoteStorage
 from streamload.synthetic import make_image_folder
@@ -142,34 +150,54 @@ def _cache_bytes(root: Path) -> int:
     return total
 
 
+def _sample_cache(root: str, lock_path: str, stop: Any, peak: Any, count: Any) -> None:
+    """Measure the cache directory's size every few milliseconds until ``stop`` is set.
+
+    Under the cache's own lock (the one its writers take to reserve, evict and rename),
+    so a file being renamed from tmp/ to data/ is not counted twice. Runs in a spawned
+    process: a lock held by a thread of the test process would be inherited, and held
+    forever, by the DataLoader workers it forks.
+    """
+    while not stop.is_set():
+        with open(lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            size = _cache_bytes(Path(root))
+        peak.value = max(peak.value, size)
+        count.value += 1
+        time.sleep(0.002)
+
+
 class _Sampler:
-    """A background thread measuring the cache directory's size every few milliseconds."""
+    """A spawned process measuring the one dataset cache under ``root``."""
 
     def __init__(self, root: Path) -> None:
-        self.root = root
-        self.peak = 0
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        ctx = mp.get_context("spawn")
+        self._stop = ctx.Event()
+        self._peak = ctx.Value("q", 0)
+        self._count = ctx.Value("q", 0)
+        (lock_path,) = (d / ".lock" for d in root.iterdir())
+        self._proc = ctx.Process(target=_sample_cache,
+                                 args=(str(root), str(lock_path), self._stop, self._peak, self._count), daemon=True)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            # Under the cache's own lock (the one its writers take to reserve, evict and
-            # rename), so a file being renamed from tmp/ to data/ is not counted twice.
-            with open(self.lock_path, "a") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                self.peak = max(self.peak, _cache_bytes(self.root))
-            self.samples += 1
-            time.sleep(0.002)
+    @property
+    def peak(self) -> int:
+        return int(self._peak.value)
+
+    @property
+    def samples(self) -> int:
+        return int(self._count.value)
 
     def __enter__(self) -> _Sampler:
-        (self.lock_path,) = (d / ".lock" for d in self.root.iterdir())  # the one dataset's cache
-        self._thread.start()
+        self._proc.start()
+        deadline = time.monotonic() + 120
+        while self.samples == 0 and time.monotonic() < deadline and self._proc.is_alive():
+            time.sleep(0.05)
+        assert self.samples > 0, "the cache sampler did not start"
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._proc.join(timeout=30)
 
 
 def _largest(url: str, options: dict[str, Any]) -> int:
@@ -295,3 +323,37 @@ def test_storage_pickles_and_reopens_in_a_child(s3_server: SeaweedS3, bucket_dat
     storage.release(entry)
     storage.close()
     assert storage.stats.downloads == 1
+
+
+def test_a_replaced_object_fails_verification_with_its_url(s3_server: SeaweedS3, folder: Path,  # noqa: F811
+                                                            tmp_path: Path) -> None:
+    bucket = s3_server.make_bucket()
+    url = f"s3://{bucket}/ds"
+    assert main(["convert", str(folder), url, "--samples-per-shard", "48", "--no-progress",
+                 *_cli_options(s3_server)]) == 0
+    fs = s3_server.filesystem()
+    key = f"{bucket}/ds/shard-000000.tar"
+    data = bytearray(fs.cat_file(key))
+    data[1000] ^= 0xFF  # same size, different bytes
+    fs.pipe_file(key, bytes(data))
+    ds = StreamingDataset(url, storage_options=s3_server.storage_options(), cache_dir=str(tmp_path))
+    with pytest.raises(CorruptShardError, match=f"{url}/shard-000000.tar: .*sha256"):
+        list(ds)
+    assert not list((next(tmp_path.iterdir()) / "data").glob("shard-000000.tar"))  # never cached
+
+
+def test_a_failed_conversion_into_a_bucket_publishes_no_manifest(s3_server: SeaweedS3, folder: Path,  # noqa: F811
+                                                                  tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    (broken / "class_002" / "zz-broken.jpg").write_bytes(b"not a jpeg at all")
+    bucket = s3_server.make_bucket()
+    url = f"s3://{bucket}/ds"
+    assert main(["convert", str(broken), url, "--samples-per-shard", "16", "--no-progress",
+                 *_cli_options(s3_server)]) == 2
+    names = [p.rsplit("/", 1)[-1] for p in s3_server.filesystem().find(bucket)]
+    assert "index.json" not in names
+    assert main(["convert", str(broken), url, "--samples-per-shard", "16", "--no-progress",
+                 "--on-error", "skip", "--overwrite", *_cli_options(s3_server)]) == 0
+    ds = StreamingDataset(url, storage_options=s3_server.storage_options(), cache_dir=str(tmp_path / "c"))
+    assert len(ds.manifest.skipped) == 1 and ds.num_samples == SHARDS * PER_SHARD

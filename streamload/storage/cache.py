@@ -71,8 +71,50 @@ class Pin:
     def close(self) -> None:
         """Release the pin (closing the descriptor drops the lock)."""
         if self.fd >= 0:
-            os.close(self.fd)
+            _close_fd(self.fd)
             self.fd = -1
+
+
+# -- lock descriptors and fork ---------------------------------------------------------
+#
+# A flock belongs to the open file, which a forked child shares. A lock some thread holds
+# while another thread forks (a DataLoader starting its workers) would stay held by the
+# child's copy for the child's whole life, and every process would wait on it. So every
+# descriptor this module opens is recorded, and a forked child closes its copies at once:
+# the parent's locks are unaffected, and the child never holds a lock it did not take.
+
+_FDS: set[int] = set()
+_FDS_LOCK = threading.Lock()
+
+
+def _open_fd(path: str, flags: int) -> int:
+    with _FDS_LOCK:
+        fd = os.open(path, flags | os.O_CLOEXEC, 0o644)
+        _FDS.add(fd)
+    return fd
+
+
+def _close_fd(fd: int) -> None:
+    """Close ``fd`` if this process opened it (a child's inherited copies are already closed)."""
+    with _FDS_LOCK:
+        if fd not in _FDS:
+            return
+        _FDS.discard(fd)
+        os.close(fd)
+
+
+def _close_inherited_fds() -> None:
+    global _FDS_LOCK
+    _FDS_LOCK = threading.Lock()
+    for fd in _FDS:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_fds)
 
 
 def _lock(fd: int, flags: int) -> bool:
@@ -121,7 +163,7 @@ class ShardCache:
         return os.path.join(self.root, "pins", check_file_name(name, "cached file name") + suffix)
 
     def _open_lock(self, path: str) -> int:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        return _open_fd(path, os.O_RDWR | os.O_CREAT)
 
     # -- pins --------------------------------------------------------------------------
 
@@ -131,7 +173,7 @@ class ShardCache:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
         except BaseException:
-            os.close(fd)
+            _close_fd(fd)
             raise
         return Pin(fd, name)
 
@@ -205,7 +247,7 @@ class ShardCache:
                 self.stats.bytes_downloaded += entry.num_bytes
             return final
         finally:
-            os.close(dl_fd)
+            _close_fd(dl_fd)
 
     def _lock_download(self, fd: int, wait: bool, entry: FileEntry) -> bool:
         if not wait:
@@ -273,7 +315,7 @@ class ShardCache:
                 os.unlink(part)
             except FileNotFoundError:
                 pass  # renamed into data/
-            os.close(fd)
+            _close_fd(fd)
 
     def _try_reserve(self, entry: FileEntry) -> tuple[str, int] | None:
         """Under the cache lock: evict until ``entry`` fits, then create its part file."""
@@ -286,7 +328,7 @@ class ShardCache:
                     return None
             token = secrets.token_hex(4)
             part = os.path.join(self.root, "tmp", f"{entry.name}.{entry.num_bytes}.{os.getpid()}.{token}.part")
-            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = _open_fd(part, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             fcntl.flock(fd, fcntl.LOCK_EX)  # before the cache lock drops: never seen unlocked
             return part, fd
 
@@ -297,7 +339,7 @@ class ShardCache:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
-            os.close(fd)
+            _close_fd(fd)
 
     def _used_bytes(self) -> int:
         """Bytes in ``data/`` plus bytes reserved by live parts; deletes dead parts."""
@@ -323,13 +365,13 @@ class ShardCache:
 
     def _part_is_live(self, path: str) -> bool:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = _open_fd(path, os.O_RDONLY)
         except FileNotFoundError:
             return False
         try:
             return not _lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
-            os.close(fd)
+            _close_fd(fd)
 
     def _evict(self, needed: int) -> int:
         """Delete unpinned files, least recently used first, until ``needed`` bytes are freed.
@@ -364,7 +406,7 @@ class ShardCache:
                 return False  # in use (or being read ahead) by some process
             _unlink(self.data_path(name))
         finally:
-            os.close(fd)
+            _close_fd(fd)
         with self._stats_lock:
             self.stats.evictions += 1
         return True

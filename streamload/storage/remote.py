@@ -44,6 +44,7 @@ from typing import Any
 from .._errors import (
     CacheError,
     ConfigError,
+    CorruptShardError,
     ManifestError,
     ManifestNotFoundError,
     ShardNotFoundError,
@@ -68,6 +69,8 @@ __all__ = [
 
 #: Shards each worker downloads ahead of the one it reads.
 DEFAULT_READ_AHEAD = 2
+#: Digest length -> algorithm, for the algorithms a manifest may name (HASH_ALGORITHMS).
+_ALGORITHM_BY_HEX_LENGTH = {64: "sha256", 32: "xxh3_128"}
 #: Smallest workable cache: the shard being read plus the one being fetched.
 MIN_CACHE_SHARDS = 2
 _CHUNK = 8 << 20
@@ -463,6 +466,16 @@ class RemoteStorage(Storage):
                 f"{MIN_CACHE_SHARDS} of them ({format_bytes(need)}) cached at once"
             )
 
+    def _algorithm(self, entry: FileEntry) -> str | None:
+        """Return the hash algorithm of ``entry.hash``.
+
+        The manifest's, if this storage read it; else told by the digest's length (the
+        storage of a DataLoader worker never reads the manifest).
+        """
+        if self._hash_algorithm is not None or entry.hash is None:
+            return self._hash_algorithm
+        return _ALGORITHM_BY_HEX_LENGTH.get(len(entry.hash))
+
     def max_open(self, largest: int) -> int | None:
         """How many shards of ``largest`` bytes one reader should keep open (pinned) at once."""
         if self.limit is None or largest <= 0:
@@ -488,8 +501,14 @@ class RemoteStorage(Storage):
         pin = self.cache.pin(entry.name)
         try:
             path = self.cache.fill(
-                entry, self._hash_algorithm, self._downloader(entry), on_wait=lambda: self._drop_ahead(keep=entry.name)
+                entry,
+                self._algorithm(entry),
+                self._downloader(entry),
+                on_wait=lambda: self._drop_ahead(keep=entry.name),
             )
+        except CorruptShardError as exc:
+            pin.close()
+            raise CorruptShardError(f"{self._remote.url_of(entry.name)}: {exc}") from exc
         except BaseException:
             pin.close()
             raise
@@ -589,7 +608,7 @@ class RemoteStorage(Storage):
             return
 
         try:
-            self.cache.fill(entry, self._hash_algorithm, self._downloader(entry), wait=False, cancelled=cancelled)
+            self.cache.fill(entry, self._algorithm(entry), self._downloader(entry), wait=False, cancelled=cancelled)
         finally:
             # Read-ahead files are not kept pinned: pins held by a reader that is not
             # reading (its DataLoader queue is full) would starve the others. A fresh file
