@@ -179,7 +179,7 @@ class Hdf5ShardReader(ShardReader):
         name = self.entry.name
         try:
             h5 = h5py.File(self.path, "r", locking=False)  # read-only: no lock (NFS, Lustre, many readers)
-        except OSError as exc:
+        except Exception as exc:  # h5py raises OSError, RuntimeError... for a damaged file
             raise CorruptShardError(f"{name}: not a readable HDF5 file ({exc})") from exc
         try:
             meta = self._check_meta(h5.attrs.get(_ATTR), h5.attrs.get(_ATTR + "_xxh3"))
@@ -189,11 +189,11 @@ class Hdf5ShardReader(ShardReader):
             if _tables_digest(tables) != meta.get("tables_xxh3"):
                 raise CorruptShardError(f"{name}: HDF5 offsets, presence or checksum tables are damaged")
             self._check_keys(keys_blob, key_bounds, tables[1])
-        except (KeyError, OSError, ValueError, TypeError) as exc:
+        except Exception as exc:  # whatever h5py raises on a damaged layout: KeyError, OSError...
             h5.close()
             if isinstance(exc, CorruptShardError):
                 raise
-            raise CorruptShardError(f"{name}: HDF5 shard layout is damaged ({exc})") from exc
+            raise CorruptShardError(f"{name}: HDF5 shard layout is damaged ({type(exc).__name__}: {exc})") from exc
         except BaseException:
             h5.close()
             raise
@@ -286,7 +286,11 @@ class Hdf5ShardReader(ShardReader):
         if start == stop:
             return b""
         if field.file_offset is None:
-            data = np.asarray(field.dataset[start:stop], dtype=np.uint8).tobytes()
+            try:
+                data = np.asarray(field.dataset[start:stop], dtype=np.uint8).tobytes()
+            except Exception as exc:  # a damaged chunk or filter
+                raise CorruptShardError(f"{self.entry.name}: HDF5 field {field.name!r} of sample {index} "
+                                        f"cannot be read ({type(exc).__name__}: {exc})") from exc
         else:
             assert self._fd is not None
             data = os.pread(self._fd, stop - start, field.file_offset + start)
