@@ -7,12 +7,14 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
-
 from streamload.converters import ConvertOptions, ImageFolderSource, convert
+
 from streamload.synthetic import make_image_folder, synthetic_jpeg
 
-import numpy as np
+# One SeaweedFS server per test session, shared by every module that asks for `s3_server`.
+pytest_plugins = ["tests.s3server"]
 
 
 def add_tricky_files(root: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from streamload.bench import BenchResult, PeakMemory, plateau, recommend
 from streamload.cli import main
-from tests.s3server import SeaweedS3, s3_bucket, s3_server  # noqa: F401 - fixtures
+from tests.s3server import SeaweedS3
 
 
 def test_bench_sweeps_workers_and_plots(tar_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,10 +7,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from streamload.converters import ConvertOptions, ImageFolderSource, convert
 
 from streamload import ManifestError, ManifestNotFoundError, ShardNotFoundError, SourceError, StreamingDataset
 from streamload.cli import main
-from streamload.converters import ConvertOptions, ImageFolderSource, convert
 from streamload.synthetic import make_image_folder
 
 
@@ -43,7 +43,7 @@ def test_shard_size_in_bytes(image_folder: Path, tmp_path: Path) -> None:
     for i, sample in enumerate(ds):
         shard = next(j for j in range(len(manifest.shards)) if boundaries[j] <= i < boundaries[j + 1])
         payload[shard] += sum(len(v) for k, v in sample.items() if k != "__key__")
-    for entry, nbytes in zip(manifest.shards, payload):
+    for entry, nbytes in zip(manifest.shards, payload, strict=True):
         assert nbytes <= 20_000 or entry.num_samples == 1
         assert nbytes > 10_000 or entry is manifest.shards[-1]
 

@@ -26,7 +26,11 @@ FORMATS = ["tar", "lmdb", "hdf5"]
 def _samples() -> list[dict[str, object]]:
     out: list[dict[str, object]] = []
     for i in range(12):
-        sample: dict[str, object] = {"__key__": f"dir/k{i:03d}", "bin": bytes([i]) * (50 + 37 * i), "cls": str(i % 3).encode()}
+        sample: dict[str, object] = {
+            "__key__": f"dir/k{i:03d}",
+            "bin": bytes([i]) * (50 + 37 * i),
+            "cls": str(i % 3).encode(),
+        }
         if i % 4 == 0:
             sample["txt"] = "ünï".encode() * i
         out.append(sample)

@@ -48,7 +48,7 @@ def test_early_close_releases_every_handle(tar_dataset: Path) -> None:
     before_fds, before_threads = _fds(tar_dataset), threading.active_count()
     for _ in range(20):
         it = iter(ds)
-        for _, _sample in zip(range(17), it):  # stop inside the second shard
+        for _, _sample in zip(range(17), it, strict=False):  # stop inside the second shard
             pass
         it.close()  # type: ignore[attr-defined]
     assert _fds(tar_dataset) == before_fds == 0

@@ -26,11 +26,6 @@ from pathlib import Path
 
 import pytest
 
-try:  # the S3 test server's fixture, requested by name for `needs: s3` blocks only
-    from tests.s3server import s3_server  # noqa: F401
-except ImportError:  # pragma: no cover - then those blocks skip, saying why
-    pass
-
 README = Path(__file__).resolve().parent.parent / "README.md"
 RUN_LANGUAGES = {"python", "bash", "sh"}
 #: Lines a no-run block may hold.

@@ -32,7 +32,7 @@ from streamload.cli import main
 from streamload.storage.remote import RemoteStorage
 from streamload.synthetic import make_image_folder
 from tests.conftest import expected_samples
-from tests.s3server import SeaweedS3, s3_bucket, s3_server  # noqa: F401 - fixtures
+from tests.s3server import SeaweedS3
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
