@@ -130,3 +130,35 @@ def test_existing_dataset_needs_overwrite(folder: Path, reference: dict[str, byt
     assert main(["convert", str(folder), str(out), *ARGS, "--overwrite"]) == 0
     assert _files(out) == reference
     assert not [n for n in os.listdir(out) if n.startswith("_")]
+
+
+# -- into a bucket -------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_into_a_bucket_then_resume_is_identical(folder: Path, reference: dict[str, bytes],
+                                                      s3_server, tmp_path: Path) -> None:
+    bucket = s3_server.make_bucket()
+    url = f"s3://{bucket}/ds"
+    options = ["-o", f"key={s3_server.key}", "-o", f"secret={s3_server.secret}",
+               "-o", f"client_kwargs.endpoint_url={s3_server.endpoint_url}"]
+    fs = s3_server.filesystem()
+    code = "import sys; from streamload.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen([sys.executable, "-c", code, "convert", str(folder), url, *ARGS, "--workers", "2",
+                             *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and proc.poll() is None:
+        fs.invalidate_cache()
+        if len(fs.glob(f"{bucket}/ds/shard-*.tar")) >= 5:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    fs.invalidate_cache()
+    if proc.returncode != -signal.SIGKILL:
+        pytest.fail(f"conversion ended before the kill ({proc.returncode}); make the input larger")
+    assert not fs.exists(f"{bucket}/ds/index.json")
+    assert main(["convert", str(folder), url, *ARGS, "--resume", *options]) == 0
+    fs.invalidate_cache()
+    uploaded = {p.rsplit("/", 1)[1]: fs.cat_file(p) for p in fs.find(f"{bucket}/ds")}
+    assert uploaded == reference
