@@ -91,7 +91,10 @@ class StreamingDataset(IterableDataset[Any]):
         world_size: Override the detected world size.
         storage_options: Passed to fsspec for remote URLs (credentials, endpoint...).
         cache_dir: Local cache directory for remote shards.
-        cache_limit: Cache size bound, bytes or a string like ``"20GB"``.
+        cache_limit: Cache size bound, bytes or a string like ``"20GB"`` (remote URLs;
+            default unbounded; at least twice the largest shard).
+        read_ahead: Shards each worker downloads ahead of its reads in background
+            threads (remote URLs; default 2; 0 turns read-ahead off).
         on_error: ``"raise"`` (default): a sample or shard that fails to read or
             transform raises an error naming the dataset URL, shard, key and field.
             ``"skip"``: it is counted (:attr:`skipped_samples`, shared with the workers),
@@ -144,6 +147,7 @@ class StreamingDataset(IterableDataset[Any]):
         storage_options: Mapping[str, Any] | None = None,
         cache_dir: str | None = None,
         cache_limit: int | str | None = None,
+        read_ahead: int | None = None,
         on_error: OnError = "raise",
     ) -> None:
         super().__init__()
@@ -165,6 +169,7 @@ class StreamingDataset(IterableDataset[Any]):
         self.storage_options = dict(storage_options or {})
         self.cache_dir = cache_dir
         self.cache_limit = cache_limit
+        self.read_ahead = read_ahead
         Split(seed=seed, window=shuffle_window, chunk=batch_size)  # validate early
         storage = self._open_storage()
         try:
@@ -508,7 +513,7 @@ class StreamingDataset(IterableDataset[Any]):
     # -- per-process resources -----------------------------------------------------
 
     def _open_storage(self) -> Storage:
-        return open_storage(self.source, self.storage_options, self.cache_dir, self.cache_limit)
+        return open_storage(self.source, self.storage_options, self.cache_dir, self.cache_limit, self.read_ahead)
 
     def _get_storage(self) -> Storage:
         if self._storage is None:

@@ -29,14 +29,20 @@ def open_storage(
     storage_options: Mapping[str, Any] | None = None,
     cache_dir: str | None = None,
     cache_limit: int | str | None = None,
+    read_ahead: int | None = None,
 ) -> Storage:
-    """Return the :class:`Storage` for a dataset directory or URL prefix."""
+    """Return the :class:`Storage` for a dataset directory or URL prefix.
+
+    ``cache_dir``, ``cache_limit`` and ``read_ahead`` (shards downloaded ahead per
+    worker; ``None`` for the default) apply to remote URLs only.
+    """
     url = str(url)
     if is_local(url):
         return LocalStorage(local_path_of(url))
-    from .remote import RemoteStorage
+    from .remote import DEFAULT_READ_AHEAD, RemoteStorage
 
-    return RemoteStorage(url, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit)
+    return RemoteStorage(url, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit,
+                         read_ahead=DEFAULT_READ_AHEAD if read_ahead is None else read_ahead)
 
 
 def open_destination(url: str, storage_options: Mapping[str, Any] | None = None) -> Destination:
