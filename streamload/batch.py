@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from ._errors import ConfigError, SampleError
+from .decode import label_of
 from .formats.base import Sample, ShardReader
 from .plan import Run
 
@@ -384,7 +385,7 @@ class RawCollate:
             flat[a:b] = np.frombuffer(value, dtype=np.uint8)
         labels = None
         if self.label_field is not None:
-            labels = torch.tensor([_label(s, self.label_field) for s in samples], dtype=torch.int64)
+            labels = torch.tensor([label_of(s, self.label_field) for s in samples], dtype=torch.int64)
         keys = tuple(s["__key__"] for s in samples) if self.keys else None
         return RawBatch(data, torch.from_numpy(offsets), labels, keys, lease)
 
@@ -437,15 +438,6 @@ class RawCollate:
 
 def _key_lookup(reader: ShardReader, indices: np.ndarray) -> Callable[[int], str]:
     return lambda i: reader.keys_of(indices[i : i + 1])[0]
-
-
-def _label(sample: Any, field: str) -> int:
-    try:
-        return int(sample[field])
-    except KeyError as exc:
-        raise SampleError(f"sample {sample.get('__key__')!r} has no {field!r} field") from exc
-    except ValueError as exc:
-        raise SampleError(f"sample {sample.get('__key__')!r} field {field!r} is not an integer label") from exc
 
 
 def group_runs(runs: Iterable[Run], chunk: int) -> Iterator[list[Run]]:

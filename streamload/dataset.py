@@ -22,7 +22,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 from torch.utils.data import IterableDataset
@@ -424,10 +424,7 @@ class StreamingDataset(IterableDataset[Any]):
             reader = readers.get(run.shard)
         except StreamloadError as exc:
             if self.on_error == "raise":
-                located = _located(exc, self.source, entry)
-                if located is exc:
-                    raise
-                raise located from exc
+                _raise_located(exc, self.source, entry)
             progress.next_item = int(run.positions[-1]) + 1
             self._skip(entry, None, exc, count=len(run.locals))
             yield from substitute.fail(len(run.locals))
@@ -447,10 +444,7 @@ class StreamingDataset(IterableDataset[Any]):
             except Exception as exc:  # noqa: BLE001 - re-raised with context or counted
                 if self.on_error == "raise":
                     if isinstance(exc, StreamloadError):
-                        located = _located(exc, self.source, entry)
-                        if located is exc:
-                            raise
-                        raise located from exc
+                        _raise_located(exc, self.source, entry)
                     raise SampleError(
                         f"{self.source}/{entry.name}: sample {sample.get('__key__')!r}: transform failed: {exc}"
                     ) from exc
@@ -478,10 +472,7 @@ class StreamingDataset(IterableDataset[Any]):
                     done += 1
         except StreamloadError as exc:
             if self.on_error == "raise":
-                located = _located(exc, self.source, entry)
-                if located is exc:
-                    raise
-                raise located from exc
+                _raise_located(exc, self.source, entry)
             yield _Failed(exc, None)
             for index in locals_[done + 1 :]:
                 try:
@@ -535,15 +526,16 @@ class StreamingDataset(IterableDataset[Any]):
         )
 
 
-def _located(exc: StreamloadError, source: str, entry: ShardEntry) -> StreamloadError:
-    """Return ``exc`` with the dataset URL and shard name in front, unless already there."""
+def _raise_located(exc: StreamloadError, source: str, entry: ShardEntry) -> NoReturn:
+    """Raise ``exc`` with the dataset URL and shard name in front, unless already there."""
     message = str(exc)
-    if source in message:
-        return exc
-    try:
-        return type(exc)(f"{source}/{entry.name}: {message}")
-    except TypeError:  # an error type with another constructor: keep it as it is
-        return exc
+    if source not in message:
+        try:
+            located = type(exc)(f"{source}/{entry.name}: {message}")
+        except TypeError:  # an error type with another constructor: keep it as it is
+            raise exc from exc.__cause__
+        raise located from exc
+    raise exc
 
 
 def _with_sidecar(entry: ShardEntry) -> int:
