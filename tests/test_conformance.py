@@ -454,3 +454,46 @@ def test_lmdb_damaged_btree_is_refused_before_lmdb_reads_it(tmp_path: Path, dama
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptShardError, match=rf"{path.name}.*LMDB structure is damaged"):
         list(StreamingDataset(str(tmp_path)))
+
+
+@pytest.mark.parametrize("damage", ["data", "field_name", "field_size"])
+def test_lmdb_batch_reads_check_every_record_like_sample_reads(tmp_path: Path, damage: str) -> None:
+    """The one-lookup batch path reports a damaged record (data or header) as the per-sample path does."""
+    import random
+
+    import numpy as np
+
+    from streamload.batch import RawCollate
+
+    samples: list[Sample] = [{"__key__": f"s{i}", "bin": random.Random(i).randbytes(3000), "cls": str(i).encode()}
+                             for i in range(6)]
+    manifest = write_dataset(tmp_path, "lmdb", [samples])
+    entry = manifest.shards[0]
+    path = tmp_path / entry.name
+    data = bytearray(path.read_bytes())
+    at = data.find(samples[4]["bin"])
+    assert at > 0 and data.count(samples[4]["bin"]) == 1
+    # record: sum, head, table (name_len u32, size u64) x 2, key "s4", names "bin" "cls", data
+    offset = {"data": at + 1500, "field_name": at - 6, "field_size": at - 6 - 2 - 24 + 4}[damage]
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+    collate = RawCollate(field="bin", label_field="cls", keys=True)
+    reader = get_format("lmdb").reader(str(path), entry, None)
+    try:
+        with pytest.raises(CorruptShardError, match=rf"{entry.name}.*'s4'"):
+            reader.get(4)
+        with pytest.raises(CorruptShardError, match=rf"{entry.name}.*'s4'"):
+            collate.read_batch(lambda _: reader, [(0, np.array([5, 4, 0]))])
+        with pytest.raises(CorruptShardError, match=rf"{entry.name}.*'s4'"):
+            reader.field_sizes(np.array([4]), ("bin",)) if damage != "data" else reader.read_groups_into(
+                np.array([4]), [(("bin",), np.zeros(3000, dtype=np.uint8), np.array([3000]))])
+        good = np.array([5, 0, 3, 3, 1])  # the other records still read, in one batch, exactly
+        batch = collate.read_batch(lambda _: reader, [(0, good)])
+        assert [batch.tobytes(k) for k in range(len(good))] == [reader.get(i)["bin"] for i in good.tolist()]
+        assert batch.labels is not None and batch.labels.tolist() == good.tolist()
+        assert batch.keys == tuple(f"s{i}" for i in good.tolist())
+    finally:
+        reader.close()
+    with pytest.raises(CorruptShardError, match=rf"{entry.name}.*s4"):
+        list(StreamingDataset(str(tmp_path), batch_size=4, collate=RawCollate(field="bin", label_field="cls")))

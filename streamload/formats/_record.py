@@ -25,7 +25,7 @@ import xxhash
 from .._errors import CorruptShardError
 from .base import MAX_KEY_BYTES, Sample
 
-__all__ = ["decode_record", "encode_record", "record_field", "seal", "unseal"]
+__all__ = ["decode_record", "encode_record", "record_field", "record_spans", "seal", "unseal"]
 
 _SUM = struct.Struct("<Q")
 _HEAD = struct.Struct("<II")
@@ -62,31 +62,75 @@ def encode_record(key: str, fields: list[tuple[str, bytes]]) -> bytes:
     return seal(b"".join([_HEAD.pack(len(fields), len(key_raw)), table, key_raw, *names, *(d for _, d in fields)]))
 
 
-def _parse(value: bytes | memoryview, where: str) -> tuple[memoryview, str, list[tuple[str, int, int]]]:
-    """Check a record; return its payload view, key and ``(name, data offset, size)`` per field."""
-    view = unseal(value, where)
+#: ``struct.Struct`` of a whole field table, by field count (records of one dataset share few counts).
+_TABLES: dict[int, struct.Struct] = {}
+
+
+def _table(n_fields: int) -> struct.Struct:
+    table = _TABLES.get(n_fields)
+    if table is None:
+        table = struct.Struct("<" + "IQ" * n_fields)
+        if n_fields <= 64:
+            _TABLES[n_fields] = table
+    return table
+
+
+def _layout(value: bytes | memoryview, where: str,
+            check: bool = True) -> tuple[memoryview, int, int, list[tuple[str, int, int]]]:
+    """Check a record; return its payload view, key offset and length, ``(name, data offset, size)`` per field.
+
+    With ``check=False`` the checksum is not computed (only the lengths are checked); the
+    caller must :func:`unseal` the value before it trusts a byte of it.
+    """
+    if check:
+        view = unseal(value, where)
+    else:
+        view = memoryview(value)[_SUM.size :]
+        if len(view) + _SUM.size != len(value):
+            raise CorruptShardError(f"{where}: value of {len(value)} bytes is shorter than its checksum")
     total = len(view)
     if total < _HEAD.size:
         raise CorruptShardError(f"{where}: record of {total} bytes is shorter than its header")
     n_fields, key_len = _HEAD.unpack_from(view)
-    if key_len > MAX_KEY_BYTES or _HEAD.size + n_fields * _FIELD.size > total:
-        raise CorruptShardError(f"{where}: record header is damaged ({n_fields=}, {key_len=})")
-    table = [_FIELD.unpack_from(view, _HEAD.size + k * _FIELD.size) for k in range(n_fields)]
     pos = _HEAD.size + n_fields * _FIELD.size
-    used = pos + key_len + sum(name_len + size for name_len, size in table)
-    if used != total or any(name_len > _MAX_NAME_BYTES for name_len, _ in table):
+    if key_len > MAX_KEY_BYTES or pos > total:
+        raise CorruptShardError(f"{where}: record header is damaged ({n_fields=}, {key_len=})")
+    flat = _table(n_fields).unpack_from(view, _HEAD.size)
+    name_lens, sizes = flat[0::2], flat[1::2]
+    used = pos + key_len + sum(name_lens) + sum(sizes)
+    if used != total or any(name_len > _MAX_NAME_BYTES for name_len in name_lens):
         raise CorruptShardError(f"{where}: record lengths add up to {used} bytes, the record has {total}")
-    key = str(view[pos : pos + key_len], "utf-8", "surrogateescape")
+    key_at = pos
     pos += key_len
     names = []
-    for name_len, _ in table:
+    for name_len in name_lens:
         names.append(str(view[pos : pos + name_len], "utf-8", "surrogateescape"))
         pos += name_len
     fields = []
-    for name, (_, size) in zip(names, table, strict=True):
+    for name, size in zip(names, sizes, strict=True):
         fields.append((name, pos, size))
         pos += size
-    return view, key, fields
+    return view, key_at, key_len, fields
+
+
+def _parse(value: bytes | memoryview, where: str) -> tuple[memoryview, str, list[tuple[str, int, int]]]:
+    """Check a record; return its payload view, key and ``(name, data offset, size)`` per field."""
+    view, key_at, key_len, fields = _layout(value, where)
+    return view, str(view[key_at : key_at + key_len], "utf-8", "surrogateescape"), fields
+
+
+def record_spans(value: bytes | memoryview, where: str,
+                 check: bool = True) -> tuple[memoryview, dict[str, tuple[int, int]]]:
+    """Parse a record once; return its payload view and ``{field: (offset, size)}`` into it.
+
+    For batch reads: one parse per sample, then any number of fields copied straight out
+    of the view. The key is not decoded (readers name a sample from their catalog).
+    Raises :class:`~streamload.CorruptShardError` as :func:`decode_record`. With
+    ``check=False`` only the lengths are checked (every span lies inside the value): the
+    caller must :func:`unseal` the value before it uses the bytes.
+    """
+    view, _, _, fields = _layout(value, where, check)
+    return view, {name: (at, size) for name, at, size in fields}
 
 
 def decode_record(value: bytes | memoryview, where: str) -> Sample:

@@ -51,7 +51,7 @@ import numpy as np
 from .._errors import CorruptShardError, SampleError, ShardNotFoundError
 from ..manifest import ShardEntry
 from ._lmdb_check import check_lmdb_file
-from ._record import decode_record, encode_record, record_field, seal, unseal
+from ._record import decode_record, encode_record, record_spans, seal, unseal
 from .base import Format, Sample, ShardReader, ShardWriter, check_sample
 
 __all__ = ["FORMAT", "LmdbShardReader", "LmdbShardWriter", "map_size_for", "write_environment"]
@@ -68,6 +68,8 @@ _ADVISE_CHUNK = 2 << 20
 #: LMDB page header and node header sizes (lmdb.h internals, stable since 0.9).
 _PAGE_HEADER = 16
 _NODE_HEADER = 8
+#: A record of the batch being read: ``[value, payload view, {field: (offset, size)}, checksum checked]``.
+_Record = list[Any]
 
 
 def _page_size() -> int:
@@ -179,6 +181,8 @@ class LmdbShardReader(ShardReader):
         self._env_id = (0, 0)
         self._pid = -1
         self._catalog: tuple[list[str], list[int]] | None = None
+        #: Parsed records of the batch being read (see ``_records``), by index.
+        self._batch: dict[int, _Record] = {}
 
     # -- opening ---------------------------------------------------------------------
 
@@ -273,39 +277,94 @@ class LmdbShardReader(ShardReader):
         finally:
             cursor.close()
 
-    # -- batch reads (streamload.batch): a view of one field of each record, no dict -----
+    # -- batch reads (streamload.batch): each record looked up and parsed once per batch --
+    # ``RawCollate.read_batch`` asks for the sizes of the data fields, then of the label
+    # field, then reads both groups. The first call looks each record up and parses its
+    # field table (lengths checked, so every size lies inside the record); the later
+    # calls on the same indices reuse those views into the map (valid while this
+    # reader's read transaction lives: the cache is dropped with it). Reading checks
+    # each record's checksum and copies its fields straight from the map into the batch
+    # buffers while the record is still in the CPU cache, so every byte handed out is
+    # verified. A record whose lengths do not add up, or that lacks a field, is
+    # checksummed at once, so damage is reported as damage. Only the latest call's
+    # records are kept.
 
     can_read_into = True
 
-    def _field(self, txn: Any, index: int, fields: Sequence[str]) -> memoryview:
-        self._check_index(index)
-        value = _get(txn, _INDEX.pack(index), self._where(index))
-        if value is None:
-            raise CorruptShardError(f"{self._where(index)} is missing from the LMDB shard")
-        try:
-            key, view = record_field(value, fields, self._where(index))
-        except CorruptShardError as exc:
-            raise self._with_key(exc, index) from exc
-        if view is None:
-            raise SampleError(f"{self.entry.name}: sample {key!r} has none of the fields {tuple(fields)}")
-        return view
+    def _records(self, indices: list[int]) -> list[_Record]:
+        """Return each record as ``[value, payload view, field spans, checked]``; reuse the last call's."""
+        txn = self._transaction()
+        cached, fresh = self._batch, {}
+        records = []
+        for index in indices:
+            record = cached.get(index)
+            if record is None:
+                self._check_index(index)
+                value = _get(txn, _INDEX.pack(index), self._where(index))
+                if value is None:
+                    raise CorruptShardError(f"{self._where(index)} is missing from the LMDB shard")
+                try:
+                    view, spans = record_spans(value, self._where(index), check=False)
+                except CorruptShardError as exc:
+                    self._verify([value, None, {}, False], index)  # a checksum mismatch says more
+                    raise self._with_key(exc, index) from exc
+                record = [value, view, spans, False]
+            fresh[index] = record
+            records.append(record)
+        self._batch = fresh
+        return records
+
+    def _verify(self, record: _Record, index: int) -> None:
+        """Check the record's checksum (once); raise CorruptShardError naming shard and key."""
+        if not record[3]:
+            try:
+                unseal(record[0], self._where(index))
+            except CorruptShardError as exc:
+                raise self._with_key(exc, index) from exc
+            record[3] = True
+
+    def _span(self, record: _Record, fields: Sequence[str], index: int) -> tuple[int, int]:
+        spans = record[2]
+        for name in fields:
+            span = spans.get(name)
+            if span is not None:
+                return span  # type: ignore[no-any-return]
+        self._verify(record, index)  # a damaged field name is damage, not a missing field
+        key = self.keys_of(np.array([index]))[0]
+        raise SampleError(f"{self.entry.name}: sample {key!r} has none of the fields {tuple(fields)}")
 
     def field_sizes(self, indices: np.ndarray[Any, Any], fields: Sequence[str]) -> np.ndarray[Any, Any]:
         """Return the sizes of each sample's first present field of ``fields`` (record headers only)."""
-        txn = self._transaction()
-        return np.array([len(self._field(txn, i, fields)) for i in indices.tolist()], dtype=np.int64)
+        idx = indices.tolist()
+        span = self._span
+        return np.array([span(record, fields, i)[1] for i, record in zip(idx, self._records(idx), strict=True)],
+                        dtype=np.int64)
 
     def read_into(self, indices: np.ndarray[Any, Any], fields: Sequence[str], out: np.ndarray[Any, Any],
                   sizes: np.ndarray[Any, Any]) -> None:
         """Copy the fields straight from the map into ``out``: one copy per sample."""
-        txn = self._transaction()
-        pos = 0
-        for i, n in zip(indices.tolist(), sizes.tolist(), strict=True):
-            view = self._field(txn, i, fields)
-            if len(view) != n:
-                raise CorruptShardError(f"{self._where(i)}: field size changed between two reads")
-            out[pos : pos + n] = np.frombuffer(view, dtype=np.uint8)
-            pos += n
+        self.read_groups_into(indices, [(fields, out, sizes)])
+
+    def read_groups_into(self, indices: np.ndarray[Any, Any],
+                         groups: Sequence[tuple[Sequence[str], np.ndarray[Any, Any], np.ndarray[Any, Any]]]) -> None:
+        """Check each record, then copy each group's field from the map into its ``out``: one lookup per sample."""
+        idx = indices.tolist()
+        try:
+            records = self._records(idx)
+            dests = [out.data.cast("B") for _, out, _ in groups]
+            sizes = [np.asarray(size).tolist() for _, _, size in groups]
+            pos = [0] * len(groups)
+            for k, (i, record) in enumerate(zip(idx, records, strict=True)):
+                self._verify(record, i)
+                view = record[1]
+                for g, (fields, _, _) in enumerate(groups):
+                    at, size = self._span(record, fields, i)
+                    if size != sizes[g][k]:
+                        raise CorruptShardError(f"{self._where(i)}: field size changed between two reads")
+                    dests[g][pos[g] : pos[g] + size] = view[at : at + size]
+                    pos[g] += size
+        finally:
+            self._batch = {}  # the batch is read: drop its views
 
     def keys_of(self, indices: np.ndarray[Any, Any]) -> list[str]:
         """Return the keys of samples ``indices`` from the catalog record."""
@@ -344,6 +403,7 @@ class LmdbShardReader(ShardReader):
         """End the read transaction and release the environment."""
         txn, shared = self._txn, self._env
         self._txn = self._env = None
+        self._batch = {}  # views into the map die with the transaction
         if shared is None or self._pid != os.getpid():
             return  # handles inherited through fork: the registry closes them in this process
         try:
