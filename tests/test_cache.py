@@ -25,6 +25,15 @@ from streamload.writer import DatasetWriter
 
 SIZE = 1000
 
+# Every wait in these tests is bounded; none should come near this, even on a loaded machine.
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default cache directory (where a test passes none) is this test's own."""
+    monkeypatch.setenv("STREAMLOAD_CACHE", str(tmp_path / "default-cache"))
+
 
 def _entry(name: str, data: bytes) -> FileEntry:
     return FileEntry(name, len(data), hashlib.sha256(data).hexdigest())
@@ -119,6 +128,81 @@ def test_a_download_with_the_wrong_hash_is_rejected(tmp_path: Path) -> None:
     assert _cached(cache) == set() and os.listdir(tmp_path / "tmp") == []
     unverified = ShardCache(str(tmp_path), limit=None, verify_hash=False)
     assert unverified.fill(entry, "sha256", _writer(b"\2" * SIZE)) is not None  # size only
+
+
+def test_a_same_size_file_of_another_version_is_not_served(tmp_path: Path) -> None:
+    """The cache is keyed by URL: a dataset re-written there may have a file of the same
+    name and size but other bytes; the cached one must not be served for the new entry."""
+    cache = ShardCache(str(tmp_path), limit=None)
+    old, new = b"\1" * SIZE, b"\2" * SIZE
+    assert Path(_fill(cache, "a", 1)).read_bytes() == old
+    assert cache.lookup(_entry("a", old)) is not None
+    assert cache.lookup(_entry("a", new)) is None  # same name and size, other hash: a miss
+    pin = cache.pin("a")
+    try:
+        path = cache.fill(_entry("a", new), "sha256", _writer(new))
+    finally:
+        pin.close()
+    assert path is not None and Path(path).read_bytes() == new
+    assert cache.lookup(_entry("a", old)) is None and cache.lookup(_entry("a", new)) is not None
+
+
+def test_a_file_without_a_record_of_its_verification_is_downloaded_again(tmp_path: Path) -> None:
+    """A record left by a crash between writing it and the rename never vouches for the
+    file already in data/ (nor does a file with no record at all)."""
+    cache = ShardCache(str(tmp_path), limit=None)
+    _fill(cache, "a", 1)
+    entry = _entry("a", b"\1" * SIZE)
+    record = Path(tmp_path, "meta", "a")
+    digest, size, _inode = record.read_text().split()
+    record.write_text(f"{digest} {size} 1\n")  # the inode of some other file
+    assert cache.lookup(entry) is None
+    record.unlink()
+    assert cache.lookup(entry) is None
+    _fill(cache, "a", 1)
+    assert cache.lookup(entry) is not None
+
+
+def test_a_dataset_rewritten_at_the_same_url_is_read_fresh(tmp_path: Path) -> None:
+    """End to end: same URL, same cache, same shard names and sizes, other bytes."""
+    import fsspec
+
+    url = f"memory://streamload-rewrite-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        for version in (b"A", b"B"):
+            if fsspec.filesystem("memory").exists(url.removeprefix("memory://")):
+                fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+            with DatasetWriter(url, max_samples=4) as w:
+                for i in range(8):
+                    w.write({"__key__": f"k{i:03d}", "txt": version * 10})
+            ds = StreamingDataset(url, cache_dir=str(tmp_path))
+            assert [s["txt"] for s in ds] == [version * 10] * 8
+    finally:
+        fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+
+
+def test_a_download_longer_than_the_manifest_says_stops_at_the_reservation(tmp_path: Path) -> None:
+    """The part file never outgrows the bytes reserved for it (the cache limit holds
+    during the download, not only at the size check after it)."""
+    import fsspec
+
+    url = f"memory://streamload-longer-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        with DatasetWriter(url, max_samples=4) as w:
+            for i in range(8):
+                w.write({"__key__": f"k{i:03d}", "txt": b"x" * 10})
+        ds = StreamingDataset(url, cache_dir=str(tmp_path))
+        shard = ds.manifest.shards[0].name
+        fs = fsspec.filesystem("memory")
+        path = f"{url.removeprefix('memory://')}/{shard}"
+        fs.pipe_file(path, fs.cat_file(path) + b"\0" * 512)
+        with pytest.raises(CorruptShardError, match="longer than"):
+            list(ds)
+        ds._get_storage().close()  # joins the read-ahead of the next shards
+        cache_root = next(p for p in tmp_path.iterdir() if p.is_dir())
+        assert not (cache_root / "data" / shard).exists() and os.listdir(cache_root / "tmp") == []
+    finally:
+        fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
 
 
 # -- retries -----------------------------------------------------------------------------
@@ -252,7 +336,7 @@ def test_http_url(tar_dataset: Path, tmp_path: Path) -> None:
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        remote = StreamingDataset(url, cache_dir=str(tmp_path))
+        remote = StreamingDataset(url, cache_dir=str(tmp_path / "http-cache"))
         local = StreamingDataset(str(tar_dataset))
         assert list(remote) == list(local)
         with pytest.raises(FileNotFoundError, match=f"{url}/nothing/index.json"):

@@ -14,6 +14,8 @@ Layout, one directory per dataset (``<cache_dir>/<hash of the dataset URL>/``)::
     tmp/<name>.<size>.<pid>.<random>.part
                           a download in progress, flocked by its writer; its name
                           carries the bytes it reserves against the limit
+    meta/<name>           "<hash> <size> <inode>" of the verified download now in
+                          data/<name> (written under .lock just before the rename)
 
 Names come from a validated manifest (plain file names, see
 :func:`~streamload.manifest.check_file_name`), so no path built here leaves the cache.
@@ -27,6 +29,13 @@ Invariants:
 * ``data/<name>`` only ever appears complete and verified (size, and hash when known):
   it is renamed into place from ``tmp/``. A partial file whose writer died is unlocked;
   the next process that makes room deletes it.
+* A cached file is served only for the manifest entry it was verified against: the
+  directory is keyed by URL, and a dataset re-written at the same URL may have files of
+  the same names *and sizes* (tar shards are multiples of 512 bytes) but other bytes.
+  :meth:`ShardCache.lookup` compares the entry's hash with ``meta/<name>`` (and the
+  record's inode with the file's, so a record left by a crash between writing it and the
+  rename never vouches for an older file); a mismatch is a miss, and the download
+  replaces the stale file.
 """
 
 from __future__ import annotations
@@ -103,6 +112,18 @@ def _close_fd(fd: int) -> None:
         os.close(fd)
 
 
+def _hold_fds_for_fork() -> None:
+    # No fork between an os.open and its recording (nor a close and its forgetting): the
+    # child would keep an unrecorded copy of a descriptor the parent locks next, and a
+    # flock taken through the parent's descriptor is then also held by the child's copy,
+    # until the child exits (a cache lock held for a whole DataLoader epoch).
+    _FDS_LOCK.acquire()
+
+
+def _release_fds_after_fork() -> None:
+    _FDS_LOCK.release()
+
+
 def _close_inherited_fds() -> None:
     global _FDS_LOCK
     _FDS_LOCK = threading.Lock()
@@ -114,7 +135,8 @@ def _close_inherited_fds() -> None:
     _FDS.clear()
 
 
-os.register_at_fork(after_in_child=_close_inherited_fds)
+os.register_at_fork(before=_hold_fds_for_fork, after_in_parent=_release_fds_after_fork,
+                    after_in_child=_close_inherited_fds)
 
 
 def _lock(fd: int, flags: int) -> bool:
@@ -150,7 +172,7 @@ class ShardCache:
         self.wait_timeout = wait_timeout
         self.stats = CacheStats()
         self._stats_lock = threading.Lock()
-        for sub in ("data", "pins", "tmp"):
+        for sub in ("data", "pins", "tmp", "meta"):
             os.makedirs(os.path.join(root, sub), exist_ok=True)
 
     # -- paths -----------------------------------------------------------------------
@@ -161,6 +183,9 @@ class ShardCache:
 
     def _pin_path(self, name: str, suffix: str = "") -> str:
         return os.path.join(self.root, "pins", check_file_name(name, "cached file name") + suffix)
+
+    def _meta_path(self, name: str) -> str:
+        return os.path.join(self.root, "meta", check_file_name(name, "cached file name"))
 
     def _open_lock(self, path: str) -> int:
         return _open_fd(path, os.O_RDWR | os.O_CREAT)
@@ -178,14 +203,20 @@ class ShardCache:
         return Pin(fd, name)
 
     def lookup(self, entry: FileEntry) -> str | None:
-        """Return the cached path of ``entry`` if present with the right size (caller pins)."""
+        """Return the cached path of ``entry`` if present and verified for it (caller pins).
+
+        A file of the right size but verified against another hash (a dataset re-written
+        at the same URL), or with no record of its verification, is a miss.
+        """
         path = self.data_path(entry.name)
         try:
-            size = os.stat(path).st_size
+            st = os.stat(path)
         except FileNotFoundError:
             return None
-        if size != entry.num_bytes:
+        if st.st_size != entry.num_bytes:
             return None  # a stale file of another version; replaced by the next download
+        if self._checks_hash(entry) and self._read_record(entry.name) != (entry.hash, entry.num_bytes, st.st_ino):
+            return None  # same size, other bytes (or unverified): replaced by the next download
         try:
             os.utime(path)  # the LRU clock
         except FileNotFoundError:
@@ -193,6 +224,32 @@ class ShardCache:
         with self._stats_lock:
             self.stats.hits += 1
         return path
+
+    @staticmethod
+    def _checks_hash(entry: FileEntry) -> bool:
+        # Not a hash computation: which manifest entry the file was downloaded for, so it
+        # applies with verify_hash=False too.
+        return entry.hash is not None
+
+    def _read_record(self, name: str) -> tuple[str, int, int] | None:
+        """The ``(hash, size, inode)`` recorded for the download renamed into ``data/<name>``."""
+        try:
+            with open(self._meta_path(name), encoding="ascii") as f:
+                digest, size, inode = f.read().split()
+            return digest, int(size), int(inode)
+        except (OSError, ValueError):
+            return None
+
+    def _write_record(self, entry: FileEntry, part: str) -> None:
+        """Record what ``part`` was verified against (caller holds the cache lock)."""
+        meta = self._meta_path(entry.name)
+        if entry.hash is None:
+            _unlink(meta)
+            return
+        tmp = f"{meta}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        with open(tmp, "w", encoding="ascii") as f:
+            f.write(f"{entry.hash} {entry.num_bytes} {os.stat(part).st_ino}\n")
+        os.replace(tmp, meta)
 
     # -- filling -------------------------------------------------------------------
 
@@ -241,6 +298,7 @@ class ShardCache:
                 self._verify(part, entry, hash_algorithm)
                 final = self.data_path(entry.name)
                 with self._cache_lock():  # so a count under the lock never sees it twice
+                    self._write_record(entry, part)
                     os.replace(part, final)
             with self._stats_lock:
                 self.stats.downloads += 1
@@ -405,6 +463,7 @@ class ShardCache:
             if not _lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB):
                 return False  # in use (or being read ahead) by some process
             _unlink(self.data_path(name))
+            _unlink(self._meta_path(name))
         finally:
             _close_fd(fd)
         with self._stats_lock:

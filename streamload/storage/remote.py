@@ -298,11 +298,14 @@ class _Remote:
         return int(size) if size is not None else None
 
     def download(self, name: str, part: str, cancelled: Callable[[], bool],
-                 stop: threading.Event | None = None) -> int:
+                 stop: threading.Event | None = None, max_bytes: int | None = None) -> int:
         """Copy file ``name`` into local ``part``; return the number of bytes.
 
         A transient failure resumes at the byte where it stopped (or restarts, for streams
-        that cannot seek).
+        that cannot seek). With ``max_bytes`` (the bytes the cache reserved for ``part``),
+        the file never grows past it: an object longer than that is a
+        :class:`~streamload.CorruptShardError` at once, not a cache over its limit until
+        the size check after the download.
         """
         path = self.path(name)
         with open(part, "r+b") as out:
@@ -323,6 +326,10 @@ class _Remote:
                         chunk = src.read(_CHUNK)
                         if not chunk:
                             return
+                        if max_bytes is not None and state["offset"] + len(chunk) > max_bytes:
+                            raise CorruptShardError(
+                                f"{name}: the object is longer than the {max_bytes} bytes the manifest says"
+                            )
                         out.write(chunk)
                         state["offset"] += len(chunk)
 
@@ -625,7 +632,7 @@ class RemoteStorage(Storage):
 
     def _downloader(self, entry: FileEntry) -> Callable[[str, Callable[[], bool]], None]:
         def download(part: str, cancelled: Callable[[], bool]) -> None:
-            self._remote.download(entry.name, part, cancelled, self._stop)
+            self._remote.download(entry.name, part, cancelled, self._stop, max_bytes=entry.num_bytes)
 
         return download
 
