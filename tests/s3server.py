@@ -177,7 +177,7 @@ class SeaweedS3:
                 "-master.volumeSizeLimitMB=64",
                 f"-volume.port={free_port()}",
                 f"-volume.port.grpc={free_port()}",
-                "-volume.max=50",
+                "-volume.max=1000",  # each bucket is a collection that grows its own volumes (~6 each)
                 "-filer",
                 f"-filer.port={self.filer_port}",
                 f"-filer.port.grpc={self.filer_grpc_port}",
