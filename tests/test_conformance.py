@@ -497,3 +497,50 @@ def test_lmdb_batch_reads_check_every_record_like_sample_reads(tmp_path: Path, d
         reader.close()
     with pytest.raises(CorruptShardError, match=rf"{entry.name}.*s4"):
         list(StreamingDataset(str(tmp_path), batch_size=4, collate=RawCollate(field="bin", label_field="cls")))
+
+
+def test_lmdb_batch_from_a_cold_page_cache_asks_for_its_bytes_and_reads_them_exactly(tmp_path: Path) -> None:
+    """A contiguous batch not in the page cache is asked for in large reads (a hint only)."""
+    import os
+    import random
+
+    import numpy as np
+
+    from streamload.batch import RawCollate
+    from streamload.formats import lmdb as lmdb_format
+
+    samples: list[Sample] = [{"__key__": f"s{i}", "jpg": random.Random(i).randbytes(20000), "cls": str(i % 3).encode()}
+                             for i in range(40)]
+    manifest = write_dataset(tmp_path, "lmdb", [samples])
+    entry = manifest.shards[0]
+    path = tmp_path / entry.name
+    reader = lmdb_format.LmdbShardReader(str(path), entry, None)
+    asked: list[int] = []
+    evicted = False
+    try:
+        reader.get(0)  # opens the environment
+        shared = reader._env
+        assert shared is not None
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # clean pages, so the kernel drops them
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        evicted = shared.base is not None and not lmdb_format._resident(shared.base + shared.size // 2, 4096)
+        prefetch = shared.prefetch
+
+        def counted(first: Any, last: Any) -> None:
+            asked.append(1)
+            prefetch(first, last)
+
+        shared.prefetch = counted  # type: ignore[method-assign]
+        batch = RawCollate().read_batch(lambda _: reader, [(0, np.arange(3, 35))])
+        assert [batch.tobytes(k) for k in range(32)] == [s["jpg"] for s in samples[3:35]]
+        assert batch.labels is not None and batch.labels.tolist() == [i % 3 for i in range(3, 35)]
+        value = reader._transaction().get(b"\0" * 7 + b"\x05")
+        assert lmdb_format._resident(lmdb_format._address(value), len(value))  # just read: in the cache
+    finally:
+        reader.close()
+    if evicted:  # (tmpfs, say, keeps its pages: then there is nothing to ask for)
+        assert asked

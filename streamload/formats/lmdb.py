@@ -26,7 +26,10 @@ Reading: ``readonly=True, lock=False, readahead=False``. Without the lock file t
 no reader table, so any number of workers and ranks can read one shard (no
 ``MDB_READERS_FULL``); one read transaction lives as long as the reader. The
 environment is opened on first use in the reading process and reopened if that process
-forks; the reader is never pickled.
+forks; the reader is never pickled. Batch reads (``read_groups_into``) look each record up
+once per batch, check its checksum and copy its fields straight from the map into the
+batch; a contiguous batch not yet in the page cache is asked for in large reads first
+(py-lmdb touches a value's pages as it returns it, one 4 KiB fault at a time otherwise).
 
 Damage: truncated files, damaged metadata and damaged samples (every value is
 checksummed) raise :class:`~streamload.CorruptShardError`. LMDB itself trusts its
@@ -38,7 +41,9 @@ bounds-checked first.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import struct
 import threading
@@ -295,6 +300,9 @@ class LmdbShardReader(ShardReader):
         """Return each record as ``[value, payload view, field spans, checked]``; reuse the last call's."""
         txn = self._transaction()
         cached, fresh = self._batch, {}
+        missing = [index for index in indices if index not in cached]
+        if len(missing) > 1:
+            self._prefetch_batch(txn, missing)
         records = []
         for index in indices:
             record = cached.get(index)
@@ -313,6 +321,36 @@ class LmdbShardReader(ShardReader):
             records.append(record)
         self._batch = fresh
         return records
+
+    def _prefetch_batch(self, txn: Any, indices: list[int]) -> None:
+        """Ask the kernel for the batch's bytes in large reads when they lie close together.
+
+        py-lmdb touches every page of a value as it returns it, and the map is opened
+        without read-ahead, so a batch read from a cold page cache would fault its pages
+        in one at a time. Values are stored in index order: the batch spans the bytes
+        from its lowest to its highest index, found with two lookups, and they are asked
+        for (as ``iter_range`` does for a run) only when that span is at most twice the
+        batch's own bytes (from the catalog), never for a scattered batch.
+        """
+        lo, hi = min(indices), max(indices)
+        if self._env is None or self._env.base is None or not 0 <= lo <= hi < self.entry.num_samples:
+            return
+        first = _get(txn, _INDEX.pack(lo), self._where(lo))
+        last = _get(txn, _INDEX.pack(hi), self._where(hi))
+        if first is None or last is None:
+            return
+        start, end = _address(first), _address(last) + len(last)
+        # Warm page cache (the usual case): asking would only cost time. The two values
+        # above were just read, so look at the pages half way between them.
+        middle = (start + end) // 2
+        if end <= start or _resident(middle, min(_PROBE_BYTES, end - middle)):
+            return
+        try:
+            sizes = self.catalog()[1]
+        except CorruptShardError:
+            return  # reported where the catalog is needed; prefetching is only a hint
+        if end - start <= 2 * sum(sizes[i] for i in indices) + _ADVISE_CHUNK:
+            self._env.prefetch(first, last)
 
     def _verify(self, record: _Record, index: int) -> None:
         """Check the record's checksum (once); raise CorruptShardError naming shard and key."""
@@ -452,6 +490,33 @@ class _Env:
 
 def _address(value: Any) -> int:
     return int(np.frombuffer(value, dtype=np.uint8).ctypes.data)
+
+
+def _mincore() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, TypeError, AttributeError):  # no libc symbols here: never prefetch
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return fn
+
+
+_MINCORE = _mincore()
+#: Bytes of a batch's span whose residency is looked at before asking the kernel for it.
+_PROBE_BYTES = 64 << 10
+
+
+def _resident(address: int, length: int) -> bool:
+    """Return True if the mapped pages of ``address .. address + length`` are in the page cache (``mincore``)."""
+    if _MINCORE is None:
+        return True
+    page = mmap.PAGESIZE
+    start = address & ~(page - 1)
+    pages = max(1, (address + length - start + page - 1) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    if _MINCORE(start, pages * page, vec) != 0:
+        return False  # unknown: ask for them
+    return all(byte & 1 for byte in vec)
 
 
 def _map_base(st: os.stat_result) -> int | None:
