@@ -41,7 +41,7 @@ SECRET_KEY = "streamload-test-secret"
 _STARTUP_TIMEOUT = 90.0
 _STOP_TIMEOUT = 20.0
 #: Graceful stop takes ~15 s; the tests' data is disposable, so wait less, then SIGKILL.
-_TERM_GRACE = 3.0
+_TERM_GRACE = 1.0
 _taken: set[int] = set()
 _buckets = itertools.count()
 

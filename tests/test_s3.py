@@ -299,37 +299,64 @@ def test_bad_credentials_fail_at_once_with_the_url(s3_server: SeaweedS3, bucket_
     assert "access denied" in capsys.readouterr().err
 
 
+def _restart_when_stalled(gateway: Any, last_sample: list[float], stalled: list[float],
+                          errors: list[BaseException]) -> None:
+    """Bring the gateway back after at least 4 s, once the reader has waited 1 s for a sample.
+
+    The second condition makes the outage deterministic: the readers' cached shards are
+    used up and they are retrying against the dead endpoint when it comes back (the test
+    checks it). Every wait is bounded; an error is the test's, not lost in this thread.
+    """
+    try:
+        time.sleep(4)
+        deadline = time.monotonic() + 60
+        while time.monotonic() - last_sample[0] < 1.0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stalled.append(time.monotonic() - last_sample[0])
+        gateway.start(timeout=60)
+    except BaseException as exc:  # noqa: BLE001 - reported by the test
+        errors.append(exc)
+
+
 def test_outage_mid_epoch_loses_and_repeats_nothing(s3_server: SeaweedS3, bucket_dataset: str,  # noqa: F811
                                                    folder: Path, tmp_path: Path) -> None:
-    """The S3 service crashes (SIGKILL) mid-epoch and comes back 4 s later on the same port.
+    """The S3 service crashes (SIGKILL) mid-epoch and comes back 4+ s later on the same port.
 
-    Deterministic: the crash and the restart happen in the test's thread, between two
-    samples, so a restart that fails is this test's error at once (not a lost exception
-    in a helper thread, with the readers retrying into the void for their whole budget).
-    While the test sleeps, the workers' read-ahead and outstanding samples hit the dead
-    endpoint and retry; the rest of the epoch is fetched from the restarted gateway.
+    The reader keeps reading while the service is down, and blocks once its cached shards
+    are used up; the gateway restarts only then. A failed restart is reported by the test,
+    and the DataLoader's timeout bounds the wait for a sample (the readers' retry budget,
+    120 s, is not what ends a broken run).
     """
     gateway = s3_server.new_gateway()
     gateway.start()
+    restarter: threading.Thread | None = None
     try:
         options = s3_server.storage_options(client_kwargs={"endpoint_url": gateway.endpoint_url})
         limit = 3 * _largest(bucket_dataset, options)
         ds = StreamingDataset(bucket_dataset, storage_options=options, cache_dir=str(tmp_path),
                               cache_limit=limit)
-        loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+        loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=90)
         keys: list[str] = []
-        restarted = False
+        last_sample = [time.monotonic()]
+        stalled: list[float] = []
+        errors: list[BaseException] = []
         for sample in loader:
+            last_sample[0] = time.monotonic()
             keys.append(sample["__key__"])
             if len(keys) == 20:  # a quarter through: most shards are still remote
                 gateway.kill()
-                time.sleep(4)
-                gateway.start(timeout=60)
-                restarted = True
-        assert restarted
+                restarter = threading.Thread(target=_restart_when_stalled,
+                                             args=(gateway, last_sample, stalled, errors), daemon=True)
+                restarter.start()
+        assert restarter is not None
+        restarter.join(timeout=130)
+        assert not restarter.is_alive() and not errors, errors
+        assert stalled and stalled[0] >= 1.0  # the reader did wait on the dead service
         assert Counter(keys) == Counter(_expected_keys(folder).keys())
         assert _gets(gateway) >= 3  # shards were fetched from the restarted server
     finally:
+        if restarter is not None:
+            restarter.join(timeout=130)
         gateway.stop()
 
 
