@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -104,6 +105,14 @@ def hash_stream(stream: BinaryIO, algorithm: str, chunk_size: int = 1 << 20) -> 
         hasher.update(chunk)
         total += len(chunk)
     return hasher.hexdigest(), total
+
+
+def hash_file(path: str, algorithm: str | None) -> tuple[str | None, int]:
+    """Return ``(hexdigest or None, size)`` of a local file; no digest when ``algorithm`` is None."""
+    if algorithm is None:
+        return None, os.stat(path).st_size
+    with open(path, "rb") as f:
+        return hash_stream(f, algorithm)
 
 
 def check_file_name(name: object, what: str) -> str:

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import ConfigError, ShardError, StreamloadError
-from .formats import get_format
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, ShardEntry, hash_stream
-from .storage import is_local, local_path_of, open_destination, open_storage
+from .formats import Format, get_format
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, ShardEntry, hash_file, hash_stream
+from .storage import Destination, is_local, local_path_of, open_destination, open_storage
 
 __all__ = ["VerifyReport", "index_directory", "verify_dataset"]
 
@@ -120,41 +120,60 @@ def index_directory(
     if not names:
         raise ConfigError(f"{root}: no *{fmt.extension} files to index")
     dest = open_destination(root)
-    shards: list[ShardEntry] = []
-    fields: set[str] = set()
-    for name in names:
-        path = os.path.join(root, name)
-        sidecar_name = fmt.sidecar_name(name)
-        staged = dest.staging_path(sidecar_name or name + ".idx")
-        try:
-            count, shard_fields = fmt.indexer(path, name, staged)
-        except BaseException:
-            dest.discard(staged)
-            raise
-        fields.update(shard_fields)
-        sidecar = None
-        if sidecar_name is not None:
-            s_hash, s_size = _hash(staged, hash_algorithm)
-            dest.commit(staged, sidecar_name)
-            sidecar = FileEntry(sidecar_name, s_size, s_hash)
-        else:
-            dest.discard(staged)
-        digest, size = _hash(path, hash_algorithm)
-        shards.append(ShardEntry(name=name, num_bytes=size, hash=digest, num_samples=count, sidecar=sidecar))
+    indexed = [index_shard(fmt, dest, os.path.join(root, name), name, hash_algorithm) for name in names]
+    return publish_index(dest, fmt, indexed, hash_algorithm, classes)
+
+
+def index_shard(
+    fmt: Format, dest: Destination, path: str, name: str, hash_algorithm: str | None
+) -> tuple[ShardEntry, list[str]]:
+    """Index one shard written by another tool: build and publish its sidecar at ``dest``.
+
+    Args:
+        fmt: The shard's format (with an indexer).
+        dest: Where the dataset is (the sidecar is committed there).
+        path: A local copy of the shard.
+        name: The shard's file name in the dataset.
+        hash_algorithm: Hash for the manifest entries, or ``None``.
+
+    Returns:
+        The shard's manifest entry and its field names.
+    """
+    assert fmt.indexer is not None
+    sidecar_name = fmt.sidecar_name(name)
+    staged = dest.staging_path(sidecar_name or name + ".idx")
+    try:
+        count, fields = fmt.indexer(path, name, staged)
+    except BaseException:
+        dest.discard(staged)
+        raise
+    sidecar = None
+    if sidecar_name is not None:
+        s_hash, s_size = hash_file(staged, hash_algorithm)
+        dest.commit(staged, sidecar_name)
+        sidecar = FileEntry(sidecar_name, s_size, s_hash)
+    else:
+        dest.discard(staged)
+    digest, size = hash_file(path, hash_algorithm)
+    return ShardEntry(name=name, num_bytes=size, hash=digest, num_samples=count, sidecar=sidecar), fields
+
+
+def publish_index(
+    dest: Destination,
+    fmt: Format,
+    indexed: list[tuple[ShardEntry, list[str]]],
+    hash_algorithm: str | None,
+    classes: tuple[str, ...],
+) -> Manifest:
+    """Write ``index.json`` for shards indexed with :func:`index_shard`; return it."""
+    fields = sorted({f for _, shard_fields in indexed for f in shard_fields})
     manifest = Manifest(
         format=fmt.name,
-        shards=tuple(shards),
-        fields=tuple(sorted(fields)),
+        shards=tuple(entry for entry, _ in indexed),
+        fields=tuple(fields),
         classes=classes,
         hash_algorithm=hash_algorithm,
         meta={"indexed_by": "streamload index"},
     )
     dest.write_bytes(MANIFEST_NAME, manifest.dumps())
     return manifest
-
-
-def _hash(path: str, algorithm: str | None) -> tuple[str | None, int]:
-    if algorithm is None:
-        return None, os.stat(path).st_size
-    with open(path, "rb") as f:
-        return hash_stream(f, algorithm)

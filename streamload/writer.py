@@ -14,7 +14,6 @@ sample count or bytes, like WebDataset's ``ShardWriter``::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -23,7 +22,7 @@ from typing import Any
 from ._errors import ConfigError
 from ._units import parse_bytes
 from .formats import Format, check_sample, get_format
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, ShardEntry, SkippedInput, hash_stream
+from .manifest import MANIFEST_NAME, FileEntry, Manifest, ShardEntry, SkippedInput, hash_file
 from .storage import Destination, open_destination
 
 __all__ = ["DatasetWriter", "ShardResult", "publish_manifest", "sample_nbytes", "write_shard"]
@@ -42,13 +41,6 @@ class ShardResult:
     fields: set[str] = field(default_factory=set)
     skipped: list[SkippedInput] = field(default_factory=list)
     payload_bytes: int = 0
-
-
-def _hash_file(path: str, algorithm: str | None) -> tuple[str | None, int]:
-    if algorithm is None:
-        return None, os.stat(path).st_size
-    with open(path, "rb") as f:
-        return hash_stream(f, algorithm)
 
 
 def write_shard(
@@ -73,11 +65,11 @@ def write_shard(
             result.fields.update(k for k in sample if not k.startswith("__"))
             result.payload_bytes += sample_nbytes(sample)
         sidecar_staged = writer.finish()
-        digest, size = _hash_file(staged, hash_algorithm)
+        digest, size = hash_file(staged, hash_algorithm)
         sidecar = None
         if sidecar_staged is not None:
             sidecar_name = fmt.sidecar_name(name) or name + ".idx"
-            s_digest, s_size = _hash_file(sidecar_staged, hash_algorithm)
+            s_digest, s_size = hash_file(sidecar_staged, hash_algorithm)
             dest.commit(sidecar_staged, sidecar_name)
             sidecar = FileEntry(sidecar_name, s_size, s_digest)
         dest.commit(staged, name)

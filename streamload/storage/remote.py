@@ -761,51 +761,23 @@ def index_remote(
     Raises:
         ConfigError: If the prefix holds no shard of the format.
     """
-    from ..manifest import hash_stream
+    from ..verify import index_shard, publish_index
 
     dest = RemoteDestination(url, storage_options)
     try:
         names = dest.list_names(fmt.extension)
         if not names:
             raise ConfigError(f"{url}: no *{fmt.extension} objects to index")
-        shards: list[ShardEntry] = []
-        fields: set[str] = set()
+        indexed = []
         for name in names:
             local = dest.staging_path(name)
             try:
                 dest._remote.download(name, local, lambda: False)
-                sidecar_name = fmt.sidecar_name(name)
-                staged = dest.staging_path(sidecar_name or name + ".idx")
-                count, shard_fields = fmt.indexer(local, name, staged)
-                fields.update(shard_fields)
-                sidecar = None
-                if sidecar_name is not None:
-                    s_hash, s_size = _hash_local(staged, hash_algorithm, hash_stream)
-                    dest.commit(staged, sidecar_name)
-                    sidecar = FileEntry(sidecar_name, s_size, s_hash)
-                else:
-                    dest.discard(staged)
-                digest, size = _hash_local(local, hash_algorithm, hash_stream)
+                indexed.append(index_shard(fmt, dest, local, name, hash_algorithm))
             finally:
                 dest.discard(local)
-            shards.append(ShardEntry(name=name, num_bytes=size, hash=digest, num_samples=count, sidecar=sidecar))
-        manifest = Manifest(
-            format=fmt.name,
-            shards=tuple(shards),
-            fields=tuple(sorted(fields)),
-            classes=classes,
-            hash_algorithm=hash_algorithm,
-            meta={"indexed_by": "streamload index"},
-        )
-        dest.write_bytes(MANIFEST_NAME, manifest.dumps())
-        return manifest
+        return publish_index(dest, fmt, indexed, hash_algorithm, classes)
     finally:
         dest.close()
 
 
-def _hash_local(path: str, algorithm: str | None, hash_stream: Any) -> tuple[str | None, int]:
-    if algorithm is None:
-        return None, os.stat(path).st_size
-    with open(path, "rb") as f:
-        result: tuple[str, int] = hash_stream(f, algorithm)
-        return result
