@@ -10,6 +10,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
 __all__ = ["run_demo"]
 
@@ -52,32 +54,16 @@ def run_demo(workdir: str | None = None, images: int = 2000, workers: int = 2, f
         results["convert_mb_s"] = report.payload_bytes / report.seconds / 1e6
 
         print(f"[3/4] reading raw samples with DataLoader(num_workers={workers})")
-        ds = StreamingDataset(shards)
-        loader = DataLoader(ds, batch_size=None, num_workers=workers)
-        t = time.perf_counter()
-        keys, nbytes = [], 0
-        for sample in loader:
-            keys.append(sample["__key__"])
-            nbytes += sum(len(v) for k, v in sample.items() if not k.startswith("__"))
-        dt = time.perf_counter() - t
-        if not len(keys) == len(set(keys)) == len(made):
-            raise RuntimeError(f"read {len(keys)} samples ({len(set(keys))} distinct), expected {len(made)}")
-        results["raw_samples_s"] = len(keys) / dt
-        rate = f"{len(keys) / dt:.0f} samples/s, {nbytes / dt / 1e6:.1f} MB/s"
-        print(f"      per-sample dicts: {len(keys)} samples, each exactly once: {rate}")
-        ds = StreamingDataset(shards, batch_size=256, collate=RawCollate(keys=True))
-        loader = DataLoader(ds, batch_size=None, num_workers=workers)
-        t = time.perf_counter()
-        keys, nbytes = [], 0
-        for batch in loader:
-            keys.extend(batch.keys)
-            nbytes += int(batch.offsets[-1])
-        dt = time.perf_counter() - t
-        if not len(keys) == len(set(keys)) == len(made):
-            raise RuntimeError(f"read {len(keys)} samples ({len(set(keys))} distinct), expected {len(made)}")
-        results["raw_batch_samples_s"] = len(keys) / dt
-        rate = f"{len(keys) / dt:.0f} samples/s, {nbytes / dt / 1e6:.1f} MB/s"
-        print(f"      zero-copy batches (RawCollate, shared memory): {rate}")
+        per_sample = DataLoader(StreamingDataset(shards), batch_size=None, num_workers=workers)
+        results["raw_samples_s"] = _read_all(
+            "per-sample dicts", per_sample, len(made),
+            lambda s: ([s["__key__"]], sum(len(v) for k, v in s.items() if not k.startswith("__"))),
+        )
+        batched = StreamingDataset(shards, batch_size=256, collate=RawCollate(keys=True))
+        results["raw_batch_samples_s"] = _read_all(
+            "zero-copy batches (RawCollate, shared memory)", DataLoader(batched, batch_size=None, num_workers=workers),
+            len(made), lambda b: (list(b.keys), int(b.offsets[-1])),
+        )
 
         print(f"[4/4] decoding to 96x96 tensors with DataLoader(batch_size=64, num_workers={workers})")
         ds = StreamingDataset(shards, shuffle=True, seed=0, transform=ImageLabel(size=96))
@@ -96,3 +82,22 @@ def run_demo(workdir: str | None = None, images: int = 2000, workers: int = 2, f
         if own:
             shutil.rmtree(root, ignore_errors=True)
     return results
+
+
+def _read_all(
+    what: str, loader: Iterable[Any], expected: int, keys_and_bytes: Callable[[Any], tuple[list[str], int]]
+) -> float:
+    """Read ``loader`` once, check every sample came exactly once, print and return samples/s."""
+    started = time.perf_counter()
+    keys: list[str] = []
+    nbytes = 0
+    for item in loader:
+        item_keys, item_bytes = keys_and_bytes(item)
+        keys.extend(item_keys)
+        nbytes += item_bytes
+    seconds = time.perf_counter() - started
+    if not len(keys) == len(set(keys)) == expected:
+        raise RuntimeError(f"{what}: read {len(keys)} samples ({len(set(keys))} distinct), expected {expected}")
+    print(f"      {what}: {len(keys)} samples, each exactly once: "
+          f"{len(keys) / seconds:.0f} samples/s, {nbytes / seconds / 1e6:.1f} MB/s")
+    return len(keys) / seconds
