@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import webdataset as wds
+from streamload.converters import ConvertOptions, convert, open_source
+from streamload.converters.dataset_source import DatasetSource
 
 from streamload import SourceError, StreamingDataset
 from streamload.cli import main
-from streamload.converters import ConvertOptions, convert, open_source
-from streamload.converters.dataset_source import DatasetSource
 
 from .conftest import expected_samples
 
@@ -51,7 +51,8 @@ def test_reshard_by_bytes_keeps_order_and_content(tar_dataset: Path, tmp_path: P
         boundaries.append(boundaries[-1] + entry.num_samples)
     samples = list(new)
     for i, entry in enumerate(new.manifest.shards):
-        payload = sum(len(v) for s in samples[boundaries[i] : boundaries[i + 1]] for k, v in s.items() if k != "__key__")
+        shard_samples = samples[boundaries[i] : boundaries[i + 1]]
+        payload = sum(len(v) for s in shard_samples for k, v in s.items() if k != "__key__")
         assert payload <= 8000 or entry.num_samples == 1
 
 
