@@ -32,7 +32,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, BinaryIO, Protocol
 
@@ -342,16 +342,3 @@ def _skipped(obj: object, index: int) -> SkippedInput:
     if not isinstance(obj, Mapping) or not isinstance(obj.get("path"), str):
         raise ManifestError(f"skipped[{index}] must be an object with a 'path' string")
     return SkippedInput(path=obj["path"], error=str(obj.get("error", "")))
-
-
-def shard_name(index: int, extension: str, pattern: str = "shard-{index:06d}") -> str:
-    """Return the canonical file name of shard ``index``, e.g. ``shard-000003.tar``."""
-    return f"{pattern.format(index=index)}{extension}"
-
-
-def fields_of(samples_fields: Sequence[Iterable[str]]) -> tuple[str, ...]:
-    """Return the sorted union of field names over per-shard field sets."""
-    out: set[str] = set()
-    for names in samples_fields:
-        out.update(names)
-    return tuple(sorted(out))

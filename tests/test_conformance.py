@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader
 
 from streamload import CorruptShardError, DatasetWriter, StreamingDataset, StreamloadError
 from streamload.cli import main
-from streamload.formats import get_format
-from streamload.manifest import Manifest
+from streamload.formats import ShardReader, get_format
+from streamload.manifest import Manifest, ShardEntry
 from streamload.storage import open_destination
 from streamload.verify import verify_dataset
 from streamload.writer import publish_manifest, write_shard
@@ -100,10 +100,7 @@ class TestFormat:
 
     def test_random_access_and_ranges(self, dataset: tuple[Path, list[Sample]], fmt: str) -> None:
         root, samples = dataset
-        manifest = Manifest.loads((root / "index.json").read_bytes())
-        entry = manifest.shards[2]
-        sidecar = str(root / entry.sidecar.name) if entry.sidecar else None
-        reader = get_format(fmt).reader(str(root / entry.name), entry, sidecar)
+        entry, reader = _open_shard(root, fmt, 2)
         try:
             assert [reader.get(i) for i in (6, 0, 3, 3)] == [samples[14 + i] for i in (6, 0, 3, 3)]
             assert list(reader.iter_range(2, 5)) == samples[16:19]
@@ -122,10 +119,7 @@ class TestFormat:
         from streamload import SampleError
 
         root, samples = dataset
-        manifest = Manifest.loads((root / "index.json").read_bytes())
-        entry = manifest.shards[1]
-        sidecar = str(root / entry.sidecar.name) if entry.sidecar else None
-        reader = get_format(fmt).reader(str(root / entry.name), entry, sidecar)
+        entry, reader = _open_shard(root, fmt, 1)
         try:
             indices = np.array([6, 0, 3, 3, 1])
             fields = ("json", "txt", "bin")  # the first present one of these, per sample
@@ -544,3 +538,10 @@ def test_lmdb_batch_from_a_cold_page_cache_asks_for_its_bytes_and_reads_them_exa
         reader.close()
     if evicted:  # (tmpfs, say, keeps its pages: then there is nothing to ask for)
         assert asked
+
+
+def _open_shard(root: Path, fmt: str, index: int) -> tuple[ShardEntry, ShardReader]:
+    """Open shard ``index`` of the dataset at ``root`` with its format's reader."""
+    entry = Manifest.loads((root / "index.json").read_bytes()).shards[index]
+    sidecar = str(root / entry.sidecar.name) if entry.sidecar else None
+    return entry, get_format(fmt).reader(str(root / entry.name), entry, sidecar)

@@ -306,14 +306,6 @@ class TarShardReader(ShardReader):
         member = np.frombuffer(self._member, dtype=np.uint64).astype(np.int64)
         return keys, (total[member[1:]] - total[member[:-1]]).tolist()
 
-    def member_table(self, index: int) -> list[tuple[str, int, int, int]]:
-        """Return ``(field, data_offset, size, xxh3_64)`` for each member of sample ``index``."""
-        self._check_index(index)
-        return [
-            (self._names[self._field[j]], self._offset[j], self._msize[j], self._hash[j])
-            for j in range(self._member[index], self._member[index + 1])
-        ]
-
     def byte_range(self, start: int, stop: int) -> tuple[int, int]:
         """Return the ``[begin, end)`` byte range of the shard that holds samples ``start..stop-1``."""
         return self._start[start], self._start[stop]
