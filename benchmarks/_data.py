@@ -57,8 +57,13 @@ def dataset(num_images: int, fmt: str, samples_per_shard: int = 1000, seed: int 
         return root
     src = ImageFolderSource(image_folder(num_images, seed=seed))
     src.check = "none"
-    convert(src, root, ConvertOptions(format=fmt, samples_per_shard=samples_per_shard, workers=2,
-                                      progress=False, hash_algorithm="xxh3_128"))
+    convert(
+        src,
+        root,
+        ConvertOptions(
+            format=fmt, samples_per_shard=samples_per_shard, workers=2, progress=False, hash_algorithm="xxh3_128"
+        ),
+    )
     return root
 
 
@@ -75,8 +80,14 @@ def folder_items(folder: str) -> list[tuple[str, int]]:
 
 def folder_stats(folder: str) -> dict[str, float]:
     sizes = np.array([os.path.getsize(p) for p, _ in folder_items(folder)])
-    return {"count": int(len(sizes)), "mean_bytes": float(sizes.mean()), "median_bytes": float(np.median(sizes)),
-            "min_bytes": float(sizes.min()), "max_bytes": float(sizes.max()), "total_bytes": float(sizes.sum())}
+    return {
+        "count": int(len(sizes)),
+        "mean_bytes": float(sizes.mean()),
+        "median_bytes": float(np.median(sizes)),
+        "min_bytes": float(sizes.min()),
+        "max_bytes": float(sizes.max()),
+        "total_bytes": float(sizes.sum()),
+    }
 
 
 def histogram(paths: dict[str, str]) -> list[int]:
@@ -114,8 +125,7 @@ def litdata_dataset(num_images: int, seed: int = 0) -> str:
     if os.path.exists(done):
         return root
     items = folder_items(image_folder(num_images, seed=seed))
-    litdata.optimize(fn=_lit_item, inputs=items, output_dir=root, chunk_bytes="64MB", num_workers=1,
-                     mode="overwrite")
+    litdata.optimize(fn=_lit_item, inputs=items, output_dir=root, chunk_bytes="64MB", num_workers=1, mode="overwrite")
     open(done, "w").close()
     return root
 

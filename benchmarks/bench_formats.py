@@ -160,8 +160,14 @@ def loader_read(loader: DataLoader[Any]) -> tuple[int, int]:
 
 def bench_loader(root: str, workers: int, repeat: int, before: Callable[[], None]) -> dict[str, float]:
     ds = StreamingDataset(root)
-    loader = DataLoader(ds, batch_size=64, num_workers=workers, collate_fn=as_list,
-                        persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
+    loader = DataLoader(
+        ds,
+        batch_size=64,
+        num_workers=workers,
+        collate_fn=as_list,
+        persistent_workers=workers > 0,
+        prefetch_factor=4 if workers else None,
+    )
     loader_read(loader)  # start the workers, warm up
     return timed(lambda: loader_read(loader), repeat, before)
 
@@ -207,8 +213,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         root = os.path.join(OUT, f"formats-{args.images}-{fmt}")
         shutil.rmtree(root, ignore_errors=True)
         source = ImageFolderSource(src, check="none")
-        report = convert(source, root, ConvertOptions(format=fmt, shard_bytes=args.shard_size, workers=2,
-                                                      hash_algorithm="xxh3_128", progress=False))
+        report = convert(
+            source,
+            root,
+            ConvertOptions(
+                format=fmt, shard_bytes=args.shard_size, workers=2, hash_algorithm="xxh3_128", progress=False
+            ),
+        )
         paths = dataset_files(root)
         before = (lambda p=paths: evict(p)) if args.cold else (lambda: None)
         row: dict[str, Any] = {
@@ -232,21 +243,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def machine() -> dict[str, Any]:
     import torch
 
-    return {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform()}
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
 
 
-HEADER = (f"{'format':<6} {'convert':>14} {'disk MB':>8} {'raw read':>10} {'reader':>20} "
-          f"{'loader 0 workers':>20} {'loader 2 workers':>20}")
+HEADER = (
+    f"{'format':<6} {'convert':>14} {'disk MB':>8} {'raw read':>10} {'reader':>20} "
+    f"{'loader 0 workers':>20} {'loader 2 workers':>20}"
+)
 
 
 def print_row(fmt: str, row: dict[str, Any]) -> None:
     def rate(r: dict[str, float]) -> str:
         return f"{r['samples_per_s']:>7.0f}/s {r['mb_per_s']:>6.0f}MB/s"
 
-    print(f"{fmt:<6} {row['convert_mb_per_s']:>9.1f} MB/s {row['disk_mb']:>8.1f} "
-          f"{row['raw_read_mb_per_s']:>5.0f} MB/s {rate(row['reader']):>20} "
-          f"{rate(row['loader_0w']):>20} {rate(row['loader_2w']):>20}", flush=True)
+    print(
+        f"{fmt:<6} {row['convert_mb_per_s']:>9.1f} MB/s {row['disk_mb']:>8.1f} "
+        f"{row['raw_read_mb_per_s']:>5.0f} MB/s {rate(row['reader']):>20} "
+        f"{rate(row['loader_0w']):>20} {rate(row['loader_2w']):>20}",
+        flush=True,
+    )
     if "hdf5_field_read_samples_per_s" in row:
         h = row["hdf5_field_read_samples_per_s"]
         print(f"       hdf5 field read: pread {h['pread']:.0f}/s, h5py slice {h['h5py_slice']:.0f}/s")
@@ -261,9 +281,12 @@ def main() -> int:
     p.add_argument("--cold", action="store_true", help="evict shards from the page cache before each read")
     p.add_argument("--json", help="also write the results as JSON here")
     args = p.parse_args()
-    print(f"streamload format benchmark: {args.images} JPEGs, shards of {args.shard_size}, "
-          f"{'cold' if args.cold else 'warm'} page cache, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.1f} (other work on the machine skews every number)", flush=True)
+    print(
+        f"streamload format benchmark: {args.images} JPEGs, shards of {args.shard_size}, "
+        f"{'cold' if args.cold else 'warm'} page cache, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f} (other work on the machine skews every number)",
+        flush=True,
+    )
     results = run(args)
     results["load_average_after"] = os.getloadavg()[0]
     print(f"load average after: {results['load_average_after']:.1f}")

@@ -34,8 +34,9 @@ def shard_counts(total: int) -> list[int]:
     return [int(c) for c in counts]
 
 
-def walk(counts: Sequence[int], split: Split, stages: Sequence[Stage] = (), world_size: int = RANKS
-         ) -> tuple[float, float, int, int]:
+def walk(
+    counts: Sequence[int], split: Split, stages: Sequence[Stage] = (), world_size: int = RANKS
+) -> tuple[float, float, int, int]:
     """Return (seconds to first run, seconds for all runs, runs, samples) for one worker."""
     t0 = time.perf_counter()
     plan = EpochPlan(counts, world_size, split, stages)
@@ -49,8 +50,9 @@ def walk(counts: Sequence[int], split: Split, stages: Sequence[Stage] = (), worl
     return t_first, time.perf_counter() - t0, n_runs, n_samples
 
 
-def measure(counts: Sequence[int], split: Split, stages: Sequence[Stage], world_size: int, repeat: int
-            ) -> dict[str, float]:
+def measure(
+    counts: Sequence[int], split: Split, stages: Sequence[Stage], world_size: int, repeat: int
+) -> dict[str, float]:
     best_first, best_all = float("inf"), float("inf")
     for _ in range(repeat):
         t_first, t_all, n_runs, n_samples = walk(counts, split, stages, world_size)
@@ -61,8 +63,13 @@ def measure(counts: Sequence[int], split: Split, stages: Sequence[Stage], world_
     walk(counts, split, stages, world_size)
     peak = tracemalloc.get_traced_memory()[1] - base
     tracemalloc.stop()
-    return {"first_ms": best_first * 1e3, "all_ms": best_all * 1e3, "peak_mb": peak / 2**20,
-            "runs": n_runs, "samples": n_samples}
+    return {
+        "first_ms": best_first * 1e3,
+        "all_ms": best_all * 1e3,
+        "peak_mb": peak / 2**20,
+        "runs": n_runs,
+        "samples": n_samples,
+    }
 
 
 def main() -> None:
@@ -78,13 +85,19 @@ def main() -> None:
             ("sequential, chunk=None", Split(), [], RANKS),
             ("sequential, chunk=256 (batch)", Split(chunk=256), [], RANKS),
             ("shuffle, chunk=256", Split(shuffle=True, seed=1, chunk=256), [], RANKS),
-            ("shuffle, chunk=256, resumed 512->384", Split(shuffle=True, seed=1, chunk=256),
-             [Stage(RANKS, RANKS * (per_rank // 2))], 384),
+            (
+                "shuffle, chunk=256, resumed 512->384",
+                Split(shuffle=True, seed=1, chunk=256),
+                [Stage(RANKS, RANKS * (per_rank // 2))],
+                384,
+            ),
         ]
         for name, split, stages, world_size in cases:
             r = measure(counts, split, stages, world_size, args.repeat)
-            print(f"{total:>11,} {name:<36} {r['first_ms']:>8.2f}ms {r['all_ms']:>8.1f}ms "
-                  f"{r['peak_mb']:>8.2f} {r['runs']:>7} {r['samples']:>8}")
+            print(
+                f"{total:>11,} {name:<36} {r['first_ms']:>8.2f}ms {r['all_ms']:>8.1f}ms "
+                f"{r['peak_mb']:>8.2f} {r['runs']:>7} {r['samples']:>8}"
+            )
 
 
 if __name__ == "__main__":

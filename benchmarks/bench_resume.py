@@ -39,8 +39,9 @@ def build(root: str) -> str:
     per = SAMPLES // SHARDS
     entries = []
     for i in range(SHARDS):
-        samples = ({"__key__": f"s{i:03d}_{j:05d}", "bin": os.urandom(1000), "cls": str(j % 10).encode()}
-                   for j in range(per))
+        samples = (
+            {"__key__": f"s{i:03d}_{j:05d}", "bin": os.urandom(1000), "cls": str(j % 10).encode()} for j in range(per)
+        )
         entries.append(write_shard(fmt, dest, fmt.shard_name(i), samples).entry)
     publish_manifest(dest, Manifest(format="tar", shards=tuple(entries), fields=("bin", "cls")))
     return root
@@ -91,8 +92,10 @@ def main() -> None:
     w = args.workers
     rows = [
         ("fresh epoch", lambda: first_batch(dataset(root, rank=0, world_size=1), w, None)),
-        (f"resume same world at {same['samples_seen']}",
-         lambda: first_batch(dataset(root, rank=0, world_size=1), w, same)),
+        (
+            f"resume same world at {same['samples_seen']}",
+            lambda: first_batch(dataset(root, rank=0, world_size=1), w, same),
+        ),
         (f"resume 4 ranks -> 1 at {near_end}", lambda: first_batch(dataset(root, rank=0, world_size=1), w, elastic)),
     ]
     print(f"{SAMPLES} samples, {SHARDS} shards, batch {BATCH}, {w} workers, shuffle=True; median of {args.repeat}")

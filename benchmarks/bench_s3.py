@@ -38,8 +38,7 @@ from tests.s3server import SeaweedS3  # noqa: E402
 def read_all(url: str, workers: int, **kwargs: Any) -> tuple[int, float]:
     """Return (samples, seconds) for one full pass with ``workers`` DataLoader workers."""
     ds = StreamingDataset(url, **kwargs)
-    loader = DataLoader(ds, batch_size=None, num_workers=workers,
-                        multiprocessing_context="fork" if workers else None)
+    loader = DataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context="fork" if workers else None)
     started = time.perf_counter()
     count = sum(1 for _ in loader)
     return count, time.perf_counter() - started
@@ -59,18 +58,26 @@ def main() -> None:
     try:
         server.start()
         folder = work / "images"
-        make_image_folder(str(folder), num_classes=10, per_class=args.images // 10,
-                          size=(args.size, args.size), seed=0)
+        make_image_folder(str(folder), num_classes=10, per_class=args.images // 10, size=(args.size, args.size), seed=0)
         options = ConvertOptions(samples_per_shard=args.shard_samples, progress=False, workers=2)
         local = str(work / "local")
         manifest = convert(ImageFolderSource(str(folder)), local, options).manifest
         bucket = server.make_bucket("bench")
         url = f"s3://{bucket}/ds"
-        convert(ImageFolderSource(str(folder)), url, ConvertOptions(
-            samples_per_shard=args.shard_samples, progress=False, workers=2,
-            storage_options=server.storage_options()))
-        print(f"dataset: {manifest.num_samples} JPEGs {args.size}x{args.size}, {len(manifest.shards)} shards, "
-              f"{manifest.num_bytes / 1e6:.1f} MB; S3 = SeaweedFS on loopback; 2 CPU cores")
+        convert(
+            ImageFolderSource(str(folder)),
+            url,
+            ConvertOptions(
+                samples_per_shard=args.shard_samples,
+                progress=False,
+                workers=2,
+                storage_options=server.storage_options(),
+            ),
+        )
+        print(
+            f"dataset: {manifest.num_samples} JPEGs {args.size}x{args.size}, {len(manifest.shards)} shards, "
+            f"{manifest.num_bytes / 1e6:.1f} MB; S3 = SeaweedFS on loopback; 2 CPU cores"
+        )
         rows: list[dict[str, Any]] = []
         for workers in (0, 2):
             best = {"local": 0.0, "s3 cold": 0.0, "s3 warm": 0.0}
@@ -89,8 +96,9 @@ def main() -> None:
         for row in rows:
             print(f"{row['source']:<10} {row['workers']:>7} {row['samples_per_s']:>10}")
         if args.json:
-            Path(args.json).write_text(json.dumps({"rows": rows, "images": manifest.num_samples,
-                                                   "shards": len(manifest.shards)}, indent=1))
+            Path(args.json).write_text(
+                json.dumps({"rows": rows, "images": manifest.num_samples, "shards": len(manifest.shards)}, indent=1)
+            )
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)

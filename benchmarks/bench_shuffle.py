@@ -79,8 +79,9 @@ def main() -> None:
             assert sorted(order.tolist()) == list(range(n)), name
             m = metrics(order, size)
             label = f"{name} ({default})" if name == "streamload default window" else name
-            print(f"{size:>10} {label:<34} {m['same']:>16.4f} {m['corr']:>7.4f} {m['per_batch']:>12.1f} "
-                  f"{m['disp']:>7.3f}")
+            print(
+                f"{size:>10} {label:<34} {m['same']:>16.4f} {m['corr']:>7.4f} {m['per_batch']:>12.1f} {m['disp']:>7.3f}"
+            )
 
 
 if __name__ == "__main__":

@@ -192,8 +192,15 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
         ok = ok and count == int(expected.sum()) and bool(np.array_equal(hist, expected))
     elapsed = time.perf_counter() - steady_start
     steady = samples - first_n
-    return {"ok": ok, "samples": samples, "samples_per_s": steady / elapsed, "mb_per_s": nbytes / elapsed / 1e6,
-            "first_batch_s": first, "cpu_s": _tree_cpu_seconds() - cpu0, "wall_s": time.perf_counter() - start}
+    return {
+        "ok": ok,
+        "samples": samples,
+        "samples_per_s": steady / elapsed,
+        "mb_per_s": nbytes / elapsed / 1e6,
+        "first_batch_s": first,
+        "cpu_s": _tree_cpu_seconds() - cpu0,
+        "wall_s": time.perf_counter() - start,
+    }
 
 
 def _tree_cpu_seconds() -> float:
@@ -233,8 +240,12 @@ def raw_read_limit(tar_dir: str, num_samples: int, repeats: int = 3) -> dict[str
                 os.close(fd)
         best = max(best, total / (time.perf_counter() - t))
         best_cpu = max(best_cpu, total / max(time.process_time() - c, 1e-9))
-    return {"bytes_per_s": best, "samples_per_s": best / total * num_samples, "shard_bytes": total,
-            "samples_per_cpu_s": best_cpu / total * num_samples}
+    return {
+        "bytes_per_s": best,
+        "samples_per_s": best / total * num_samples,
+        "shard_bytes": total,
+        "samples_per_cpu_s": best_cpu / total * num_samples,
+    }
 
 
 def decode_limits(folder: str, count: int = 300, repeats: int = 5) -> dict[str, float]:
@@ -326,8 +337,12 @@ def spawn_row(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Run one row in a subprocess; watch its PSS (and its workers') from here."""
     from streamload.bench import PeakMemory
 
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--row", json.dumps(spec)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--row", json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     with PeakMemory(proc.pid, interval=0.05) as memory:
         try:
             out, err = proc.communicate(timeout=timeout)
@@ -353,8 +368,10 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return (f"{os.cpu_count()} CPUs ({cpu}), {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
-            f"Linux {platform.release()}, Python {platform.python_version()}, torch {torch.__version__}")
+    return (
+        f"{os.cpu_count()} CPUs ({cpu}), {psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
+        f"Linux {platform.release()}, Python {platform.python_version()}, torch {torch.__version__}"
+    )
 
 
 def main() -> None:
@@ -387,16 +404,22 @@ def main() -> None:
         print(f"data: {n} images (cached in {_data.OUT})")
         paths[n] = _data.all_datasets(n, formats, peers)
     stats = _data.folder_stats(paths[args.images]["folder"])
-    print(f"  mean {stats['mean_bytes'] / 1e3:.1f} KB, median {stats['median_bytes'] / 1e3:.1f} KB, "
-          f"min {stats['min_bytes'] / 1e3:.1f} KB, max {stats['max_bytes'] / 1e3:.1f} KB per JPEG")
+    print(
+        f"  mean {stats['mean_bytes'] / 1e3:.1f} KB, median {stats['median_bytes'] / 1e3:.1f} KB, "
+        f"min {stats['min_bytes'] / 1e3:.1f} KB, max {stats['max_bytes'] / 1e3:.1f} KB per JPEG"
+    )
 
     raw = raw_read_limit(paths[args.images]["tar"], args.images)
     dec = decode_limits(paths[args.decode_images]["folder"])
-    print(f"limit: raw read of the shard files {raw['samples_per_s']:.0f} samples/s "
-          f"({raw['bytes_per_s'] / 1e6:.0f} MB/s), one core")
-    print(f"limit: decode stage (decode, resize 256, crop 224) {dec['stage']:.0f} samples/s per core "
-          f"(bare library calls {dec['bare']:.0f}/s: stage overhead {100 * dec['stage_overhead']:.1f} %; "
-          f"textbook Pillow pipeline {dec['pillow_textbook']:.0f}/s)")
+    print(
+        f"limit: raw read of the shard files {raw['samples_per_s']:.0f} samples/s "
+        f"({raw['bytes_per_s'] / 1e6:.0f} MB/s), one core"
+    )
+    print(
+        f"limit: decode stage (decode, resize 256, crop 224) {dec['stage']:.0f} samples/s per core "
+        f"(bare library calls {dec['bare']:.0f}/s: stage overhead {100 * dec['stage_overhead']:.1f} %; "
+        f"textbook Pillow pipeline {dec['pillow_textbook']:.0f}/s)"
+    )
 
     rows: dict[tuple[str, int, str], dict[str, Any]] = {}
     for round_ in range(args.rounds):  # interleaved rounds; each row keeps its best rate
@@ -405,8 +428,14 @@ def main() -> None:
             n = sets[mode]
             for workers in [int(w) for w in args.workers.split(",")]:
                 for lib in libs:
-                    spec = {"lib": lib, "mode": mode, "workers": workers, "paths": paths[n],
-                            "epochs": args.epochs if mode == "bytes" else 1, "histogram": _data.histogram(paths[n])}
+                    spec = {
+                        "lib": lib,
+                        "mode": mode,
+                        "workers": workers,
+                        "paths": paths[n],
+                        "epochs": args.epochs if mode == "bytes" else 1,
+                        "histogram": _data.histogram(paths[n]),
+                    }
                     result = spawn_row(spec, args.timeout)
                     if mode == "bytes":
                         limit = raw["samples_per_s"]
@@ -416,10 +445,19 @@ def main() -> None:
                     print(_line(result), flush=True)
                     rows[(mode, workers, lib)] = _merge(rows.get((mode, workers, lib)), result)
     load_after = os.getloadavg()
-    report = {"machine": machine(), "data": stats, "raw_limit": raw, "decode_limits": dec,
-              "rows": list(rows.values()), "rounds": args.rounds, "epochs": args.epochs,
-              "decode_images": args.decode_images,
-              "load_before": load_before, "load_after": load_after, "batch_size": BATCH}
+    report = {
+        "machine": machine(),
+        "data": stats,
+        "raw_limit": raw,
+        "decode_limits": dec,
+        "rows": list(rows.values()),
+        "rounds": args.rounds,
+        "epochs": args.epochs,
+        "decode_images": args.decode_images,
+        "load_before": load_before,
+        "load_after": load_after,
+        "batch_size": BATCH,
+    }
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
     md = markdown(report)
@@ -448,9 +486,11 @@ def _line(r: dict[str, Any]) -> str:
     if not r.get("samples_per_s"):
         return f"  {r['mode']:6} w={r['workers']} {r['lib']:20} FAILED: {r.get('error', 'wrong count or labels')}"
     flag = "" if r["ok"] else "  WRONG COUNT/LABELS"
-    return (f"  {r['mode']:6} w={r['workers']} {r['lib']:20} {r['samples_per_s']:8.0f} samples/s "
-            f"{r['mb_per_s']:7.0f} MB/s  x{r['samples_per_s'] / r['limit']:.2f} of limit  "
-            f"1st batch {r['first_batch_s']:.2f}s  peak PSS {r['peak_pss'] / 2**20:.0f} MiB  CPUs {_busy(r)}{flag}")
+    return (
+        f"  {r['mode']:6} w={r['workers']} {r['lib']:20} {r['samples_per_s']:8.0f} samples/s "
+        f"{r['mb_per_s']:7.0f} MB/s  x{r['samples_per_s'] / r['limit']:.2f} of limit  "
+        f"1st batch {r['first_batch_s']:.2f}s  peak PSS {r['peak_pss'] / 2**20:.0f} MiB  CPUs {_busy(r)}{flag}"
+    )
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -482,12 +522,15 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {r['mode']} | {r['workers']} | {r['lib']} | {r['samples_per_s']:.0f} | {mb} | "
             f"{r['samples_per_s'] / r['limit']:.2f} | {r['first_batch_s']:.2f} s | {r['peak_pss'] / 2**20:.0f} MiB | "
-            f"{_busy(r)} | {'yes' if r['ok'] else 'NO'} |")
+            f"{_busy(r)} | {'yes' if r['ok'] else 'NO'} |"
+        )
     lines.append("")
-    lines.append("× limit: bytes rows against the raw read rate; decode rows against the decode stage's rate "
-                 "times the cores the workers can use (0 workers: one core). CPUs busy: CPU seconds of the row's "
-                 "main process and workers per wall-clock second (at most 2 here; less means the row waited, "
-                 "or other processes had the CPUs).")
+    lines.append(
+        "× limit: bytes rows against the raw read rate; decode rows against the decode stage's rate "
+        "times the cores the workers can use (0 workers: one core). CPUs busy: CPU seconds of the row's "
+        "main process and workers per wall-clock second (at most 2 here; less means the row waited, "
+        "or other processes had the CPUs)."
+    )
     del busy
     return "\n".join(lines) + "\n"
 

@@ -54,8 +54,9 @@ class DatasetSource(Source):
             opened once per scan and once per conversion task that reads it).
     """
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None,
-                 cache_dir: str | None = None) -> None:
+    def __init__(
+        self, url: str, storage_options: Mapping[str, Any] | None = None, cache_dir: str | None = None
+    ) -> None:
         self.url = str(url).rstrip("/") or str(url)
         self.storage_options = dict(storage_options or {})
         self.cache_dir = cache_dir
@@ -105,11 +106,13 @@ class DatasetSource(Source):
                 finally:
                     self.close()
                 if len(keys) != entry.num_samples or len(sizes) != entry.num_samples:
-                    problems.append(SkippedInput(entry.name, f"index lists {len(keys)} samples, "
-                                                 f"manifest says {entry.num_samples}"))
+                    problems.append(
+                        SkippedInput(entry.name, f"index lists {len(keys)} samples, manifest says {entry.num_samples}")
+                    )
                     continue
-                items.extend(SampleItem(key, int(size), s, i)
-                             for i, (key, size) in enumerate(zip(keys, sizes, strict=True)))
+                items.extend(
+                    SampleItem(key, int(size), s, i) for i, (key, size) in enumerate(zip(keys, sizes, strict=True))
+                )
         finally:
             self.close(storage=True)
         return ScanResult(items, [], problems)
@@ -131,8 +134,10 @@ class DatasetSource(Source):
         except (StreamloadError, OSError) as exc:
             raise SourceError(f"{where}: cannot read: {exc}") from exc
         if sample.get("__key__") != item.key:
-            raise SourceError(f"{where}: the shard now holds key {sample.get('__key__')!r} there; "
-                              "was the source changed during the conversion?")
+            raise SourceError(
+                f"{where}: the shard now holds key {sample.get('__key__')!r} there; "
+                "was the source changed during the conversion?"
+            )
         return sample
 
     def _reader(self, shard: int) -> ShardReader:

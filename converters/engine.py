@@ -207,8 +207,9 @@ def convert(
             results[result.entry.name] = result
             bar.update(result.entry.num_samples + len(result.skipped), result.payload_bytes)
             if on_progress is not None:
-                on_progress(sum(r.entry.num_samples for r in results.values()),
-                            sum(r.payload_bytes for r in results.values()))
+                on_progress(
+                    sum(r.entry.num_samples for r in results.values()), sum(r.payload_bytes for r in results.values())
+                )
     except KeyboardInterrupt as exc:
         raise ConversionInterrupted(
             f"conversion into {dst} interrupted after {len(results)} of {len(tasks)} shards; "

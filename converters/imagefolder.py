@@ -72,9 +72,7 @@ class ImageFolderSource(Source):
         self.check = check
         if not os.path.isdir(self.root):
             raise SourceError(f"{root}: not a directory (expected ROOT/<class>/<image>)")
-        self.classes = sorted(
-            e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith(".")
-        )
+        self.classes = sorted(e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith("."))
         if not self.classes:
             raise SourceError(f"{root}: no class sub-folders (expected ROOT/<class>/<image>)")
 

@@ -43,8 +43,9 @@ def _usage(sub: argparse.ArgumentParser) -> str:
     prefix = "usage: "
     lines = sub.format_usage().rstrip().splitlines()
     # Drop "usage: " and shift the continuation lines left by as much.
-    return "\n".join(line[len(prefix):] if line.startswith(" " * len(prefix)) or i == 0 else line
-                     for i, line in enumerate(lines))
+    return "\n".join(
+        line[len(prefix) :] if line.startswith(" " * len(prefix)) or i == 0 else line for i, line in enumerate(lines)
+    )
 
 
 def readme_block(parser: argparse.ArgumentParser) -> str:
@@ -75,8 +76,16 @@ def cli_markdown(parser: argparse.ArgumentParser) -> str:
         "```",
     ]
     for name, sub in subcommands(parser).items():
-        out += ["", f"## streamload {name}", "", helps.get(name, "").capitalize() + ".", "", "```text",
-                sub.format_help().rstrip(), "```"]
+        out += [
+            "",
+            f"## streamload {name}",
+            "",
+            helps.get(name, "").capitalize() + ".",
+            "",
+            "```text",
+            sub.format_help().rstrip(),
+            "```",
+        ]
     return "\n".join(out) + "\n"
 
 

@@ -74,8 +74,14 @@ class RawBatch:
 
     __slots__ = ("_lease", "data", "keys", "labels", "offsets")
 
-    def __init__(self, data: torch.Tensor, offsets: torch.Tensor, labels: torch.Tensor | None = None,
-                 keys: tuple[str, ...] | None = None, lease: Lease | None = None) -> None:
+    def __init__(
+        self,
+        data: torch.Tensor,
+        offsets: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        keys: tuple[str, ...] | None = None,
+        lease: Lease | None = None,
+    ) -> None:
         self.data = data
         self.offsets = offsets
         self.labels = labels
@@ -105,8 +111,9 @@ class RawBatch:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RawBatch:
         """Return the batch with its tensors on ``device``."""
-        data, offsets, labels = _map_tensors((self.data, self.offsets, self.labels),
-                                             lambda t: t.to(device, non_blocking=non_blocking))
+        data, offsets, labels = _map_tensors(
+            (self.data, self.offsets, self.labels), lambda t: t.to(device, non_blocking=non_blocking)
+        )
         assert data is not None and offsets is not None
         return RawBatch(data, offsets, labels, self.keys)
 
@@ -164,8 +171,9 @@ class ImageBatch:
         return f"ImageBatch(images={tuple(self.images.shape)}, labels={self.labels is not None})"
 
 
-def _map_tensors(tensors: tuple[torch.Tensor | None, ...],
-                 fn: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor | None]:
+def _map_tensors(
+    tensors: tuple[torch.Tensor | None, ...], fn: Callable[[torch.Tensor], torch.Tensor]
+) -> list[torch.Tensor | None]:
     return [None if t is None else fn(t) for t in tensors]
 
 
@@ -282,8 +290,13 @@ def _watch(tensor: torch.Tensor, lease: Lease | None) -> None:
         weakref.finalize(tensor.untyped_storage(), _release, lease[0], lease[1])
 
 
-def _rebuild_raw(data: torch.Tensor, offsets: torch.Tensor, labels: torch.Tensor | None,
-                 keys: tuple[str, ...] | None, lease: Lease | None) -> RawBatch:
+def _rebuild_raw(
+    data: torch.Tensor,
+    offsets: torch.Tensor,
+    labels: torch.Tensor | None,
+    keys: tuple[str, ...] | None,
+    lease: Lease | None,
+) -> RawBatch:
     _watch(data, lease)
     return RawBatch(data, offsets, labels, keys)
 
@@ -394,8 +407,10 @@ class RawCollate:
             value = sample.get(name)
             if value is not None:
                 return value  # type: ignore[no-any-return]
-        raise SampleError(f"sample {sample.get('__key__')!r} has none of the fields {self.fields} "
-                          f"(it has {sorted(k for k in sample if not k.startswith('__'))})")
+        raise SampleError(
+            f"sample {sample.get('__key__')!r} has none of the fields {self.fields} "
+            f"(it has {sorted(k for k in sample if not k.startswith('__'))})"
+        )
 
     # -- the fast path: read straight from the shard readers ----------------------------
 

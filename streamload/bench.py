@@ -102,8 +102,17 @@ class BenchResult:
     peak_pss: int
 
 
-def _loader(dataset: str, mode: str, workers: int, prefetch: int | None, pin: bool, batch_size: int,
-            size: int, storage_options: dict[str, Any], cache_dir: str | None) -> Any:
+def _loader(
+    dataset: str,
+    mode: str,
+    workers: int,
+    prefetch: int | None,
+    pin: bool,
+    batch_size: int,
+    size: int,
+    storage_options: dict[str, Any],
+    cache_dir: str | None,
+) -> Any:
     from torch.utils.data import DataLoader
 
     from .batch import RawCollate
@@ -141,8 +150,18 @@ def _measure_batch(batch: Any) -> tuple[int, int]:
     return len(batch), sum(len(b) for b in batch)
 
 
-def run_one(dataset: str, mode: str, workers: int, prefetch: int | None, pin: bool, batch_size: int, size: int,
-            seconds: float, storage_options: dict[str, Any] | None = None, cache_dir: str | None = None) -> BenchResult:
+def run_one(
+    dataset: str,
+    mode: str,
+    workers: int,
+    prefetch: int | None,
+    pin: bool,
+    batch_size: int,
+    size: int,
+    seconds: float,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: str | None = None,
+) -> BenchResult:
     """Measure one setting: read for about ``seconds`` (at least one batch, epochs repeat)."""
     loader = _loader(dataset, mode, workers, prefetch, pin, batch_size, size, dict(storage_options or {}), cache_dir)
     samples = nbytes = 0
@@ -166,14 +185,33 @@ def run_one(dataset: str, mode: str, workers: int, prefetch: int | None, pin: bo
         elapsed = max(time.perf_counter() - steady, 1e-9)
     del loader
     rate = samples / elapsed if samples else 0.0
-    return BenchResult(workers, prefetch if workers else None, pin, batch_size, samples, elapsed, rate,
-                       nbytes / elapsed / 1e6, first, memory.peak)
+    return BenchResult(
+        workers,
+        prefetch if workers else None,
+        pin,
+        batch_size,
+        samples,
+        elapsed,
+        rate,
+        nbytes / elapsed / 1e6,
+        first,
+        memory.peak,
+    )
 
 
-def sweep(dataset: str, mode: str = "raw", workers: Sequence[int] = (0, 1, 2), prefetch: Sequence[int] = (2,),
-          pin_memory: Sequence[bool] = (False,), batch_sizes: Sequence[int] = (256,), size: int = 224,
-          seconds: float = 5.0, storage_options: dict[str, Any] | None = None, cache_dir: str | None = None,
-          progress: bool = True) -> list[BenchResult]:
+def sweep(
+    dataset: str,
+    mode: str = "raw",
+    workers: Sequence[int] = (0, 1, 2),
+    prefetch: Sequence[int] = (2,),
+    pin_memory: Sequence[bool] = (False,),
+    batch_sizes: Sequence[int] = (256,),
+    size: int = 224,
+    seconds: float = 5.0,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: str | None = None,
+    progress: bool = True,
+) -> list[BenchResult]:
     """Measure every combination; return the results in sweep order."""
     if mode not in MODES:
         raise ConfigError(f"mode={mode!r} must be one of {MODES}")
@@ -210,14 +248,18 @@ def plateau(results: Sequence[BenchResult], gain: float = 0.05) -> int | None:
     return None
 
 
-_HEADER = f"{'workers':>7} {'prefetch':>8} {'pin':>5} {'batch':>5} {'samples/s':>10} {'MB/s':>8} " \
-          f"{'1st batch':>9} {'peak PSS':>10}"
+_HEADER = (
+    f"{'workers':>7} {'prefetch':>8} {'pin':>5} {'batch':>5} {'samples/s':>10} {'MB/s':>8} "
+    f"{'1st batch':>9} {'peak PSS':>10}"
+)
 
 
 def _row(r: BenchResult) -> str:
     prefetch = "-" if r.prefetch_factor is None else str(r.prefetch_factor)
-    return (f"{r.workers:>7} {prefetch:>8} {str(r.pin_memory):>5} {r.batch_size:>5} {r.samples_per_s:>10.0f} "
-            f"{r.mb_per_s:>8.1f} {r.first_batch_s:>8.2f}s {format_bytes(r.peak_pss):>10}")
+    return (
+        f"{r.workers:>7} {prefetch:>8} {str(r.pin_memory):>5} {r.batch_size:>5} {r.samples_per_s:>10.0f} "
+        f"{r.mb_per_s:>8.1f} {r.first_batch_s:>8.2f}s {format_bytes(r.peak_pss):>10}"
+    )
 
 
 def plot(results: Sequence[BenchResult], path: str, title: str) -> None:
@@ -270,8 +312,12 @@ def add_bench_parser(subparsers: Any) -> None:
 
     p = subparsers.add_parser("bench", help="sweep DataLoader settings on a dataset; recommend one")
     p.add_argument("dataset", help="dataset directory or URL")
-    p.add_argument("--mode", choices=MODES, default="raw",
-                   help="raw: zero-copy encoded batches; decode: decoded images; samples: per-sample dicts")
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="raw",
+        help="raw: zero-copy encoded batches; decode: decoded images; samples: per-sample dicts",
+    )
     p.add_argument("--workers", default=_default_workers(), help="num_workers values (default: %(default)s)")
     p.add_argument("--prefetch", default="2", help="prefetch_factor values (default: 2)")
     p.add_argument("--pin-memory", choices=("off", "on", "both"), default="off", help="pin_memory (default: off)")
@@ -292,25 +338,42 @@ def run_bench(args: argparse.Namespace) -> list[BenchResult]:
     pins = {"off": [False], "on": [True], "both": [False, True]}[args.pin_memory]
     quiet = bool(args.json)
     if not quiet:
-        print(f"streamload bench {args.dataset}: mode {args.mode}, {args.seconds:g} s per setting, "
-              f"{os.cpu_count()} CPUs")
+        print(
+            f"streamload bench {args.dataset}: mode {args.mode}, {args.seconds:g} s per setting, {os.cpu_count()} CPUs"
+        )
         print(_HEADER)
-    results = sweep(args.dataset, args.mode, _ints(args.workers), _ints(args.prefetch), pins,
-                    _ints(args.batch_size), args.size, args.seconds, _storage_options(args.storage_option),
-                    args.cache_dir, progress=not quiet)
+    results = sweep(
+        args.dataset,
+        args.mode,
+        _ints(args.workers),
+        _ints(args.prefetch),
+        pins,
+        _ints(args.batch_size),
+        args.size,
+        args.seconds,
+        _storage_options(args.storage_option),
+        args.cache_dir,
+        progress=not quiet,
+    )
     best = recommend(results)
     flat = plateau(results)
     if quiet:
-        print(json.dumps({"results": [asdict(r) for r in results], "recommended": asdict(best),
-                          "plateau_workers": flat}, indent=1))
+        print(
+            json.dumps(
+                {"results": [asdict(r) for r in results], "recommended": asdict(best), "plateau_workers": flat},
+                indent=1,
+            )
+        )
     else:
         if flat is not None:
             print(f"throughput stops growing at num_workers={flat} (the next step adds < 5 %)")
         else:
             print("throughput still grows at the largest num_workers tried")
         pf = "" if best.prefetch_factor is None else f", prefetch_factor={best.prefetch_factor}"
-        print(f"recommended: DataLoader(num_workers={best.workers}{pf}, pin_memory={best.pin_memory}) with "
-              f"batch_size={best.batch_size}: {best.samples_per_s:.0f} samples/s, peak {format_bytes(best.peak_pss)}")
+        print(
+            f"recommended: DataLoader(num_workers={best.workers}{pf}, pin_memory={best.pin_memory}) with "
+            f"batch_size={best.batch_size}: {best.samples_per_s:.0f} samples/s, peak {format_bytes(best.peak_pss)}"
+        )
     if args.plot:
         plot(results, args.plot, f"streamload bench ({args.mode}): {os.path.basename(args.dataset.rstrip('/'))}")
         if not quiet:

@@ -70,14 +70,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", "-j", type=int, default=1, help="conversion processes (output is identical)")
     p.add_argument("--shuffle", action="store_true", help="shuffle the sample order before sharding")
     p.add_argument("--seed", type=int, default=0, help="seed for --shuffle (default: 0)")
-    p.add_argument("--on-error", choices=("raise", "skip"), default="raise",
-                   help="on a broken input: stop (raise) or skip it, listed in the manifest")
+    p.add_argument(
+        "--on-error",
+        choices=("raise", "skip"),
+        default="raise",
+        help="on a broken input: stop (raise) or skip it, listed in the manifest",
+    )
     p.add_argument("--hash", choices=("sha256", "xxh3_128"), default="sha256", help="shard hash")
-    p.add_argument("--check", choices=("decode", "header", "none"), default="decode",
-                   help="how image inputs are checked (default: decode at reduced size)")
+    p.add_argument(
+        "--check",
+        choices=("decode", "header", "none"),
+        default="decode",
+        help="how image inputs are checked (default: decode at reduced size)",
+    )
     again = p.add_mutually_exclusive_group()
-    again.add_argument("--resume", action="store_true",
-                       help="finish an interrupted conversion, reusing the shards it wrote (checked by hash)")
+    again.add_argument(
+        "--resume",
+        action="store_true",
+        help="finish an interrupted conversion, reusing the shards it wrote (checked by hash)",
+    )
     again.add_argument("--overwrite", action="store_true", help="replace a dataset or interrupted conversion at DST")
     prog = p.add_mutually_exclusive_group()
     prog.add_argument("--progress", dest="progress", action="store_true", default=None, help="force a progress bar")
@@ -214,8 +225,9 @@ def _cmd_index(args: argparse.Namespace) -> int:
     from .verify import index_directory
 
     classes = tuple(c for c in (args.classes or "").split(",") if c)
-    manifest = index_directory(args.directory, args.format, args.hash, classes,
-                               storage_options=_storage_options(args.storage_option))
+    manifest = index_directory(
+        args.directory, args.format, args.hash, classes, storage_options=_storage_options(args.storage_option)
+    )
     print(f"indexed {len(manifest.shards)} shards, {manifest.num_samples} samples; wrote {args.directory}/index.json")
     return 0
 

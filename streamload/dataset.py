@@ -280,17 +280,30 @@ class StreamingDataset(IterableDataset[Any]):
         if samples_seen is None:
             if progress is None:
                 if int(self._epochs[_SLOTS:].max()) > 0:
-                    raise PlanError("this process has not read the dataset (DataLoader workers did): "
-                                    "pass samples_seen=steps * global_batch to state_dict()")
+                    raise PlanError(
+                        "this process has not read the dataset (DataLoader workers did): "
+                        "pass samples_seen=steps * global_batch to state_dict()"
+                    )
                 samples_seen = 0
             else:
-                worker = WorkerPosition(world.rank, world.world_size, world.worker, world.num_workers,
-                                        progress.chunk, progress.next_item)
+                worker = WorkerPosition(
+                    world.rank, world.world_size, world.worker, world.num_workers, progress.chunk, progress.next_item
+                )
                 stage_start = stages[-1].samples_seen if stages else 0
                 single = world.num_workers == 1
                 samples_seen = stage_start + world.world_size * progress.next_item if single else None
-        state = EpochState(self.epoch, self.seed, self.shuffle, self.drop_last, self.window, self.num_samples,
-                           world.world_size, samples_seen, stages, worker)
+        state = EpochState(
+            self.epoch,
+            self.seed,
+            self.shuffle,
+            self.drop_last,
+            self.window,
+            self.num_samples,
+            world.world_size,
+            samples_seen,
+            stages,
+            worker,
+        )
         return state.normalized(self.manifest.shard_counts).to_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -303,8 +316,13 @@ class StreamingDataset(IterableDataset[Any]):
             PlanError: If the state is malformed or belongs to a differently configured dataset.
         """
         state = EpochState.from_dict(state_dict)
-        state.check_dataset(seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last, window=self.window,
-                            num_samples=self.num_samples)
+        state.check_dataset(
+            seed=self.seed,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+            window=self.window,
+            num_samples=self.num_samples,
+        )
         state = state.normalized(self.manifest.shard_counts)
         self._resume = state
         self._progress = None
@@ -361,8 +379,9 @@ class StreamingDataset(IterableDataset[Any]):
                 storage.prefetch(())  # cancel read-ahead: the epoch ended or was abandoned
             readers.close()
 
-    def _prefetching(self, runs: Iterator[Run], storage: Storage, readers: _ReaderCache,
-                     ahead: Iterator[int]) -> Iterator[Run]:
+    def _prefetching(
+        self, runs: Iterator[Run], storage: Storage, readers: _ReaderCache, ahead: Iterator[int]
+    ) -> Iterator[Run]:
         """Pass ``runs`` through; when a run opens a shard, tell the storage which come next.
 
         ``ahead`` yields one shard per change of shard in ``runs`` (the same plan), so the
@@ -489,8 +508,14 @@ class StreamingDataset(IterableDataset[Any]):
         logged = self.errors.setdefault(f"shard:{entry.name}", 0)
         self.errors[f"shard:{entry.name}"] = logged + count
         if not logged:
-            log.warning("skipping %d sample(s) of %s/%s (first key %r): %s; later ones of this shard are counted",
-                        count, self.source, entry.name, key, exc)
+            log.warning(
+                "skipping %d sample(s) of %s/%s (first key %r): %s; later ones of this shard are counted",
+                count,
+                self.source,
+                entry.name,
+                key,
+                exc,
+            )
 
     @property
     def skipped_samples(self) -> int:
@@ -542,8 +567,9 @@ def _with_sidecar(entry: ShardEntry) -> int:
     return entry.num_bytes + (entry.sidecar.num_bytes if entry.sidecar else 0)
 
 
-def _next_shards(upcoming: deque[int], ahead: Iterator[int], readers: _ReaderCache, current: int,
-                 count: int) -> list[int]:
+def _next_shards(
+    upcoming: deque[int], ahead: Iterator[int], readers: _ReaderCache, current: int, count: int
+) -> list[int]:
     """Return up to ``count`` distinct unopened shards that come after ``current``.
 
     In order of first use; reads ``ahead`` into ``upcoming`` as far as needed (at most

@@ -56,13 +56,17 @@ def run_demo(workdir: str | None = None, images: int = 2000, workers: int = 2, f
         print(f"[3/4] reading raw samples with DataLoader(num_workers={workers})")
         per_sample = DataLoader(StreamingDataset(shards), batch_size=None, num_workers=workers)
         results["raw_samples_s"] = _read_all(
-            "per-sample dicts", per_sample, len(made),
+            "per-sample dicts",
+            per_sample,
+            len(made),
             lambda s: ([s["__key__"]], sum(len(v) for k, v in s.items() if not k.startswith("__"))),
         )
         batched = StreamingDataset(shards, batch_size=256, collate=RawCollate(keys=True))
         results["raw_batch_samples_s"] = _read_all(
-            "zero-copy batches (RawCollate, shared memory)", DataLoader(batched, batch_size=None, num_workers=workers),
-            len(made), lambda b: (list(b.keys), int(b.offsets[-1])),
+            "zero-copy batches (RawCollate, shared memory)",
+            DataLoader(batched, batch_size=None, num_workers=workers),
+            len(made),
+            lambda b: (list(b.keys), int(b.offsets[-1])),
         )
 
         print(f"[4/4] decoding to 96x96 tensors with DataLoader(batch_size=64, num_workers={workers})")
@@ -75,8 +79,10 @@ def run_demo(workdir: str | None = None, images: int = 2000, workers: int = 2, f
             labels += torch.bincount(label_batch, minlength=10)
         dt = time.perf_counter() - t
         results["decode_samples_s"] = count / dt
-        print(f"      {count} images {tuple(images_batch.shape[1:])} uint8: {count / dt:.0f} samples/s; "
-              f"per-class counts {labels.tolist()}")
+        print(
+            f"      {count} images {tuple(images_batch.shape[1:])} uint8: {count / dt:.0f} samples/s; "
+            f"per-class counts {labels.tolist()}"
+        )
         print("demo finished: convert -> shards -> DataLoader works on this machine.")
     finally:
         if own:
@@ -98,6 +104,8 @@ def _read_all(
     seconds = time.perf_counter() - started
     if not len(keys) == len(set(keys)) == expected:
         raise RuntimeError(f"{what}: read {len(keys)} samples ({len(set(keys))} distinct), expected {expected}")
-    print(f"      {what}: {len(keys)} samples, each exactly once: "
-          f"{len(keys) / seconds:.0f} samples/s, {nbytes / seconds / 1e6:.1f} MB/s")
+    print(
+        f"      {what}: {len(keys)} samples, each exactly once: "
+        f"{len(keys) / seconds:.0f} samples/s, {nbytes / seconds / 1e6:.1f} MB/s"
+    )
     return len(keys) / seconds

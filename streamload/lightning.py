@@ -37,8 +37,7 @@ try:
     import lightning.pytorch as pl
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "streamload.lightning needs PyTorch Lightning: pip install 'streamload[lightning]' "
-        "(or pip install lightning)"
+        "streamload.lightning needs PyTorch Lightning: pip install 'streamload[lightning]' (or pip install lightning)"
     ) from exc
 
 __all__ = ["LoaderOptions", "SetEpochCallback", "StreamingDataModule", "streaming_datasets"]

@@ -291,9 +291,7 @@ class Manifest:
     def _from_json(cls, obj: Mapping[str, Any]) -> Manifest:
         version = obj.get("streamload")
         if version != MANIFEST_VERSION:
-            raise ManifestError(
-                f"unsupported manifest version {version!r} (this streamload reads {MANIFEST_VERSION})"
-            )
+            raise ManifestError(f"unsupported manifest version {version!r} (this streamload reads {MANIFEST_VERSION})")
         fmt = obj.get("format")
         if not isinstance(fmt, str) or not fmt:
             raise ManifestError(f"format={fmt!r} must be a non-empty string")
@@ -318,9 +316,7 @@ class Manifest:
         )
         declared = obj.get("num_samples")
         if declared != manifest.num_samples:
-            raise ManifestError(
-                f"num_samples={declared!r} does not match the sum over shards ({manifest.num_samples})"
-            )
+            raise ManifestError(f"num_samples={declared!r} does not match the sum over shards ({manifest.num_samples})")
         return manifest
 
 

@@ -90,8 +90,9 @@ class DevicePrefetcher(Generic[T]):
         ...     loss = model(images.float()).loss  # the next batch is being copied meanwhile
     """
 
-    def __init__(self, loader: Iterable[T], device: torch.device | str | None = None,
-                 non_blocking: bool = True) -> None:
+    def __init__(
+        self, loader: Iterable[T], device: torch.device | str | None = None, non_blocking: bool = True
+    ) -> None:
         self.loader = loader
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"

@@ -14,8 +14,9 @@ import numpy as np
 __all__ = ["make_image_folder", "synthetic_jpeg"]
 
 
-def synthetic_jpeg(rng: np.random.Generator, width: int, height: int, quality: int = 90,
-                   fmt: str = "JPEG", noise: float = 24.0) -> bytes:
+def synthetic_jpeg(
+    rng: np.random.Generator, width: int, height: int, quality: int = 90, fmt: str = "JPEG", noise: float = 24.0
+) -> bytes:
     """Return the encoded bytes of one synthetic image of ``width`` x ``height``."""
     from PIL import Image
 

@@ -39,12 +39,19 @@ def key_of(sample: dict[str, Any]) -> str:
 
 
 def make_dataset(data: str, task: dict[str, Any]) -> StreamingDataset:
-    return StreamingDataset(data, shuffle=task["shuffle"], seed=SEED, batch_size=task["batch"], transform=key_of,
-                            shuffle_window=task.get("window"))
+    return StreamingDataset(
+        data,
+        shuffle=task["shuffle"],
+        seed=SEED,
+        batch_size=task["batch"],
+        transform=key_of,
+        shuffle_window=task.get("window"),
+    )
 
 
-def train(model: DistributedDataParallel, opt: torch.optim.Optimizer, loader: DataLoader[Any],
-          steps: int = -1) -> list[list[str]]:
+def train(
+    model: DistributedDataParallel, opt: torch.optim.Optimizer, loader: DataLoader[Any], steps: int = -1
+) -> list[list[str]]:
     """Run DDP steps over ``loader`` (all of it when ``steps < 0``); return the batches' keys."""
     batches: list[list[str]] = []
     for keys in loader:
@@ -65,14 +72,20 @@ def loader_for(ds: StreamingDataset, task: dict[str, Any]) -> DataLoader[Any]:
         # spawned workers without torch.distributed; they must get the world from the parent.
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
             os.environ.pop(name, None)
-        return DataLoader(ds, batch_size=task["batch"], num_workers=task["num_workers"],
-                          multiprocessing_context="spawn")
+        return DataLoader(
+            ds, batch_size=task["batch"], num_workers=task["num_workers"], multiprocessing_context="spawn"
+        )
     return DataLoader(ds, batch_size=task["batch"], num_workers=task["num_workers"])
 
 
-def run_task(task: dict[str, Any], ds: StreamingDataset | None, data: str,
-             model: DistributedDataParallel, opt: torch.optim.Optimizer,
-             done: list[dict[str, Any]]) -> dict[str, Any]:
+def run_task(
+    task: dict[str, Any],
+    ds: StreamingDataset | None,
+    data: str,
+    model: DistributedDataParallel,
+    opt: torch.optim.Optimizer,
+    done: list[dict[str, Any]],
+) -> dict[str, Any]:
     world = dist.get_world_size()
     if task["kind"] == "epoch":
         assert ds is not None

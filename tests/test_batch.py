@@ -51,8 +51,12 @@ def test_raw_batches_round_trip_exactly_and_in_plan_order(tar_dataset: Path, wor
     assert len(order) == len(expected)
     assert got == expected
     # The same plan as the per-sample path batched by the DataLoader itself.
-    plain = DataLoader(StreamingDataset(str(tar_dataset), batch_size=16), batch_size=16, num_workers=workers,
-                       collate_fn=lambda samples: [s["__key__"] for s in samples])
+    plain = DataLoader(
+        StreamingDataset(str(tar_dataset), batch_size=16),
+        batch_size=16,
+        num_workers=workers,
+        collate_fn=lambda samples: [s["__key__"] for s in samples],
+    )
     assert order == [k for keys in plain for k in keys]
 
 
@@ -71,8 +75,9 @@ def test_recycled_segments_are_not_overwritten_while_in_use(tar_dataset: Path) -
 
 def test_generic_collate_path_matches_direct_read(tar_dataset: Path) -> None:
     direct = list(StreamingDataset(str(tar_dataset), batch_size=10, collate=RawCollate(keys=True)))
-    generic = list(StreamingDataset(str(tar_dataset), batch_size=10, collate=RawCollate(keys=True),
-                                    transform=lambda s: s))
+    generic = list(
+        StreamingDataset(str(tar_dataset), batch_size=10, collate=RawCollate(keys=True), transform=lambda s: s)
+    )
     assert [_unpack(b) for b in direct] == [_unpack(b) for b in generic]
     assert torch.equal(direct[0].offsets, generic[0].offsets)
 
@@ -110,7 +115,11 @@ def test_group_runs_cuts_at_batch_boundaries() -> None:
     runs = [Run(0, np.arange(0, 5), np.arange(3, 8)), Run(1, np.arange(2, 9), np.arange(8, 15))]
     groups = list(group_runs(iter(runs), 4))
     assert [[(r.shard, r.positions.tolist()) for r in g] for g in groups] == [
-        [(0, [3])], [(0, [4, 5, 6, 7])], [(1, [8, 9, 10, 11])], [(1, [12, 13, 14])]]
+        [(0, [3])],
+        [(0, [4, 5, 6, 7])],
+        [(1, [8, 9, 10, 11])],
+        [(1, [12, 13, 14])],
+    ]
 
 
 def test_collate_needs_batch_size(tar_dataset: Path) -> None:

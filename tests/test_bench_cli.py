@@ -15,8 +15,21 @@ from tests.s3server import SeaweedS3
 
 def test_bench_sweeps_workers_and_plots(tar_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plot = tmp_path / "sweep.png"
-    code = main(["bench", str(tar_dataset), "--workers", "0,1", "--seconds", "0.3", "--batch-size", "16",
-                 "--json", "--plot", str(plot)])
+    code = main(
+        [
+            "bench",
+            str(tar_dataset),
+            "--workers",
+            "0,1",
+            "--seconds",
+            "0.3",
+            "--batch-size",
+            "16",
+            "--json",
+            "--plot",
+            str(plot),
+        ]
+    )
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     results = out["results"]
@@ -29,8 +42,25 @@ def test_bench_sweeps_workers_and_plots(tar_dataset: Path, tmp_path: Path, capsy
 
 
 def test_bench_decode_mode_prints_advice(tar_dataset: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", str(tar_dataset), "--mode", "decode", "--size", "32", "--workers", "0",
-                 "--seconds", "0.2", "--batch-size", "8"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                str(tar_dataset),
+                "--mode",
+                "decode",
+                "--size",
+                "32",
+                "--workers",
+                "0",
+                "--seconds",
+                "0.2",
+                "--batch-size",
+                "8",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "recommended: DataLoader(num_workers=0" in text and "samples/s" in text
 
@@ -55,7 +85,7 @@ def test_peak_memory_sees_an_allocation() -> None:
     with PeakMemory(interval=0.01) as memory:
         before = memory.sample()
         block = bytearray(64 * 2**20)
-        block[:: 4096] = b"\x01" * len(block[:: 4096])
+        block[::4096] = b"\x01" * len(block[::4096])
         during = memory.sample()
         time.sleep(0.05)  # a few samples of the thread while the block is alive
         del block
@@ -92,16 +122,38 @@ def test_benchmark_rows_smoke(tmp_path: Path) -> None:
     assert limit["shard_bytes"] == sum(p.stat().st_size for p in tar.glob("*.tar"))
 
 
-def test_bench_on_s3_dataset(tar_dataset: Path, s3_server: SeaweedS3, s3_bucket: str, tmp_path: Path,  # noqa: F811
-                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_on_s3_dataset(
+    tar_dataset: Path,
+    s3_server: SeaweedS3,
+    s3_bucket: str,
+    tmp_path: Path,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     fs = s3_server.filesystem()
     for path in sorted(tar_dataset.iterdir()):
         fs.put_file(str(path), f"{s3_bucket}/ds/{path.name}")
     opts = s3_server.storage_options()
-    args = ["bench", f"s3://{s3_bucket}/ds", "--workers", "0,1", "--seconds", "0.3", "--batch-size", "16", "--json",
-            "--cache-dir", str(tmp_path / "cache"), "-o", f"key={opts['key']}", "-o", f"secret={opts['secret']}",
-            "-o", f"client_kwargs.endpoint_url={opts['client_kwargs']['endpoint_url']}",
-            "-o", "client_kwargs.region_name=us-east-1"]
+    args = [
+        "bench",
+        f"s3://{s3_bucket}/ds",
+        "--workers",
+        "0,1",
+        "--seconds",
+        "0.3",
+        "--batch-size",
+        "16",
+        "--json",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "-o",
+        f"key={opts['key']}",
+        "-o",
+        f"secret={opts['secret']}",
+        "-o",
+        f"client_kwargs.endpoint_url={opts['client_kwargs']['endpoint_url']}",
+        "-o",
+        "client_kwargs.region_name=us-east-1",
+    ]
     assert main(args) == 0
     results = json.loads(capsys.readouterr().out)["results"]
     assert [r["workers"] for r in results] == [0, 1] and all(r["samples"] > 0 for r in results)

@@ -211,8 +211,9 @@ def test_a_download_longer_than_the_manifest_says_stops_at_the_reservation(tmp_p
 def _client_error(status: int, code: str) -> Exception:
     from botocore.exceptions import ClientError
 
-    return ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}},
-                       "GetObject")
+    return ClientError(
+        {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject"
+    )
 
 
 def test_transient_and_permanent_errors_are_told_apart() -> None:

@@ -139,8 +139,9 @@ class TestFormat:
         from streamload.batch import RawCollate
 
         root, samples = dataset
-        ds = StreamingDataset(str(root), batch_size=6, collate=RawCollate(field=("txt", "bin"), label_field=None,
-                                                                          keys=True))
+        ds = StreamingDataset(
+            str(root), batch_size=6, collate=RawCollate(field=("txt", "bin"), label_field=None, keys=True)
+        )
         got = [(k, b.tobytes(i)) for b in DataLoader(ds, batch_size=None, num_workers=2) for i, k in enumerate(b.keys)]
         assert sorted(got) == sorted((s["__key__"], s.get("txt", s["bin"])) for s in samples)
 
@@ -213,8 +214,9 @@ class TestFormat:
     @pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
     def test_dataloader_start_methods(self, dataset: tuple[Path, list[Sample]], context: str) -> None:
         root, samples = dataset
-        loader = DataLoader(StreamingDataset(str(root)), batch_size=None, num_workers=2,
-                            multiprocessing_context=context)
+        loader = DataLoader(
+            StreamingDataset(str(root)), batch_size=None, num_workers=2, multiprocessing_context=context
+        )
         got = list(loader)
         assert Counter(keys_of(got)) == Counter(keys_of(samples))
         by_key = {s["__key__"]: s for s in samples}
@@ -317,8 +319,9 @@ class TestFormat:
 # -- format-specific guarantees ------------------------------------------------------
 
 
-@pytest.mark.parametrize("sizes", [[10] * 20_000, [2000, 2030, 2040, 2050, 4080, 4096, 4097] * 300,
-                                   [0], [3 * 2**20 + 5] + [1] * 100])
+@pytest.mark.parametrize(
+    "sizes", [[10] * 20_000, [2000, 2030, 2040, 2050, 4080, 4096, 4097] * 300, [0], [3 * 2**20 + 5] + [1] * 100]
+)
 def test_lmdb_never_runs_out_of_map(tmp_path: Path, sizes: list[int]) -> None:
     samples = [{"__key__": f"k{i}", "bin": bytes([i % 256]) * n} for i, n in enumerate(sizes)]
     write_dataset(tmp_path, "lmdb", [samples])
@@ -409,8 +412,15 @@ def test_hdf5_chunked_compressed_layout_reads_through_h5py(tmp_path: Path) -> No
         column(f.create_group("keys"), [s["__key__"].encode() for s in samples], presence=False)
         for j, name in enumerate(names):
             column(f.create_group(f"fields/{j}"), [s.get(name) for s in samples], presence=True)
-        meta = json.dumps({"format": "streamload-hdf5", "version": 1, "num_samples": 12, "fields": names,
-                           "tables_xxh3": f"{tables_hash.intdigest():016x}"})
+        meta = json.dumps(
+            {
+                "format": "streamload-hdf5",
+                "version": 1,
+                "num_samples": 12,
+                "fields": names,
+                "tables_xxh3": f"{tables_hash.intdigest():016x}",
+            }
+        )
         f.attrs["streamload"] = meta
         f.attrs["streamload_xxh3"] = f"{xxhash.xxh3_64_intdigest(meta.encode()):016x}"
     entry = ShardEntry(name="foreign.h5", num_bytes=path.stat().st_size, num_samples=12)
@@ -442,8 +452,9 @@ def test_lmdb_damaged_btree_is_refused_before_lmdb_reads_it(tmp_path: Path, dama
         node = struct.unpack_from("<H", data, page + 16 + 2)[0]  # second node of the root
         struct.pack_into("<HH", data, page + node, 0xFFFF, 0xFFFF)
     else:  # a leaf's overflow value claims more pages than the file has
-        at = next(p * psize for p in range(2, len(data) // psize)
-                  if struct.unpack_from("<H", data, p * psize + 10)[0] == 0x04)
+        at = next(
+            p * psize for p in range(2, len(data) // psize) if struct.unpack_from("<H", data, p * psize + 10)[0] == 0x04
+        )
         struct.pack_into("<I", data, at + 12, 1)  # 9000 bytes in one page
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptShardError, match=rf"{path.name}.*LMDB structure is damaged"):
@@ -459,8 +470,9 @@ def test_lmdb_batch_reads_check_every_record_like_sample_reads(tmp_path: Path, d
 
     from streamload.batch import RawCollate
 
-    samples: list[Sample] = [{"__key__": f"s{i}", "bin": random.Random(i).randbytes(3000), "cls": str(i).encode()}
-                             for i in range(6)]
+    samples: list[Sample] = [
+        {"__key__": f"s{i}", "bin": random.Random(i).randbytes(3000), "cls": str(i).encode()} for i in range(6)
+    ]
     manifest = write_dataset(tmp_path, "lmdb", [samples])
     entry = manifest.shards[0]
     path = tmp_path / entry.name
@@ -481,7 +493,8 @@ def test_lmdb_batch_reads_check_every_record_like_sample_reads(tmp_path: Path, d
             collate.read_batch(lambda _: reader, [(0, np.array([5, 4, 0]))])
         with pytest.raises(CorruptShardError, match=rf"{entry.name}.*'s4'"):
             reader.field_sizes(np.array([4]), ("bin",)) if damage != "data" else reader.read_groups_into(
-                np.array([4]), [(("bin",), np.zeros(3000, dtype=np.uint8), np.array([3000]))])
+                np.array([4]), [(("bin",), np.zeros(3000, dtype=np.uint8), np.array([3000]))]
+            )
         good = np.array([5, 0, 3, 3, 1])  # the other records still read, in one batch, exactly
         batch = collate.read_batch(lambda _: reader, [(0, good)])
         assert [batch.tobytes(k) for k in range(len(good))] == [reader.get(i)["bin"] for i in good.tolist()]
@@ -503,8 +516,9 @@ def test_lmdb_batch_from_a_cold_page_cache_asks_for_its_bytes_and_reads_them_exa
     from streamload.batch import RawCollate
     from streamload.formats import lmdb as lmdb_format
 
-    samples: list[Sample] = [{"__key__": f"s{i}", "jpg": random.Random(i).randbytes(20000), "cls": str(i % 3).encode()}
-                             for i in range(40)]
+    samples: list[Sample] = [
+        {"__key__": f"s{i}", "jpg": random.Random(i).randbytes(20000), "cls": str(i % 3).encode()} for i in range(40)
+    ]
     manifest = write_dataset(tmp_path, "lmdb", [samples])
     entry = manifest.shards[0]
     path = tmp_path / entry.name

@@ -22,8 +22,24 @@ def test_output_is_byte_identical_for_any_worker_count(image_folder: Path, tmp_p
     outs = []
     for workers in (1, 3):
         out = tmp_path / f"w{workers}"
-        assert main(["convert", str(image_folder), str(out), "--samples-per-shard", "10",
-                     "--workers", str(workers), "--shuffle", "--seed", "5", "--no-progress"]) == 0
+        assert (
+            main(
+                [
+                    "convert",
+                    str(image_folder),
+                    str(out),
+                    "--samples-per-shard",
+                    "10",
+                    "--workers",
+                    str(workers),
+                    "--shuffle",
+                    "--seed",
+                    "5",
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
         outs.append(_files(out))
     assert outs[0] == outs[1]
     assert len([n for n in outs[0] if n.endswith(".tar")]) == 13
@@ -32,8 +48,9 @@ def test_output_is_byte_identical_for_any_worker_count(image_folder: Path, tmp_p
 
 def test_shard_size_in_bytes(image_folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "o"
-    manifest = convert(ImageFolderSource(str(image_folder)), str(out),
-                       ConvertOptions(shard_bytes="20KB", progress=False)).manifest
+    manifest = convert(
+        ImageFolderSource(str(image_folder)), str(out), ConvertOptions(shard_bytes="20KB", progress=False)
+    ).manifest
     assert len(manifest.shards) > 3
     ds = StreamingDataset(str(out))
     payload = [0] * len(manifest.shards)
@@ -101,8 +118,9 @@ def test_empty_class_folder(tmp_path: Path) -> None:
     (root / "zz_empty").mkdir()
     with pytest.raises(SourceError, match="zz_empty"):
         convert(ImageFolderSource(str(root)), str(tmp_path / "o"), ConvertOptions(progress=False))
-    report = convert(ImageFolderSource(str(root)), str(tmp_path / "o2"),
-                     ConvertOptions(progress=False, on_error="skip"))
+    report = convert(
+        ImageFolderSource(str(root)), str(tmp_path / "o2"), ConvertOptions(progress=False, on_error="skip")
+    )
     assert report.manifest.classes == ("class_000", "class_001", "zz_empty")
     assert [s.path for s in report.skipped] == ["zz_empty/"]
 

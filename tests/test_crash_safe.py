@@ -42,7 +42,8 @@ def _start(folder: Path, out: Path, *extra: str) -> subprocess.Popen[bytes]:
     code = "import sys; from streamload.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.Popen(
         [sys.executable, "-c", code, "convert", str(folder), str(out), *ARGS, "--workers", "2", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
 
 
@@ -59,8 +60,9 @@ def _wait_for_shards(out: Path, count: int, proc: subprocess.Popen[bytes], timeo
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("after_shards", [0, 3, 20])
-def test_sigkill_then_resume_is_byte_identical(folder: Path, reference: dict[str, bytes], tmp_path: Path,
-                                               after_shards: int) -> None:
+def test_sigkill_then_resume_is_byte_identical(
+    folder: Path, reference: dict[str, bytes], tmp_path: Path, after_shards: int
+) -> None:
     out = tmp_path / "out"
     proc = _start(folder, out)
     if after_shards:
@@ -119,8 +121,9 @@ def test_refuses_to_mix_runs(folder: Path, tmp_path: Path) -> None:
         convert(ImageFolderSource(str(folder)), str(out), ConvertOptions(samples_per_shard=3, progress=False))
     # Different options cannot resume the interrupted job.
     with pytest.raises(ConfigError, match="another source, other options"):
-        convert(ImageFolderSource(str(folder)), str(out),
-                ConvertOptions(samples_per_shard=5, progress=False, resume=True))
+        convert(
+            ImageFolderSource(str(folder)), str(out), ConvertOptions(samples_per_shard=5, progress=False, resume=True)
+        )
 
 
 def test_existing_dataset_needs_overwrite(folder: Path, reference: dict[str, bytes], tmp_path: Path) -> None:
@@ -136,16 +139,26 @@ def test_existing_dataset_needs_overwrite(folder: Path, reference: dict[str, byt
 
 
 @pytest.mark.timeout(180)
-def test_sigkill_into_a_bucket_then_resume_is_identical(folder: Path, reference: dict[str, bytes],
-                                                      s3_server, tmp_path: Path) -> None:
+def test_sigkill_into_a_bucket_then_resume_is_identical(
+    folder: Path, reference: dict[str, bytes], s3_server, tmp_path: Path
+) -> None:
     bucket = s3_server.make_bucket()
     url = f"s3://{bucket}/ds"
-    options = ["-o", f"key={s3_server.key}", "-o", f"secret={s3_server.secret}",
-               "-o", f"client_kwargs.endpoint_url={s3_server.endpoint_url}"]
+    options = [
+        "-o",
+        f"key={s3_server.key}",
+        "-o",
+        f"secret={s3_server.secret}",
+        "-o",
+        f"client_kwargs.endpoint_url={s3_server.endpoint_url}",
+    ]
     fs = s3_server.filesystem()
     code = "import sys; from streamload.cli import main; sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.Popen([sys.executable, "-c", code, "convert", str(folder), url, *ARGS, "--workers", "2",
-                             *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "convert", str(folder), url, *ARGS, "--workers", "2", *options],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and proc.poll() is None:
         fs.invalidate_cache()

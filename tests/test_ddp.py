@@ -103,14 +103,22 @@ def epoch_tasks(batch: int) -> list[dict[str, Any]]:
 def stop_tasks() -> list[dict[str, Any]]:
     return [
         {"kind": "stop", "num_workers": 2, "batch": 6, "shuffle": shuffle, "steps": steps}
-        for shuffle in (False, True) for steps in [-1, *STOPS]
+        for shuffle in (False, True)
+        for steps in [-1, *STOPS]
     ]
 
 
 def resume_in_process(data: Path, state: dict[str, Any], shuffle: bool) -> tuple[list[str], list[str]]:
     """Resume on 1 rank x 3 workers (plain DataLoader): the rest of the epoch, then the next."""
-    ds = StreamingDataset(str(data), shuffle=shuffle, seed=21, batch_size=GLOBAL_BATCH, rank=0, world_size=1,
-                          transform=lambda s: s["__key__"])
+    ds = StreamingDataset(
+        str(data),
+        shuffle=shuffle,
+        seed=21,
+        batch_size=GLOBAL_BATCH,
+        rank=0,
+        world_size=1,
+        transform=lambda s: s["__key__"],
+    )
     ds.load_state_dict(state)
     loader = DataLoader(ds, batch_size=GLOBAL_BATCH, num_workers=3)
     rest = flat([list(b) for b in loader])
@@ -163,10 +171,24 @@ def test_ddp_epochs_and_stop_resume_on_2_3_and_1_ranks(tmp_path: Path) -> None:
         check_epoch([rank[t] for rank in three], 3)
 
     for i, ((shuffle, k), state) in enumerate(states.items()):
-        full_epoch = Counter(k2 for rank in two for k2 in flat(rank[first + stops.index(
-            {"kind": "stop", "num_workers": 2, "batch": 6, "shuffle": shuffle, "steps": -1})]["batches"]))
-        seen_count = Counter(k2 for rank in two for k2 in flat(rank[first + stops.index(
-            {"kind": "stop", "num_workers": 2, "batch": 6, "shuffle": shuffle, "steps": k})]["batches"]))
+        full_epoch = Counter(
+            k2
+            for rank in two
+            for k2 in flat(
+                rank[
+                    first + stops.index({"kind": "stop", "num_workers": 2, "batch": 6, "shuffle": shuffle, "steps": -1})
+                ]["batches"]
+            )
+        )
+        seen_count = Counter(
+            k2
+            for rank in two
+            for k2 in flat(
+                rank[
+                    first + stops.index({"kind": "stop", "num_workers": 2, "batch": 6, "shuffle": shuffle, "steps": k})
+                ]["batches"]
+            )
+        )
         rest3 = [flat(rank[len(epoch_tasks(4)) + i]["batches"]) for rank in three]
         assert len({len(r) for r in rest3}) == 1, "resumed ranks are equal"
         rest1, _ = resume_in_process(data, state, shuffle)

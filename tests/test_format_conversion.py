@@ -61,16 +61,28 @@ def test_conversion_is_identical_for_any_worker_count(tar_dataset: Path, tmp_pat
     outs = []
     for workers in (1, 3):
         out = tmp_path / f"w{workers}"
-        _convert(tar_dataset, out, "--format", fmt, "--samples-per-shard", "10", "--shuffle", "--seed", "4",
-                 "--workers", str(workers))
+        _convert(
+            tar_dataset,
+            out,
+            "--format",
+            fmt,
+            "--samples-per-shard",
+            "10",
+            "--shuffle",
+            "--seed",
+            "4",
+            "--workers",
+            str(workers),
+        )
         outs.append(_files(out))
     assert outs[0] == outs[1] and len(outs[0]) == 13
 
 
 def test_scan_sizes_come_from_the_shard_indexes(tar_dataset: Path, tmp_path: Path) -> None:
     _convert(tar_dataset, tmp_path / "h", "--format", "hdf5")
-    reference = [(s["__key__"], sum(len(v) for k, v in s.items() if k != "__key__"))
-                 for s in StreamingDataset(str(tar_dataset))]
+    reference = [
+        (s["__key__"], sum(len(v) for k, v in s.items() if k != "__key__")) for s in StreamingDataset(str(tar_dataset))
+    ]
     for root in (tar_dataset, tmp_path / "h"):
         source = open_source(str(root))
         assert isinstance(source, DatasetSource)
@@ -113,8 +125,9 @@ def test_unreadable_source_shard_raises_or_is_skipped(tar_dataset: Path, tmp_pat
     with pytest.raises(SourceError, match="shard-000002.tar"):
         convert(open_source(str(src)), str(tmp_path / "a"), ConvertOptions(format="hdf5", progress=False))
     assert not (tmp_path / "a" / "index.json").exists()
-    report = convert(open_source(str(src)), str(tmp_path / "b"),
-                     ConvertOptions(format="hdf5", progress=False, on_error="skip"))
+    report = convert(
+        open_source(str(src)), str(tmp_path / "b"), ConvertOptions(format="hdf5", progress=False, on_error="skip")
+    )
     assert [s.path for s in report.skipped] == ["shard-000002.tar"]
     old = StreamingDataset(str(tar_dataset)).manifest
     assert report.manifest.num_samples == old.num_samples - old.shards[2].num_samples
@@ -130,8 +143,9 @@ def test_corrupt_source_sample_is_named_or_skipped(tar_dataset: Path, tmp_path: 
     (src / "shard-000001.tar").write_bytes(bytes(data))
     with pytest.raises(SourceError, match=r"shard-000001\.tar.*sample"):
         convert(open_source(str(src)), str(tmp_path / "a"), ConvertOptions(format="lmdb", progress=False))
-    report = convert(open_source(str(src)), str(tmp_path / "b"),
-                     ConvertOptions(format="lmdb", progress=False, on_error="skip"))
+    report = convert(
+        open_source(str(src)), str(tmp_path / "b"), ConvertOptions(format="lmdb", progress=False, on_error="skip")
+    )
     assert len(report.skipped) == 1 and report.skipped[0].path.startswith("shard-000001.tar#")
     assert report.manifest.num_samples == StreamingDataset(str(tar_dataset)).num_samples - 1
 

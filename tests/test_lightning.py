@@ -60,14 +60,17 @@ def _make_lightning_module(out: Path) -> Any:
         def on_train_start(self) -> None:
             loader = self.trainer.train_dataloader
             sampler = loader.sampler
-            self._dump("loader", {
-                "sampler": type(sampler).__name__,
-                "num_workers": loader.num_workers,
-                "prefetch_factor": loader.prefetch_factor,
-                "persistent_workers": loader.persistent_workers,
-                "batches": len(loader),
-                "dataset_len": len(loader.dataset),
-            })
+            self._dump(
+                "loader",
+                {
+                    "sampler": type(sampler).__name__,
+                    "num_workers": loader.num_workers,
+                    "prefetch_factor": loader.prefetch_factor,
+                    "persistent_workers": loader.persistent_workers,
+                    "batches": len(loader),
+                    "dataset_len": len(loader.dataset),
+                },
+            )
 
         def on_fit_end(self) -> None:
             self._dump("seen", self.seen)
@@ -111,9 +114,11 @@ def fit(
     )
     callbacks = []
     if checkpoint_every is not None:  # a checkpoint taken mid-epoch, in out/tag/mid.ckpt
-        callbacks.append(pl.callbacks.ModelCheckpoint(
-            dirpath=str(out / tag), filename="mid", every_n_train_steps=checkpoint_every, save_top_k=-1
-        ))
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(
+                dirpath=str(out / tag), filename="mid", every_n_train_steps=checkpoint_every, save_top_k=-1
+            )
+        )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,

@@ -15,9 +15,7 @@ from streamload.plan.state import EpochState
 
 def worker_items(plan: EpochPlan, rank: int, worker: int, num_workers: int) -> list[tuple[int, int]]:
     return [
-        (run.shard, int(i))
-        for run in plan.runs(World(rank, plan.world_size, worker, num_workers))
-        for i in run.locals
+        (run.shard, int(i)) for run in plan.runs(World(rank, plan.world_size, worker, num_workers)) for i in run.locals
     ]
 
 
@@ -52,9 +50,7 @@ def test_dataset_smaller_than_world(n: int, world_size: int, per_rank: int) -> N
 
 def test_chunks_go_round_robin_to_workers() -> None:
     plan = EpochPlan([10, 10], 1, Split(chunk=3))
-    positions = [
-        [int(p) for run in plan.runs(World(0, 1, w, 2)) for p in run.positions] for w in range(2)
-    ]
+    positions = [[int(p) for run in plan.runs(World(0, 1, w, 2)) for p in run.positions] for w in range(2)]
     assert positions == [[0, 1, 2, 6, 7, 8, 12, 13, 14, 18, 19], [3, 4, 5, 9, 10, 11, 15, 16, 17]]
 
 
@@ -132,8 +128,17 @@ def test_world_detection_order(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def good_state() -> dict[str, object]:
     return {
-        "version": 1, "epoch": 2, "seed": 5, "shuffle": True, "drop_last": False, "window": 40,
-        "num_samples": 30, "world_size": 2, "samples_seen": 12, "stages": [[3, 6]], "worker": None,
+        "version": 1,
+        "epoch": 2,
+        "seed": 5,
+        "shuffle": True,
+        "drop_last": False,
+        "window": 40,
+        "num_samples": 30,
+        "world_size": 2,
+        "samples_seen": 12,
+        "stages": [[3, 6]],
+        "worker": None,
     }
 
 
@@ -177,10 +182,13 @@ def test_resume_point_same_world_and_elastic() -> None:
     assert state.resume_point(World(0, 3, 0, 1), chunk=4) == ((Stage(2, 12),), 0)
     fresh = EpochState.from_dict({**good_state(), "stages": [], "samples_seen": 0})
     assert fresh.resume_point(World(0, 3, 0, 1), chunk=4) == ((), 0)  # nothing read: plan anew
-    worker_only = EpochState.from_dict({
-        **good_state(), "samples_seen": None,
-        "worker": {"rank": 0, "world_size": 2, "worker": 1, "num_workers": 2, "chunk": 4, "next_item": 8},
-    })
+    worker_only = EpochState.from_dict(
+        {
+            **good_state(),
+            "samples_seen": None,
+            "worker": {"rank": 0, "world_size": 2, "worker": 1, "num_workers": 2, "chunk": 4, "next_item": 8},
+        }
+    )
     assert worker_only.resume_point(World(0, 2, 1, 2), chunk=4) == ((Stage(3, 6),), 8)
     with pytest.raises(PlanError, match="num_workers=2"):
         worker_only.resume_point(World(0, 2, 1, 3), chunk=4)

@@ -92,8 +92,7 @@ def test_deterministic_and_contiguous(counts: list[int], world_size: int, num_wo
 
 
 @SETTINGS
-@given(counts=counts_st, world_size=st.integers(1, 5), num_workers=st.integers(1, 3), split=split_st,
-       data=st.data())
+@given(counts=counts_st, world_size=st.integers(1, 5), num_workers=st.integers(1, 3), split=split_st, data=st.data())
 def test_resume_same_world_continues_each_rank_order(
     counts: list[int], world_size: int, num_workers: int, split: Split, data: st.DataObject
 ) -> None:
@@ -105,8 +104,13 @@ def test_resume_same_world_continues_each_rank_order(
 
 
 @SETTINGS
-@given(counts=counts_st, worlds=st.lists(st.integers(1, 6), min_size=2, max_size=4), split=split_st,
-       num_workers=st.integers(1, 3), data=st.data())
+@given(
+    counts=counts_st,
+    worlds=st.lists(st.integers(1, 6), min_size=2, max_size=4),
+    split=split_st,
+    num_workers=st.integers(1, 3),
+    data=st.data(),
+)
 def test_elastic_resume_reads_every_unseen_sample_once(
     counts: list[int], worlds: list[int], split: Split, num_workers: int, data: st.DataObject
 ) -> None:

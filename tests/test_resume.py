@@ -31,8 +31,9 @@ def key_of(sample: dict[str, Any]) -> str:
 
 
 def dataset(root: Path, **kw: Any) -> StreamingDataset:
-    return StreamingDataset(str(root), shuffle=True, seed=4, batch_size=BATCH, shuffle_window=10, transform=key_of,
-                            **kw)
+    return StreamingDataset(
+        str(root), shuffle=True, seed=4, batch_size=BATCH, shuffle_window=10, transform=key_of, **kw
+    )
 
 
 def keys(batches: Any) -> list[str]:
@@ -139,8 +140,11 @@ def test_state_dict_is_plain_and_checked(root: Path) -> None:
         StreamingDataset(str(root), shuffle=True, seed=5, batch_size=BATCH, shuffle_window=10).load_state_dict(state)
     with pytest.raises(PlanError, match="multiple of world_size=2"):
         dataset(root, rank=0, world_size=2).state_dict(samples_seen=3)
-    worker_state = {**state, "samples_seen": None,
-                    "worker": {"rank": 0, "world_size": 1, "worker": 1, "num_workers": 2, "chunk": 4, "next_item": 8}}
+    worker_state = {
+        **state,
+        "samples_seen": None,
+        "worker": {"rank": 0, "world_size": 1, "worker": 1, "num_workers": 2, "chunk": 4, "next_item": 8},
+    }
     other = dataset(root)
     other.load_state_dict(worker_state)
     with pytest.raises(PlanError, match="num_workers=2"):

@@ -50,9 +50,12 @@ def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _cli_options(server: SeaweedS3, secret: str | None = None) -> list[str]:
     return [
-        "-o", f"key={server.key}",
-        "-o", f"secret={secret or server.secret}",
-        "-o", f"client_kwargs.endpoint_url={server.endpoint_url}",
+        "-o",
+        f"key={server.key}",
+        "-o",
+        f"secret={secret or server.secret}",
+        "-o",
+        f"client_kwargs.endpoint_url={server.endpoint_url}",
     ]
 
 
@@ -85,13 +88,18 @@ def _gets(server: SeaweedS3 | Any) -> float:
 
 def test_convert_into_bucket_uploads_shards_and_manifest(s3_server: SeaweedS3, bucket_dataset: str) -> None:  # noqa: F811
     fs = s3_server.filesystem()
-    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(bucket_dataset[len("s3://"):], detail=False))
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(bucket_dataset[len("s3://") :], detail=False))
     shards = [f"shard-{i:06d}.tar" for i in range(SHARDS)]
     assert names == sorted(["index.json", *shards, *(s + ".idx" for s in shards)])
 
 
-def test_info_verify_on_url(s3_server: SeaweedS3, bucket_dataset: str, tmp_path: Path,  # noqa: F811
-                            monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_info_verify_on_url(
+    s3_server: SeaweedS3,
+    bucket_dataset: str,
+    tmp_path: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     monkeypatch.setenv("STREAMLOAD_CACHE", str(tmp_path / "cache"))
     assert main(["info", bucket_dataset, "--json", *_cli_options(s3_server)]) == 0
     assert f'"num_samples": {SHARDS * PER_SHARD}' in capsys.readouterr().out
@@ -99,15 +107,20 @@ def test_info_verify_on_url(s3_server: SeaweedS3, bucket_dataset: str, tmp_path:
     assert f"OK: {SHARDS} shards, {SHARDS * PER_SHARD} samples" in capsys.readouterr().out
 
 
-def test_read_back_bytes_equal_the_source(s3_server: SeaweedS3, bucket_dataset: str, folder: Path,  # noqa: F811
-                                          tmp_path: Path) -> None:
+def test_read_back_bytes_equal_the_source(
+    s3_server: SeaweedS3,
+    bucket_dataset: str,
+    folder: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
     ds = StreamingDataset(bucket_dataset, storage_options=s3_server.storage_options(), cache_dir=str(tmp_path))
     got = {s["__key__"]: s["jpg"] for s in ds}
     assert got == _expected_keys(folder)
 
 
-def _read_rank(url: str, options: dict[str, Any], cache: str, rank: int, out: dict[int, list[str]],
-               errors: list[BaseException]) -> None:
+def _read_rank(
+    url: str, options: dict[str, Any], cache: str, rank: int, out: dict[int, list[str]], errors: list[BaseException]
+) -> None:
     try:
         ds = StreamingDataset(url, storage_options=options, cache_dir=cache, rank=rank, world_size=2)
         loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
@@ -116,8 +129,12 @@ def _read_rank(url: str, options: dict[str, Any], cache: str, rank: int, out: di
         errors.append(exc)
 
 
-def test_two_ranks_two_workers_share_one_cache(s3_server: SeaweedS3, bucket_dataset: str, folder: Path,  # noqa: F811
-                                               tmp_path: Path) -> None:
+def test_two_ranks_two_workers_share_one_cache(
+    s3_server: SeaweedS3,
+    bucket_dataset: str,
+    folder: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
     cache = str(tmp_path / "shared-cache")
     before = _gets(s3_server)
     out: dict[int, list[str]] = {}
@@ -195,8 +212,11 @@ class _Sampler:
         self._count = ctx.Value("q", 0)
         self._where = ctx.Array("c", 4001)
         (lock_path,) = (d / ".lock" for d in root.iterdir())
-        self._proc = ctx.Process(target=_sample_cache, daemon=True,
-                                 args=(str(root), str(lock_path), self._stop, self._peak, self._count, self._where))
+        self._proc = ctx.Process(
+            target=_sample_cache,
+            daemon=True,
+            args=(str(root), str(lock_path), self._stop, self._peak, self._count, self._where),
+        )
 
     @property
     def at_peak(self) -> str:
@@ -232,15 +252,20 @@ def _largest(url: str, options: dict[str, Any]) -> int:
     return max(s.num_bytes + (s.sidecar.num_bytes if s.sidecar else 0) for s in ds.manifest.shards)
 
 
-def test_cache_limit_of_three_shards_is_never_exceeded(s3_server: SeaweedS3, bucket_dataset: str,  # noqa: F811
-                                                       folder: Path, tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cache_limit_of_three_shards_is_never_exceeded(
+    s3_server: SeaweedS3,
+    bucket_dataset: str,  # noqa: F811
+    folder: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("STREAMLOAD_CACHE", str(tmp_path / "default"))
     options = s3_server.storage_options()
     limit = 3 * _largest(bucket_dataset, options)
     cache = tmp_path / "small-cache"
-    ds = StreamingDataset(bucket_dataset, storage_options=options, cache_dir=str(cache), cache_limit=limit,
-                          shuffle=True, seed=3)
+    ds = StreamingDataset(
+        bucket_dataset, storage_options=options, cache_dir=str(cache), cache_limit=limit, shuffle=True, seed=3
+    )
     before = _gets(s3_server)
     with _Sampler(cache) as sampler:
         loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
@@ -253,18 +278,30 @@ def test_cache_limit_of_three_shards_is_never_exceeded(s3_server: SeaweedS3, buc
     assert _gets(s3_server) - before >= 2 * SHARDS
 
 
-def test_cache_limit_below_two_shards_fails_at_start(s3_server: SeaweedS3, bucket_dataset: str,  # noqa: F811
-                                                     tmp_path: Path) -> None:
+def test_cache_limit_below_two_shards_fails_at_start(
+    s3_server: SeaweedS3,
+    bucket_dataset: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
     options = s3_server.storage_options()
     limit = _largest(bucket_dataset, options) + 1
     with pytest.raises(CacheError, match="cache_limit=.*too small"):
         StreamingDataset(bucket_dataset, storage_options=options, cache_dir=str(tmp_path), cache_limit=limit)
 
 
-def test_second_epoch_is_served_from_the_cache(s3_server: SeaweedS3, bucket_dataset: str,  # noqa: F811
-                                               folder: Path, tmp_path: Path) -> None:
-    ds = StreamingDataset(bucket_dataset, storage_options=s3_server.storage_options(),
-                          cache_dir=str(tmp_path), cache_limit="100MB", shuffle=True)
+def test_second_epoch_is_served_from_the_cache(
+    s3_server: SeaweedS3,
+    bucket_dataset: str,  # noqa: F811
+    folder: Path,
+    tmp_path: Path,
+) -> None:
+    ds = StreamingDataset(
+        bucket_dataset,
+        storage_options=s3_server.storage_options(),
+        cache_dir=str(tmp_path),
+        cache_limit="100MB",
+        shuffle=True,
+    )
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
     first = [s["__key__"] for s in loader]
     before = _gets(s3_server)
@@ -277,8 +314,9 @@ def test_second_epoch_is_served_from_the_cache(s3_server: SeaweedS3, bucket_data
 def test_missing_shard_names_the_url(s3_server: SeaweedS3, folder: Path, tmp_path: Path) -> None:  # noqa: F811
     bucket = s3_server.make_bucket()
     url = f"s3://{bucket}/ds"
-    assert main(["convert", str(folder), url, "--samples-per-shard", "48", "--no-progress",
-                 *_cli_options(s3_server)]) == 0
+    assert (
+        main(["convert", str(folder), url, "--samples-per-shard", "48", "--no-progress", *_cli_options(s3_server)]) == 0
+    )
     s3_server.filesystem().rm_file(f"{bucket}/ds/shard-000001.tar")
     ds = StreamingDataset(url, storage_options=s3_server.storage_options(), cache_dir=str(tmp_path))
     started = time.monotonic()
@@ -289,8 +327,12 @@ def test_missing_shard_names_the_url(s3_server: SeaweedS3, folder: Path, tmp_pat
         StreamingDataset(f"s3://{bucket}/nothing-here", storage_options=s3_server.storage_options())
 
 
-def test_bad_credentials_fail_at_once_with_the_url(s3_server: SeaweedS3, bucket_dataset: str,  # noqa: F811
-                                                   tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_credentials_fail_at_once_with_the_url(
+    s3_server: SeaweedS3,
+    bucket_dataset: str,  # noqa: F811
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     bad = s3_server.storage_options(secret="not-the-secret")
     with pytest.raises(StorageError, match=f"{bucket_dataset}/index.json.*access denied") as info:
         StreamingDataset(bucket_dataset, storage_options=bad, cache_dir=str(tmp_path))
@@ -299,8 +341,9 @@ def test_bad_credentials_fail_at_once_with_the_url(s3_server: SeaweedS3, bucket_
     assert "access denied" in capsys.readouterr().err
 
 
-def _restart_when_stalled(gateway: Any, last_sample: list[float], stalled: list[float],
-                          errors: list[BaseException]) -> None:
+def _restart_when_stalled(
+    gateway: Any, last_sample: list[float], stalled: list[float], errors: list[BaseException]
+) -> None:
     """Bring the gateway back after at least 4 s, once the reader has waited 1 s for a sample.
 
     The second condition makes the outage deterministic: the readers' cached shards are
@@ -318,8 +361,12 @@ def _restart_when_stalled(gateway: Any, last_sample: list[float], stalled: list[
         errors.append(exc)
 
 
-def test_outage_mid_epoch_loses_and_repeats_nothing(s3_server: SeaweedS3, bucket_dataset: str,  # noqa: F811
-                                                   folder: Path, tmp_path: Path) -> None:
+def test_outage_mid_epoch_loses_and_repeats_nothing(
+    s3_server: SeaweedS3,
+    bucket_dataset: str,  # noqa: F811
+    folder: Path,
+    tmp_path: Path,
+) -> None:
     """The S3 service crashes (SIGKILL) mid-epoch and comes back 4+ s later on the same port.
 
     The reader keeps reading while the service is down, and blocks once its cached shards
@@ -333,8 +380,7 @@ def test_outage_mid_epoch_loses_and_repeats_nothing(s3_server: SeaweedS3, bucket
     try:
         options = s3_server.storage_options(client_kwargs={"endpoint_url": gateway.endpoint_url})
         limit = 3 * _largest(bucket_dataset, options)
-        ds = StreamingDataset(bucket_dataset, storage_options=options, cache_dir=str(tmp_path),
-                              cache_limit=limit)
+        ds = StreamingDataset(bucket_dataset, storage_options=options, cache_dir=str(tmp_path), cache_limit=limit)
         loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=90)
         keys: list[str] = []
         last_sample = [time.monotonic()]
@@ -345,8 +391,9 @@ def test_outage_mid_epoch_loses_and_repeats_nothing(s3_server: SeaweedS3, bucket
             keys.append(sample["__key__"])
             if len(keys) == 20:  # a quarter through: most shards are still remote
                 gateway.kill()
-                restarter = threading.Thread(target=_restart_when_stalled,
-                                             args=(gateway, last_sample, stalled, errors), daemon=True)
+                restarter = threading.Thread(
+                    target=_restart_when_stalled, args=(gateway, last_sample, stalled, errors), daemon=True
+                )
                 restarter.start()
         assert restarter is not None
         restarter.join(timeout=130)
@@ -373,8 +420,11 @@ def test_index_tar_shards_in_a_bucket(s3_server: SeaweedS3, tar_dataset: Path, t
     assert [s["__key__"] for s in remote] == [s["__key__"] for s in local]
 
 
-def test_storage_pickles_and_reopens_in_a_child(s3_server: SeaweedS3, bucket_dataset: str,  # noqa: F811
-                                                tmp_path: Path) -> None:
+def test_storage_pickles_and_reopens_in_a_child(
+    s3_server: SeaweedS3,
+    bucket_dataset: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
     storage = RemoteStorage(bucket_dataset, s3_server.storage_options(), cache_dir=str(tmp_path))
     ds = StreamingDataset(bucket_dataset, storage_options=s3_server.storage_options(), cache_dir=str(tmp_path))
     entry = ds.manifest.shards[0]
@@ -386,12 +436,16 @@ def test_storage_pickles_and_reopens_in_a_child(s3_server: SeaweedS3, bucket_dat
     assert storage.stats.downloads == 1
 
 
-def test_a_replaced_object_fails_verification_with_its_url(s3_server: SeaweedS3, folder: Path,  # noqa: F811
-                                                            tmp_path: Path) -> None:
+def test_a_replaced_object_fails_verification_with_its_url(
+    s3_server: SeaweedS3,
+    folder: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
     bucket = s3_server.make_bucket()
     url = f"s3://{bucket}/ds"
-    assert main(["convert", str(folder), url, "--samples-per-shard", "48", "--no-progress",
-                 *_cli_options(s3_server)]) == 0
+    assert (
+        main(["convert", str(folder), url, "--samples-per-shard", "48", "--no-progress", *_cli_options(s3_server)]) == 0
+    )
     fs = s3_server.filesystem()
     key = f"{bucket}/ds/shard-000000.tar"
     data = bytearray(fs.cat_file(key))
@@ -403,18 +457,37 @@ def test_a_replaced_object_fails_verification_with_its_url(s3_server: SeaweedS3,
     assert not list((next(tmp_path.iterdir()) / "data").glob("shard-000000.tar"))  # never cached
 
 
-def test_a_failed_conversion_into_a_bucket_publishes_no_manifest(s3_server: SeaweedS3, folder: Path,  # noqa: F811
-                                                                  tmp_path: Path) -> None:
+def test_a_failed_conversion_into_a_bucket_publishes_no_manifest(
+    s3_server: SeaweedS3,
+    folder: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
     broken = tmp_path / "broken"
     shutil.copytree(folder, broken)
     (broken / "class_002" / "zz-broken.jpg").write_bytes(b"not a jpeg at all")
     bucket = s3_server.make_bucket()
     url = f"s3://{bucket}/ds"
-    assert main(["convert", str(broken), url, "--samples-per-shard", "16", "--no-progress",
-                 *_cli_options(s3_server)]) == 2
+    assert (
+        main(["convert", str(broken), url, "--samples-per-shard", "16", "--no-progress", *_cli_options(s3_server)]) == 2
+    )
     names = [p.rsplit("/", 1)[-1] for p in s3_server.filesystem().find(bucket)]
     assert "index.json" not in names
-    assert main(["convert", str(broken), url, "--samples-per-shard", "16", "--no-progress",
-                 "--on-error", "skip", "--overwrite", *_cli_options(s3_server)]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(broken),
+                url,
+                "--samples-per-shard",
+                "16",
+                "--no-progress",
+                "--on-error",
+                "skip",
+                "--overwrite",
+                *_cli_options(s3_server),
+            ]
+        )
+        == 0
+    )
     ds = StreamingDataset(url, storage_options=s3_server.storage_options(), cache_dir=str(tmp_path / "c"))
     assert len(ds.manifest.skipped) == 1 and ds.num_samples == SHARDS * PER_SHARD

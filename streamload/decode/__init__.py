@@ -194,8 +194,9 @@ class DecodeBatch:
     ) -> None:
         if layout not in ("CHW", "HWC"):
             raise SampleError(f"layout={layout!r} must be 'CHW' or 'HWC'")
-        self.decoder = ImageDecoder(size, resize=resize, crop=crop, flip=flip, scale=scale, ratio=ratio,
-                                    backend=backend)
+        self.decoder = ImageDecoder(
+            size, resize=resize, crop=crop, flip=flip, scale=scale, ratio=ratio, backend=backend
+        )
         self.fields = (field,) if isinstance(field, str) else tuple(field)
         self.label_field = label_field
         self.layout = layout

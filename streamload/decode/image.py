@@ -106,8 +106,10 @@ class ImageDecoder:
         return self.height, self.width, 3
 
     def __repr__(self) -> str:
-        return (f"ImageDecoder(size=({self.height}, {self.width}), resize={self.resize}, crop={self.crop!r}, "
-                f"flip={self.flip}, backend={'simplejpeg' if self._use_simplejpeg else 'pillow'})")
+        return (
+            f"ImageDecoder(size=({self.height}, {self.width}), resize={self.resize}, crop={self.crop!r}, "
+            f"flip={self.flip}, backend={'simplejpeg' if self._use_simplejpeg else 'pillow'})"
+        )
 
     # -- geometry --------------------------------------------------------------------
 
@@ -168,8 +170,9 @@ class ImageDecoder:
         self.decode_into(data, out, rng)
         return out
 
-    def decode_into(self, data: bytes | memoryview | np.ndarray, out: np.ndarray,
-                    rng: np.random.Generator | None = None) -> None:
+    def decode_into(
+        self, data: bytes | memoryview | np.ndarray, out: np.ndarray, rng: np.random.Generator | None = None
+    ) -> None:
         """Decode ``data`` into ``out`` (a ``uint8`` array of :attr:`shape`, e.g. a batch slot).
 
         Raises:
@@ -198,8 +201,9 @@ class ImageDecoder:
         box = self.box(width, height, rng)
         factor = self._reduction(width, height, box)
         # RGBX: Pillow's own pixel layout, so the decoded array becomes an image without a copy.
-        array = simplejpeg.decode_jpeg(data, "RGBX", min_width=-(-width // factor), min_height=-(-height // factor),
-                                       min_factor=factor)
+        array = simplejpeg.decode_jpeg(
+            data, "RGBX", min_width=-(-width // factor), min_height=-(-height // factor), min_factor=factor
+        )
         h, w = array.shape[:2]
         img = Image.frombuffer("RGBX", (w, h), array, "raw", "RGBX", 0, 1)
         return img, _scaled(box, width, w)

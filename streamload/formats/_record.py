@@ -75,8 +75,9 @@ def _table(n_fields: int) -> struct.Struct:
     return table
 
 
-def _layout(value: bytes | memoryview, where: str,
-            check: bool = True) -> tuple[memoryview, int, int, list[tuple[str, int, int]]]:
+def _layout(
+    value: bytes | memoryview, where: str, check: bool = True
+) -> tuple[memoryview, int, int, list[tuple[str, int, int]]]:
     """Check a record; return its payload view, key offset and length, ``(name, data offset, size)`` per field.
 
     With ``check=False`` the checksum is not computed (only the lengths are checked); the
@@ -119,8 +120,9 @@ def _parse(value: bytes | memoryview, where: str) -> tuple[memoryview, str, list
     return view, str(view[key_at : key_at + key_len], "utf-8", "surrogateescape"), fields
 
 
-def record_spans(value: bytes | memoryview, where: str,
-                 check: bool = True) -> tuple[memoryview, dict[str, tuple[int, int]]]:
+def record_spans(
+    value: bytes | memoryview, where: str, check: bool = True
+) -> tuple[memoryview, dict[str, tuple[int, int]]]:
     """Parse a record once; return its payload view and ``{field: (offset, size)}`` into it.
 
     For batch reads: one parse per sample, then any number of fields copied straight out

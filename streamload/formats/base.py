@@ -155,8 +155,9 @@ class ShardReader(ABC):
             out[pos : pos + len(data)] = np.frombuffer(data, dtype=np.uint8)
             pos += len(data)
 
-    def read_groups_into(self, indices: np.ndarray,
-                         groups: Sequence[tuple[Sequence[str], np.ndarray, np.ndarray]]) -> None:
+    def read_groups_into(
+        self, indices: np.ndarray, groups: Sequence[tuple[Sequence[str], np.ndarray, np.ndarray]]
+    ) -> None:
         """:meth:`read_into` for several field groups ``(fields, out, sizes)`` at once.
 
         Formats override it to read all groups of a sample (or of a whole run) in one go.

@@ -115,10 +115,17 @@ class Hdf5ShardWriter(ShardWriter):
         """Write the shard file; no sidecar."""
         names = sorted(self._columns)
         columns = [("keys", self._keys, self._keys.tables(presence=False))]
-        columns += [(f"fields/{j}", self._columns[name], self._columns[name].tables(presence=True))
-                    for j, name in enumerate(names)]
-        meta = {"format": _MAGIC, "version": _VERSION, "num_samples": self.num_samples, "fields": names,
-                "tables_xxh3": _tables_digest([t for _, _, tables in columns for t in tables.values()])}
+        columns += [
+            (f"fields/{j}", self._columns[name], self._columns[name].tables(presence=True))
+            for j, name in enumerate(names)
+        ]
+        meta = {
+            "format": _MAGIC,
+            "version": _VERSION,
+            "num_samples": self.num_samples,
+            "fields": names,
+            "tables_xxh3": _tables_digest([t for _, _, tables in columns for t in tables.values()]),
+        }
         text = json.dumps(meta, sort_keys=True)
         with h5py.File(self.path, "w", libver="earliest") as f:
             f.attrs[_ATTR] = text
@@ -262,8 +269,9 @@ class Hdf5ShardReader(ShardReader):
             raise CorruptShardError(f"{self.entry.name}: HDF5 field {field!r} runs past the end of the file")
         if not data.shape[0]:
             return _Field(field, offsets, present, hashes.tolist(), 0, None)
-        return _Field(field, offsets, present, hashes.tolist(), where if contiguous else None,
-                      None if contiguous else data)
+        return _Field(
+            field, offsets, present, hashes.tolist(), where if contiguous else None, None if contiguous else data
+        )
 
     # -- reading ---------------------------------------------------------------------
 
@@ -289,8 +297,10 @@ class Hdf5ShardReader(ShardReader):
             try:
                 data = np.asarray(field.dataset[start:stop], dtype=np.uint8).tobytes()
             except Exception as exc:  # a damaged chunk or filter
-                raise CorruptShardError(f"{self.entry.name}: HDF5 field {field.name!r} of sample {index} "
-                                        f"cannot be read ({type(exc).__name__}: {exc})") from exc
+                raise CorruptShardError(
+                    f"{self.entry.name}: HDF5 field {field.name!r} of sample {index} "
+                    f"cannot be read ({type(exc).__name__}: {exc})"
+                ) from exc
         else:
             assert self._fd is not None
             data = os.pread(self._fd, stop - start, field.file_offset + start)
@@ -335,8 +345,13 @@ class Hdf5ShardReader(ShardReader):
             sizes[hit] = offsets[indices[hit] + 1] - offsets[indices[hit]]
         return sizes
 
-    def read_into(self, indices: np.ndarray[Any, Any], fields: Sequence[str], out: np.ndarray[Any, Any],
-                  sizes: np.ndarray[Any, Any]) -> None:
+    def read_into(
+        self,
+        indices: np.ndarray[Any, Any],
+        fields: Sequence[str],
+        out: np.ndarray[Any, Any],
+        sizes: np.ndarray[Any, Any],
+    ) -> None:
         """Read the fields straight into ``out``: one ``preadv`` and one xxh3 per sample."""
         chosen = self._choose(indices, fields).tolist()
         fd, view = self._fd, out.data

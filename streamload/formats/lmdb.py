@@ -106,9 +106,7 @@ def map_size_for(records: list[tuple[bytes, int]], page: int | None = None) -> i
 def _catalog_bytes(keys: list[bytes], sizes: list[int]) -> bytes:
     offsets = np.zeros(len(keys) + 1, dtype="<u8")
     np.cumsum([len(k) for k in keys], out=offsets[1:])
-    return b"".join(
-        [_INDEX.pack(len(keys)), np.asarray(sizes, dtype="<u8").tobytes(), offsets.tobytes(), *keys]
-    )
+    return b"".join([_INDEX.pack(len(keys)), np.asarray(sizes, dtype="<u8").tobytes(), offsets.tobytes(), *keys])
 
 
 class LmdbShardWriter(ShardWriter):
@@ -131,8 +129,7 @@ class LmdbShardWriter(ShardWriter):
         self.num_samples += 1
 
     def _items(self) -> list[tuple[bytes, bytes]]:
-        meta = {"format": _MAGIC, "version": _VERSION, "num_samples": self.num_samples,
-                "fields": sorted(self._fields)}
+        meta = {"format": _MAGIC, "version": _VERSION, "num_samples": self.num_samples, "fields": sorted(self._fields)}
         items = [(_INDEX.pack(i), record) for i, record in enumerate(self._records)]
         items.append((_CATALOG_KEY, seal(_catalog_bytes(self._keys, self._sizes))))
         items.append((_META_KEY, seal(json.dumps(meta, sort_keys=True).encode())))
@@ -161,8 +158,17 @@ def write_environment(path: str, items: list[tuple[bytes, bytes]], map_size: int
 def _try_write(path: str, items: list[tuple[bytes, bytes]], map_size: int) -> bool:
     with open(path, "wb"):
         pass  # start from an empty file: a retry must not see the pages of the last try
-    env = lmdb.open(path, subdir=False, lock=False, map_size=map_size, max_dbs=0,
-                    readahead=False, meminit=True, metasync=True, sync=True)
+    env = lmdb.open(
+        path,
+        subdir=False,
+        lock=False,
+        map_size=map_size,
+        max_dbs=0,
+        readahead=False,
+        meminit=True,
+        metasync=True,
+        sync=True,
+    )
     try:
         with env.begin(write=True) as txn:
             cursor = txn.cursor()
@@ -229,8 +235,7 @@ class LmdbShardReader(ShardReader):
             raise CorruptShardError(f"{name}: LMDB shard version {meta.get('version')!r}, expected {_VERSION}")
         if meta.get("num_samples") != n or entries != n + 2:
             raise CorruptShardError(
-                f"{name}: LMDB shard holds {meta.get('num_samples')!r} samples ({entries} records), "
-                f"manifest says {n}"
+                f"{name}: LMDB shard holds {meta.get('num_samples')!r} samples ({entries} records), manifest says {n}"
             )
 
     # -- reading ---------------------------------------------------------------------
@@ -375,16 +380,25 @@ class LmdbShardReader(ShardReader):
         """Return the sizes of each sample's first present field of ``fields`` (record headers only)."""
         idx = indices.tolist()
         span = self._span
-        return np.array([span(record, fields, i)[1] for i, record in zip(idx, self._records(idx), strict=True)],
-                        dtype=np.int64)
+        return np.array(
+            [span(record, fields, i)[1] for i, record in zip(idx, self._records(idx), strict=True)], dtype=np.int64
+        )
 
-    def read_into(self, indices: np.ndarray[Any, Any], fields: Sequence[str], out: np.ndarray[Any, Any],
-                  sizes: np.ndarray[Any, Any]) -> None:
+    def read_into(
+        self,
+        indices: np.ndarray[Any, Any],
+        fields: Sequence[str],
+        out: np.ndarray[Any, Any],
+        sizes: np.ndarray[Any, Any],
+    ) -> None:
         """Copy the fields straight from the map into ``out``: one copy per sample."""
         self.read_groups_into(indices, [(fields, out, sizes)])
 
-    def read_groups_into(self, indices: np.ndarray[Any, Any],
-                         groups: Sequence[tuple[Sequence[str], np.ndarray[Any, Any], np.ndarray[Any, Any]]]) -> None:
+    def read_groups_into(
+        self,
+        indices: np.ndarray[Any, Any],
+        groups: Sequence[tuple[Sequence[str], np.ndarray[Any, Any], np.ndarray[Any, Any]]],
+    ) -> None:
         """Check each record, then copy each group's field from the map into its ``out``: one lookup per sample."""
         idx = indices.tolist()
         try:
@@ -582,9 +596,17 @@ def _open_env(path: str, name: str, file_size: int) -> Any:
     """Check a shard's structure, then open it read-only, lock-free, without read-ahead."""
     check_lmdb_file(path, name)
     try:
-        env = lmdb.open(path, subdir=False, readonly=True, lock=False, readahead=False,
-                        create=False, max_dbs=0, max_readers=_MAX_READERS,
-                        map_size=max(file_size, _page_size()))
+        env = lmdb.open(
+            path,
+            subdir=False,
+            readonly=True,
+            lock=False,
+            readahead=False,
+            create=False,
+            max_dbs=0,
+            max_readers=_MAX_READERS,
+            map_size=max(file_size, _page_size()),
+        )
     except lmdb.Error as exc:
         raise CorruptShardError(f"{name}: not a valid LMDB environment ({exc})") from exc
     try:

@@ -211,9 +211,7 @@ class TarShardReader(ShardReader):
         if n != self.entry.num_samples:
             raise CorruptShardError(f"{name}: sidecar holds {n} samples, manifest says {self.entry.num_samples}")
         m4 = 4 * m + _pad8(4 * m)
-        expected = (
-            _HEAD.size + names_len + _pad8(names_len) + 3 * 8 * (n + 1) + 3 * 8 * m + m4 + keys_len
-        )
+        expected = _HEAD.size + names_len + _pad8(names_len) + 3 * 8 * (n + 1) + 3 * 8 * m + m4 + keys_len
         if len(raw) != expected:
             raise CorruptShardError(f"{name}: sidecar index is {len(raw)} bytes, expected {expected}")
         pos = _HEAD.size
@@ -237,11 +235,22 @@ class TarShardReader(ShardReader):
         self._offset, self._msize, self._field, self._hash = offset, size, field, digest
         self._keys, self._names = keys, names
 
-    def _validate(self, start: memoryview, member: memoryview, key_off: memoryview, offset: memoryview,
-                  size: memoryview, field: memoryview, n_fields: int, keys_len: int) -> None:
+    def _validate(
+        self,
+        start: memoryview,
+        member: memoryview,
+        key_off: memoryview,
+        offset: memoryview,
+        size: memoryview,
+        field: memoryview,
+        n_fields: int,
+        keys_len: int,
+    ) -> None:
         name = self.entry.name
-        a = {k: np.frombuffer(v, dtype=v.format) for k, v in
-             dict(start=start, member=member, key_off=key_off, offset=offset, size=size, field=field).items()}
+        a = {
+            k: np.frombuffer(v, dtype=v.format)
+            for k, v in dict(start=start, member=member, key_off=key_off, offset=offset, size=size, field=field).items()
+        }
         m = len(a["offset"])
         checks = [
             (np.all(np.diff(a["start"].astype(np.int64)) >= 0) and a["start"][-1] <= self._size, "sample offsets"),
@@ -366,8 +375,9 @@ class TarShardReader(ShardReader):
                 self._read_failed(int(indices[k]), int(members[k]))
             pos += n
 
-    def read_groups_into(self, indices: np.ndarray,
-                         groups: Sequence[tuple[Sequence[str], np.ndarray, np.ndarray]]) -> None:
+    def read_groups_into(
+        self, indices: np.ndarray, groups: Sequence[tuple[Sequence[str], np.ndarray, np.ndarray]]
+    ) -> None:
         """Read several fields of each sample with as few ``preadv`` calls as possible.
 
         The wanted members of consecutive samples usually lie close together in the shard
@@ -417,8 +427,13 @@ class TarShardReader(ShardReader):
         if os.preadv(fd, iov, offset) != expected:
             raise CorruptShardError(f"{self.path}: shard {self.entry.name} is truncated at byte {offset}")
 
-    def _check_digests(self, indices: np.ndarray, members: np.ndarray,
-                       groups: Sequence[tuple[Sequence[str], np.ndarray, np.ndarray]], starts: np.ndarray) -> None:
+    def _check_digests(
+        self,
+        indices: np.ndarray,
+        members: np.ndarray,
+        groups: Sequence[tuple[Sequence[str], np.ndarray, np.ndarray]],
+        starts: np.ndarray,
+    ) -> None:
         digests = np.frombuffer(self._hash, dtype=np.uint64)
         digest = xxhash.xxh3_64_intdigest
         for j, (_, out, sizes) in enumerate(groups):
@@ -430,8 +445,10 @@ class TarShardReader(ShardReader):
 
     def _read_failed(self, index: int, member: int) -> None:
         key = self.keys_of(np.array([index]))[0]
-        raise CorruptShardError(f"{self.path}: shard {self.entry.name}, sample {key!r}, field "
-                                f"{self._names[self._field[member]]!r} is truncated or does not match its checksum")
+        raise CorruptShardError(
+            f"{self.path}: shard {self.entry.name}, sample {key!r}, field "
+            f"{self._names[self._field[member]]!r} is truncated or does not match its checksum"
+        )
 
     def keys_of(self, indices: np.ndarray) -> list[str]:
         """Return the keys of samples ``indices`` from the sidecar."""
@@ -515,8 +532,11 @@ def iter_members(path: str, shard_name: str) -> Iterator[tuple[str, int, int, in
                 first_header, pending = None, {}
                 continue
             if kind not in (b"0", b"\0", b"7"):
-                raise unsafe(shard_name, f"member {name!r} at byte {data_at - _BLOCK} has type {kind!r} "
-                             "(links, devices and FIFOs are refused)")
+                raise unsafe(
+                    shard_name,
+                    f"member {name!r} at byte {data_at - _BLOCK} has type {kind!r} "
+                    "(links, devices and FIFOs are refused)",
+                )
             full = pending.get("path") or name.decode("utf-8", "surrogateescape")
             if "size" in pending:
                 size = int(pending["size"])

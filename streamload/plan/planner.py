@@ -132,8 +132,10 @@ class Run:
     def contiguous(self) -> bool:
         """True if ``locals`` is an ascending run of consecutive indices."""
         n = len(self.locals)
-        return n > 0 and int(self.locals[-1]) - int(self.locals[0]) == n - 1 and (
-            n < 3 or bool(np.all(np.diff(self.locals) == 1))
+        return (
+            n > 0
+            and int(self.locals[-1]) - int(self.locals[0]) == n - 1
+            and (n < 3 or bool(np.all(np.diff(self.locals) == 1)))
         )
 
 
@@ -165,8 +167,15 @@ def _rng(*words: int) -> np.random.Generator:
 class _RankSplit:
     """One world's split of a parent sequence of ``parent_len`` items into rank orders."""
 
-    def __init__(self, parent_len: int, world_size: int, per_rank: int, window: int | None,
-                 seed_words: tuple[int, ...], consumed_below: int = 0) -> None:
+    def __init__(
+        self,
+        parent_len: int,
+        world_size: int,
+        per_rank: int,
+        window: int | None,
+        seed_words: tuple[int, ...],
+        consumed_below: int = 0,
+    ) -> None:
         self.parent_len = parent_len
         #: Items per rank of the stage below consumed before this stage began; the parent
         #: sequence is the concatenation of the stage below's rank orders from there on.
@@ -228,8 +237,9 @@ class EpochPlan:
             different number of ranks (oldest first); empty for a fresh epoch.
     """
 
-    def __init__(self, shard_counts: Sequence[int], world_size: int, split: Split,
-                 stages: Sequence[Stage] = ()) -> None:
+    def __init__(
+        self, shard_counts: Sequence[int], world_size: int, split: Split, stages: Sequence[Stage] = ()
+    ) -> None:
         counts = np.asarray(shard_counts, dtype=np.int64).reshape(-1)
         if (counts < 0).any():
             raise PlanError(f"shard_counts must be non-negative, got min {int(counts.min())}")
@@ -253,8 +263,15 @@ class EpochPlan:
         worlds = [s.world_size for s in self.stages] + [self.world_size]
         first = worlds[0]
         window = self.window if split.shuffle else None
-        levels = [_RankSplit(self.total, first, samples_per_rank(self.total, first, split.drop_last), window,
-                         (split.seed, split.epoch))]
+        levels = [
+            _RankSplit(
+                self.total,
+                first,
+                samples_per_rank(self.total, first, split.drop_last),
+                window,
+                (split.seed, split.epoch),
+            )
+        ]
         previous_seen = 0
         for stage, world_size in zip(self.stages, worlds[1:], strict=True):
             prev = levels[-1]
@@ -275,8 +292,10 @@ class EpochPlan:
             )
         done = seen // prev.world_size
         if done > prev.per_rank:
-            raise PlanError(f"stage samples_seen={stage.samples_seen} is past the end of its stage "
-                            f"({previous_seen + prev.world_size * prev.per_rank})")
+            raise PlanError(
+                f"stage samples_seen={stage.samples_seen} is past the end of its stage "
+                f"({previous_seen + prev.world_size * prev.per_rank})"
+            )
         return done, prev.per_rank - done
 
     # -- positions -----------------------------------------------------------------

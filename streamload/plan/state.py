@@ -63,7 +63,12 @@ class WorkerPosition:
     def matches(self, world: World, chunk: int) -> bool:
         """True if this position belongs to ``world``'s worker with the same chunking."""
         return (self.rank, self.world_size, self.worker, self.num_workers, self.chunk) == (
-            world.rank, world.world_size, world.worker, world.num_workers, chunk)
+            world.rank,
+            world.world_size,
+            world.worker,
+            world.num_workers,
+            chunk,
+        )
 
 
 @dataclass(frozen=True)
@@ -88,16 +93,23 @@ class EpochState:
 
     def split(self) -> Split:
         """Return the :class:`Split` of this epoch (without chunking)."""
-        return Split(epoch=self.epoch, seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last,
-                     window=self.window)
+        return Split(
+            epoch=self.epoch, seed=self.seed, shuffle=self.shuffle, drop_last=self.drop_last, window=self.window
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Return the state as plain data."""
         worker = None
         if self.worker is not None:
             w = self.worker
-            worker = {"rank": w.rank, "world_size": w.world_size, "worker": w.worker,
-                      "num_workers": w.num_workers, "chunk": w.chunk, "next_item": w.next_item}
+            worker = {
+                "rank": w.rank,
+                "world_size": w.world_size,
+                "worker": w.worker,
+                "num_workers": w.num_workers,
+                "chunk": w.chunk,
+                "next_item": w.next_item,
+            }
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,
@@ -153,8 +165,12 @@ class EpochState:
 
     def check_dataset(self, *, seed: int, shuffle: bool, drop_last: bool, window: int, num_samples: int) -> None:
         """Raise :class:`PlanError` if the state was saved for a differently configured dataset."""
-        mine = {"seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last,
-                "num_samples": self.num_samples}
+        mine = {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "num_samples": self.num_samples,
+        }
         theirs = {"seed": seed, "shuffle": shuffle, "drop_last": drop_last, "num_samples": num_samples}
         if shuffle:
             mine["window"], theirs["window"] = self.window, window
@@ -180,8 +196,9 @@ class EpochState:
             )
         if done < plan.stage_total:
             return self
-        return EpochState(self.epoch + 1, self.seed, self.shuffle, self.drop_last, self.window,
-                          self.num_samples, self.world_size, 0)
+        return EpochState(
+            self.epoch + 1, self.seed, self.shuffle, self.drop_last, self.window, self.num_samples, self.world_size, 0
+        )
 
     def resume_point(self, world: World, chunk: int) -> tuple[tuple[Stage, ...], int]:
         """Return the stages and the start item with which ``world``'s worker continues.
@@ -226,9 +243,13 @@ def _bool(state: Mapping[str, Any], name: str) -> bool:
 
 
 def _stage(item: Any) -> Stage:
-    if (not isinstance(item, Sequence) or len(item) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in item)
-            or item[0] < 1 or item[1] < 0):
+    if (
+        not isinstance(item, Sequence)
+        or len(item) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in item)
+        or item[0] < 1
+        or item[1] < 0
+    ):
         raise PlanError(f"state stage {item!r} must be [world_size >= 1, samples_seen >= 0]")
     return Stage(int(item[0]), int(item[1]))
 

@@ -41,8 +41,13 @@ def open_storage(
         return LocalStorage(local_path_of(url))
     from .remote import DEFAULT_READ_AHEAD, RemoteStorage
 
-    return RemoteStorage(url, storage_options=storage_options, cache_dir=cache_dir, cache_limit=cache_limit,
-                         read_ahead=DEFAULT_READ_AHEAD if read_ahead is None else read_ahead)
+    return RemoteStorage(
+        url,
+        storage_options=storage_options,
+        cache_dir=cache_dir,
+        cache_limit=cache_limit,
+        read_ahead=DEFAULT_READ_AHEAD if read_ahead is None else read_ahead,
+    )
 
 
 def open_destination(url: str, storage_options: Mapping[str, Any] | None = None) -> Destination:

@@ -135,8 +135,9 @@ def _close_inherited_fds() -> None:
     _FDS.clear()
 
 
-os.register_at_fork(before=_hold_fds_for_fork, after_in_parent=_release_fds_after_fork,
-                    after_in_child=_close_inherited_fds)
+os.register_at_fork(
+    before=_hold_fds_for_fork, after_in_parent=_release_fds_after_fork, after_in_child=_close_inherited_fds
+)
 
 
 def _lock(fd: int, flags: int) -> bool:
@@ -333,9 +334,7 @@ class ShardCache:
     # -- room ------------------------------------------------------------------------
 
     @contextmanager
-    def _reservation(
-        self, entry: FileEntry, wait: bool, on_wait: Callable[[], None] | None
-    ) -> Iterator[str | None]:
+    def _reservation(self, entry: FileEntry, wait: bool, on_wait: Callable[[], None] | None) -> Iterator[str | None]:
         """Reserve ``entry.num_bytes`` as a locked ``tmp/`` part file; yield its path.
 
         Yields ``None`` if ``wait`` is false and no room can be made now. The part file is

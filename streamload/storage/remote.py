@@ -269,8 +269,15 @@ class _Remote:
         """The URL of file ``name``, for messages."""
         return f"{self.url}/{name}"
 
-    def call(self, action: str, name: str, func: Callable[[], Any], *, manifest: bool = False,
-             stop: threading.Event | None = None) -> Any:
+    def call(
+        self,
+        action: str,
+        name: str,
+        func: Callable[[], Any],
+        *,
+        manifest: bool = False,
+        stop: threading.Event | None = None,
+    ) -> Any:
         """Run ``func`` with retries; translate its final error into a streamload error."""
         url = self.url_of(name)
         try:
@@ -297,8 +304,14 @@ class _Remote:
         size = info.get("size")
         return int(size) if size is not None else None
 
-    def download(self, name: str, part: str, cancelled: Callable[[], bool],
-                 stop: threading.Event | None = None, max_bytes: int | None = None) -> int:
+    def download(
+        self,
+        name: str,
+        part: str,
+        cancelled: Callable[[], bool],
+        stop: threading.Event | None = None,
+        max_bytes: int | None = None,
+    ) -> int:
         """Copy file ``name`` into local ``part``; return the number of bytes.
 
         A transient failure resumes at the byte where it stopped (or restarts, for streams
@@ -660,9 +673,22 @@ class RemoteStorage(Storage):
         return f"{self.url} (cache {self.cache_root})"
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {k: v for k, v in self.__dict__.items() if k in ("url", "read_ahead", "prefetches", "limit",
-                                                                  "_remote", "cache_root", "cache",
-                                                                  "_hash_algorithm", "_largest")}
+        state = {
+            k: v
+            for k, v in self.__dict__.items()
+            if k
+            in (
+                "url",
+                "read_ahead",
+                "prefetches",
+                "limit",
+                "_remote",
+                "cache_root",
+                "cache",
+                "_hash_algorithm",
+                "_largest",
+            )
+        }
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -683,8 +709,9 @@ class RemoteDestination(Destination):
         retry: How transient upload errors are retried.
     """
 
-    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None,
-                 retry: RetryPolicy | None = None) -> None:
+    def __init__(
+        self, url: str, storage_options: Mapping[str, Any] | None = None, retry: RetryPolicy | None = None
+    ) -> None:
         self.url = url.rstrip("/")
         self._remote = _Remote(self.url, storage_options, retry or RetryPolicy())
         self._staging = tempfile.mkdtemp(prefix="streamload-upload-")
@@ -779,5 +806,3 @@ def index_remote(
         return publish_index(dest, fmt, indexed, hash_algorithm, classes)
     finally:
         dest.close()
-
-

@@ -75,13 +75,35 @@ _PERMANENT_CLASSES = frozenset(
     }
 )
 _TRANSIENT_ERRNOS = frozenset(
-    {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
-     errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EAGAIN}
+    {
+        errno.ECONNREFUSED,
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.ETIMEDOUT,
+        errno.EPIPE,
+        errno.EHOSTUNREACH,
+        errno.ENETUNREACH,
+        errno.EAGAIN,
+    }
 )
 _TRANSIENT_CODES = frozenset(
-    {"SlowDown", "Throttling", "ThrottlingException", "RequestThrottled", "TooManyRequests",
-     "RequestLimitExceeded", "ServiceUnavailable", "InternalError", "RequestTimeout",
-     "RequestTimeTooSkewed", "503", "500", "502", "504", "429"}
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestThrottled",
+        "TooManyRequests",
+        "RequestLimitExceeded",
+        "ServiceUnavailable",
+        "InternalError",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",
+        "503",
+        "500",
+        "502",
+        "504",
+        "429",
+    }
 )
 #: Messages of errors a backend flattened to a plain OSError (s3fs does for 5xx codes).
 _TRANSIENT_TEXT = re.compile(
