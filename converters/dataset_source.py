@@ -15,15 +15,14 @@ sample. Readers and storage are per process and never pickled.
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from streamload._errors import SourceError, StreamloadError
-from streamload.formats import ShardReader, get_format
-from streamload.manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedInput
-from streamload.storage import Storage, open_storage
+from streamload.formats import ShardReader
+from streamload.manifest import SkippedInput
+from streamload.shards import DatasetRef, ShardSource, StorageConfig
 
 from .source import Item, ScanResult, Source
 
@@ -58,20 +57,18 @@ class DatasetSource(Source):
         self, url: str, storage_options: Mapping[str, Any] | None = None, cache_dir: str | None = None
     ) -> None:
         self.url = str(url).rstrip("/") or str(url)
-        self.storage_options = dict(storage_options or {})
-        self.cache_dir = cache_dir
-        storage = self._open_storage()
-        try:
-            raw = storage.read_bytes(MANIFEST_NAME)
-        finally:
-            storage.close()
-        self.manifest = Manifest.loads(raw, where=f"{self.url}/{MANIFEST_NAME}")
-        self.format = get_format(self.manifest.format)
+        self.ref = DatasetRef.open(self.url, StorageConfig(dict(storage_options or {}), cache_dir))
+        self.manifest = self.ref.manifest
+        self.format = self.ref.format
         self.classes = list(self.manifest.classes)
-        self.shard_opens = 0
-        self._storage: Storage | None = None
-        self._readers: OrderedDict[int, ShardReader] = OrderedDict()
+        self._opens_before = 0
+        self._source: ShardSource | None = None
         self._pid = os.getpid()
+
+    @property
+    def shard_opens(self) -> int:
+        """Source shards opened by this process so far."""
+        return self._opens_before + (self._source.opens if self._source is not None else 0)
 
     def describe(self) -> str:
         """Return the dataset's URL."""
@@ -96,15 +93,13 @@ class DatasetSource(Source):
         """
         items: list[Item] = []
         problems: list[SkippedInput] = []
-        try:
+        with ShardSource(self.ref, self.ref.open_storage(), 1, own_storage=True) as source:  # one shard at a time
             for s, entry in enumerate(self.manifest.shards):
                 try:
-                    keys, sizes = self._reader(s).catalog()
+                    keys, sizes = source.get(s).catalog()
                 except (StreamloadError, OSError) as exc:
                     problems.append(SkippedInput(entry.name, f"{entry.num_samples} samples unreadable: {exc}"))
                     continue
-                finally:
-                    self.close()
                 if len(keys) != entry.num_samples or len(sizes) != entry.num_samples:
                     problems.append(
                         SkippedInput(entry.name, f"index lists {len(keys)} samples, manifest says {entry.num_samples}")
@@ -113,8 +108,8 @@ class DatasetSource(Source):
                 items.extend(
                     SampleItem(key, int(size), s, i) for i, (key, size) in enumerate(zip(keys, sizes, strict=True))
                 )
-        finally:
-            self.close(storage=True)
+        if self._pid == os.getpid():
+            self._opens_before += source.opens
         return ScanResult(items, [], problems)
 
     # -- loading ---------------------------------------------------------------------
@@ -128,7 +123,7 @@ class DatasetSource(Source):
         """
         assert isinstance(item, SampleItem)
         entry = self.manifest.shards[item.shard]
-        where = f"{self.url}/{entry.name}: sample {item.index} ({item.key!r})"
+        where = f"{self.ref.where(entry)}: sample {item.index} ({item.key!r})"
         try:
             sample = self._reader(item.shard).get(item.index)
         except (StreamloadError, OSError) as exc:
@@ -143,65 +138,31 @@ class DatasetSource(Source):
     def _reader(self, shard: int) -> ShardReader:
         """Return an open reader of ``shard`` in this process (LRU of :data:`_OPEN_SHARDS`)."""
         if self._pid != os.getpid():  # a forked conversion worker: the parent's handles are not ours
-            self._readers, self._storage, self._pid = OrderedDict(), None, os.getpid()
-        reader = self._readers.get(shard)
-        if reader is not None:
-            self._readers.move_to_end(shard)
-            return reader
-        entry = self.manifest.shards[shard]
-        storage = self._get_storage()
-        path = storage.acquire(entry)
-        try:
-            sidecar = storage.acquire(entry.sidecar) if entry.sidecar else None
-            reader = self.format.reader(path, entry, sidecar)
-        except BaseException:
-            self._release(entry)
-            raise
-        self.shard_opens += 1
-        self._readers[shard] = reader
-        while len(self._readers) > _OPEN_SHARDS:
-            old, old_reader = self._readers.popitem(last=False)
-            old_reader.close()
-            self._release(self.manifest.shards[old])
-        return reader
+            self._source, self._opens_before, self._pid = None, 0, os.getpid()
+        if self._source is None:
+            self._source = ShardSource(self.ref, self.ref.open_storage(), _OPEN_SHARDS, own_storage=True)
+        return self._source.get(shard)
 
-    def _open_storage(self) -> Storage:
-        return open_storage(self.url, self.storage_options, self.cache_dir)
-
-    def _get_storage(self) -> Storage:
-        if self._storage is None:
-            self._storage = self._open_storage()
-        return self._storage
-
-    def _release(self, entry: ShardEntry) -> None:
-        storage = self._get_storage()
-        storage.release(entry)
-        if entry.sidecar:
-            storage.release(entry.sidecar)
-
-    def close(self, storage: bool = False) -> None:
-        """Close the open source shards (and the storage, if ``storage``)."""
-        while self._readers:
-            shard, reader = self._readers.popitem()
-            reader.close()
-            self._release(self.manifest.shards[shard])
-        if storage and self._storage is not None:
-            self._storage.close()
-            self._storage = None
+    def close(self) -> None:
+        """Close the open source shards and their storage (reopened on the next read)."""
+        source, self._source = self._source, None
+        if source is not None:
+            self._opens_before += source.opens
+            source.close()
 
     def __del__(self) -> None:
         # A conversion in this process leaves its last shards open: close them with the
         # source (readers hold plain file descriptors that nothing else would close).
-        if getattr(self, "_pid", None) == os.getpid() and getattr(self, "_readers", None):
+        if getattr(self, "_pid", None) == os.getpid() and getattr(self, "_source", None) is not None:
             try:
-                self.close(storage=True)
+                self.close()
             except Exception:  # noqa: BLE001, S110 - best effort at collection time
                 pass
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_storage"] = None  # reopened lazily in the receiving process
-        state["_readers"] = OrderedDict()
+        state["_source"] = None  # reopened lazily in the receiving process
+        state["_opens_before"] = 0
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -33,18 +33,19 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
 from ._errors import ConfigError, SampleError
-from .decode import label_of
-from .formats.base import Sample, ShardReader
+from .formats.base import BatchReads, FieldGroup, ShardReader
 from .plan import Run
+from .sample import IMAGE_FIELDS, Sample, label_of
 
 __all__ = [
     "BatchCollate",
+    "BatchReader",
     "ImageBatch",
     "RawBatch",
     "RawCollate",
@@ -55,8 +56,6 @@ __all__ = [
 
 #: A batch's reads: ``(shard, local indices)``, in batch order.
 Parts = Sequence[tuple[int, np.ndarray]]
-#: Field names (extensions) that hold an encoded image, in order of preference.
-IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm")
 
 
 class RawBatch:
@@ -347,15 +346,22 @@ def parse_labels(raw: np.ndarray, offsets: np.ndarray, keys: Callable[[int], str
 
 
 class BatchCollate(Protocol):
-    """What ``StreamingDataset(collate=...)`` accepts: a function of the batch's samples.
-
-    Implementations may add ``read_batch(open_reader, parts)``, which reads the batch
-    straight from the shard readers (``parts``: ``(shard, local indices)`` in order) and
-    is used instead when the dataset has no per-sample ``transform``.
-    """
+    """What ``StreamingDataset(collate=...)`` accepts: a function of the batch's samples."""
 
     def __call__(self, samples: list[Any]) -> Any:
         """Make one batch from the samples (dicts, or the transform's outputs)."""
+
+
+@runtime_checkable
+class BatchReader(BatchCollate, Protocol):
+    """A collate that can also read a planned batch straight from the shard readers.
+
+    The dataset calls :meth:`read_batch` instead of reading sample dicts when it has no
+    per-sample ``transform`` and ``on_error="raise"`` (:class:`RawCollate` is one).
+    """
+
+    def read_batch(self, open_reader: Callable[[int], ShardReader], parts: Parts) -> Any:
+        """Read the batch whose reads are ``parts`` (``(shard, local indices)``, in order)."""
 
 
 class RawCollate:
@@ -422,12 +428,18 @@ class RawCollate:
                 called again for every step, so an evicted reader is simply reopened).
             parts: ``(shard, local indices)`` of the batch, in batch order.
         """
-        if not all(open_reader(shard).can_read_into for shard, _ in parts):
+        if not all(isinstance(open_reader(shard), BatchReads) for shard, _ in parts):
             samples = [open_reader(shard).get(int(i)) for shard, idx in parts for i in idx]
             return self(samples)
+
+        def batch_reads(shard: int) -> BatchReads:
+            reader = open_reader(shard)
+            assert isinstance(reader, BatchReads)
+            return reader
+
         label = None if self.label_field is None else (self.label_field,)
-        sizes = [open_reader(shard).field_sizes(idx, self.fields) for shard, idx in parts]
-        label_sizes = [open_reader(shard).field_sizes(idx, label) if label else None for shard, idx in parts]
+        sizes = [batch_reads(shard).field_sizes(idx, self.fields) for shard, idx in parts]
+        label_sizes = [batch_reads(shard).field_sizes(idx, label) if label else None for shard, idx in parts]
         offsets = np.zeros(sum(len(s) for s in sizes) + 1, dtype=np.int64)
         np.cumsum(np.concatenate(sizes), out=offsets[1:])
         data, lease = batch_buffer(int(offsets[-1]))
@@ -435,16 +447,16 @@ class RawCollate:
         labels: list[torch.Tensor] = []
         at = 0
         for (shard, idx), size, lsize in zip(parts, sizes, label_sizes, strict=True):
-            n, reader = len(idx), open_reader(shard)
-            groups = [(self.fields, flat[offsets[at] : offsets[at + n]], size)]
+            n = len(idx)
+            groups: list[FieldGroup] = [(self.fields, flat[offsets[at] : offsets[at + n]], size)]
             if label and lsize is not None:
                 loffsets = np.zeros(n + 1, dtype=np.int64)
                 np.cumsum(lsize, out=loffsets[1:])
                 raw = np.empty(int(loffsets[-1]), dtype=np.uint8)
                 groups.append((label, raw, lsize))
-            reader.read_groups_into(idx, groups)  # data and labels in one pass over the shard
+            batch_reads(shard).read_groups_into(idx, groups)  # data and labels in one pass over the shard
             if label and lsize is not None:
-                labels.append(parse_labels(raw, loffsets, _key_lookup(reader, idx), label[0]))
+                labels.append(parse_labels(raw, loffsets, _key_lookup(open_reader(shard), idx), label[0]))
             at += n
         keys = tuple(k for shard, idx in parts for k in open_reader(shard).keys_of(idx)) if self.keys else None
         label_tensor = (torch.cat(labels) if len(labels) != 1 else labels[0]) if label else None

@@ -308,7 +308,7 @@ def _default_workers() -> str:
 
 def add_bench_parser(subparsers: Any) -> None:
     """Add the ``bench`` subcommand to the ``streamload`` command line."""
-    from .cli import _add_storage_option
+    from ._options import add_storage_option
 
     p = subparsers.add_parser("bench", help="sweep DataLoader settings on a dataset; recommend one")
     p.add_argument("dataset", help="dataset directory or URL")
@@ -327,13 +327,13 @@ def add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--cache-dir", help="local cache directory for remote shards")
     p.add_argument("--plot", metavar="FILE.png", help="draw samples/s against workers (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-    _add_storage_option(p)
+    add_storage_option(p)
     p.set_defaults(func=_cmd_bench)
 
 
 def run_bench(args: argparse.Namespace) -> list[BenchResult]:
     """Run the sweep described by parsed ``bench`` arguments; print the table and advice."""
-    from .cli import _storage_options
+    from ._options import parse_storage_options
 
     pins = {"off": [False], "on": [True], "both": [False, True]}[args.pin_memory]
     quiet = bool(args.json)
@@ -351,7 +351,7 @@ def run_bench(args: argparse.Namespace) -> list[BenchResult]:
         _ints(args.batch_size),
         args.size,
         args.seconds,
-        _storage_options(args.storage_option),
+        parse_storage_options(args.storage_option),
         args.cache_dir,
         progress=not quiet,
     )

@@ -12,44 +12,11 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._errors import ConfigError, ConversionInterrupted, StreamloadError
+from ._errors import ConversionInterrupted, StreamloadError
+from ._options import add_storage_option, parse_storage_options
 from ._units import format_bytes
 
 __all__ = ["build_parser", "main"]
-
-
-def _storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
-    """Parse ``key=value`` pairs into fsspec storage options.
-
-    Values are JSON when they parse (numbers, booleans, objects), strings otherwise.
-    Dotted keys nest: ``client_kwargs.endpoint_url=...``.
-    """
-    out: dict[str, Any] = {}
-    for pair in pairs or ():
-        key, sep, raw = pair.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--storage-option {pair!r} must look like key=value")
-        try:
-            value: Any = json.loads(raw)
-        except ValueError:
-            value = raw
-        node = out
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
-
-
-def _add_storage_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--storage-option",
-        "-o",
-        action="append",
-        metavar="KEY=VALUE",
-        help="fsspec storage option for remote URLs (repeatable; dotted keys nest, "
-        "e.g. client_kwargs.endpoint_url=http://127.0.0.1:8333)",
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,19 +60,20 @@ def build_parser() -> argparse.ArgumentParser:
     prog = p.add_mutually_exclusive_group()
     prog.add_argument("--progress", dest="progress", action="store_true", default=None, help="force a progress bar")
     prog.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    _add_storage_option(p)
+    add_storage_option(p)
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("info", help="summarise a dataset")
     p.add_argument("dataset", help="dataset directory or URL")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
-    _add_storage_option(p)
+    add_storage_option(p)
     p.set_defaults(func=_cmd_info)
 
     p = sub.add_parser("verify", help="re-hash every shard and read every sample; exit 1 on any problem")
     p.add_argument("dataset", help="dataset directory or URL")
     p.add_argument("--no-read", action="store_true", help="only check sizes and hashes")
-    _add_storage_option(p)
+    p.add_argument("--cache-dir", help="for a URL: check the copies in this cache (default: the usual cache)")
+    add_storage_option(p)
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser("index", help="write index.json for tar shards written by other tools")
@@ -113,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="tar", help="shard format (default: tar)")
     p.add_argument("--classes", help="comma-separated class names to record")
     p.add_argument("--hash", choices=("sha256", "xxh3_128"), default="sha256", help="shard hash")
-    _add_storage_option(p)
+    add_storage_option(p)
     p.set_defaults(func=_cmd_index)
 
     p = sub.add_parser("demo", help="make a small image folder, convert it, and read it back")
@@ -155,7 +123,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         on_error=args.on_error,
         hash_algorithm=args.hash,
         progress=args.progress,
-        storage_options=_storage_options(args.storage_option),
+        storage_options=parse_storage_options(args.storage_option),
         resume=args.resume,
         overwrite=args.overwrite,
     )
@@ -170,18 +138,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _load_manifest(url: str, storage_options: dict[str, Any]) -> Any:
-    from .manifest import MANIFEST_NAME, Manifest
-    from .storage import open_storage
+    from .shards import DatasetRef, StorageConfig
 
-    storage = open_storage(url, storage_options)
-    try:
-        return Manifest.loads(storage.read_bytes(MANIFEST_NAME), where=f"{url}/{MANIFEST_NAME}")
-    finally:
-        storage.close()
+    return DatasetRef.open(url, StorageConfig(storage_options)).manifest
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    manifest = _load_manifest(args.dataset, _storage_options(args.storage_option))
+    manifest = _load_manifest(args.dataset, parse_storage_options(args.storage_option))
     if args.json:
         summary = {
             "url": args.dataset,
@@ -213,20 +176,27 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from .verify import verify_dataset
 
-    report = verify_dataset(args.dataset, _storage_options(args.storage_option), read_samples=not args.no_read)
+    report = verify_dataset(
+        args.dataset,
+        parse_storage_options(args.storage_option),
+        read_samples=not args.no_read,
+        cache_dir=args.cache_dir,
+    )
     for _name, problem in report.problems:
         print(f"BAD  {problem}")
+    if report.unhashed:
+        print(f"NOTE {len(report.unhashed)} file(s) have no hash in the manifest: only their sizes were checked")
     status = "OK" if report.ok else f"FAILED: {len(report.problems)} bad shard(s)"
     print(f"{status}: {report.shards_checked} shards, {report.samples_checked} samples checked in {args.dataset}")
     return 0 if report.ok else 1
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
-    from .verify import index_directory
+    from .indexing import index_directory
 
     classes = tuple(c for c in (args.classes or "").split(",") if c)
     manifest = index_directory(
-        args.directory, args.format, args.hash, classes, storage_options=_storage_options(args.storage_option)
+        args.directory, args.format, args.hash, classes, storage_options=parse_storage_options(args.storage_option)
     )
     print(f"indexed {len(manifest.shards)} shards, {manifest.num_samples} samples; wrote {args.directory}/index.json")
     return 0

@@ -10,7 +10,7 @@ One epoch in one worker, as a stream::
     EpochPlan(shard_counts, world, Split(epoch, seed, ...))   -- pure, O(shards)
     resume point (stages, start item)                          -- load_state_dict, if any
     runs: (shard, [local indices])                             -- plan.runs(world, start)
-      -> storage.acquire(shard) -> local path                  -- cache/read-ahead if remote
+      -> ShardSource.get(shard): storage.acquire -> reader     -- cache/read-ahead if remote
       -> format reader .iter_range / .get -> sample dicts      -- {"__key__", field: bytes}
       -> transform(sample)                                     -- optional, e.g. decode
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
@@ -28,8 +27,8 @@ import torch
 from torch.utils.data import IterableDataset
 
 from ._errors import ConfigError, PlanError, SampleError, StreamloadError
-from .formats import Format, Sample, ShardReader, get_format
-from .manifest import MANIFEST_NAME, Manifest, ShardEntry
+from .formats import Format, Sample, ShardReader
+from .manifest import Manifest, ShardEntry
 from .plan import (
     EpochPlan,
     Run,
@@ -43,7 +42,8 @@ from .plan import (
     samples_per_rank,
 )
 from .plan.state import EpochState, WorkerPosition
-from .storage import Storage, open_storage
+from .shards import DatasetRef, ShardSource, StorageConfig
+from .storage import Storage
 
 __all__ = ["StreamingDataset"]
 
@@ -58,10 +58,6 @@ _BASE, _OFFSET, _SLOTS = 0, 1, 2
 _OPEN_READERS = 8
 #: ... and at most (file descriptors).
 _MAX_OPEN_READERS = 64
-#: Shards named to a remote storage's read-ahead (it fetches its own `read_ahead` of them),
-#: and how many shard changes ahead to look for them (a shuffle window revisits shards).
-_READ_AHEAD_SHARDS = 4
-_READ_AHEAD_SCAN = 64
 
 OnError = Literal["raise", "skip"]
 
@@ -171,12 +167,10 @@ class StreamingDataset(IterableDataset[Any]):
         self.cache_limit = cache_limit
         self.read_ahead = read_ahead
         Split(seed=seed, window=shuffle_window, chunk=batch_size)  # validate early
-        storage = self._open_storage()
-        try:
-            self.manifest = Manifest.loads(storage.read_bytes(MANIFEST_NAME), where=f"{self.source}/{MANIFEST_NAME}")
-        finally:
-            storage.close()
-        self.format: Format = get_format(self.manifest.format)
+        config = StorageConfig(self.storage_options, cache_dir, cache_limit, read_ahead)
+        self._ref = DatasetRef.open(self.source, config)
+        self.manifest: Manifest = self._ref.manifest
+        self.format: Format = self._ref.format
         # Shared across fork/spawn so set_epoch() reaches persistent workers.
         self._epochs = torch.zeros(_SLOTS + _MAX_WORKERS, dtype=torch.int64)
         self._epochs.share_memory_()  # type: ignore[no-untyped-call]
@@ -360,14 +354,10 @@ class StreamingDataset(IterableDataset[Any]):
 
     def _iter_plan(self, plan: EpochPlan, world: World, progress: _Progress) -> Iterator[Any]:
         self._commit_epoch(world.worker)
-        storage = self._get_storage()
-        capacity = self._readers_needed(plan)
-        bound = storage.max_open(max((_with_sidecar(s) for s in self.manifest.shards), default=0))
-        readers = _ReaderCache(self, storage, capacity if bound is None else max(1, min(capacity, bound)))
+        readers = ShardSource(self._ref, self._get_storage(), self._readers_needed(plan))
         start = progress.next_item
-        ahead = plan.worker_shards(world, start)
         try:
-            runs = self._prefetching(plan.runs(world, start), storage, readers, ahead)
+            runs = readers.read_ahead(plan.runs(world, start), plan.worker_shards(world, start))
             if self.collate is not None:
                 yield from self._read_batches(readers, runs, progress)
             else:
@@ -375,49 +365,24 @@ class StreamingDataset(IterableDataset[Any]):
                     yield from self._read_run(readers, run, progress)
             yield from progress.substitute.finish()
         finally:
-            if storage.prefetches:
-                storage.prefetch(())  # cancel read-ahead: the epoch ended or was abandoned
             readers.close()
 
-    def _prefetching(
-        self, runs: Iterator[Run], storage: Storage, readers: _ReaderCache, ahead: Iterator[int]
-    ) -> Iterator[Run]:
-        """Pass ``runs`` through; when a run opens a shard, tell the storage which come next.
-
-        ``ahead`` yields one shard per change of shard in ``runs`` (the same plan), so the
-        two stay in step; ``upcoming`` holds what was read from it early.
-        """
-        upcoming: deque[int] = deque()
-        current = -1
-        for run in runs:
-            if run.shard != current:
-                current = run.shard
-                if upcoming:
-                    upcoming.popleft()  # == run.shard
-                else:
-                    next(ahead, None)
-                if storage.prefetches and run.shard not in readers:
-                    wanted = _next_shards(upcoming, ahead, readers, current, _READ_AHEAD_SHARDS)
-                    if wanted:
-                        storage.prefetch([self.manifest.shards[s] for s in wanted])
-            yield run
-
-    def _read_batches(self, readers: _ReaderCache, runs: Iterator[Run], progress: _Progress) -> Iterator[Any]:
+    def _read_batches(self, readers: ShardSource, runs: Iterator[Run], progress: _Progress) -> Iterator[Any]:
         """With ``collate``: one collated batch per planned batch (see :mod:`streamload.batch`).
 
-        A collate with ``read_batch`` reads the batch straight from the shard readers into
-        one buffer, unless a per-sample ``transform`` or ``on_error="skip"`` needs the dicts.
+        A :class:`~streamload.batch.BatchReader` collate reads the batch straight from the
+        shard readers into one buffer, unless a per-sample ``transform`` or
+        ``on_error="skip"`` needs the dicts.
         """
-        from .batch import group_runs
+        from .batch import BatchReader, group_runs
 
         collate = self.collate
         assert collate is not None
-        read_batch: Callable[..., Any] | None = getattr(collate, "read_batch", None)
-        if self.transform is not None or self.on_error != "raise":
-            read_batch = None
+        direct = isinstance(collate, BatchReader) and self.transform is None and self.on_error == "raise"
         for batch_runs in group_runs(runs, progress.chunk):
-            if read_batch is not None:
-                batch = read_batch(readers.get, [(run.shard, run.locals) for run in batch_runs])
+            if direct:
+                assert isinstance(collate, BatchReader)
+                batch = collate.read_batch(readers.get, [(run.shard, run.locals) for run in batch_runs])
             else:
                 batch = collate([s for run in batch_runs for s in self._read_run(readers, run, progress)])
             progress.next_item = int(batch_runs[-1].positions[-1]) + 1
@@ -430,7 +395,7 @@ class StreamingDataset(IterableDataset[Any]):
         mean = max(1.0, self.num_samples / len(self.manifest.shards))
         return min(_MAX_OPEN_READERS, max(_OPEN_READERS, math.ceil(plan.window / mean) + 2))
 
-    def _read_run(self, readers: _ReaderCache, run: Run, progress: _Progress) -> Iterator[Any]:
+    def _read_run(self, readers: ShardSource, run: Run, progress: _Progress) -> Iterator[Any]:
         """Yield the run's samples (transformed).
 
         Under ``on_error="skip"`` a sample that cannot be read or transformed is counted
@@ -528,12 +493,9 @@ class StreamingDataset(IterableDataset[Any]):
 
     # -- per-process resources -----------------------------------------------------
 
-    def _open_storage(self) -> Storage:
-        return open_storage(self.source, self.storage_options, self.cache_dir, self.cache_limit, self.read_ahead)
-
     def _get_storage(self) -> Storage:
         if self._storage is None:
-            self._storage = self._open_storage()
+            self._storage = self._ref.open_storage()
         return self._storage
 
     def __getstate__(self) -> dict[str, Any]:
@@ -561,33 +523,6 @@ def _raise_located(exc: StreamloadError, source: str, entry: ShardEntry) -> NoRe
             raise exc from exc.__cause__
         raise located from exc
     raise exc
-
-
-def _with_sidecar(entry: ShardEntry) -> int:
-    return entry.num_bytes + (entry.sidecar.num_bytes if entry.sidecar else 0)
-
-
-def _next_shards(
-    upcoming: deque[int], ahead: Iterator[int], readers: _ReaderCache, current: int, count: int
-) -> list[int]:
-    """Return up to ``count`` distinct unopened shards that come after ``current``.
-
-    In order of first use; reads ``ahead`` into ``upcoming`` as far as needed (at most
-    :data:`_READ_AHEAD_SCAN` shard changes).
-    """
-    out: list[int] = []
-    index = 0
-    while len(out) < count and index < _READ_AHEAD_SCAN:
-        if index == len(upcoming):
-            shard = next(ahead, None)
-            if shard is None:
-                break
-            upcoming.append(shard)
-        shard = upcoming[index]
-        index += 1
-        if shard != current and shard not in out and shard not in readers:
-            out.append(shard)
-    return out
 
 
 @dataclass
@@ -642,52 +577,3 @@ class _Substitute:
                 f"every one of the {self.owed} samples this worker had to read failed; nothing to substitute"
             )
         yield from ()
-
-
-class _ReaderCache:
-    """The shard readers one worker has open, least recently used closed first."""
-
-    def __init__(self, dataset: StreamingDataset, storage: Storage, capacity: int = _OPEN_READERS) -> None:
-        self._dataset = dataset
-        self._storage = storage
-        self._capacity = capacity
-        self._open: OrderedDict[int, ShardReader] = OrderedDict()
-
-    def __contains__(self, shard: int) -> bool:
-        return shard in self._open
-
-    def get(self, shard: int) -> ShardReader:
-        reader = self._open.get(shard)
-        if reader is not None:
-            self._open.move_to_end(shard)
-            return reader
-        entry = self._dataset.manifest.shards[shard]
-        # Close the least recently used first: a bounded shard cache needs the room.
-        while self._open and len(self._open) >= self._capacity:
-            old_shard, old = self._open.popitem(last=False)
-            old.close()
-            self._release(self._dataset.manifest.shards[old_shard])
-        path = self._storage.acquire(entry)
-        try:
-            sidecar = self._storage.acquire(entry.sidecar) if entry.sidecar else None
-        except BaseException:
-            self._storage.release(entry)
-            raise
-        try:
-            reader = self._dataset.format.reader(path, entry, sidecar)
-        except BaseException:
-            self._release(entry)
-            raise
-        self._open[shard] = reader
-        return reader
-
-    def _release(self, entry: ShardEntry) -> None:
-        self._storage.release(entry)
-        if entry.sidecar:
-            self._storage.release(entry.sidecar)
-
-    def close(self) -> None:
-        while self._open:
-            shard, reader = self._open.popitem()
-            reader.close()
-            self._release(self._dataset.manifest.shards[shard])

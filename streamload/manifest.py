@@ -1,4 +1,4 @@
-"""The dataset manifest, ``index.json`` (DESIGN.md §3).
+"""The dataset manifest, ``index.json`` (``docs/design.md#a-dataset-on-disk``).
 
 A manifest is small: it grows with the number of *shards*, never with the number of
 samples, so every worker can hold it. Per-sample data a format needs for random
@@ -28,25 +28,36 @@ validated field by field (counts, sizes, names that cannot leave the dataset dir
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, BinaryIO, Protocol
+from typing import Any
 
 from ._errors import ManifestError
+from ._files import (
+    HASH_ALGORITHMS,
+    FileEntry,
+    algorithm_of,
+    check_file_name,
+    hash_file,
+    hash_stream,
+    new_hasher,
+)
 
 __all__ = [
     "HASH_ALGORITHMS",
     "MANIFEST_NAME",
     "MANIFEST_VERSION",
+    "MAX_MANIFEST_BYTES",
     "FileEntry",
     "Manifest",
     "ShardEntry",
     "SkippedInput",
+    "algorithm_of",
     "check_file_name",
+    "hash_file",
+    "hash_stream",
     "new_hasher",
 ]
 
@@ -56,74 +67,8 @@ MANIFEST_VERSION = 1
 MAX_FILE_BYTES = 2**50
 #: Largest sample count one shard may claim.
 MAX_SHARD_SAMPLES = 2**40
-HASH_ALGORITHMS = ("sha256", "xxh3_128")
-_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
-
-
-class _Hasher(Protocol):
-    """The subset of hashlib's interface streamload uses."""
-
-    def update(self, data: bytes, /) -> None: ...  # pragma: no cover
-
-    def hexdigest(self) -> str: ...  # pragma: no cover
-
-
-def new_hasher(algorithm: str) -> _Hasher:
-    """Return a fresh incremental hasher for ``algorithm`` (one of :data:`HASH_ALGORITHMS`).
-
-    Raises:
-        ManifestError: If the algorithm is unknown.
-    """
-    if algorithm == "sha256":
-        return hashlib.sha256()
-    if algorithm == "xxh3_128":
-        import xxhash
-
-        hasher: _Hasher = xxhash.xxh3_128()
-        return hasher
-    raise ManifestError(f"unknown hash algorithm {algorithm!r}; known: {', '.join(HASH_ALGORITHMS)}")
-
-
-def algorithm_of(hexdigest: str) -> str:
-    """Return the hash algorithm that produces digests like ``hexdigest`` (by length).
-
-    Raises:
-        ManifestError: If no known algorithm has that digest length.
-    """
-    by_length = {64: "sha256", 32: "xxh3_128"}
-    try:
-        return by_length[len(hexdigest)]
-    except KeyError as exc:
-        raise ManifestError(f"digest {hexdigest!r} has no known algorithm") from exc
-
-
-def hash_stream(stream: BinaryIO, algorithm: str, chunk_size: int = 1 << 20) -> tuple[str, int]:
-    """Hash a binary stream to its end; return ``(hexdigest, number_of_bytes)``."""
-    hasher = new_hasher(algorithm)
-    total = 0
-    while chunk := stream.read(chunk_size):
-        hasher.update(chunk)
-        total += len(chunk)
-    return hasher.hexdigest(), total
-
-
-def hash_file(path: str, algorithm: str | None) -> tuple[str | None, int]:
-    """Return ``(hexdigest or None, size)`` of a local file; no digest when ``algorithm`` is None."""
-    if algorithm is None:
-        return None, os.stat(path).st_size
-    with open(path, "rb") as f:
-        return hash_stream(f, algorithm)
-
-
-def check_file_name(name: object, what: str) -> str:
-    """Return ``name`` if it is a safe plain file name, else raise :class:`ManifestError`.
-
-    A safe name has no path separator, no ``..``, no leading dot and only
-    ``[A-Za-z0-9_.-]`` characters, so joining it to a directory can never escape it.
-    """
-    if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name or len(name) > 255:
-        raise ManifestError(f"{what}: {name!r} is not a plain file name")
-    return name
+#: Largest ``index.json`` read (it grows with shards, ~200 bytes each: a million shards fit).
+MAX_MANIFEST_BYTES = 256 * 2**20
 
 
 def _int(value: object, what: str, upper: int) -> int:
@@ -138,31 +83,6 @@ def _hex(value: object, what: str) -> str | None:
     if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{16,128}", value):
         raise ManifestError(f"{what}={value!r} is not a lowercase hex digest")
     return value
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    """A file of the dataset: its name inside the dataset, byte size and content hash."""
-
-    name: str
-    num_bytes: int
-    hash: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """Return the JSON object for this entry."""
-        return {"name": self.name, "bytes": self.num_bytes, "hash": self.hash}
-
-    @classmethod
-    def from_json(cls, obj: object, what: str) -> FileEntry:
-        """Parse and validate an entry; ``what`` names it in errors."""
-        if not isinstance(obj, Mapping):
-            raise ManifestError(f"{what} must be an object, got {type(obj).__name__}")
-        name = check_file_name(obj.get("name"), f"{what}.name")
-        return cls(
-            name=name,
-            num_bytes=_int(obj.get("bytes"), f"{what}.bytes", MAX_FILE_BYTES),
-            hash=_hex(obj.get("hash"), f"{what}.hash"),
-        )
 
 
 @dataclass(frozen=True)
@@ -181,19 +101,46 @@ class ShardEntry(FileEntry):
         return out
 
     @classmethod
-    def from_json(cls, obj: object, what: str) -> ShardEntry:
-        """Parse and validate a shard entry; ``what`` names it in errors."""
-        base = FileEntry.from_json(obj, what)
+    def from_json(cls, obj: object, what: str, algorithm: str | None = None) -> ShardEntry:
+        """Parse and validate a shard entry; ``what`` names it in errors.
+
+        ``algorithm`` is the manifest's hash algorithm, carried by the entry and its sidecar.
+        """
+        name, num_bytes, digest = _file_fields(obj, what)
         assert isinstance(obj, Mapping)
         sidecar_obj = obj.get("sidecar")
-        sidecar = None if sidecar_obj is None else FileEntry.from_json(sidecar_obj, f"{what}.sidecar")
+        sidecar = None
+        if sidecar_obj is not None:
+            s_name, s_bytes, s_digest = _file_fields(sidecar_obj, f"{what}.sidecar")
+            sidecar = FileEntry(s_name, s_bytes, s_digest, algorithm=algorithm)
         return cls(
-            name=base.name,
-            num_bytes=base.num_bytes,
-            hash=base.hash,
+            name=name,
+            num_bytes=num_bytes,
+            hash=digest,
             num_samples=_int(obj.get("samples"), f"{what}.samples", MAX_SHARD_SAMPLES),
             sidecar=sidecar,
+            algorithm=algorithm,
         )
+
+    def with_algorithm(self, algorithm: str | None) -> ShardEntry:
+        """Return this entry (and its sidecar) carrying ``algorithm``."""
+        if self.algorithm == algorithm and (self.sidecar is None or self.sidecar.algorithm == algorithm):
+            return self
+        sidecar = None if self.sidecar is None else replace(self.sidecar, algorithm=algorithm)
+        return replace(self, sidecar=sidecar, algorithm=algorithm)
+
+    @property
+    def files(self) -> tuple[FileEntry, ...]:
+        """The files this shard needs: its sidecar (if any), then the shard itself."""
+        return (self,) if self.sidecar is None else (self.sidecar, self)
+
+
+def _file_fields(obj: object, what: str) -> tuple[str, int, str | None]:
+    """Parse a file entry's ``name``, ``bytes`` and ``hash``; ``what`` names it in errors."""
+    if not isinstance(obj, Mapping):
+        raise ManifestError(f"{what} must be an object, got {type(obj).__name__}")
+    name = check_file_name(obj.get("name"), f"{what}.name")
+    return name, _int(obj.get("bytes"), f"{what}.bytes", MAX_FILE_BYTES), _hex(obj.get("hash"), f"{what}.hash")
 
 
 @dataclass(frozen=True)
@@ -229,6 +176,15 @@ class Manifest:
     hash_algorithm: str | None = "sha256"
     skipped: tuple[SkippedInput, ...] = ()
     meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Every entry carries the manifest's hash algorithm: storage checks files by their entry alone.
+        object.__setattr__(self, "shards", tuple(s.with_algorithm(self.hash_algorithm) for s in self.shards))
+
+    @property
+    def largest_shard_bytes(self) -> int:
+        """Bytes of the largest shard together with its sidecar (what a cache must hold at once)."""
+        return max((sum(f.num_bytes for f in s.files) for s in self.shards), default=0)
 
     @property
     def num_samples(self) -> int:

@@ -1,27 +1,42 @@
-"""Checking and indexing datasets: ``streamload verify`` and ``streamload index``."""
+"""Checking a dataset end to end: ``streamload verify``.
+
+One pass over every shard: its files are acquired through the same shard access as
+training (:mod:`streamload.shards`; a remote dataset through its cache), re-hashed against
+the manifest, and, unless told otherwise, every sample is read back through the format's
+reader, which checks each sample's own checksum. Every problem is collected, not just the
+first.
+"""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import ConfigError, ShardError, StreamloadError
-from .formats import Format, get_format
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, ShardEntry, hash_file, hash_stream
-from .storage import Destination, is_local, local_path_of, open_destination, open_storage
+from ._errors import ShardError, StreamloadError
+from ._files import FileEntry, hash_stream
+from .manifest import ShardEntry
+from .shards import DatasetRef, ShardSource, StorageConfig
 
-__all__ = ["VerifyReport", "index_directory", "verify_dataset"]
+__all__ = ["VerifyReport", "verify_dataset"]
 
 
 @dataclass
 class VerifyReport:
-    """The result of :func:`verify_dataset`: every problem found, per shard."""
+    """The result of :func:`verify_dataset`: every problem found, per shard.
+
+    Attributes:
+        url: The dataset.
+        shards_checked: Shards looked at.
+        samples_checked: Samples read back.
+        unhashed: Names of files the manifest gives no hash for (only their size was checked).
+        problems: ``(shard name, message)`` for every bad shard.
+    """
 
     url: str
     shards_checked: int = 0
     samples_checked: int = 0
+    unhashed: list[str] = field(default_factory=list)
     problems: list[tuple[str, str]] = field(default_factory=list)
 
     @property
@@ -30,16 +45,39 @@ class VerifyReport:
         return not self.problems
 
 
-def _check_file(storage: Any, entry: FileEntry, algorithm: str | None) -> str:
-    path: str = storage.acquire(entry)
-    if algorithm is not None and entry.hash is not None:
-        with open(path, "rb") as f:
-            digest, size = hash_stream(f, algorithm)
-        if size != entry.num_bytes:
-            raise ShardError(f"{entry.name}: {size} bytes, manifest says {entry.num_bytes}")
-        if digest != entry.hash:
-            raise ShardError(f"{entry.name}: {algorithm} is {digest[:16]}..., manifest says {entry.hash[:16]}...")
-    return path
+def _check_file(path: str, entry: FileEntry, report: VerifyReport) -> None:
+    """Re-hash a local copy of ``entry``; raise :class:`ShardError` on a mismatch."""
+    if entry.hash is None or entry.algorithm is None:
+        report.unhashed.append(entry.name)
+        return
+    with open(path, "rb") as f:
+        digest, size = hash_stream(f, entry.algorithm)
+    if size != entry.num_bytes:
+        raise ShardError(f"{entry.name}: {size} bytes, manifest says {entry.num_bytes}")
+    problem = entry.digest_problem(digest, entry.algorithm)
+    if problem is not None:
+        raise ShardError(f"{entry.name}: {problem}")
+
+
+def _check_shard(source: ShardSource, s: int, read_samples: bool, report: VerifyReport) -> None:
+    entry = source.ref.manifest.shards[s]
+    path, sidecar = source.acquire(s)
+    try:
+        if sidecar is not None and entry.sidecar is not None:
+            _check_file(sidecar, entry.sidecar, report)
+        _check_file(path, entry, report)
+        if not read_samples:
+            return
+        reader = source.open_reader(s, path, sidecar)
+        try:
+            count = sum(1 for _ in reader.iter_range(0, len(reader)))
+        finally:
+            reader.close()
+        if count != entry.num_samples:
+            raise ShardError(f"{entry.name}: read {count} samples, manifest says {entry.num_samples}")
+        report.samples_checked += count
+    finally:
+        source.release(s)
 
 
 def verify_dataset(
@@ -47,133 +85,44 @@ def verify_dataset(
     storage_options: Mapping[str, Any] | None = None,
     read_samples: bool = True,
     on_shard: Callable[[ShardEntry, str | None], None] | None = None,
+    cache_dir: str | None = None,
 ) -> VerifyReport:
     """Re-hash every shard and sidecar, check sizes and sample counts, and read every sample.
-
-    All problems are collected (one pass), not just the first.
 
     Args:
         url: Dataset directory or URL.
         storage_options: fsspec options for remote URLs.
         read_samples: Also open each shard with its format reader and read every sample.
         on_shard: Called with ``(entry, problem or None)`` after each shard.
+        cache_dir: The cache a remote dataset is checked through (default: the usual one),
+            so that ``verify`` checks the copies training will use.
+
+    Raises:
+        ManifestError: If the manifest cannot be read (nothing else can then be checked).
     """
     report = VerifyReport(url)
-    storage = open_storage(url, storage_options)
-    try:
-        manifest = Manifest.loads(storage.read_bytes(MANIFEST_NAME), where=f"{url}/{MANIFEST_NAME}")
-        fmt = get_format(manifest.format)
-        for entry in manifest.shards:
+    ref = DatasetRef.open(url, StorageConfig(dict(storage_options or {}), cache_dir, read_ahead=0))
+    with ShardSource(ref, ref.open_storage(), own_storage=True) as source:
+        for s, entry in enumerate(ref.manifest.shards):
             problem = None
             try:
-                path = _check_file(storage, entry, manifest.hash_algorithm)
-                sidecar = _check_file(storage, entry.sidecar, manifest.hash_algorithm) if entry.sidecar else None
-                if read_samples:
-                    reader = fmt.reader(path, entry, sidecar)
-                    try:
-                        count = sum(1 for _ in reader.iter_range(0, len(reader)))
-                    finally:
-                        reader.close()
-                    if count != entry.num_samples:
-                        raise ShardError(f"{entry.name}: read {count} samples, manifest says {entry.num_samples}")
-                    report.samples_checked += count
-            except (StreamloadError, OSError, ValueError) as exc:
+                _check_shard(source, s, read_samples, report)
+            except (StreamloadError, OSError, ValueError, OverflowError, MemoryError) as exc:
                 problem = str(exc) if entry.name in str(exc) else f"{entry.name}: {exc}"
                 report.problems.append((entry.name, problem))
-            finally:
-                storage.release(entry)
-                if entry.sidecar:
-                    storage.release(entry.sidecar)
             report.shards_checked += 1
             if on_shard is not None:
                 on_shard(entry, problem)
-    finally:
-        storage.close()
     return report
 
 
-def index_directory(
-    url: str,
-    format: str = "tar",
-    hash_algorithm: str | None = "sha256",
-    classes: tuple[str, ...] = (),
-    storage_options: Mapping[str, Any] | None = None,
-) -> Manifest:
-    """Write ``index.json`` (and sidecars) for shards written by another tool, in place.
+def __getattr__(name: str) -> Any:
+    """``streamload.verify.index_directory`` moved to :mod:`streamload.indexing` (deprecated alias)."""
+    if name in ("index_directory", "index_shard", "publish_index"):
+        import warnings
 
-    Every ``*.tar`` file of the directory, in sorted name order, becomes a shard. The
-    shards themselves are not rewritten.
+        from . import indexing
 
-    Raises:
-        ConfigError: If the format cannot be indexed or the directory holds no shard.
-    """
-    fmt = get_format(format)
-    if fmt.indexer is None:
-        raise ConfigError(f"format {format!r} cannot index shards written by other tools")
-    if not is_local(url):
-        from .storage.remote import index_remote
-
-        remote_manifest: Manifest = index_remote(url, fmt, hash_algorithm, classes, storage_options)
-        return remote_manifest
-    root = local_path_of(url)
-    names = sorted(n for n in os.listdir(root) if n.endswith(fmt.extension) and not n.startswith("."))
-    if not names:
-        raise ConfigError(f"{root}: no *{fmt.extension} files to index")
-    dest = open_destination(root)
-    indexed = [index_shard(fmt, dest, os.path.join(root, name), name, hash_algorithm) for name in names]
-    return publish_index(dest, fmt, indexed, hash_algorithm, classes)
-
-
-def index_shard(
-    fmt: Format, dest: Destination, path: str, name: str, hash_algorithm: str | None
-) -> tuple[ShardEntry, list[str]]:
-    """Index one shard written by another tool: build and publish its sidecar at ``dest``.
-
-    Args:
-        fmt: The shard's format (with an indexer).
-        dest: Where the dataset is (the sidecar is committed there).
-        path: A local copy of the shard.
-        name: The shard's file name in the dataset.
-        hash_algorithm: Hash for the manifest entries, or ``None``.
-
-    Returns:
-        The shard's manifest entry and its field names.
-    """
-    assert fmt.indexer is not None
-    sidecar_name = fmt.sidecar_name(name)
-    staged = dest.staging_path(sidecar_name or name + ".idx")
-    try:
-        count, fields = fmt.indexer(path, name, staged)
-    except BaseException:
-        dest.discard(staged)
-        raise
-    sidecar = None
-    if sidecar_name is not None:
-        s_hash, s_size = hash_file(staged, hash_algorithm)
-        dest.commit(staged, sidecar_name)
-        sidecar = FileEntry(sidecar_name, s_size, s_hash)
-    else:
-        dest.discard(staged)
-    digest, size = hash_file(path, hash_algorithm)
-    return ShardEntry(name=name, num_bytes=size, hash=digest, num_samples=count, sidecar=sidecar), fields
-
-
-def publish_index(
-    dest: Destination,
-    fmt: Format,
-    indexed: list[tuple[ShardEntry, list[str]]],
-    hash_algorithm: str | None,
-    classes: tuple[str, ...],
-) -> Manifest:
-    """Write ``index.json`` for shards indexed with :func:`index_shard`; return it."""
-    fields = sorted({f for _, shard_fields in indexed for f in shard_fields})
-    manifest = Manifest(
-        format=fmt.name,
-        shards=tuple(entry for entry, _ in indexed),
-        fields=tuple(fields),
-        classes=classes,
-        hash_algorithm=hash_algorithm,
-        meta={"indexed_by": "streamload index"},
-    )
-    dest.write_bytes(MANIFEST_NAME, manifest.dumps())
-    return manifest
+        warnings.warn(f"streamload.verify.{name} moved to streamload.indexing.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(indexing, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -36,7 +36,7 @@ def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _entry(name: str, data: bytes) -> FileEntry:
-    return FileEntry(name, len(data), hashlib.sha256(data).hexdigest())
+    return FileEntry(name, len(data), hashlib.sha256(data).hexdigest(), algorithm="sha256")
 
 
 def _writer(data: bytes) -> Callable[[str, Callable[[], bool]], None]:
@@ -51,7 +51,7 @@ def _fill(cache: ShardCache, name: str, byte: int) -> str:
     data = bytes([byte]) * SIZE
     pin = cache.pin(name)
     try:
-        path = cache.fill(_entry(name, data), "sha256", _writer(data))
+        path = cache.fill(_entry(name, data), _writer(data))
     finally:
         pin.close()
     assert path is not None
@@ -100,7 +100,7 @@ def _crash_mid_download(root: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     data = b"\5" * SIZE
-    cache.fill(_entry("x", data), "sha256", half_then_die)
+    cache.fill(_entry("x", data), half_then_die)
 
 
 def test_a_crashed_downloaders_partial_file_is_not_used_and_is_cleaned(tmp_path: Path) -> None:
@@ -121,13 +121,13 @@ def test_a_download_with_the_wrong_hash_is_rejected(tmp_path: Path) -> None:
     cache = ShardCache(str(tmp_path), limit=None)
     good = b"\1" * SIZE
     entry = _entry("a", good)
-    with pytest.raises(CorruptShardError, match="a: downloaded bytes have sha256"):
-        cache.fill(entry, "sha256", _writer(b"\2" * SIZE))
+    with pytest.raises(CorruptShardError, match="a: downloaded bytes do not match the manifest: sha256 is"):
+        cache.fill(entry, _writer(b"\2" * SIZE))
     with pytest.raises(CorruptShardError, match="downloaded 10 bytes, the manifest says 1000"):
-        cache.fill(entry, "sha256", _writer(b"\1" * 10))
+        cache.fill(entry, _writer(b"\1" * 10))
     assert _cached(cache) == set() and os.listdir(tmp_path / "tmp") == []
     unverified = ShardCache(str(tmp_path), limit=None, verify_hash=False)
-    assert unverified.fill(entry, "sha256", _writer(b"\2" * SIZE)) is not None  # size only
+    assert unverified.fill(entry, _writer(b"\2" * SIZE)) is not None  # size only
 
 
 def test_a_same_size_file_of_another_version_is_not_served(tmp_path: Path) -> None:
@@ -140,7 +140,7 @@ def test_a_same_size_file_of_another_version_is_not_served(tmp_path: Path) -> No
     assert cache.lookup(_entry("a", new)) is None  # same name and size, other hash: a miss
     pin = cache.pin("a")
     try:
-        path = cache.fill(_entry("a", new), "sha256", _writer(new))
+        path = cache.fill(_entry("a", new), _writer(new))
     finally:
         pin.close()
     assert path is not None and Path(path).read_bytes() == new

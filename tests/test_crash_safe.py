@@ -91,7 +91,7 @@ def test_ctrl_c_stops_cleanly_and_says_how_to_resume(folder: Path, reference: di
     assert not (out / "index.json").exists()
     assert main(["convert", str(folder), str(out), *ARGS, "--resume"]) == 0
     assert _files(out) == reference
-    assert not [p for p in out.iterdir() if p.name.startswith((".tmp-", "_"))]
+    assert not [p for p in out.iterdir() if p.name.startswith((".tmp-", ".streamload-tmp-", "_"))]
 
 
 def test_resume_rewrites_a_tampered_shard(folder: Path, reference: dict[str, bytes], tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from streamload import (
     StreamloadError,
     UnsafeShardError,
 )
-from streamload.verify import index_directory
+from streamload.indexing import index_directory
 
 
 def _tar(path: Path, build: Callable[[tarfile.TarFile], None]) -> None:

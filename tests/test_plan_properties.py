@@ -1,6 +1,6 @@
 """Property tests of the pure split planner: exactly once, equal per rank, deterministic.
 
-Expected values are computed here from the arithmetic of DESIGN.md §4 (ceil / floor of
+Expected values are computed here from the arithmetic of docs/design.md ("Epochs and the split": ceil / floor of
 N / world_size), never taken from the planner.
 """
 

@@ -53,7 +53,7 @@ def test_index_refuses_non_adjacent_members(tmp_path: Path) -> None:
             info.size = 1
             tar.addfile(info, io.BytesIO(b"x"))
     from streamload import CorruptShardError
-    from streamload.verify import index_directory
+    from streamload.indexing import index_directory
 
     with pytest.raises(CorruptShardError, match="bad.tar.*'a'.*not adjacent"):
         index_directory(str(tmp_path))

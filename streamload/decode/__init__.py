@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .._errors import SampleError
+from ..sample import IMAGE_FIELDS, image_field, label_of, parse_label
 from .image import Backend, Crop, ImageDecoder
 
 __all__ = [
@@ -29,16 +30,9 @@ __all__ = [
     "label_of",
 ]
 
-#: Field names (file extensions) holding encoded images.
-IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm")
-
 
 def _text(data: bytes) -> str:
     return bytes(data).decode("utf-8")
-
-
-def _int(data: bytes) -> int:
-    return int(bytes(data).decode("ascii").strip())
 
 
 def _json(data: bytes) -> Any:
@@ -55,9 +49,9 @@ def decode_image(data: bytes, mode: str = "RGB") -> Any:
 
 #: Field name -> decoder. Unknown fields stay bytes.
 FIELD_DECODERS: Mapping[str, Callable[[bytes], Any]] = {
-    "cls": _int,
-    "cls2": _int,
-    "index": _int,
+    "cls": parse_label,
+    "cls2": parse_label,
+    "index": parse_label,
     "txt": _text,
     "text": _text,
     "json": _json,
@@ -89,28 +83,6 @@ def decode_sample(
         except Exception as exc:
             raise SampleError(f"sample {sample.get('__key__')!r} field {name!r}: cannot decode: {exc}") from exc
     return out
-
-
-def image_field(sample: Mapping[str, Any]) -> str:
-    """Return the name of the sample's image field.
-
-    Raises:
-        SampleError: If the sample has no image field.
-    """
-    for name in IMAGE_FIELDS:
-        if name in sample:
-            return name
-    raise SampleError(f"sample {sample.get('__key__')!r} has no image field (fields: {sorted(sample)})")
-
-
-def label_of(sample: Mapping[str, Any], field: str = "cls") -> int:
-    """Return the integer label stored in ``field`` (ASCII decimal, WebDataset's encoding)."""
-    try:
-        return _int(sample[field])
-    except KeyError as exc:
-        raise SampleError(f"sample {sample.get('__key__')!r} has no {field!r} field") from exc
-    except ValueError as exc:
-        raise SampleError(f"sample {sample.get('__key__')!r} field {field!r} is not an integer") from exc
 
 
 class ImageLabel:

@@ -6,7 +6,7 @@ samples out by index), and registers a :class:`Format` describing them. Everythi
 around a shard — rollover, temporary names, hashing, upload, the manifest, caching,
 splitting — is done once, outside the formats.
 
-The sample model (DESIGN.md §2): a ``dict`` with ``"__key__"`` (``str``) and one
+The sample model (``docs/design.md#sample-model``): a ``dict`` with ``"__key__"`` (``str``) and one
 ``bytes`` value per field, named by its WebDataset extension (``"jpg"``, ``"cls"``...).
 """
 
@@ -16,7 +16,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -25,6 +25,8 @@ from ..manifest import ShardEntry
 
 __all__ = [
     "MAX_KEY_BYTES",
+    "BatchReads",
+    "FieldGroup",
     "Format",
     "Sample",
     "ShardReader",
@@ -125,48 +127,8 @@ class ShardReader(ABC):
             sizes.append(sum(len(v) for k, v in sample.items() if not k.startswith("__")))
         return keys, sizes
 
-    # -- optional batch reads (streamload.batch) -------------------------------------
-    #: True if :meth:`field_sizes` and :meth:`read_into` work from the index alone, so a
-    #: batch can be read straight into one buffer. The defaults below read whole samples.
-    can_read_into: bool = False
-
-    def _first_field(self, sample: Sample, fields: Sequence[str]) -> bytes:
-        for name in fields:
-            if name in sample:
-                return sample[name]  # type: ignore[no-any-return]
-        raise SampleError(f"{self.entry.name}: sample {sample['__key__']!r} has none of the fields {tuple(fields)}")
-
-    def field_sizes(self, indices: np.ndarray, fields: Sequence[str]) -> np.ndarray:
-        """Return ``int64`` byte sizes of each sample's first present field of ``fields``.
-
-        Raises:
-            SampleError: Naming the key, if a sample has none of ``fields``.
-        """
-        return np.array([len(self._first_field(self.get(int(i)), fields)) for i in indices], dtype=np.int64)
-
-    def read_into(self, indices: np.ndarray, fields: Sequence[str], out: np.ndarray, sizes: np.ndarray) -> None:
-        """Write those fields' bytes back to back into the ``uint8`` array ``out``.
-
-        ``sizes`` is what :meth:`field_sizes` returned for the same arguments.
-        """
-        pos = 0
-        for i in indices:
-            data = self._first_field(self.get(int(i)), fields)
-            out[pos : pos + len(data)] = np.frombuffer(data, dtype=np.uint8)
-            pos += len(data)
-
-    def read_groups_into(
-        self, indices: np.ndarray, groups: Sequence[tuple[Sequence[str], np.ndarray, np.ndarray]]
-    ) -> None:
-        """:meth:`read_into` for several field groups ``(fields, out, sizes)`` at once.
-
-        Formats override it to read all groups of a sample (or of a whole run) in one go.
-        """
-        for fields, out, sizes in groups:
-            self.read_into(indices, fields, out, sizes)
-
     def keys_of(self, indices: np.ndarray) -> list[str]:
-        """Return the keys of samples ``indices``."""
+        """Return the keys of samples ``indices`` (formats with an index override it: no sample is read)."""
         return [self.get(int(i))["__key__"] for i in indices]
 
     def close(self) -> None:  # noqa: B027 - optional hook
@@ -181,6 +143,31 @@ class ShardReader(ABC):
     def _check_index(self, index: int) -> None:
         if not 0 <= index < self.entry.num_samples:
             raise IndexError(f"{self.entry.name}: sample {index} out of range [0, {self.entry.num_samples})")
+
+
+#: One batch read's destination: ``(fields, out, sizes)``; each sample's first present field of
+#: ``fields`` goes, back to back, into the ``uint8`` array ``out``; ``sizes`` from :meth:`BatchReads.field_sizes`.
+FieldGroup = tuple[Sequence[str], np.ndarray, np.ndarray]
+
+
+@runtime_checkable
+class BatchReads(Protocol):
+    """What a :class:`ShardReader` adds to serve zero-copy batches (:mod:`streamload.batch`).
+
+    A reader with these methods gives field sizes from its index, without reading any
+    sample, and reads fields straight into a caller's buffer, checksums checked. Readers
+    without them are read sample by sample.
+    """
+
+    def field_sizes(self, indices: np.ndarray, fields: Sequence[str]) -> np.ndarray:
+        """Return ``int64`` byte sizes of each sample's first present field of ``fields``.
+
+        Raises:
+            SampleError: Naming the key, if a sample has none of ``fields``.
+        """
+
+    def read_groups_into(self, indices: np.ndarray, groups: Sequence[FieldGroup]) -> None:
+        """Read every group's fields of samples ``indices`` into the groups' ``out`` arrays in one pass."""
 
 
 #: ``indexer(shard_path, shard_name, sidecar_out)`` builds the sidecar of a shard written
@@ -198,8 +185,6 @@ class Format:
         writer: The :class:`ShardWriter` subclass.
         reader: The :class:`ShardReader` subclass.
         sidecar_suffix: Suffix appended to the shard name for its sidecar, or ``None``.
-        needs_local_file: True if the reader must have the whole shard on local disk
-            (LMDB); false if it could read ranges of a remote object.
         indexer: Builds a sidecar for a shard written by another tool, or ``None``.
     """
 
@@ -208,7 +193,6 @@ class Format:
     writer: type[ShardWriter]
     reader: type[ShardReader]
     sidecar_suffix: str | None = None
-    needs_local_file: bool = True
     indexer: Indexer | None = None
 
     def shard_name(self, index: int) -> str:

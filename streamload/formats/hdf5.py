@@ -401,5 +401,4 @@ FORMAT = Format(
     writer=Hdf5ShardWriter,
     reader=Hdf5ShardReader,
     sidecar_suffix=None,
-    needs_local_file=True,
 )

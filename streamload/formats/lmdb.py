@@ -626,5 +626,4 @@ FORMAT = Format(
     writer=LmdbShardWriter,
     reader=LmdbShardReader,
     sidecar_suffix=None,
-    needs_local_file=True,
 )

@@ -604,6 +604,5 @@ FORMAT = Format(
     writer=TarShardWriter,
     reader=TarShardReader,
     sidecar_suffix=".idx",
-    needs_local_file=False,
     indexer=index_tar,
 )

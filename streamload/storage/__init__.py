@@ -1,8 +1,14 @@
 """The storage axis: where shard bytes live and how they reach the worker.
 
-Local paths are used in place. Any other fsspec URL (``s3://``, ``gs://``, ``http(s)://``,
-``memory://``...) is read through :mod:`streamload.storage.remote`, which keeps a bounded
-local cache shared by every worker and rank on the machine.
+Local paths are used in place (:class:`LocalStorage`). Any other fsspec URL (``s3://``,
+``gs://``, ``http(s)://``, ``memory://``...) is read through :class:`RemoteStorage`, which
+keeps a bounded local cache shared by every worker and rank on the machine. Converters
+write through a :class:`Destination`.
+
+Rooms: ``base`` (the interface, local directories), ``filesystems`` (fsspec instances per
+process), ``transport`` (remote files with retries), ``cache`` (the shared cache
+directory), ``readahead`` (background fetches), ``remote`` (:class:`RemoteStorage`),
+``destination`` (writing), ``retry`` (the retry policy).
 """
 
 from __future__ import annotations
@@ -10,12 +16,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .base import Destination, LocalDestination, LocalStorage, Storage, is_local, local_path_of
+from .base import LocalStorage, Storage, is_local, local_path_of
+from .destination import Destination, LocalDestination, RemoteDestination
 
 __all__ = [
     "Destination",
     "LocalDestination",
     "LocalStorage",
+    "RemoteDestination",
     "Storage",
     "is_local",
     "local_path_of",
@@ -55,6 +63,4 @@ def open_destination(url: str, storage_options: Mapping[str, Any] | None = None)
     url = str(url)
     if is_local(url):
         return LocalDestination(local_path_of(url))
-    from .remote import RemoteDestination
-
     return RemoteDestination(url, storage_options=storage_options)

@@ -17,8 +17,8 @@ Layout, one directory per dataset (``<cache_dir>/<hash of the dataset URL>/``)::
     meta/<name>           "<hash> <size> <inode>" of the verified download now in
                           data/<name> (written under .lock just before the rename)
 
-Names come from a validated manifest (plain file names, see
-:func:`~streamload.manifest.check_file_name`), so no path built here leaves the cache.
+Names are checked to be plain file names (see
+:func:`~streamload._files.check_file_name`), so no path built here leaves the cache.
 
 Invariants:
 
@@ -50,8 +50,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .._errors import CacheError, CorruptShardError
+from .._files import FileEntry, check_file_name, new_hasher
 from .._units import format_bytes
-from ..manifest import FileEntry, check_file_name, new_hasher
 
 __all__ = ["CacheStats", "Pin", "ShardCache"]
 
@@ -257,7 +257,6 @@ class ShardCache:
     def fill(
         self,
         entry: FileEntry,
-        hash_algorithm: str | None,
         download: Callable[[str, Callable[[], bool]], None],
         *,
         wait: bool = True,
@@ -267,8 +266,8 @@ class ShardCache:
         """Make sure ``entry`` is in the cache; the caller must hold its pin.
 
         Args:
-            entry: The file to fetch.
-            hash_algorithm: The manifest's hash algorithm (``None``: size check only).
+            entry: The file to fetch: its size, and its digest with the digest's algorithm
+                (checked unless ``verify_hash`` is off or the entry has none).
             download: ``download(part_path, cancelled)`` writes the remote bytes to
                 ``part_path`` (retrying transient errors itself).
             wait: Wait for room (acquire) or give up at once when the cache is full of
@@ -296,7 +295,7 @@ class ShardCache:
                 download(part, cancelled)
                 if cancelled():
                     return None
-                self._verify(part, entry, hash_algorithm)
+                self._verify(part, entry)
                 final = self.data_path(entry.name)
                 with self._cache_lock():  # so a count under the lock never sees it twice
                     self._write_record(entry, part)
@@ -314,22 +313,20 @@ class ShardCache:
         fcntl.flock(fd, fcntl.LOCK_EX)  # the holder's download is bounded by its retry policy
         return True
 
-    def _verify(self, part: str, entry: FileEntry, hash_algorithm: str | None) -> None:
+    def _verify(self, part: str, entry: FileEntry) -> None:
         size = os.stat(part).st_size
         if size != entry.num_bytes:
             raise CorruptShardError(f"{entry.name}: downloaded {size} bytes, the manifest says {entry.num_bytes}")
+        hash_algorithm = entry.algorithm
         if not self.verify_hash or hash_algorithm is None or entry.hash is None:
             return
         hasher = new_hasher(hash_algorithm)
         with open(part, "rb") as f:
             while chunk := f.read(_CHUNK):
                 hasher.update(chunk)
-        digest = hasher.hexdigest()
-        if digest != entry.hash:
-            raise CorruptShardError(
-                f"{entry.name}: downloaded bytes have {hash_algorithm} {digest[:16]}..., "
-                f"the manifest says {entry.hash[:16]}..."
-            )
+        problem = entry.digest_problem(hasher.hexdigest(), hash_algorithm)
+        if problem is not None:
+            raise CorruptShardError(f"{entry.name}: downloaded bytes do not match the manifest: {problem}")
 
     # -- room ------------------------------------------------------------------------
 

@@ -1,0 +1,49 @@
+"""Command-line options shared by the ``streamload`` subcommands (``cli`` and ``bench``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from ._errors import ConfigError
+
+__all__ = ["add_storage_option", "parse_storage_options"]
+
+
+def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """Parse ``key=value`` pairs into fsspec storage options.
+
+    Values are JSON when they parse (numbers, booleans, objects), strings otherwise.
+    Dotted keys nest: ``client_kwargs.endpoint_url=...``.
+    """
+    out: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--storage-option {pair!r} must look like key=value")
+        try:
+            value: Any = json.loads(raw)
+        except ValueError:
+            value = raw
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--storage-option {pair!r}: {part!r} was already given a value, not options")
+        node[leaf] = value
+    return out
+
+
+def add_storage_option(p: argparse.ArgumentParser) -> None:
+    """Add the repeatable ``--storage-option/-o KEY=VALUE`` to a subcommand's parser."""
+    p.add_argument(
+        "--storage-option",
+        "-o",
+        action="append",
+        metavar="KEY=VALUE",
+        help="fsspec storage option for remote URLs (repeatable; dotted keys nest, "
+        "e.g. client_kwargs.endpoint_url=http://127.0.0.1:8333)",
+    )

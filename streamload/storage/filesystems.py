@@ -1,0 +1,139 @@
+"""fsspec filesystems, one per process and options, safe across fork.
+
+A DataLoader worker must never use its parent's connections: async filesystems (s3fs,
+gcsfs) own an event-loop thread that a forked child does not inherit. So instances are
+never shared through fsspec's own instance cache; :func:`open_filesystem` keeps one per
+``(process id, protocol, options)``, and a filesystem inherited across a fork is kept
+alive but never finalized in the child (its finalizer would try to close the parent's
+sessions on the child's loop: ``attached to a different loop`` errors at exit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+from .._errors import ConfigError
+
+__all__ = ["detach_finalizers", "filesystem_class", "forget_inherited", "open_filesystem", "protocol_of"]
+
+#: Filesystems inherited across a fork, kept alive so they are never finalized in a child.
+_INHERITED: list[Any] = []
+#: (pid, protocol, options) -> filesystem: see :func:`open_filesystem`.
+_FILESYSTEMS: dict[tuple[int, str, str], Any] = {}
+_FILESYSTEMS_LOCK = threading.Lock()
+
+
+def _reset_after_fork() -> None:
+    global _FILESYSTEMS_LOCK
+    _FILESYSTEMS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+#: protocol -> what to install when fsspec cannot import its implementation.
+_INSTALL_HINTS: dict[str, str] = {
+    "s3": "pip install 'streamload[s3]'  (s3fs)",
+    "s3a": "pip install 'streamload[s3]'  (s3fs)",
+    "gs": "pip install 'streamload[gcs]'  (gcsfs)",
+    "gcs": "pip install 'streamload[gcs]'  (gcsfs)",
+    "az": "pip install adlfs",
+    "abfs": "pip install adlfs",
+    "abfss": "pip install adlfs",
+    "adl": "pip install adlfs",
+    "http": "pip install 'streamload[http]'  (aiohttp)",
+    "https": "pip install 'streamload[http]'  (aiohttp)",
+    "hf": "pip install huggingface_hub",
+    "oci": "pip install ocifs",
+    "oss": "pip install ossfs",
+    "sftp": "pip install paramiko",
+    "webdav": "pip install webdav4",
+}
+
+
+def protocol_of(url: str) -> str:
+    """Return the protocol of ``url`` (``"s3"`` for ``s3://bucket/x``; ``"file"`` for paths)."""
+    return url.split("://", 1)[0].lower() if "://" in url else "file"
+
+
+def _with_default_timeouts(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Give s3fs bounded connect/read timeouts unless the user chose some.
+
+    botocore's default read timeout is 60 s per attempt, which hides a hung server for minutes.
+    """
+    if protocol in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", 10)
+        config.setdefault("read_timeout", 60)
+        options["config_kwargs"] = config
+    return options
+
+
+def forget_inherited(fs: Any) -> None:
+    """Keep a filesystem inherited across a fork from ever being finalized in this child."""
+    _INHERITED.append(fs)
+    detach_finalizers(fs)
+
+
+def detach_finalizers(fs: Any) -> None:
+    """Detach the ``weakref.finalize`` callbacks registered on ``fs``.
+
+    s3fs registers one when it first connects, which would schedule the session's close
+    on whatever event loop the collecting thread has (``Task exception was never
+    retrieved`` at worker exit); the operating system closes the sockets with the process.
+    Callers run it once after a filesystem's first remote call (see
+    :class:`~streamload.storage.transport.RemoteFiles`).
+    """
+    for finalizer in list(getattr(weakref.finalize, "_registry", {})):
+        info = finalizer.peek()
+        if info is not None and info[0] is fs:
+            finalizer.detach()
+
+
+def filesystem_class(url: str) -> Any:
+    """Return the fsspec filesystem class for ``url``'s protocol.
+
+    Raises:
+        ConfigError: If the protocol is unknown or its package is missing (with the
+            ``pip install`` that fixes it).
+    """
+    import fsspec
+
+    protocol = protocol_of(url)
+    try:
+        return fsspec.get_filesystem_class(protocol)
+    except ImportError as exc:
+        hint = _INSTALL_HINTS.get(protocol, f"install the fsspec implementation of {protocol!r}")
+        raise ConfigError(f"{url}: reading {protocol}:// URLs needs a package that is missing ({exc}); {hint}") from exc
+    except ValueError as exc:
+        raise ConfigError(f"{url}: unknown protocol {protocol!r} ({exc})") from exc
+
+
+def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
+    """Return ``(filesystem, root path)`` for ``url``, one instance per process and options.
+
+    Raises:
+        ConfigError: If the protocol is unknown, its package is not installed (the
+            message says what to ``pip install``), or the options are not accepted.
+    """
+    protocol = protocol_of(url)
+    options = _with_default_timeouts(protocol, dict(storage_options or {}))
+    options.setdefault("skip_instance_cache", True)
+    cls = filesystem_class(url)
+    key = (os.getpid(), protocol, json.dumps(options, sort_keys=True, default=repr))
+    with _FILESYSTEMS_LOCK:
+        fs = _FILESYSTEMS.get(key)
+        if fs is None:
+            try:
+                fs = cls(**options)
+            except TypeError as exc:
+                raise ConfigError(f"{url}: bad storage_options for {protocol}:// ({exc})") from exc
+            detach_finalizers(fs)
+            _FILESYSTEMS[key] = fs
+    root = cls._strip_protocol(url)
+    root = root.rstrip("/") if isinstance(root, str) else root
+    return fs, root

@@ -1,0 +1,144 @@
+"""The package's structure: imports run one way, and each room keeps to its job.
+
+The import graph is read from the source (``ast``), function-level imports included, over
+``streamload/`` and ``converters/`` (installed as ``streamload.converters``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"streamload": ROOT / "streamload", "streamload.converters": ROOT / "converters"}
+
+#: Layers, lowest first: a module may import only from its own layer or lower ones.
+#: Within a layer, the graph must still be acyclic (checked separately).
+LAYERS: list[tuple[str, ...]] = [
+    ("streamload._errors", "streamload._units", "streamload._files"),
+    ("streamload.sample", "streamload.manifest", "streamload.storage", "streamload.plan"),
+    ("streamload.formats",),
+    ("streamload.shards", "streamload.batch", "streamload.writer"),
+    ("streamload.decode", "streamload.dataset", "streamload.verify", "streamload.indexing", "streamload.access"),
+    ("streamload.converters", "streamload.prefetch", "streamload.synthetic", "streamload._options"),
+    ("streamload.lightning", "streamload.bench", "streamload.demo"),
+    ("streamload.cli", "streamload"),
+]
+
+
+def _modules() -> dict[str, Path]:
+    mods: dict[str, Path] = {}
+    for package, directory in PACKAGES.items():
+        for path in directory.rglob("*.py"):
+            rel = path.relative_to(directory).with_suffix("").parts
+            name = ".".join((package, *rel))
+            mods[name.removesuffix(".__init__")] = path
+    return mods
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """Return the modules of the package that ``name`` imports (anywhere in the file)."""
+    out: set[str] = set()
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            targets = [module] + [f"{module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        for target in targets:
+            if target in mods and target != name and not name.startswith(target + "."):
+                out.add(target)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Return module -> modules it imports, for every module of the package."""
+    mods = _modules()
+    return {name: _imports(name, path, mods) for name, path in mods.items()}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Return one cycle per strongly connected component of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def _layer_of(module: str) -> int:
+    best = -1
+    best_len = -1
+    for i, layer in enumerate(LAYERS):
+        for prefix in layer:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = i, len(prefix)
+    return best
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycles(graph) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles() -> None:
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_every_module_has_a_layer() -> None:
+    missing = sorted(m for m in import_graph() if _layer_of(m) < 0)
+    assert not missing, f"modules not placed in LAYERS: {missing}"
+
+
+def test_nothing_imports_upward() -> None:
+    upward = [
+        f"{m} imports {t}"
+        for m, targets in sorted(import_graph().items())
+        for t in sorted(targets)
+        if _layer_of(t) > _layer_of(m)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+@pytest.mark.parametrize("module", ["streamload.storage", "streamload._files"])
+def test_storage_knows_no_manifest(module: str) -> None:
+    graph = import_graph()
+    reached = {t for m, targets in graph.items() if m == module or m.startswith(module + ".") for t in targets}
+    assert "streamload.manifest" not in reached, f"{module} imports the manifest"
