@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
-# Set up .venv and run the whole test suite (what CI runs).
+# Set up .venv, check lint, formatting and types, and run the whole test suite (what CI runs).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$here"
 # shellcheck disable=SC1091
 source scripts/setup.sh test
+checked=(streamload converters tests benchmarks docs scripts)
+echo "== ruff check"
+ruff check "${checked[@]}"
+echo "== ruff format --check"
+ruff format --check "${checked[@]}"
+echo "== mypy --strict (streamload, converters)"
+mypy --strict streamload converters
+echo "== pytest"
 python -m pytest -q -p no:cacheprovider "$@"
