@@ -18,10 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 #: References the docs must not carry: files that live outside this repository.
 FOREIGN = ("../" + "shared", "DESIGN" + ".md", "STYLE" + ".md")
-#: Paths checked for FOREIGN (the code under streamload/ and converters/ still cites them).
-CHECKED = ("README.md", "docs", "mkdocs.yml", "tests")
-#: Files under CHECKED that still cite them, until the code citations are removed.
-PENDING = {"tests/test_plan_properties.py"}
+#: Paths checked for FOREIGN: the whole repository.
+CHECKED = (".",)
 
 
 def _text(page: Path) -> str:
@@ -92,11 +90,7 @@ def test_design_headings_are_stable() -> None:
 
 
 def test_docs_cite_no_file_outside_the_repository() -> None:
-    """Covers README.md, docs/, mkdocs.yml and tests/ (to be widened to every file).
-
-    Every file there that git tracks or would track (notebooks aside) is searched for references to files
-    outside this repository; PENDING lists the ones still waiting for their citations to go.
-    """
+    """Every file git tracks or would track is searched for references to files outside the repository."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", *CHECKED],
         cwd=ROOT,
@@ -104,12 +98,10 @@ def test_docs_cite_no_file_outside_the_repository() -> None:
         text=True,
         check=True,
     ).stdout.split("\0")
-    files = [name for name in listed if name and not name.endswith(".ipynb")]
+    files = [name for name in listed if name]
     assert "README.md" in files and "docs/design.md" in files
     found = []
     for name in files:
-        if name in PENDING:
-            continue
         text = (ROOT / name).read_text(encoding="utf-8", errors="replace")
         found += [f"{name}: {ref}" for ref in FOREIGN if ref in text]
     assert not found, "references to files outside the repository:\n" + "\n".join(found)
