@@ -5,7 +5,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$here"
 # shellcheck disable=SC1091
 source scripts/setup.sh test
-checked=(streamload converters tests benchmarks docs scripts)
+checked=(streamload converters tests benchmarks docs scripts README.md)
 echo "== ruff check"
 ruff check "${checked[@]}"
 echo "== ruff format --check"

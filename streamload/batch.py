@@ -30,14 +30,13 @@ and copying each field once into the buffer.
 
 from __future__ import annotations
 
-import os
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
+from ._batchmem import Lease, Message, Spec, allocate, pack, unpack
 from ._errors import ConfigError, SampleError
 from .formats.base import BatchReads, FieldGroup, ShardReader
 from .plan import Run
@@ -50,6 +49,7 @@ __all__ = [
     "RawBatch",
     "RawCollate",
     "batch_buffer",
+    "batch_tensors",
     "group_runs",
     "in_worker",
 ]
@@ -123,7 +123,11 @@ class RawBatch:
         return RawBatch(data, offsets, labels, self.keys)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_raw, (self.data, self.offsets, self.labels, self.keys, self._lease))
+        lease = self._lease
+        if lease is not None and lease.here():  # a worker sending its batch: a few integers
+            message, specs = pack((self.data, self.offsets, self.labels), lease)
+            return (_rebuild_raw, (message, specs, self.keys))
+        return (RawBatch, (self.data, self.offsets, self.labels, self.keys))
 
     def __repr__(self) -> str:
         return f"RawBatch(batch_size={self.batch_size}, bytes={self.data.numel()}, labels={self.labels is not None})"
@@ -164,7 +168,11 @@ class ImageBatch:
         return ImageBatch(images, labels)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_images, (self.images, self.labels, self._lease))
+        lease = self._lease
+        if lease is not None and lease.here():  # a worker sending its batch: a few integers
+            message, specs = pack((self.images, self.labels), lease)
+            return (_rebuild_images, (message, specs))
+        return (ImageBatch, (self.images, self.labels))
 
     def __repr__(self) -> str:
         return f"ImageBatch(images={tuple(self.images.shape)}, labels={self.labels is not None})"
@@ -176,132 +184,22 @@ def _map_tensors(
     return [None if t is None else fn(t) for t in tensors]
 
 
-# -- shared-memory buffers, recycled ----------------------------------------------------
+# -- batch memory ----------------------------------------------------------------------
 #
-# A fresh shared-memory segment per batch costs a file, an mmap and a page fault per 4 KiB
-# (measured here: 7.7k samples/s through two workers, against 35k/s for reads into reused
-# memory). So each worker keeps a few segments and reuses one once the main process has
-# dropped every tensor that views it. The release signal: a small shared ``int8`` flags
-# tensor owned by the worker travels with each batch as its *lease* ``(flags, slot)``; the
-# main process, when it unpickles the batch, puts a ``weakref.finalize`` on the received
-# storage (torch keeps one Python storage object per storage, so it fires when the last
-# view dies) that clears ``flags[slot]``. The worker reuses a slot only when its flag is 0.
-# A batch the main process pickles on again leaves its lease behind (fresh copies are safe).
-
-Lease = tuple[torch.Tensor, int]
-
-#: Segments a worker keeps: prefetch_factor (2) queued + 1 in use + 1 being filled.
-POOL_SLOTS = 4
+# Every tensor of a batch lives in one recycled buffer; inside a DataLoader worker that is
+# a shared-memory segment of the worker's pool, and the batch crosses to the main process
+# as a few integers once the segment has been sent (see streamload._batchmem).
 
 
-class _BufferPool:
-    """A worker's recycled shared-memory segments (one per slot) and their lease flags."""
-
-    def __init__(self, slots: int = POOL_SLOTS) -> None:
-        self.flags = torch.zeros(slots, dtype=torch.int8)
-        self.flags.share_memory_()  # type: ignore[no-untyped-call]
-        self._in_use = self.flags.numpy()
-        self._storages: list[torch.UntypedStorage | None] = [None] * slots
-
-    def take(self, nbytes: int) -> tuple[torch.UntypedStorage, Lease | None]:
-        """Return a shared storage of at least ``nbytes`` and its lease (``None``: not pooled)."""
-        free = [i for i in range(len(self._storages)) if not self._in_use[i]]
-        for i in free:  # a big enough free segment first
-            storage = self._storages[i]
-            if storage is not None and storage.nbytes() >= nbytes:
-                self._in_use[i] = 1
-                return storage, (self.flags, i)
-        if not free:  # the main process holds every segment: a fresh one, not pooled
-            return _new_shared(nbytes), None
-        i = free[0]
-        capacity = -(-max(nbytes, 1) * 9 // 8 // (1 << 20)) * (1 << 20)  # +12 %, whole MiB
-        self._storages[i] = None  # drop the old one before allocating
-        storage = _new_shared(capacity)
-        self._storages[i] = storage
-        self._in_use[i] = 1
-        return storage, (self.flags, i)
-
-
-_POOL: tuple[int, _BufferPool] | None = None
-
-
-def _new_shared(nbytes: int) -> torch.UntypedStorage:
-    """A storage in a new shared-memory segment (what ``default_collate`` does in workers)."""
-    storage: torch.UntypedStorage = torch.UntypedStorage._new_shared(max(nbytes, 1))  # type: ignore[no-untyped-call]
-    return storage
-
-
-def _pool() -> _BufferPool:
-    global _POOL
-    pid = os.getpid()
-    if _POOL is None or _POOL[0] != pid:  # one pool per process (not inherited over fork)
-        _POOL = (pid, _BufferPool())
-    return _POOL[1]
-
-
-class _LocalPool:
-    """Recycled batch memory for batches used in the process that made them (no workers).
-
-    The pool keeps numpy buffers; each batch is a ``torch.from_numpy`` view whose storage
-    holds the buffer, and a finalizer on that storage marks the buffer free once the
-    caller has dropped every view (the buffer itself stays, so its pages stay mapped).
-    """
-
-    def __init__(self, slots: int = POOL_SLOTS) -> None:
-        self._buffers: list[np.ndarray | None] = [None] * slots
-        self._free = [True] * slots
-
-    def take(self, dims: tuple[int, ...]) -> torch.Tensor:
-        numel = int(np.prod(dims, dtype=np.int64)) if dims else 1
-        free = [i for i, ok in enumerate(self._free) if ok]
-        slot = next((i for i in free if (b := self._buffers[i]) is not None and b.size >= numel), None)
-        if slot is None and not free:
-            return torch.empty(dims, dtype=torch.uint8)
-        if slot is None:
-            slot = free[0]
-            self._buffers[slot] = None
-            self._buffers[slot] = np.empty(-(-max(numel, 1) * 9 // 8 // (1 << 20)) * (1 << 20), dtype=np.uint8)
-        buffer = self._buffers[slot]
-        assert buffer is not None
-        tensor = torch.from_numpy(buffer[:numel]).view(dims)
-        self._free[slot] = False
-        weakref.finalize(tensor.untyped_storage(), self._free.__setitem__, slot, True)
-        return tensor
-
-
-_LOCAL: tuple[int, _LocalPool] | None = None
-
-
-def _local_pool() -> _LocalPool:
-    global _LOCAL
-    pid = os.getpid()
-    if _LOCAL is None or _LOCAL[0] != pid:
-        _LOCAL = (pid, _LocalPool())
-    return _LOCAL[1]
-
-
-def _release(flags: torch.Tensor, slot: int) -> None:
-    flags[slot] = 0
-
-
-def _watch(tensor: torch.Tensor, lease: Lease | None) -> None:
-    if lease is not None:
-        weakref.finalize(tensor.untyped_storage(), _release, lease[0], lease[1])
-
-
-def _rebuild_raw(
-    data: torch.Tensor,
-    offsets: torch.Tensor,
-    labels: torch.Tensor | None,
-    keys: tuple[str, ...] | None,
-    lease: Lease | None,
-) -> RawBatch:
-    _watch(data, lease)
+def _rebuild_raw(message: Message, specs: list[Spec | None], keys: tuple[str, ...] | None) -> RawBatch:
+    data, offsets, labels = unpack(message, specs)
+    assert data is not None and offsets is not None
     return RawBatch(data, offsets, labels, keys)
 
 
-def _rebuild_images(images: torch.Tensor, labels: torch.Tensor | None, lease: Lease | None) -> ImageBatch:
-    _watch(images, lease)
+def _rebuild_images(message: Message, specs: list[Spec | None]) -> ImageBatch:
+    images, labels = unpack(message, specs)
+    assert images is not None
     return ImageBatch(images, labels)
 
 
@@ -316,26 +214,35 @@ def batch_buffer(shape: int | Sequence[int], shared: bool | None = None) -> tupl
     """Return an uninitialised ``uint8`` tensor of ``shape`` for a batch, and its lease.
 
     Inside a DataLoader worker (``shared=None`` detects it) the tensor lives in one of the
-    worker's recycled shared-memory segments, so sending it to the main process passes a
-    file descriptor, copies nothing and, once the segment is warm, faults in no pages.
-    Pass the lease to :class:`RawBatch` / :class:`ImageBatch` so the main process can
-    hand the segment back. Elsewhere it is ordinary memory and the lease is ``None``.
+    worker's recycled shared-memory segments, so sending it to the main process copies
+    nothing and, once the segment is warm, faults in no pages and passes no file
+    descriptor. Pass the lease to :class:`RawBatch` / :class:`ImageBatch`. Elsewhere it
+    is ordinary recycled memory and the lease is ``None``. :func:`batch_tensors` puts
+    several tensors (data, offsets, labels) in one buffer.
     """
     dims = (shape,) if isinstance(shape, int) else tuple(shape)
-    numel = int(np.prod(dims, dtype=np.int64)) if dims else 1
-    if shared is None:
-        shared = in_worker()
-    if not shared:
-        return _local_pool().take(dims), None
-    storage, lease = _pool().take(numel)
-    strides = [int(np.prod(dims[i + 1 :], dtype=np.int64)) for i in range(len(dims))]
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, dims, strides), lease
+    (tensor,), lease = allocate([(dims, torch.uint8)], shared)
+    return tensor, lease
 
 
-def parse_labels(raw: np.ndarray, offsets: np.ndarray, keys: Callable[[int], str], field: str) -> torch.Tensor:
-    """Parse ASCII-decimal labels (WebDataset's ``cls``) stored back to back in ``raw``."""
+def batch_tensors(
+    parts: Sequence[tuple[Sequence[int], torch.dtype]], shared: bool | None = None
+) -> tuple[list[torch.Tensor], Lease | None]:
+    """Return uninitialised tensors of the given shapes and dtypes, all in one batch buffer, and its lease.
+
+    See :func:`batch_buffer`; a batch whose tensors share one buffer crosses to the main
+    process as one small message.
+    """
+    return allocate(parts, shared)
+
+
+def parse_labels(
+    raw: np.ndarray, offsets: np.ndarray, keys: Callable[[int], str], field: str, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Parse ASCII-decimal labels (WebDataset's ``cls``) stored back to back in ``raw`` (into ``out``)."""
     blob = raw.tobytes()
-    out = torch.empty(len(offsets) - 1, dtype=torch.int64)
+    if out is None:
+        out = torch.empty(len(offsets) - 1, dtype=torch.int64)
     values = out.numpy()
     for i in range(len(values)):
         try:
@@ -396,17 +303,28 @@ class RawCollate:
         """Collate sample dicts (``{"__key__", field: bytes}``) into a :class:`RawBatch`."""
         values = [self._field_of(s) for s in samples]
         sizes = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
-        offsets = np.zeros(len(values) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=offsets[1:])
-        data, lease = batch_buffer(int(offsets[-1]))
+        data, offsets_t, labels, lease = self._buffers(sizes)
+        offsets = offsets_t.numpy()
         flat = data.numpy()
         for value, a, b in zip(values, offsets[:-1], offsets[1:], strict=True):
             flat[a:b] = np.frombuffer(value, dtype=np.uint8)
-        labels = None
-        if self.label_field is not None:
-            labels = torch.tensor([label_of(s, self.label_field) for s in samples], dtype=torch.int64)
+        if labels is not None:
+            assert self.label_field is not None
+            labels.numpy()[:] = [label_of(s, self.label_field) for s in samples]
         keys = tuple(s["__key__"] for s in samples) if self.keys else None
-        return RawBatch(data, torch.from_numpy(offsets), labels, keys, lease)
+        return RawBatch(data, offsets_t, labels, keys, lease)
+
+    def _buffers(self, sizes: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Lease | None]:
+        """Data, offsets (filled from ``sizes``) and labels of one batch, all in one batch buffer."""
+        n = len(sizes)
+        parts: list[tuple[Sequence[int], torch.dtype]] = [((int(sizes.sum()),), torch.uint8), ((n + 1,), torch.int64)]
+        if self.label_field is not None:
+            parts.append(((n,), torch.int64))
+        tensors, lease = batch_tensors(parts)
+        offsets = tensors[1].numpy()
+        offsets[0] = 0
+        np.cumsum(sizes, out=offsets[1:])
+        return tensors[0], tensors[1], tensors[2] if len(tensors) > 2 else None, lease
 
     def _field_of(self, sample: Sample) -> bytes:
         for name in self.fields:
@@ -440,11 +358,9 @@ class RawCollate:
         label = None if self.label_field is None else (self.label_field,)
         sizes = [batch_reads(shard).field_sizes(idx, self.fields) for shard, idx in parts]
         label_sizes = [batch_reads(shard).field_sizes(idx, label) if label else None for shard, idx in parts]
-        offsets = np.zeros(sum(len(s) for s in sizes) + 1, dtype=np.int64)
-        np.cumsum(np.concatenate(sizes), out=offsets[1:])
-        data, lease = batch_buffer(int(offsets[-1]))
+        data, offsets_t, labels, lease = self._buffers(np.concatenate(sizes))
+        offsets = offsets_t.numpy()
         flat = data.numpy()
-        labels: list[torch.Tensor] = []
         at = 0
         for (shard, idx), size, lsize in zip(parts, sizes, label_sizes, strict=True):
             n = len(idx)
@@ -455,12 +371,12 @@ class RawCollate:
                 raw = np.empty(int(loffsets[-1]), dtype=np.uint8)
                 groups.append((label, raw, lsize))
             batch_reads(shard).read_groups_into(idx, groups)  # data and labels in one pass over the shard
-            if label and lsize is not None:
-                labels.append(parse_labels(raw, loffsets, _key_lookup(open_reader(shard), idx), label[0]))
+            if label and lsize is not None and labels is not None:
+                keys_of = _key_lookup(open_reader(shard), idx)
+                parse_labels(raw, loffsets, keys_of, label[0], out=labels[at : at + n])
             at += n
         keys = tuple(k for shard, idx in parts for k in open_reader(shard).keys_of(idx)) if self.keys else None
-        label_tensor = (torch.cat(labels) if len(labels) != 1 else labels[0]) if label else None
-        return RawBatch(data, torch.from_numpy(offsets), label_tensor, keys, lease)
+        return RawBatch(data, offsets_t, labels, keys, lease)
 
 
 def _key_lookup(reader: ShardReader, indices: np.ndarray) -> Callable[[int], str]:

@@ -12,7 +12,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from streamload import CorruptShardError, SampleError, StreamingDataset
-from streamload.batch import RawBatch, RawCollate, _BufferPool, _rebuild_raw, group_runs
+from streamload._batchmem import BufferPool, pack, unpack
+from streamload.batch import RawBatch, RawCollate, group_runs
 from streamload.decode import IMAGE_FIELDS
 from streamload.plan import Run
 
@@ -24,6 +25,18 @@ def _per_sample(root: Path) -> dict[str, tuple[bytes, int]]:
         field = next(f for f in IMAGE_FIELDS if f in sample)
         out[sample["__key__"]] = (sample[field], int(sample["cls"]))
     return out
+
+
+def in_shared_memory(tensor: torch.Tensor) -> bool:
+    """True if the tensor's bytes lie in a shared-memory mapping of this process (``/dev/shm``)."""
+    ptr = tensor.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, *rest = line.split()
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= ptr < hi:
+                return len(rest) >= 5 and rest[4].startswith("/dev/shm/")
+    return False
 
 
 def _unpack(batch: RawBatch) -> dict[str, tuple[bytes, int]]:
@@ -44,7 +57,7 @@ def test_raw_batches_round_trip_exactly_and_in_plan_order(tar_dataset: Path, wor
     order: list[str] = []
     for batch in batches:
         if workers:
-            assert batch.data.is_shared(), "batch bytes must arrive through shared memory"
+            assert in_shared_memory(batch.data), "batch bytes must arrive through shared memory"
         unpacked = _unpack(batch)
         got.update(unpacked)
         order.extend(unpacked)
@@ -91,24 +104,48 @@ def test_raw_batch_views_and_samples(tar_dataset: Path) -> None:
 
 
 def test_lease_released_only_when_last_view_dies() -> None:
-    pool = _BufferPool(slots=2)
+    pool = BufferPool(slots=2)
     storage, lease = pool.take(1000)
-    assert lease is not None and int(pool.flags[lease[1]]) == 1
-    # The main process unpickles the batch into its own mapping of the segment; stand-in:
-    received = _rebuild_raw(torch.zeros(1000, dtype=torch.uint8), torch.tensor([0, 1000]), None, None, lease)
-    view = received.data[10:20]
+    assert lease is not None and int(pool.flags[lease.slot]) == 1
+    data = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (1000,), (1,))
+    data[:] = 5
+    # What a worker sends and the main process rebuilds (here in one process): the first
+    # message carries the segment and the flags, then only integers.
+    message, specs = pack((data, None), lease)
+    assert message[3] is not None and message[4] is not None
+    received, nothing = unpack(message, specs)
+    assert nothing is None and received is not None and bool((received == 5).all())
+    view = received[10:20]
     del received
     gc.collect()
-    assert int(pool.flags[lease[1]]) == 1, "a live view must keep the segment leased"
+    assert int(pool.flags[lease.slot]) == 1, "a live view must keep the segment leased"
     other, other_lease = pool.take(1000)
-    assert other_lease is not None and other_lease[1] != lease[1]
+    assert other_lease is not None and other_lease.slot != lease.slot
     del view
     gc.collect()
-    assert int(pool.flags[lease[1]]) == 0
+    assert int(pool.flags[lease.slot]) == 0
     again, again_lease = pool.take(900)
     assert again_lease == lease and again.data_ptr() == storage.data_ptr()  # recycled
+    message, specs = pack((data[:900], None), again_lease)
+    assert message[3] is None and message[4] is None, "a segment already sent crosses as integers"
+    held = unpack(message, specs)[0]
+    assert held is not None and bool((held == 5).all())
     _, spare = pool.take(10)
     assert spare is None  # every slot leased: a fresh, unpooled segment
+
+
+def test_a_batch_crosses_to_workers_main_process_as_one_small_message(tar_dataset: Path) -> None:
+    """Through real DataLoader workers: every batch after a segment's first use is a few integers."""
+    import pickle
+
+    ds = StreamingDataset(str(tar_dataset), batch_size=4, collate=RawCollate(keys=True))
+    plain = [(_unpack(b), b.keys) for b in ds]
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    batches = list(loader)
+    assert [(_unpack(b), b.keys) for b in batches] == plain
+    assert all(b.offsets.untyped_storage().data_ptr() == b.data.untyped_storage().data_ptr() for b in batches)
+    again = pickle.loads(pickle.dumps(batches[0]))  # noqa: S301 - our own batch; the main process pickles plain tensors on
+    assert _unpack(again) == _unpack(batches[0])
 
 
 def test_group_runs_cuts_at_batch_boundaries() -> None:

@@ -17,6 +17,8 @@ from streamload.decode import DecodeBatch, ImageDecoder
 from streamload.decode.image import have_simplejpeg
 from streamload.synthetic import make_image_folder, synthetic_jpeg
 
+from .test_batch import in_shared_memory
+
 BACKENDS = ["pillow", "simplejpeg"] if have_simplejpeg() else ["pillow"]
 
 
@@ -103,7 +105,7 @@ def test_decode_batch_equals_per_sample_image_label(big_images: Path, workers: i
         x, y = batch
         assert x.dtype == torch.uint8 and x.shape[1:] == (3, 48, 48) and y.dtype == torch.int64
         if workers:
-            assert x.is_shared()
+            assert in_shared_memory(x)
         images.append(x.clone())
         labels.append(y)
     x, y = torch.cat(images), torch.cat(labels)

@@ -198,9 +198,13 @@ class DecodeBatch:
 
     def __call__(self, samples: list[Any]) -> Any:
         """Decode the samples into one :class:`~streamload.batch.ImageBatch`."""
-        from ..batch import ImageBatch, batch_buffer
+        from ..batch import ImageBatch, batch_tensors
 
-        buffer, lease = batch_buffer((len(samples), *self.decoder.shape))
+        parts: list[tuple[tuple[int, ...], torch.dtype]] = [((len(samples), *self.decoder.shape), torch.uint8)]
+        if self.label_field is not None:
+            parts.append(((len(samples),), torch.int64))
+        tensors, lease = batch_tensors(parts)
+        buffer = tensors[0]
         slots = buffer.numpy()
         decode_into, rng = self.decoder.decode_into, self.rng()
         random = self.decoder.crop == "random" or self.decoder.flip
@@ -213,7 +217,8 @@ class DecodeBatch:
                 raise SampleError(f"sample {key!r} field {name!r}: cannot decode image: {exc}") from exc
         labels = None
         if self.label_field is not None:
-            labels = torch.tensor([label_of(s, self.label_field) for s in samples], dtype=torch.int64)
+            labels = tensors[1]
+            labels.numpy()[:] = [label_of(s, self.label_field) for s in samples]
         images = buffer.permute(0, 3, 1, 2) if self.layout == "CHW" else buffer
         return ImageBatch(images, labels, lease)
 
