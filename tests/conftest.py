@@ -13,8 +13,9 @@ from streamload.converters import ConvertOptions, ImageFolderSource, convert
 
 from streamload.synthetic import make_image_folder, synthetic_jpeg
 
-# One SeaweedFS server per test session, shared by every module that asks for `s3_server`.
-pytest_plugins = ["tests.s3server"]
+# One SeaweedFS server per test session, shared by every module that asks for `s3_server`;
+# `shaped_s3` puts it behind a proxy that makes it a far bucket (latency, bandwidth).
+pytest_plugins = ["tests.s3server", "tests.shaping"]
 
 
 def add_tricky_files(root: Path) -> None:

@@ -8,9 +8,13 @@ outage that outlived the retry budget.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from .._errors import CorruptShardError, ManifestNotFoundError, ShardNotFoundError, StorageError, StreamloadError
@@ -18,9 +22,78 @@ from .._files import check_file_name
 from .filesystems import detach_finalizers, filesystem_class, forget_inherited, open_filesystem, protocol_of
 from .retry import RetryPolicy, is_permanent, is_transient, retry_call
 
-__all__ = ["RemoteFiles"]
+__all__ = ["PartPlanner", "RemoteFiles"]
 
 _CHUNK = 8 << 20
+_MIB = 1 << 20
+
+
+@dataclass
+class PartPlanner:
+    """How a file is cut into concurrent ranged GETs: part size and concurrency.
+
+    A far bucket answers each request after a latency and gives each connection a
+    limited bandwidth, so one GET per shard is bound by one connection. A part should be
+    large enough that its transfer time dwarfs the latency (``part_latencies`` latencies'
+    worth of bytes at the measured per-connection rate), and enough parts run at once to
+    fill the pipe. The rate and latency are measured from the parts themselves
+    (exponentially weighted), starting from the guesses below; ``part_size`` and
+    ``max_concurrency`` override the choice.
+
+    Attributes:
+        part_size: Fixed part size in bytes, or ``None`` to choose it from the measurements.
+        max_concurrency: Most parts of one file in flight at once.
+        min_part: Smallest part chosen (bytes).
+        max_part: Largest part chosen (bytes); also bounds the memory of a download
+            (``max_concurrency x max_part``).
+        part_latencies: A part's transfer should take this many latencies.
+        latency: Estimated seconds from a request to its first byte.
+        rate: Estimated bytes/s of one connection.
+    """
+
+    part_size: int | None = None
+    max_concurrency: int = 8
+    min_part: int = 4 * _MIB
+    max_part: int = 16 * _MIB
+    part_latencies: float = 4.0
+    latency: float = 0.05
+    rate: float = 40e6
+
+    def chosen_part_size(self) -> int:
+        """The part size for the next file (a whole number of MiB)."""
+        if self.part_size is not None:
+            return max(1, self.part_size)
+        want = self.part_latencies * self.latency * self.rate
+        return int(min(self.max_part, max(self.min_part, math.ceil(want / _MIB) * _MIB)))
+
+    def parts(self, size: int) -> list[tuple[int, int]]:
+        """``[start, end)`` byte ranges covering a file of ``size`` bytes."""
+        if size <= 0:
+            return [(0, 0)] if size == 0 else []
+        step = self.chosen_part_size()
+        count = max(1, math.ceil(size / step))
+        step = math.ceil(size / count)  # equal parts
+        return [(a, min(size, a + step)) for a in range(0, size, step)]
+
+    def concurrency(self, size: int) -> int:
+        """Parts of a file of ``size`` bytes fetched at once."""
+        return max(1, min(self.max_concurrency, len(self.parts(size))))
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """Fold one part's transfer (``nbytes`` in ``seconds``, first byte included) into the estimates.
+
+        A small part is mostly latency, a large one mostly transfer: ``seconds = latency +
+        nbytes / rate`` is solved with the other estimate held.
+        """
+        if seconds <= 0:
+            return
+        alpha = 0.3
+        transfer = seconds - self.latency
+        if nbytes >= self.min_part and transfer > 0:
+            self.rate += alpha * (nbytes / transfer - self.rate)
+        elif nbytes < self.min_part:
+            latency = max(0.0, seconds - nbytes / self.rate)
+            self.latency += alpha * (latency - self.latency)
 
 
 def translate_error(exc: BaseException, url: str, action: str, *, not_found: str | None = None) -> StreamloadError:
@@ -65,6 +138,7 @@ class RemoteFiles:
         self._pid = -1
         self._finalizers_detached = False
         self._lock = threading.Lock()
+        self.planner = PartPlanner()
         filesystem_class(self.url)  # fail now on a missing package; connect lazily
 
     @property
@@ -112,17 +186,17 @@ class RemoteFiles:
         """Return the bytes of file ``name``.
 
         Raises:
-            StorageError: If the file is longer than ``max_bytes`` (its size is asked first,
-                so nothing larger is transferred).
+            StorageError: If the file is longer than ``max_bytes`` (at most that many
+                bytes and one more are transferred).
         """
         path = self.path(name)
-        if max_bytes is not None:
-            size = self.size(name, not_found=not_found)
-            if size is not None and size > max_bytes:
-                raise StorageError(f"{self.url_of(name)} is {size} bytes, larger than the {max_bytes} accepted for it")
-        data = self.call("read", name, lambda: self.fs.cat_file(path), not_found=not_found)
-        if max_bytes is not None and len(data) > max_bytes:  # it grew since the size was asked
-            raise StorageError(f"{self.url_of(name)} is larger than the {max_bytes} bytes accepted for it")
+        if max_bytes is None:
+            data = self.call("read", name, lambda: self.fs.cat_file(path), not_found=not_found)
+        else:  # one ranged GET: a larger object shows itself by the byte past the limit
+            read = lambda: self.fs.cat_file(path, start=0, end=max_bytes + 1)  # noqa: E731
+            data = self.call("read", name, read, not_found=not_found)
+            if len(data) > max_bytes:
+                raise StorageError(f"{self.url_of(name)} is larger than the {max_bytes} bytes accepted for it")
         assert isinstance(data, bytes)
         return data
 
@@ -151,11 +225,57 @@ class RemoteFiles:
     ) -> int:
         """Copy file ``name`` into local ``part``; return the number of bytes.
 
-        A transient failure resumes at the byte where it stopped (or restarts, for streams
-        that cannot seek). With ``max_bytes`` (the bytes the cache reserved for ``part``),
-        the file never grows past it: an object longer than that is a
-        :class:`~streamload.CorruptShardError` at once.
+        With ``max_bytes`` (the file's size from its entry, which the cache reserved), the
+        file is fetched as concurrent ranged GETs planned by :class:`PartPlanner` (no
+        size request first); each part is retried alone, and a part that comes back
+        short is a :class:`~streamload.CorruptShardError` at once. Without it (or for
+        HTTP servers, which may not serve ranges), one sequential stream that resumes at
+        the byte where it stopped.
         """
+        if max_bytes is not None and protocol_of(self.url) not in ("http", "https"):
+            return self._download_parts(name, part, max_bytes, cancelled, stop)
+        return self._download_stream(name, part, cancelled, stop, max_bytes)
+
+    def _download_parts(
+        self, name: str, part: str, size: int, cancelled: Callable[[], bool], stop: threading.Event | None
+    ) -> int:
+        path = self.path(name)
+        parts = self.planner.parts(size)
+        fd = os.open(part, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, 0)
+
+            def fetch(start: int, end: int) -> None:
+                if cancelled():
+                    return
+                began = time.monotonic()
+                data = self.call("download", name, lambda: self.fs.cat_file(path, start=start, end=end), stop=stop)
+                self.planner.observe(end - start, time.monotonic() - began)
+                if len(data) != end - start:
+                    raise CorruptShardError(
+                        f"{self.url_of(name)}: bytes {start}-{end} came back as {len(data)} bytes: "
+                        "the object is shorter than its entry says"
+                    )
+                os.pwrite(fd, data, start)
+
+            if len(parts) == 1:
+                fetch(*parts[0])
+            else:
+                with ThreadPoolExecutor(self.planner.concurrency(size), thread_name_prefix="streamload-part") as pool:
+                    for future in [pool.submit(fetch, a, b) for a, b in parts]:
+                        future.result()
+        finally:
+            os.close(fd)
+        return size if not cancelled() else 0
+
+    def _download_stream(
+        self,
+        name: str,
+        part: str,
+        cancelled: Callable[[], bool],
+        stop: threading.Event | None,
+        max_bytes: int | None,
+    ) -> int:
         path = self.path(name)
         with open(part, "r+b") as out:
             state = {"offset": 0}
