@@ -1,0 +1,402 @@
+"""Hostile input for the readers (issue #13): shards, sidecars, manifests and images built to
+leave the dataset, hang, crash with a raw traceback or allocate absurd memory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+import xxhash
+
+from streamload import CorruptShardError, DatasetWriter, ShardError, UnsafeShardError
+from streamload.formats import get_format
+from streamload.manifest import ShardEntry
+from streamload.verify import verify_dataset
+
+Sample = dict[str, Any]
+
+SAMPLES: list[Sample] = [
+    {"__key__": f"k{i:03d}", "bin": bytes([i]) * (100 + i), **({"cls": str(i % 3).encode()} if i % 2 else {})}
+    for i in range(8)
+]
+
+
+# -- HDF5: a streamload layout written by hand, one dataset at a time --------------------
+
+#: ``make(group, name, array)`` creates one dataset of the layout (default: contiguous, as ours).
+Maker = Callable[[h5py.Group, str, np.ndarray], None]
+
+
+def _contiguous(group: h5py.Group, name: str, array: np.ndarray) -> None:
+    group.create_dataset(name, data=array, track_times=False)
+
+
+#: ``alter(path, array)`` returns what to store as table or data ``path`` (e.g. ``"fields/0/offsets"``).
+Alter = Callable[[str, np.ndarray], np.ndarray]
+
+
+def _build_h5(
+    path: Path,
+    samples: list[Sample],
+    make: Maker = _contiguous,
+    alter: Alter | None = None,
+    fields: list[str] | None = None,
+) -> None:
+    """Write ``samples`` in the streamload HDF5 layout, creating each dataset with ``make``.
+
+    ``alter`` changes arrays before they are hashed and written (so the checksums still
+    match, as a hostile writer would make them); ``fields`` replaces the field list of the
+    metadata.
+    """
+    names = sorted({f for s in samples for f in s if not f.startswith("__")})
+    digest = xxhash.xxh3_64()
+
+    def column(group: h5py.Group, values: list[bytes | None], presence: bool) -> None:
+        data = b"".join(v for v in values if v is not None)
+        tables = {"offsets": np.cumsum([0] + [len(v or b"") for v in values]).astype("<i8")}
+        if presence:
+            tables["present"] = np.array([v is not None for v in values], np.uint8)
+        tables["xxh3"] = np.array([0 if v is None else xxhash.xxh3_64_intdigest(v) for v in values], "<u8")
+        prefix = group.name.strip("/")
+        for name, array in [("data", np.frombuffer(data, np.uint8)), *tables.items()]:
+            if alter is not None:
+                array = alter(f"{prefix}/{name}", array)
+            make(group, name, array)
+            if name != "data":
+                digest.update(np.ascontiguousarray(array).tobytes())
+
+    with h5py.File(path, "w", libver="earliest") as f:
+        column(f.create_group("keys"), [s["__key__"].encode() for s in samples], presence=False)
+        for j, name in enumerate(names):
+            column(f.create_group(f"fields/{j}"), [s.get(name) for s in samples], presence=True)
+        meta = json.dumps(
+            {
+                "format": "streamload-hdf5",
+                "version": 1,
+                "num_samples": len(samples),
+                "fields": names if fields is None else fields,
+                "tables_xxh3": f"{digest.intdigest():016x}",
+            },
+            sort_keys=True,
+        )
+        f.attrs["streamload"] = meta
+        f.attrs["streamload_xxh3"] = f"{xxhash.xxh3_64_intdigest(meta.encode()):016x}"
+
+
+def _only(target: str, special: Maker) -> Maker:
+    """A maker that builds the dataset ``target`` (e.g. ``"fields/0/data"``) with ``special``."""
+
+    def make(group: h5py.Group, name: str, array: np.ndarray) -> None:
+        (special if f"{group.name.strip('/')}/{name}" == target else _contiguous)(group, name, array)
+
+    return make
+
+
+def _read_all(path: Path, n: int) -> list[Sample]:
+    entry = ShardEntry(name=path.name, num_bytes=path.stat().st_size, num_samples=n)
+    reader = get_format("hdf5").reader(str(path), entry, None)
+    try:
+        return list(reader.iter_range(0, n))
+    finally:
+        reader.close()
+
+
+def _dataset_with_shard(tmp_path: Path, fmt: str, samples: list[Sample], hostile: Path | None = None) -> Path:
+    """A real dataset of one shard; with ``hostile``, that file replaces the shard (manifest updated)."""
+    ds = tmp_path / "ds"
+    with DatasetWriter(str(ds), format=fmt, max_samples=len(samples)) as writer:
+        for sample in samples:
+            writer.write(sample)
+    if hostile is not None:
+        _replace_shard(ds, hostile.read_bytes())
+    return ds
+
+
+def _replace_shard(ds: Path, data: bytes, index: int = 0, sidecar: bytes | None = None) -> None:
+    """Overwrite shard ``index`` (and its sidecar) and fix its manifest entry as a hostile writer would."""
+    manifest = json.loads((ds / "index.json").read_text())
+    entry = manifest["shards"][index]
+    (ds / entry["name"]).write_bytes(data)
+    entry.update(bytes=len(data), hash=hashlib.sha256(data).hexdigest())
+    if sidecar is not None:
+        (ds / entry["sidecar"]["name"]).write_bytes(sidecar)
+        entry["sidecar"].update(bytes=len(sidecar), hash=hashlib.sha256(sidecar).hexdigest())
+    (ds / "index.json").write_text(json.dumps(manifest))
+
+
+def _assert_verify_refuses(ds: Path, *patterns: str) -> None:
+    report = verify_dataset(str(ds))
+    assert not report.ok
+    (name, problem), *_ = report.problems
+    assert name in problem
+    assert any(p in problem for p in patterns), problem
+
+
+def test_hand_built_h5_layout_is_readable(tmp_path: Path) -> None:
+    """The builder above makes shards the reader accepts (so each hostile test changes one thing)."""
+    path = tmp_path / "ok.h5"
+    _build_h5(path, SAMPLES)
+    assert _read_all(path, len(SAMPLES)) == SAMPLES
+    ds = _dataset_with_shard(tmp_path, "hdf5", SAMPLES, hostile=path)
+    assert verify_dataset(str(ds)).ok
+
+
+def _external(outside: Path) -> Maker:
+    def make(group: h5py.Group, name: str, array: np.ndarray) -> None:
+        outside.write_bytes(array.tobytes())  # the very bytes the checksums expect
+        group.create_dataset(name, shape=array.shape, dtype=array.dtype, external=[(str(outside), 0, array.nbytes)])
+
+    return make
+
+
+def test_hdf5_external_storage_is_refused_before_reading(tmp_path: Path) -> None:
+    outside = tmp_path / "outside.bin"
+    path = tmp_path / "ext.h5"
+    _build_h5(path, SAMPLES, _only("fields/0/data", _external(outside)))
+    with pytest.raises(ShardError, match=r"ext\.h5.*fields/0/data has external storage"):
+        _read_all(path, len(SAMPLES))
+    ds = _dataset_with_shard(tmp_path, "hdf5", SAMPLES, hostile=path)
+    _assert_verify_refuses(ds, "external storage")
+
+
+@pytest.mark.parametrize("table", ["keys/offsets", "fields/1/xxh3"])
+def test_hdf5_external_storage_of_a_table_is_refused(tmp_path: Path, table: str) -> None:
+    path = tmp_path / "ext.h5"
+    _build_h5(path, SAMPLES, _only(table, _external(tmp_path / "outside.bin")))
+    with pytest.raises(ShardError, match=r"ext\.h5.*external storage"):
+        _read_all(path, len(SAMPLES))
+
+
+@pytest.mark.timeout(30)
+def test_hdf5_external_fifo_does_not_hang(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    path = tmp_path / "fifo.h5"
+
+    def make(group: h5py.Group, name: str, array: np.ndarray) -> None:
+        group.create_dataset(name, shape=array.shape, dtype=array.dtype, external=[(str(fifo), 0, array.nbytes)])
+
+    _build_h5(path, SAMPLES, _only("fields/0/data", make))
+    os.mkfifo(fifo)
+    with pytest.raises(ShardError, match=r"fifo\.h5.*external storage"):
+        _read_all(path, len(SAMPLES))
+    ds = _dataset_with_shard(tmp_path, "hdf5", SAMPLES, hostile=path)
+    _assert_verify_refuses(ds, "external storage")
+
+
+def _linked(kind: str, tmp_path: Path) -> Maker:
+    def make(group: h5py.Group, name: str, array: np.ndarray) -> None:
+        if kind == "external_link":
+            with h5py.File(tmp_path / "other.h5", "w") as other:
+                other.create_dataset("x", data=array)
+            group[name] = h5py.ExternalLink(str(tmp_path / "other.h5"), "/x")
+        elif kind == "soft_link":
+            group.file.create_dataset(f"/elsewhere{group.name.replace('/', '_')}", data=array)
+            group[name] = h5py.SoftLink(f"/elsewhere{group.name.replace('/', '_')}")
+        else:  # a virtual dataset mapping another file
+            with h5py.File(tmp_path / "other.h5", "w") as other:
+                other.create_dataset("x", data=array)
+            layout = h5py.VirtualLayout(shape=array.shape, dtype=array.dtype)
+            layout[:] = h5py.VirtualSource(str(tmp_path / "other.h5"), "x", shape=array.shape)
+            group.create_virtual_dataset(name, layout)
+
+    return make
+
+
+@pytest.mark.parametrize(
+    "kind, message", [("external_link", "external link"), ("soft_link", "soft link"), ("vds", "virtual dataset")]
+)
+@pytest.mark.parametrize("target", ["fields/0/data", "keys/data", "fields/1/present"])
+def test_hdf5_links_and_virtual_datasets_are_refused(tmp_path: Path, kind: str, message: str, target: str) -> None:
+    path = tmp_path / "hostile.h5"
+    _build_h5(path, SAMPLES, _only(target, _linked(kind, tmp_path)))
+    with pytest.raises(ShardError, match=rf"hostile\.h5.*{target}.*{message}"):
+        _read_all(path, len(SAMPLES))
+    ds = _dataset_with_shard(tmp_path, "hdf5", SAMPLES, hostile=path)
+    _assert_verify_refuses(ds, message)
+
+
+def test_hdf5_linked_group_is_refused(tmp_path: Path) -> None:
+    """A whole group (``fields/0``) that is an external link to another file."""
+    path = tmp_path / "hostile.h5"
+    _build_h5(path, SAMPLES)
+    other = tmp_path / "other.h5"
+    with h5py.File(path, "a") as f, h5py.File(other, "w") as o:
+        f.copy(f["fields/0"], o, name="g")
+        del f["fields/0"]
+        f["fields/0"] = h5py.ExternalLink(str(other), "/g")
+    with pytest.raises(ShardError, match=r"hostile\.h5.*fields/0 is an external link"):
+        _read_all(path, len(SAMPLES))
+
+
+# -- HDF5: storage that is not ours: bombs, fill values, filters, extents ------------------
+
+
+def _bomb(tmp_path: Path, nbytes: int, write: bool, **options: Any) -> Path:
+    """One sample whose ``bin`` field is ``nbytes`` zero bytes, chunked and compressed (or never written)."""
+    path = tmp_path / "bomb.h5"
+    digest = xxhash.xxh3_64()
+    zeros = bytes(1 << 20)
+    for _ in range(nbytes >> 20):
+        digest.update(zeros)
+    bomb = {"__key__": "bomb", "bin": b""}
+
+    def alter(target: str, array: np.ndarray) -> np.ndarray:
+        if target == "fields/0/offsets":
+            return np.array([0, nbytes], "<i8")
+        if target == "fields/0/xxh3":
+            return np.array([digest.intdigest()], "<u8")
+        return array
+
+    def make(group: h5py.Group, name: str, array: np.ndarray) -> None:
+        if group.name != "/fields/0" or name != "data":
+            return _contiguous(group, name, array)
+        dset = group.create_dataset(name, shape=(nbytes,), dtype=np.uint8, **options)
+        if write:
+            step = dset.chunks[0] if dset.chunks else 1 << 20
+            for at in range(0, nbytes, step):
+                dset[at : at + step] = np.zeros(min(step, nbytes - at), np.uint8)
+
+    _build_h5(path, [bomb], make, alter)
+    return path
+
+
+def _rss_growth(fn: Callable[[], object]) -> int:
+    """Peak RSS growth (bytes) while ``fn`` runs, from ``ru_maxrss`` (a high-water mark)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    fn()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+
+
+def test_hdf5_gzip_bomb_is_refused_before_reading(tmp_path: Path) -> None:
+    """256 MiB of zeros in 1 MiB gzip chunks: a shard of a few hundred KB."""
+    path = _bomb(tmp_path, 256 << 20, write=True, chunks=(1 << 20,), compression="gzip", compression_opts=9)
+    assert path.stat().st_size < 1 << 20
+
+    def read() -> None:
+        with pytest.raises(UnsafeShardError, match=r"bomb\.h5.*fields/0/data expands .* decompression bomb"):
+            _read_all(path, 1)
+
+    assert _rss_growth(read) < 64 << 20
+    ds = _dataset_with_shard(tmp_path, "hdf5", [{"__key__": "bomb", "bin": b""}], hostile=path)
+    _assert_verify_refuses(ds, "decompression bomb")
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({}, r"fields/0/data has 0 bytes of storage for its 268435456 bytes"),  # contiguous, never written
+        ({"chunks": (1 << 20,)}, "decompression bomb"),  # chunked, no chunk allocated: all fill value
+        ({"chunks": (1 << 20,), "fillvalue": 7}, "decompression bomb"),
+    ],
+)
+def test_hdf5_data_made_of_fill_value_is_refused(tmp_path: Path, options: dict[str, Any], message: str) -> None:
+    path = _bomb(tmp_path, 256 << 20, write=False, **options)
+    with pytest.raises(ShardError, match=rf"bomb\.h5.*{message}"):
+        _read_all(path, 1)
+
+
+@pytest.mark.parametrize(
+    "nbytes, options, message",
+    [
+        (1 << 20, {"chunks": (1 << 16,), "compression": "lzf"}, r"filters \[32000\]"),
+        (1 << 20, {"chunks": (1 << 16,), "scaleoffset": 0}, r"filters \[6\]"),
+        (64 << 20, {"chunks": (64 << 20,), "compression": "gzip"}, "chunks of"),
+    ],
+)
+def test_hdf5_filters_and_chunks_we_do_not_read_are_refused(
+    tmp_path: Path, nbytes: int, options: dict[str, Any], message: str
+) -> None:
+    path = _bomb(tmp_path, nbytes, write=False, **options)
+    with pytest.raises(UnsafeShardError, match=rf"bomb\.h5.*fields/0/data.*{message}"):
+        _read_all(path, 1)
+
+
+def test_hdf5_compact_layout_is_refused(tmp_path: Path) -> None:
+    def compact(group: h5py.Group, name: str, array: np.ndarray) -> None:
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_layout(h5py.h5d.COMPACT)
+        space = h5py.h5s.create_simple(array.shape)
+        tid = h5py.h5t.py_create(array.dtype)
+        h5py.h5d.create(group.id, name.encode(), tid, space, dcpl=dcpl).write(h5py.h5s.ALL, h5py.h5s.ALL, array)
+
+    path = tmp_path / "compact.h5"
+    _build_h5(path, SAMPLES, _only("fields/1/offsets", compact))
+    with pytest.raises(UnsafeShardError, match=r"compact\.h5.*fields/1/offsets has HDF5 storage layout 0"):
+        _read_all(path, len(SAMPLES))
+
+
+def test_hdf5_dataset_outside_the_file_is_refused(tmp_path: Path) -> None:
+    """The layout message of ``fields/0/data`` points past the end of the file (HDF5 also checks it)."""
+    import struct
+
+    path = tmp_path / "far.h5"
+    _build_h5(path, SAMPLES)
+    with h5py.File(path, "r") as f:
+        offset = f["fields/0/data"].id.get_offset()
+    raw = bytearray(path.read_bytes())
+    packed = struct.pack("<Q", offset)
+    assert raw.count(packed) == 1
+    at = raw.index(packed)
+    raw[at : at + 8] = struct.pack("<Q", len(raw) - 10)  # the data would end 90 bytes past the end
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptShardError, match=r"far\.h5.*(fields/0/data lies outside the file|invalid dataset size)"):
+        _read_all(path, len(SAMPLES))
+
+
+def _set(target: str, value: list[int], dtype: str = "<i8") -> Alter:
+    def alter(path: str, array: np.ndarray) -> np.ndarray:
+        return np.array(value, dtype) if path == target else array
+
+    return alter
+
+
+N = len(SAMPLES)
+SIZES = [100 + i for i in range(N)]
+ENDS = np.cumsum([0, *SIZES]).tolist()
+
+
+@pytest.mark.parametrize(
+    "alter, message",
+    [
+        (_set("fields/0/offsets", [0, -5, *ENDS[2:]]), "offsets of field 'bin' are inconsistent"),
+        (_set("fields/0/offsets", [0, ENDS[2], ENDS[1], *ENDS[3:]]), "offsets of field 'bin' are inconsistent"),
+        (_set("fields/0/offsets", [0, *ENDS[1:-1], ENDS[-1] + 1]), "offsets of field 'bin' are inconsistent"),
+        (_set("fields/0/offsets", [0, *ENDS[1:-1], 2**63 - 1]), "offsets of field 'bin' are inconsistent"),
+        (_set("fields/0/offsets", ENDS[:-1]), "has 8 entries, expected 9"),
+        (_set("fields/0/offsets", ENDS, "<i4"), "expected a flat int64"),
+        (_set("fields/0/offsets", ENDS, ">i8"), "expected a flat int64"),
+        (_set("fields/0/xxh3", [0] * N, "<i8"), "expected a flat uint64"),
+        (_set("fields/1/present", [0, 2] * (N // 2), "u1"), "presence table of field 'cls' is inconsistent"),
+        (_set("fields/1/present", [1, 0] * (N // 2), "u1"), "presence table of field 'cls' is inconsistent"),
+        (_set("keys/offsets", [0, 5000, *[5000 + 4 * i for i in range(1, N)]]), "inconsistent|longer than"),
+    ],
+)
+def test_hdf5_hostile_tables_are_refused(tmp_path: Path, alter: Alter, message: str) -> None:
+    path = tmp_path / "tables.h5"
+    _build_h5(path, SAMPLES, alter=alter)
+    with pytest.raises(CorruptShardError, match=rf"tables\.h5.*({message})"):
+        _read_all(path, N)
+
+
+def test_hdf5_long_keys_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "keys.h5"
+    _build_h5(path, [{"__key__": "k" * 5000, "bin": b"x"}])
+    with pytest.raises(CorruptShardError, match=r"keys\.h5.*keys longer than 4096 bytes"):
+        _read_all(path, 1)
+
+
+@pytest.mark.parametrize("fields", [["bin", "bin"], ["__key__", "cls"], ["a/b", "cls"], ["", "cls"]])
+def test_hdf5_hostile_field_names_are_refused(tmp_path: Path, fields: list[str]) -> None:
+    path = tmp_path / "names.h5"
+    _build_h5(path, SAMPLES, fields=fields)
+    with pytest.raises(CorruptShardError, match=r"names\.h5.*field name"):
+        _read_all(path, N)
