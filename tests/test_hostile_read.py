@@ -17,7 +17,7 @@ import xxhash
 
 from streamload import CorruptShardError, DatasetWriter, ShardError, UnsafeShardError
 from streamload.formats import get_format
-from streamload.manifest import ShardEntry
+from streamload.manifest import Manifest, ShardEntry
 from streamload.verify import verify_dataset
 
 Sample = dict[str, Any]
@@ -400,3 +400,146 @@ def test_hdf5_hostile_field_names_are_refused(tmp_path: Path, fields: list[str])
     _build_h5(path, SAMPLES, fields=fields)
     with pytest.raises(CorruptShardError, match=r"names\.h5.*field name"):
         _read_all(path, N)
+
+
+# -- tar sidecars: numbers that wrap, overlap or lie ---------------------------------------
+
+_HEAD = "<8s6Q"
+
+
+def _unpack_sidecar(raw: bytes) -> dict[str, Any]:
+    """The sidecar's header, names and tables as numpy arrays (layout in streamload/formats/tar.py)."""
+    import struct
+
+    magic, n, m, n_fields, names_len, keys_len, reserved = struct.unpack_from(_HEAD, raw)
+    pos = struct.calcsize(_HEAD)
+    out: dict[str, Any] = {"magic": magic, "n_fields": n_fields, "reserved": reserved}
+    out["names"] = raw[pos : pos + names_len]
+    pos += names_len + (-names_len % 8)
+    for name, count, dtype in [
+        ("start", n + 1, "<u8"),
+        ("member", n + 1, "<u8"),
+        ("key_off", n + 1, "<u8"),
+        ("offset", m, "<u8"),
+        ("size", m, "<u8"),
+        ("field", m, "<u4"),
+        ("hash", m, "<u8"),
+    ]:
+        width = np.dtype(dtype).itemsize * count
+        out[name] = np.frombuffer(raw, dtype, count, pos).copy()
+        pos += width + (-width % 8)
+    out["keys"] = raw[pos : pos + keys_len]
+    return out
+
+
+def _pack_sidecar(t: dict[str, Any]) -> bytes:
+    import struct
+
+    n, m = len(t["start"]) - 1, len(t["offset"])
+    parts = [struct.pack(_HEAD, t["magic"], n, m, t["n_fields"], len(t["names"]), len(t["keys"]), t["reserved"])]
+    parts.append(t["names"] + bytes(-len(t["names"]) % 8))
+    for name in ("start", "member", "key_off", "offset", "size", "field", "hash"):
+        data = np.asarray(t[name]).tobytes()
+        parts.append(data + bytes(-len(data) % 8))
+    parts.append(t["keys"])
+    return b"".join(parts)
+
+
+TAR_SAMPLES: list[Sample] = [
+    {"__key__": f"k{i:03d}", "bin": bytes([i]) * 3000, "cls": str(i).encode()} for i in range(8)
+]
+
+
+def _hostile_sidecar(tmp_path: Path, change: Callable[[dict[str, Any]], None]) -> Path:
+    """A tar dataset whose sidecar was changed by ``change`` and re-hashed in the manifest."""
+    ds = _dataset_with_shard(tmp_path, "tar", TAR_SAMPLES)
+    manifest = json.loads((ds / "index.json").read_text())
+    entry = manifest["shards"][0]
+    tables = _unpack_sidecar((ds / entry["sidecar"]["name"]).read_bytes())
+    change(tables)
+    _replace_shard(ds, (ds / entry["name"]).read_bytes(), sidecar=_pack_sidecar(tables))
+    return ds
+
+
+def _tar_reader(ds: Path) -> Any:
+    manifest = Manifest.loads((ds / "index.json").read_bytes())
+    entry = manifest.shards[0]
+    assert entry.sidecar is not None
+    return get_format("tar").reader(str(ds / entry.name), entry, str(ds / entry.sidecar.name))
+
+
+def _wrap_first(t: dict[str, Any]) -> None:
+    """Member 0's offset wraps around 2**64 so that offset + size lands inside the file."""
+    t["offset"][0] = np.uint64(2**64 - 512)
+    t["size"][0] = np.uint64(1024)
+
+
+def _overlap(t: dict[str, Any]) -> None:
+    """Every ``bin`` member points at the same bytes (a batch of n samples: n times the bytes)."""
+    is_bin = t["field"] == t["names"].split(b"\n").index(b"bin")
+    t["offset"][is_bin] = t["offset"][is_bin][0]
+    t["hash"][is_bin] = t["hash"][is_bin][0]
+
+
+def _field_id(value: int) -> Callable[[dict[str, Any]], None]:
+    def change(t: dict[str, Any]) -> None:
+        t["field"][1] = value
+
+    return change
+
+
+def _set_table(name: str, index: int, value: int) -> Callable[[dict[str, Any]], None]:
+    def change(t: dict[str, Any]) -> None:
+        t[name][index] = np.uint64(value)
+
+    return change
+
+
+def _no_fields(t: dict[str, Any]) -> None:
+    """No field names, every member's field id 0 (which indexed an empty name list)."""
+    t["names"], t["n_fields"] = b"", 0
+    t["field"][:] = 0
+
+
+def _names(names: bytes, n_fields: int) -> Callable[[dict[str, Any]], None]:
+    def change(t: dict[str, Any]) -> None:
+        t["names"], t["n_fields"] = names, n_fields
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (_wrap_first, "member extents"),
+        (_set_table("size", 0, 2**64 - 1), "member extents"),
+        (_overlap, "member extents"),
+        (_set_table("member", 0, 2**64 - 1), "member ranges"),
+        (_set_table("key_off", 0, 2**64 - 4), "key offsets"),
+        (_set_table("start", 0, 2**64 - 1), "sample offsets"),
+        (_field_id(7), "field ids"),
+        (_no_fields, "field ids"),
+        (_field_id(0), "field twice"),  # member 1 (k000's cls) becomes a second 'bin' of k000
+        (_names(b"bin\nbin", 2), "field name"),
+        (_names(b"__key__\ncls", 2), "field name"),
+    ],
+)
+def test_tar_hostile_sidecar_is_refused_when_opened(tmp_path: Path, change: Any, message: str) -> None:
+    ds = _hostile_sidecar(tmp_path, change)
+    with pytest.raises(CorruptShardError, match=rf"shard-000000\.tar.*{message}"):
+        _tar_reader(ds)
+    _assert_verify_refuses(ds, message)
+
+
+def test_tar_wrapped_offset_does_not_reach_batch_reads(tmp_path: Path) -> None:
+    """Before: verify died with OverflowError and RawCollate sized a batch from the wrapped size."""
+    from streamload import StreamingDataset
+    from streamload.batch import RawCollate
+
+    def wrap(t: dict[str, Any]) -> None:  # 1 GiB at an offset where offset + size wraps into the file
+        t["offset"][0], t["size"][0] = np.uint64(2**64 - 2**30 + 1024), np.uint64(2**30)
+
+    ds = _hostile_sidecar(tmp_path, wrap)
+    dataset = StreamingDataset(str(ds), batch_size=4, collate=RawCollate(field="bin", label_field=None))
+    with pytest.raises(CorruptShardError, match=r"shard-000000\.tar.*member extents"):
+        next(iter(dataset))

@@ -32,14 +32,15 @@ from __future__ import annotations
 import os
 import struct
 import tarfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from .._errors import CorruptShardError, SampleError, ShardNotFoundError
+from .._errors import CorruptShardError, SampleError
 from ..manifest import ShardEntry, algorithm_of, new_hasher
+from ._record import check_field_names, open_regular_file
 from .base import MAX_KEY_BYTES, Format, Sample, ShardReader, ShardWriter, check_sample, unsafe
 
 __all__ = ["FORMAT", "TarShardReader", "TarShardWriter", "index_tar"]
@@ -125,6 +126,16 @@ class _IndexBuilder:
         return sorted(self.names)
 
 
+def _read_regular_file(path: str, shard: str) -> bytes:
+    """Return the whole content of a regular file (a FIFO or device is refused, not waited on)."""
+    fd = open_regular_file(path, shard)
+    try:
+        with open(fd, "rb", closefd=False) as f:
+            return f.read(os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
 def _padded(data: bytes) -> bytes:
     return data + bytes(_pad8(len(data)))
 
@@ -176,12 +187,8 @@ class TarShardReader(ShardReader):
         super().__init__(path, entry, sidecar_path)
         if sidecar_path is None:
             raise CorruptShardError(f"{entry.name}: tar shard has no sidecar index in the manifest")
-        try:
-            with open(sidecar_path, "rb") as f:
-                raw = f.read()
-            self._fd: int | None = os.open(path, os.O_RDONLY)
-        except FileNotFoundError as exc:
-            raise ShardNotFoundError(f"{entry.name}: {exc.filename} does not exist") from exc
+        raw = _read_regular_file(sidecar_path, entry.name)
+        self._fd: int | None = open_regular_file(path, entry.name)
         try:
             self._size = os.fstat(self._fd).st_size
             self._check_sidecar_hash(raw)
@@ -218,6 +225,7 @@ class TarShardReader(ShardReader):
         names = raw[pos : pos + names_len].decode("utf-8", "replace").split("\n") if names_len else []
         if len(names) != n_fields:
             raise CorruptShardError(f"{name}: sidecar lists {len(names)} field names, header says {n_fields}")
+        check_field_names(names, f"{name}: sidecar index")
         pos += names_len + _pad8(names_len)
         view = memoryview(raw)
 
@@ -247,23 +255,41 @@ class TarShardReader(ShardReader):
         keys_len: int,
     ) -> None:
         name = self.entry.name
-        a = {
-            k: np.frombuffer(v, dtype=v.format)
-            for k, v in dict(start=start, member=member, key_off=key_off, offset=offset, size=size, field=field).items()
-        }
-        m = len(a["offset"])
-        checks = [
-            (np.all(np.diff(a["start"].astype(np.int64)) >= 0) and a["start"][-1] <= self._size, "sample offsets"),
-            (np.all(np.diff(a["member"].astype(np.int64)) >= 0) and a["member"][-1] == m, "member ranges"),
-            (np.all(np.diff(a["key_off"].astype(np.int64)) >= 0) and a["key_off"][-1] == keys_len, "key offsets"),
-            (np.all(a["size"] <= MAX_MEMBER_BYTES), "member sizes"),
-            (np.all(a["offset"] + a["size"] <= self._size), "member extents"),
-            (np.all(a["field"] < max(n_fields, 1)), "field ids"),
-            (np.all(np.diff(a["key_off"].astype(np.int64)) <= MAX_KEY_BYTES), "key lengths"),
+        u8 = np.uint64
+        starts, members, key_offs, offsets, sizes = (
+            np.frombuffer(v, dtype=np.uint64) for v in (start, member, key_off, offset, size)
+        )
+        field_ids = np.frombuffer(field, dtype=np.uint32)
+        m, fsize = len(offsets), u8(self._size)
+
+        def increasing(a: np.ndarray) -> bool:  # compared as uint64: nothing wraps
+            return bool(np.all(a[1:] >= a[:-1]))
+
+        def extents() -> bool:
+            # Each member inside the file (offset <= size, then size <= size - offset: no
+            # wrap-around), and members in file order without overlap, so the bytes of
+            # all members together, and of any batch, are at most the shard's size.
+            if not (np.all(offsets <= fsize) and np.all(sizes <= fsize - offsets)):
+                return False
+            return bool(np.all(offsets[1:] >= offsets[:-1] + sizes[:-1]))
+
+        checks: list[tuple[Callable[[], bool], str]] = [
+            (lambda: increasing(starts) and starts[-1] <= fsize, "sample offsets"),
+            (lambda: members[0] == 0 and increasing(members) and members[-1] == m, "member ranges"),
+            (lambda: key_offs[0] == 0 and increasing(key_offs) and key_offs[-1] == keys_len, "key offsets"),
+            (lambda: bool(np.all(np.diff(key_offs) <= MAX_KEY_BYTES)), "key lengths"),
+            (lambda: bool(np.all(sizes <= MAX_MEMBER_BYTES)) and extents(), "member extents"),
+            (lambda: bool(np.all(field_ids < n_fields)), "field ids"),
         ]
         for ok, what in checks:
-            if not ok:
+            if not ok():
                 raise CorruptShardError(f"{name}: sidecar index has inconsistent {what}")
+        if m:
+            # A field twice in one sample would hide one of them: (sample, field) pairs are unique.
+            sample_of = np.repeat(np.arange(len(members) - 1, dtype=np.int64), np.diff(members).astype(np.int64))
+            pairs = np.sort(sample_of * n_fields + field_ids)
+            if np.any(pairs[1:] == pairs[:-1]):
+                raise CorruptShardError(f"{name}: sidecar index lists a field twice in one sample")
 
     def get(self, index: int) -> Sample:
         """Return sample ``index`` as ``{"__key__": str, field: bytes}``."""
