@@ -543,3 +543,137 @@ def test_tar_wrapped_offset_does_not_reach_batch_reads(tmp_path: Path) -> None:
     dataset = StreamingDataset(str(ds), batch_size=4, collate=RawCollate(field="bin", label_field=None))
     with pytest.raises(CorruptShardError, match=r"shard-000000\.tar.*member extents"):
         next(iter(dataset))
+
+
+# -- tar files written by other tools: `streamload index` ----------------------------------
+
+
+def _member(name: str, data: bytes, pax: dict[str, str] | None = None, size: int | None = None) -> bytes:
+    """One member as tarfile writes it (PAX headers first when given), ``size`` overriding the header's."""
+    import tarfile
+
+    info = tarfile.TarInfo(name)
+    info.size = len(data) if size is None else size
+    info.pax_headers = pax or {}
+    header = info.tobuf(tarfile.PAX_FORMAT if pax else tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
+    return header + data + bytes(-len(data) % 512)
+
+
+def _raw_pax(records: bytes, kind: bytes = b"x") -> bytes:
+    """An extended header member holding ``records`` exactly as given."""
+    import tarfile
+
+    info = tarfile.TarInfo("././@PaxHeader")
+    info.type = kind
+    info.size = len(records)
+    return info.tobuf(tarfile.USTAR_FORMAT) + records + bytes(-len(records) % 512)
+
+
+def _index(tmp_path: Path, *members: bytes) -> Any:
+    from streamload.verify import index_directory
+
+    (tmp_path / "evil.tar").write_bytes(b"".join(members) + bytes(10240))
+    return index_directory(str(tmp_path))
+
+
+@pytest.mark.parametrize("size", ["-5", "abc", str(10**12), "+5", " 5", "5 ", "0x10", "1" * 5000, ""])
+def test_index_refuses_a_bad_pax_size(tmp_path: Path, size: str) -> None:
+    """Before: OSError (negative read), MemoryError/OverflowError (1 TB read) or ValueError (int())."""
+    with pytest.raises(CorruptShardError, match=r"evil\.tar.*(PAX size|runs past the end)"):
+        _index(tmp_path, _member("a.txt", b"hello", pax={"size": size}, size=5), _member("a.cls", b"1"))
+    assert not (tmp_path / "index.json").exists()
+
+
+@pytest.mark.parametrize(
+    "records",
+    [
+        b"1" * 5000 + b" path=a.txt\n",  # a record length int() refuses (more than 4300 digits)
+        b"99999999999999999999999 path=a.txt\n",
+        b"3 x\n",  # shorter than its own length field
+        b"13 path=a.txt",  # no newline
+        b"12 path=a.txt\n",  # length one short
+    ],
+)
+def test_index_refuses_malformed_pax_records(tmp_path: Path, records: bytes) -> None:
+    with pytest.raises(CorruptShardError, match=r"evil\.tar.*PAX"):
+        _index(tmp_path, _raw_pax(records), _member("a.txt", b"hello"))
+
+
+def test_index_reads_a_pax_size_equal_to_the_header(tmp_path: Path) -> None:
+    from streamload import StreamingDataset
+
+    data = b"0123456789" * 100
+    first = _member("k0.bin", data, pax={"size": str(len(data))})
+    _index(tmp_path, first, _member("k0.cls", b"3"), _member("k1.bin", b"xyz"))
+    samples = list(StreamingDataset(str(tmp_path)))
+    assert samples == [{"__key__": "k0", "bin": data, "cls": b"3"}, {"__key__": "k1", "bin": b"xyz"}]
+
+
+def test_index_refuses_a_pax_size_that_disagrees_with_the_header(tmp_path: Path) -> None:
+    """Tar readers would take the PAX size, the sidecar check the header's: refused."""
+    with pytest.raises(CorruptShardError, match=r"evil\.tar.*PAX size 1000 disagrees with the header's 0"):
+        _index(tmp_path, _member("k0.bin", b"x" * 1000, pax={"size": "1000"}, size=0))
+
+
+def test_members_over_8_gib_take_their_size_from_pax(tmp_path: Path) -> None:
+    """As tarfile writes them (header size 0, PAX size); the next header is found after the data.
+
+    The file is sparse: only the headers take room on disk.
+    """
+    import tarfile
+
+    from streamload.formats.tar import iter_members
+
+    big = 8**11 + 5
+    head = _member("k0.bin", b"", pax={"size": str(big)}, size=0)
+    path = tmp_path / "big.tar"
+    with open(path, "wb") as f:
+        f.write(head)
+        f.seek(len(head) + big + (-big % 512))
+        f.write(_member("k1.txt", b"abc") + bytes(1024))
+    with tarfile.open(path) as tar:  # what tarfile makes of it
+        assert [(m.name, m.size) for m in tar.getmembers()] == [("k0.bin", big), ("k1.txt", 3)]
+    members = list(iter_members(str(path), "big.tar"))
+    data_at = len(head)
+    assert members == [
+        ("k0.bin", 0, data_at, big),
+        ("k1.txt", data_at + big + (-big % 512), data_at + big + (-big % 512) + 512, 3),
+    ]
+    path.unlink()  # 8 GiB apparent size: do not leave it to tools that copy temporary files
+
+
+def test_index_refuses_a_huge_extended_header(tmp_path: Path) -> None:
+    with pytest.raises(UnsafeShardError, match=r"evil\.tar.*extended header of 2097[0-9]+ bytes"):
+        _index(tmp_path, _member("a.txt", b"x", pax={"comment": "c" * (2 << 20)}))
+
+
+@pytest.mark.parametrize(
+    "name, error, message",
+    [
+        ("k" * 5000 + ".txt", CorruptShardError, "longer than 4096"),
+        ("a.__key__", CorruptShardError, "field name"),
+        ("a.txt\nnext", CorruptShardError, "field name"),
+        ("a\0b.txt", UnsafeShardError, "NUL"),
+    ],
+)
+def test_index_refuses_hostile_member_names(tmp_path: Path, name: str, error: type, message: str) -> None:
+    """Each would give a sidecar the reader refuses (or a sample whose key a field replaces)."""
+    with pytest.raises(error, match=rf"evil\.tar.*{message}"):
+        _index(tmp_path, _member(name, b"x", pax={"path": name}))
+    assert not (tmp_path / "index.json").exists()
+
+
+def test_index_refuses_sparse_members(tmp_path: Path) -> None:
+    """A PAX sparse member's bytes are a sparse map, not the file: refused, not misread."""
+    pax = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.realsize": "100000", "path": "a.txt"}
+    with pytest.raises(CorruptShardError, match=r"evil\.tar.*sparse"):
+        _index(tmp_path, _member("GNUSparseFile.0/a.txt", b"1\n0\n0\n" + bytes(506), pax=pax))
+
+
+def test_tar_writer_refuses_a_field_name_the_sidecar_cannot_hold(tmp_path: Path) -> None:
+    from streamload import SampleError
+
+    writer = get_format("tar").writer(str(tmp_path / "x.tar"))
+    with pytest.raises(SampleError, match="newline"):
+        writer.write({"__key__": "a", "b\nc": b"x"})
+    writer.abort()
