@@ -677,3 +677,154 @@ def test_tar_writer_refuses_a_field_name_the_sidecar_cannot_hold(tmp_path: Path)
     with pytest.raises(SampleError, match="newline"):
         writer.write({"__key__": "a", "b\nc": b"x"})
     writer.abort()
+
+
+# -- every format: the shard itself is not a regular file ----------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("fmt", ["tar", "lmdb", "hdf5"])
+@pytest.mark.parametrize("which", ["shard", "sidecar"])
+def test_a_fifo_in_place_of_a_shard_is_refused_without_blocking(tmp_path: Path, fmt: str, which: str) -> None:
+    ds = _dataset_with_shard(tmp_path, fmt, TAR_SAMPLES)
+    entry = Manifest.loads((ds / "index.json").read_bytes()).shards[0]
+    if which == "sidecar" and entry.sidecar is None:
+        pytest.skip(f"{fmt} shards have no sidecar")
+    target = ds / (entry.name if which == "shard" else entry.sidecar.name)  # type: ignore[union-attr]
+    target.unlink()
+    os.mkfifo(target)
+    sidecar = str(ds / entry.sidecar.name) if entry.sidecar else None
+    with pytest.raises(UnsafeShardError, match=rf"{entry.name}.*not a regular file"):
+        reader = get_format(fmt).reader(str(ds / entry.name), entry, sidecar)
+        try:
+            reader.get(0)
+        finally:
+            reader.close()
+
+
+@pytest.mark.timeout(30)
+def test_index_refuses_a_fifo_without_blocking(tmp_path: Path) -> None:
+    from streamload.verify import index_directory
+
+    os.mkfifo(tmp_path / "evil.tar")
+    with pytest.raises(UnsafeShardError, match=r"evil\.tar.*not a regular file"):
+        index_directory(str(tmp_path))
+
+
+# -- LMDB: records, catalog and B-tree that lie ---------------------------------------------
+
+
+def _lmdb_shard(path: Path, records: list[bytes], keys: list[bytes], sizes: list[int], fields: Any = ("bin",)) -> None:
+    """An LMDB shard from hand-made records (the writer's own helpers, no check_sample)."""
+    from streamload.formats._record import seal
+    from streamload.formats.lmdb import _catalog_bytes, map_size_for, write_environment
+
+    meta = {"format": "streamload-lmdb", "version": 1, "num_samples": len(records), "fields": list(fields)}
+    items = [(i.to_bytes(8, "big"), r) for i, r in enumerate(records)]
+    items.append((b"__catalog__", seal(_catalog_bytes(keys, sizes))))
+    items.append((b"__streamload__", seal(json.dumps(meta, sort_keys=True).encode())))
+    write_environment(str(path), items, map_size_for([(k, len(v)) for k, v in items]))
+
+
+def _read_lmdb(path: Path, n: int, how: str = "get") -> list[Sample]:
+    entry = ShardEntry(name=path.name, num_bytes=path.stat().st_size, num_samples=n)
+    reader = get_format("lmdb").reader(str(path), entry, None)
+    try:
+        if how == "catalog":
+            reader.catalog()
+            return []
+        return [reader.get(i) for i in range(n)]
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ([("bin", b"a"), ("bin", b"b")], "field name"),  # one would hide the other
+        ([("__key__", b"other"), ("bin", b"x")], "field name"),  # would replace the sample's key
+        ([("a/b", b"x")], "field name"),
+        ([("bin", b"x"), ("alpha", b"y")], "field name"),  # not in sorted order
+    ],
+)
+def test_lmdb_record_with_hostile_field_names_is_refused(
+    tmp_path: Path, fields: list[tuple[str, bytes]], message: str
+) -> None:
+    from streamload.formats._record import encode_record
+
+    path = tmp_path / "names.lmdb"
+    _lmdb_shard(path, [encode_record("k0", fields)], [b"k0"], [2])
+    with pytest.raises(CorruptShardError, match=rf"names\.lmdb.*{message}"):
+        _read_lmdb(path, 1)
+
+
+@pytest.mark.parametrize(
+    "keys, sizes, message",
+    [
+        ([b"k0"], [2**62], "catalog sizes"),
+        ([b"k" * 5000], [1], "catalog key lengths"),
+    ],
+)
+def test_lmdb_catalog_that_lies_is_refused(tmp_path: Path, keys: list[bytes], sizes: list[int], message: str) -> None:
+    from streamload.formats._record import encode_record
+
+    path = tmp_path / "catalog.lmdb"
+    _lmdb_shard(path, [encode_record("k0", [("bin", b"x")])], keys, sizes)
+    with pytest.raises(CorruptShardError, match=rf"catalog\.lmdb.*{message}"):
+        _read_lmdb(path, 1, how="catalog")
+
+
+def test_lmdb_meta_json_nested_too_deep_is_corruption(tmp_path: Path) -> None:
+    from streamload.formats._record import encode_record, seal
+    from streamload.formats.lmdb import _catalog_bytes, map_size_for, write_environment
+
+    path = tmp_path / "deep.lmdb"
+    items = [
+        ((0).to_bytes(8, "big"), encode_record("k0", [("bin", b"x")])),
+        (b"__catalog__", seal(_catalog_bytes([b"k0"], [1]))),
+        (b"__streamload__", seal(b"[" * 100_000 + b"]" * 100_000)),
+    ]
+    write_environment(str(path), items, map_size_for([(k, len(v)) for k, v in items]))
+    with pytest.raises(CorruptShardError, match=r"deep\.lmdb.*not JSON"):
+        _read_lmdb(path, 1)
+
+
+def test_lmdb_records_sharing_overflow_pages_are_refused(tmp_path: Path) -> None:
+    """Two leaf nodes pointing at the same overflow pages: n records, one value read n times."""
+    import struct
+
+    samples = [{"__key__": f"k{i}", "bin": bytes([i]) * 9000} for i in range(4)]
+    ds = _dataset_with_shard(tmp_path, "lmdb", samples)
+    entry = Manifest.loads((ds / "index.json").read_bytes()).shards[0]
+    path = ds / entry.name
+    data = bytearray(path.read_bytes())
+    psize = 4096
+    pointers = []  # file offsets of the overflow page numbers of big values, in key order
+    page = 2
+    while page < len(data) // psize:
+        at = page * psize
+        _, _, flags, lower, _ = struct.unpack_from("<QHHHH", data, at)
+        page += struct.unpack_from("<I", data, at + 12)[0] if flags & 0x04 else 1  # skip overflow runs
+        if flags & 0x02:  # a leaf
+            for k in range((lower - 16) // 2):
+                node = at + struct.unpack_from("<H", data, at + 16 + 2 * k)[0]
+                if struct.unpack_from("<H", data, node + 4)[0] & 0x01:  # F_BIGDATA
+                    ksize = struct.unpack_from("<H", data, node + 6)[0]
+                    pointers.append(node + 8 + ksize)
+    assert len(pointers) == 4
+    first = struct.unpack_from("<Q", data, pointers[0])[0]
+    struct.pack_into("<Q", data, pointers[1], first)  # sample 1 now reads sample 0's value
+    _replace_shard(ds, bytes(data))
+    with pytest.raises(CorruptShardError, match=rf"{entry.name}.*overflow page {first} .*twice"):
+        _read_lmdb_entry(ds)
+    _assert_verify_refuses(ds, "twice")
+
+
+def _read_lmdb_entry(ds: Path) -> None:
+    entry = Manifest.loads((ds / "index.json").read_bytes()).shards[0]
+    reader = get_format("lmdb").reader(str(ds / entry.name), entry, None)
+    try:
+        for i in range(entry.num_samples):
+            reader.get(i)
+    finally:
+        reader.close()

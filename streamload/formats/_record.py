@@ -168,9 +168,13 @@ def _layout(
         raise CorruptShardError(f"{where}: record lengths add up to {used} bytes, the record has {total}")
     key_at = pos
     pos += key_len
-    names = []
+    names: list[str] = []
     for name_len in name_lens:
-        names.append(str(view[pos : pos + name_len], "utf-8", "surrogateescape"))
+        name = str(view[pos : pos + name_len], "utf-8", "surrogateescape")
+        # As the writer stores them: valid names (never "__key__"), strictly sorted (so unique).
+        if not name or name.startswith("__") or "/" in name or "\0" in name or (names and name <= names[-1]):
+            raise CorruptShardError(f"{where}: record has an invalid, repeated or unsorted field name {name!r}")
+        names.append(name)
         pos += name_len
     fields = []
     for name, size in zip(names, sizes, strict=True):
