@@ -828,3 +828,65 @@ def _read_lmdb_entry(ds: Path) -> None:
             reader.get(i)
     finally:
         reader.close()
+
+
+# -- index.json ---------------------------------------------------------------------------
+
+
+def _manifest_text(**extra: Any) -> str:
+    return json.dumps({"streamload": 1, "format": "tar", "num_samples": 0, "shards": [], **extra})
+
+
+def test_manifest_size_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    import streamload.manifest as manifest_module
+    from streamload import ManifestError
+    from streamload.manifest import MAX_MANIFEST_BYTES
+
+    assert MAX_MANIFEST_BYTES == 256 << 20 and "MAX_MANIFEST_BYTES" in manifest_module.__all__
+    text = _manifest_text(meta={"pad": "x" * 2000}).encode()
+    assert Manifest.loads(text).meta["pad"]
+    monkeypatch.setattr(manifest_module, "MAX_MANIFEST_BYTES", 1000)
+    with pytest.raises(ManifestError, match=rf"ds/index\.json: {len(text)} bytes, more than the 1000 bytes"):
+        Manifest.loads(text, where="ds/index.json")
+
+
+@pytest.mark.parametrize("opening, closing", [("[", "]"), ('{"a":', "}")])
+def test_deeply_nested_manifest_is_a_manifest_error(tmp_path: Path, opening: str, closing: str) -> None:
+    from streamload import ManifestError, StreamingDataset
+
+    deep = opening * 100_000 + "1" + closing * 100_000
+    for text in (deep, _manifest_text()[:-1] + f', "meta": {{"x": {deep}}}}}'):
+        with pytest.raises(ManifestError, match=r"index\.json.*nested too deeply"):
+            Manifest.loads(text)
+        (tmp_path / "index.json").write_text(text)
+        with pytest.raises(ManifestError, match=r"index\.json.*nested too deeply"):
+            StreamingDataset(str(tmp_path))
+
+
+def test_meta_nested_deeper_than_pickle_can_go_is_refused() -> None:
+    """500 levels parse, but pickling the manifest for DataLoader workers hits RecursionError."""
+    import pickle
+
+    from streamload import ManifestError
+
+    def nested(levels: int) -> Any:
+        value: Any = 1
+        for _ in range(levels):
+            value = [value]
+        return value
+
+    with pytest.raises(ManifestError, match=r"meta nests arrays or objects more than 64 levels"):
+        Manifest.loads(_manifest_text(meta={"x": nested(500)}))
+    manifest = Manifest.loads(_manifest_text(meta={"x": nested(63)}))  # meta itself is the first level
+    assert pickle.dumps(manifest)  # what sending it to DataLoader workers does
+
+
+def test_skipped_error_must_be_a_string_not_a_nested_value() -> None:
+    from streamload import ManifestError
+
+    nested: Any = "e"
+    for _ in range(900):  # str() of it recursed past the limit: RecursionError
+        nested = [nested]
+    with pytest.raises(ManifestError, match=r"skipped\[0\]\.error must be a string"):
+        Manifest.loads(_manifest_text(skipped=[{"path": "a.jpg", "error": nested}]))
+    assert Manifest.loads(_manifest_text(skipped=[{"path": "a.jpg", "error": 5}])).skipped[0].error == "5"
