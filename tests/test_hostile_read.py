@@ -890,3 +890,132 @@ def test_skipped_error_must_be_a_string_not_a_nested_value() -> None:
     with pytest.raises(ManifestError, match=r"skipped\[0\]\.error must be a string"):
         Manifest.loads(_manifest_text(skipped=[{"path": "a.jpg", "error": nested}]))
     assert Manifest.loads(_manifest_text(skipped=[{"path": "a.jpg", "error": 5}])).skipped[0].error == "5"
+
+
+# -- decode: images that decode to gigabytes ------------------------------------------------
+
+
+def _png(width: int, height: int, rows: int | None = None) -> bytes:
+    """A grayscale PNG of zeros written by hand, streamed through zlib (no big buffer): tiny on disk.
+
+    With ``rows``, only that many scanlines are stored (a truncated image: enough for the header).
+    """
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    compressor = zlib.compressobj(9)
+    line = bytes(width + 1)  # filter byte 0, then zeros
+    idat = bytearray()
+    for _ in range(height if rows is None else rows):
+        idat += compressor.compress(line)
+    idat += compressor.flush()
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", bytes(idat)) + chunk(b"IEND", b"")
+
+
+def _huge_jpeg(width: int, height: int) -> bytes:
+    """A small real JPEG whose frame header (SOF0) claims ``width`` x ``height``."""
+    import io
+    import struct
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (90, 40, 200)).save(buf, "JPEG")
+    data = bytearray(buf.getvalue())
+    sof = data.index(b"\xff\xc0")
+    struct.pack_into(">HH", data, sof + 5, height, width)
+    return bytes(data)
+
+
+BOMB_PNG = _png(10_000, 10_000)  # 100 M pixels (between Pillow's warning and its error), ~100 KB
+#: Pillow warns about images over its MAX_IMAGE_PIXELS as it opens them (before our check refuses them).
+quiet_pillow = pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+
+
+@quiet_pillow
+def test_png_bomb_is_refused_from_its_header_by_image_decoder() -> None:
+    from streamload import SampleError
+    from streamload.decode import ImageDecoder
+
+    assert len(BOMB_PNG) < 200_000
+    decoder = ImageDecoder(224, backend="pillow")
+
+    def decode() -> None:
+        with pytest.raises(SampleError, match=r"10000x10000 = 100000000 pixels.*max_pixels=89478485"):
+            decoder.decode(BOMB_PNG)
+
+    assert _rss_growth(decode) < 64 << 20
+    big = ImageDecoder(224, backend="pillow", max_pixels=10**8)  # configurable
+    assert big.max_pixels == 10**8
+
+
+@quiet_pillow
+@pytest.mark.parametrize("path", ["ImageLabel", "ImageLabel-sized", "decode_sample", "DecodeBatch"])
+def test_png_bomb_is_a_sample_error_naming_key_field_and_size(path: str) -> None:
+    from streamload import ImageLabel, SampleError, decode_sample
+    from streamload.decode import DecodeBatch
+
+    sample = {"__key__": "evil/bomb", "png": BOMB_PNG, "cls": b"1"}
+    run: Callable[[], object] = {
+        "ImageLabel": lambda: ImageLabel()(sample),
+        "ImageLabel-sized": lambda: ImageLabel(size=64)(sample),
+        "decode_sample": lambda: decode_sample(sample),
+        "DecodeBatch": lambda: DecodeBatch(64, backend="pillow")([sample]),
+    }[path]
+
+    def decode() -> None:
+        with pytest.raises(SampleError, match=r"'evil/bomb'.*'png'.*10000x10000 = 100000000 pixels"):
+            run()
+
+    assert _rss_growth(decode) < 64 << 20
+
+
+def test_max_pixels_is_configurable_on_every_decode_path() -> None:
+    from streamload import ImageLabel, SampleError
+    from streamload.decode import DecodeBatch, decode_image
+
+    small = _png(40, 30)
+    sample = {"__key__": "k", "png": small, "cls": b"1"}
+    with pytest.raises(SampleError, match=r"40x30 = 1200 pixels.*max_pixels=1000"):
+        decode_image(small, max_pixels=1000)
+    with pytest.raises(SampleError, match=r"'k'.*40x30"):
+        ImageLabel(max_pixels=1000)(sample)
+    with pytest.raises(SampleError, match=r"'k'.*40x30"):
+        DecodeBatch(16, max_pixels=1000)([sample])
+    assert decode_image(small, max_pixels=None).size == (40, 30)
+    assert ImageLabel(size=16, max_pixels=1200)(sample)[0].shape == (3, 16, 16)
+
+
+def test_huge_png_over_pillows_own_limit_is_a_sample_error_with_its_size() -> None:
+    from streamload import SampleError
+    from streamload.decode import ImageDecoder
+
+    data = _png(30_000, 30_000, rows=10)  # 900 M pixels; only the header matters
+    with pytest.raises(SampleError, match=r"30000x30000 = 900000000 pixels"):
+        ImageDecoder(224, backend="pillow").decode(data)
+
+
+@pytest.mark.parametrize("backend", ["simplejpeg", "pillow"])
+def test_jpeg_claiming_a_huge_frame_is_refused_from_its_header(backend: str) -> None:
+    from streamload import SampleError
+    from streamload.decode import ImageDecoder
+
+    data = _huge_jpeg(60_000, 50_000)
+
+    def decode() -> None:
+        with pytest.raises(SampleError, match=r"60000x50000 = 3000000000 pixels"):
+            ImageDecoder(224, backend=backend).decode(data)  # type: ignore[arg-type]
+
+    assert _rss_growth(decode) < 64 << 20
+
+
+def test_max_pixels_must_be_positive() -> None:
+    from streamload import ConfigError
+    from streamload.decode import ImageDecoder
+
+    with pytest.raises(ConfigError, match="max_pixels"):
+        ImageDecoder(224, max_pixels=0)
