@@ -63,6 +63,12 @@ MAX_MANIFEST_BYTES = 256 << 20
 #: Deepest nesting of JSON arrays and objects inside ``meta`` (deeper values break
 #: pickling the manifest for DataLoader workers with a RecursionError).
 MAX_META_DEPTH = 64
+#: At most one JSON array (an object counts twice) per this many bytes of a manifest,
+#: plus 4096: ``[]`` is 3 bytes of JSON but 56 bytes of Python and ``{"a":0}`` 7 bytes
+#: but 184, so a manifest made of them would take 30 to 50 times its size in memory;
+#: with the limit, no more than about 15 times (as for short strings or numbers). Those
+#: streamload writes have one object per 100 bytes or more.
+_BYTES_PER_CONTAINER = 8
 HASH_ALGORITHMS = ("sha256", "xxh3_128")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
@@ -287,6 +293,10 @@ class Manifest:
             raise ManifestError(
                 f"{where}: {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} bytes a manifest may have"
             )
+        opening: Any = (b"[", b"{") if isinstance(data, bytes) else ("[", "{")
+        containers = data.count(opening[0]) + 2 * data.count(opening[1])  # an upper bound: strings count too
+        if containers > len(data) // _BYTES_PER_CONTAINER + 4096:
+            raise ManifestError(f"{where}: {containers} JSON arrays or objects in {len(data)} bytes (a memory bomb?)")
         try:
             obj = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:

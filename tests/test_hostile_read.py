@@ -854,6 +854,7 @@ def test_manifest_size_is_capped(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_deeply_nested_manifest_is_a_manifest_error(tmp_path: Path, opening: str, closing: str) -> None:
     from streamload import ManifestError, StreamingDataset
 
+    opening += " " * 16  # sparse enough to pass the density check: the parser itself gives up
     deep = opening * 100_000 + "1" + closing * 100_000
     for text in (deep, _manifest_text()[:-1] + f', "meta": {{"x": {deep}}}}}'):
         with pytest.raises(ManifestError, match=r"index\.json.*nested too deeply"):
@@ -1019,3 +1020,31 @@ def test_max_pixels_must_be_positive() -> None:
 
     with pytest.raises(ConfigError, match="max_pixels"):
         ImageDecoder(224, max_pixels=0)
+
+
+def test_hdf5_metadata_nested_too_deep_is_corruption(tmp_path: Path) -> None:
+    path = tmp_path / "deep.h5"
+    _build_h5(path, SAMPLES)
+    text = "[" * 100_000 + "]" * 100_000
+    with h5py.File(path, "a") as f:
+        f.attrs["streamload"] = text
+        f.attrs["streamload_xxh3"] = f"{xxhash.xxh3_64_intdigest(text.encode()):016x}"
+    with pytest.raises(CorruptShardError, match=r"deep\.h5.*RecursionError"):
+        _read_all(path, N)
+
+
+@pytest.mark.parametrize("item", ["[]", "{}", '{"a":0}', "[{}]"])
+def test_manifest_made_of_tiny_containers_is_refused_before_parsing(item: str) -> None:
+    """30 MB of ``[],[],...`` took 1.4 GB to parse (48x); such density is refused up front."""
+    from streamload import ManifestError
+
+    text = _manifest_text()[:-1] + ', "meta": {"x": [' + ",".join([item] * 200_000) + "]}}"
+    with pytest.raises(ManifestError, match=r"index\.json: \d+ JSON arrays or objects in \d+ bytes"):
+        Manifest.loads(text)
+
+
+def test_manifest_with_dense_but_real_metadata_is_accepted() -> None:
+    classes = [{"name": f"class_{i:05d}", "count": i} for i in range(20_000)]
+    boxes = [[i, i + 1, 20, 30] for i in range(20_000)]
+    text = json.dumps(json.loads(_manifest_text(meta={"classes": classes, "boxes": boxes})), separators=(",", ":"))
+    assert Manifest.loads(text).meta["classes"][-1] == {"name": "class_19999", "count": 19999}
