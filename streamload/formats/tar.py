@@ -23,8 +23,12 @@ Random access comes from a sidecar ``<shard>.idx`` (little-endian, no pickle)::
 With it, reading sample ``i`` is one ``pread`` per field, checked against its xxh3_64
 (about 1 µs per 64 KB, so every read is verified: a flipped byte raises an error naming
 the shard, key and field): no header parsing and
-no ``tarfile`` on the hot path. The sidecar is validated when a shard is opened (bounds,
-monotonic offsets) so a hostile index cannot point outside the shard.
+no ``tarfile`` on the hot path. The sidecar is validated when a shard is opened, with
+vectorised checks over its tables, so a hostile index cannot point outside the shard:
+monotonic offsets starting at 0, every member inside the file (compared as uint64, so
+nothing wraps around 2**64), members in file order without overlap (so the bytes of any
+batch are at most the shard's size), valid and unique field names, no field twice in a
+sample, keys of at most ``MAX_KEY_BYTES``.
 """
 
 from __future__ import annotations
