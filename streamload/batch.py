@@ -40,7 +40,7 @@ from ._batchmem import Lease, Message, Spec, allocate, pack, unpack
 from ._errors import ConfigError, SampleError
 from .formats.base import BatchReads, FieldGroup, ShardReader
 from .plan import Run
-from .sample import IMAGE_FIELDS, Sample, label_of
+from .sample import IMAGE_FIELDS, Sample, label_of, parse_label
 
 __all__ = [
     "BatchCollate",
@@ -246,8 +246,8 @@ def parse_labels(
     values = out.numpy()
     for i in range(len(values)):
         try:
-            values[i] = int(blob[offsets[i] : offsets[i + 1]])
-        except ValueError as exc:
+            values[i] = parse_label(blob[offsets[i] : offsets[i + 1]])
+        except (ValueError, UnicodeDecodeError) as exc:
             raise SampleError(f"sample {keys(i)!r} field {field!r} is not an integer label") from exc
     return out
 

@@ -48,6 +48,7 @@ from ._files import (
 __all__ = [
     "HASH_ALGORITHMS",
     "MANIFEST_NAME",
+    "MAX_MANIFEST_BYTES",
     "MANIFEST_VERSION",
     "MAX_MANIFEST_BYTES",
     "FileEntry",
@@ -67,8 +68,18 @@ MANIFEST_VERSION = 1
 MAX_FILE_BYTES = 2**50
 #: Largest sample count one shard may claim.
 MAX_SHARD_SAMPLES = 2**40
-#: Largest ``index.json`` read (it grows with shards, ~200 bytes each: a million shards fit).
-MAX_MANIFEST_BYTES = 256 * 2**20
+#: Largest ``index.json`` accepted (256 MiB, some 800,000 shards). Storage layers should
+#: not read more than this many bytes (plus one, to tell a larger file) of a manifest.
+MAX_MANIFEST_BYTES = 256 << 20
+#: Deepest nesting of JSON arrays and objects inside ``meta`` (deeper values break
+#: pickling the manifest for DataLoader workers with a RecursionError).
+MAX_META_DEPTH = 64
+#: At most one JSON array (an object counts twice) per this many bytes of a manifest,
+#: plus 4096: ``[]`` is 3 bytes of JSON but 56 bytes of Python and ``{"a":0}`` 7 bytes
+#: but 184, so a manifest made of them would take 30 to 50 times its size in memory;
+#: with the limit, no more than about 15 times (as for short strings or numbers). Those
+#: streamload writes have one object per 100 bytes or more.
+_BYTES_PER_CONTAINER = 8
 
 
 def _int(value: object, what: str, upper: int) -> int:
@@ -232,10 +243,20 @@ class Manifest:
         Raises:
             ManifestError: If the JSON is malformed, of an unknown version, or inconsistent.
         """
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(
+                f"{where}: {len(data)} bytes, more than the {MAX_MANIFEST_BYTES} bytes a manifest may have"
+            )
+        opening: Any = (b"[", b"{") if isinstance(data, bytes) else ("[", "{")
+        containers = data.count(opening[0]) + 2 * data.count(opening[1])  # an upper bound: strings count too
+        if containers > len(data) // _BYTES_PER_CONTAINER + 4096:
+            raise ManifestError(f"{where}: {containers} JSON arrays or objects in {len(data)} bytes (a memory bomb?)")
         try:
             obj = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ManifestError(f"{where}: not valid JSON ({exc})") from exc
+        except RecursionError as exc:
+            raise ManifestError(f"{where}: JSON arrays or objects nested too deeply") from exc
         if not isinstance(obj, dict):
             raise ManifestError(f"{where}: top level must be an object")
         try:
@@ -281,7 +302,25 @@ def _meta(value: object) -> dict[str, Any]:
         return {}
     if not isinstance(value, dict):
         raise ManifestError("meta must be an object")
+    _check_depth(value, MAX_META_DEPTH, "meta")
     return value
+
+
+def _check_depth(value: object, limit: int, what: str) -> None:
+    """Raise :class:`ManifestError` if arrays/objects in ``value`` nest deeper than ``limit`` (no recursion)."""
+    todo: list[tuple[object, int]] = [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        children: Iterable[object]
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            raise ManifestError(f"{what} nests arrays or objects more than {limit} levels deep")
+        todo.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
 
 
 def _str_tuple(value: object, what: str) -> tuple[str, ...]:
@@ -293,4 +332,7 @@ def _str_tuple(value: object, what: str) -> tuple[str, ...]:
 def _skipped(obj: object, index: int) -> SkippedInput:
     if not isinstance(obj, Mapping) or not isinstance(obj.get("path"), str):
         raise ManifestError(f"skipped[{index}] must be an object with a 'path' string")
-    return SkippedInput(path=obj["path"], error=str(obj.get("error", "")))
+    error = obj.get("error", "")
+    if isinstance(error, (dict, list)):  # str() of a deeply nested value recurses
+        raise ManifestError(f"skipped[{index}].error must be a string")
+    return SkippedInput(path=obj["path"], error=str(error))

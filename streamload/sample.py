@@ -22,13 +22,23 @@ Sample = dict[str, Any]
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm")
 
 
+#: Labels must fit an ``int64`` tensor.
+_LABEL_RANGE = (-(2**63), 2**63 - 1)
+
+
 def parse_label(data: bytes | bytearray | memoryview) -> int:
     """Parse an ASCII-decimal label (WebDataset's ``cls`` encoding).
 
     Raises:
-        ValueError: If the bytes are not a decimal integer.
+        ValueError: If the bytes are not a decimal integer that fits in 64 bits.
     """
-    return int(bytes(data).decode("ascii").strip())
+    raw = bytes(data).strip()
+    if len(raw) > 20:
+        raise ValueError(f"label of {len(raw)} characters does not fit in 64 bits")
+    value = int(raw.decode("ascii"))
+    if not _LABEL_RANGE[0] <= value <= _LABEL_RANGE[1]:
+        raise ValueError(f"label {value} does not fit in 64 bits")
+    return value
 
 
 def label_of(sample: Mapping[str, Any], field: str = "cls") -> int:

@@ -126,8 +126,11 @@ class TestFormat:
             wanted = [next(s[f] for f in fields if f in s) for s in (samples[7 + i] for i in indices)]
             sizes = reader.field_sizes(indices, fields)
             assert sizes.tolist() == [len(w) for w in wanted]
+            from streamload.formats.base import BatchReads
+
+            assert isinstance(reader, BatchReads), f"{fmt} readers serve zero-copy batches"
             out = np.zeros(int(sizes.sum()), dtype=np.uint8)
-            reader.read_into(indices, fields, out, sizes)
+            reader.read_groups_into(indices, [(fields, out, sizes)])
             assert out.tobytes() == b"".join(wanted)
             assert reader.keys_of(indices) == [samples[7 + i]["__key__"] for i in indices]
             with pytest.raises(SampleError, match="nope"):

@@ -6,7 +6,6 @@ read from a shard can select code to run (no pickle, no ``torch.load``, no eval)
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -16,9 +15,10 @@ import torch
 
 from .._errors import SampleError
 from ..sample import IMAGE_FIELDS, image_field, label_of, parse_label
-from .image import Backend, Crop, ImageDecoder
+from .image import DEFAULT_MAX_PIXELS, Backend, Crop, ImageDecoder, open_image
 
 __all__ = [
+    "DEFAULT_MAX_PIXELS",
     "FIELD_DECODERS",
     "IMAGE_FIELDS",
     "DecodeBatch",
@@ -39,11 +39,14 @@ def _json(data: bytes) -> Any:
     return json.loads(bytes(data))
 
 
-def decode_image(data: bytes, mode: str = "RGB") -> Any:
-    """Decode image bytes to a Pillow image in ``mode`` (``"RGB"`` by default)."""
-    from PIL import Image
+def decode_image(data: bytes, mode: str = "RGB", max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Any:
+    """Decode image bytes to a Pillow image in ``mode`` (``"RGB"`` by default).
 
-    with Image.open(io.BytesIO(data)) as img:
+    Raises:
+        SampleError: If the image header claims more than ``max_pixels`` pixels (checked
+            before decoding; ``None``: no limit).
+    """
+    with open_image(data, max_pixels) as img:
         return img.convert(mode) if img.mode != mode else img.copy()
 
 
@@ -98,16 +101,25 @@ class ImageLabel:
             custom collate).
         label_field: Field holding the label.
         backend: See :class:`ImageDecoder`.
+        max_pixels: Largest image decoded (width x height, from its header); a larger
+            one raises :class:`~streamload.SampleError`. ``None``: no limit.
 
     Example:
         >>> ds = StreamingDataset("shards/", transform=ImageLabel(size=224))  # doctest: +SKIP
         >>> image, label = next(iter(ds))  # doctest: +SKIP
     """
 
-    def __init__(self, size: int | None = None, label_field: str = "cls", backend: Backend = "auto") -> None:
+    def __init__(
+        self,
+        size: int | None = None,
+        label_field: str = "cls",
+        backend: Backend = "auto",
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    ) -> None:
         self.size = size
         self.label_field = label_field
-        self._decoder = None if size is None else ImageDecoder(size, backend=backend)
+        self.max_pixels = max_pixels
+        self._decoder = None if size is None else ImageDecoder(size, backend=backend, max_pixels=max_pixels)
 
     def __call__(self, sample: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
         """Decode one sample."""
@@ -116,7 +128,7 @@ class ImageLabel:
             if self._decoder is not None:
                 array = self._decoder.decode(sample[name])
             else:
-                array = np.asarray(decode_image(sample[name]))
+                array = np.asarray(decode_image(sample[name], max_pixels=self.max_pixels))
         except Exception as exc:
             raise SampleError(f"sample {sample.get('__key__')!r} field {name!r}: cannot decode image: {exc}") from exc
         tensor = torch.from_numpy(np.ascontiguousarray(array)).permute(2, 0, 1)
@@ -142,6 +154,7 @@ class DecodeBatch:
         label_field: ASCII-decimal label field, or ``None``.
         layout: ``"CHW"`` (a channels-last ``[B, 3, H, W]`` view) or ``"HWC"``.
         seed: Seed of the random crops and flips (default: from the worker's torch seed).
+        max_pixels: Largest image decoded (see :class:`ImageDecoder`); ``None``: no limit.
 
     Example:
         >>> ds = StreamingDataset("shards/", batch_size=256, shuffle=True,
@@ -163,11 +176,12 @@ class DecodeBatch:
         label_field: str | None = "cls",
         layout: str = "CHW",
         seed: int | None = None,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
     ) -> None:
         if layout not in ("CHW", "HWC"):
             raise SampleError(f"layout={layout!r} must be 'CHW' or 'HWC'")
         self.decoder = ImageDecoder(
-            size, resize=resize, crop=crop, flip=flip, scale=scale, ratio=ratio, backend=backend
+            size, resize=resize, crop=crop, flip=flip, scale=scale, ratio=ratio, backend=backend, max_pixels=max_pixels
         )
         self.fields = (field,) if isinstance(field, str) else tuple(field)
         self.label_field = label_field

@@ -24,14 +24,64 @@ from typing import Any, Literal
 
 import numpy as np
 
-from .._errors import ConfigError
+from .._errors import ConfigError, SampleError
 
-__all__ = ["Backend", "Crop", "ImageDecoder", "have_simplejpeg"]
+__all__ = ["DEFAULT_MAX_PIXELS", "Backend", "Crop", "ImageDecoder", "check_pixels", "have_simplejpeg", "open_image"]
 
 Crop = Literal["center", "random"]
 Backend = Literal["auto", "simplejpeg", "pillow"]
 
 _JPEG_MAGIC = b"\xff\xd8"
+#: Largest image (width x height, from its header) decoded by default: Pillow's
+#: ``MAX_IMAGE_PIXELS`` (about 1 GiB of 32-bit pixels), an error here rather than
+#: Pillow's warning. A small PNG or JPEG can claim gigapixels (a decompression bomb).
+DEFAULT_MAX_PIXELS = 1024 * 1024 * 1024 // 4 // 3
+
+
+def check_pixels(width: int, height: int, max_pixels: int | None) -> None:
+    """Raise :class:`SampleError` if a ``width`` x ``height`` image exceeds ``max_pixels`` (None: no limit)."""
+    if max_pixels is not None and width * height > max_pixels:
+        raise SampleError(
+            f"image of {width}x{height} = {width * height} pixels is larger than max_pixels={max_pixels} "
+            "(a decompression bomb?)"
+        )
+
+
+def open_image(data: Any, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Any:
+    """Open encoded image bytes with Pillow (lazily: header only) after checking their size.
+
+    Pillow's own ``Image.MAX_IMAGE_PIXELS`` check still applies (an image over twice it is
+    refused by Pillow whatever ``max_pixels`` says); its error is reported the same way.
+
+    Raises:
+        SampleError: If the image has more than ``max_pixels`` pixels.
+    """
+    from PIL import Image
+
+    try:
+        img = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        size = _pillow_refused_size(data)
+        raise SampleError(f"image of {size} pixels is larger than Pillow's limit ({exc})") from exc
+    check_pixels(img.size[0], img.size[1], max_pixels)
+    return img
+
+
+def _pillow_refused_size(data: Any) -> str:
+    """``"WxH = N"`` for a PNG or JPEG whose header Pillow refused to open, else ``"more"``."""
+    head = bytes(data[:24])
+    if head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR":
+        width, height = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+        return f"{width}x{height} = {width * height}"
+    if head[:2] == _JPEG_MAGIC and have_simplejpeg():
+        import simplejpeg
+
+        try:
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        except ValueError:
+            return "more"
+        return f"{width}x{height} = {width * height}"
+    return "more"
 
 
 def have_simplejpeg() -> bool:
@@ -68,6 +118,8 @@ class ImageDecoder:
             ``"pillow"`` (``Image.draft``: scales 1/2, 1/4, 1/8), or ``"auto"``: simplejpeg
             when installed. Non-JPEG images always go through Pillow.
         dct_scaling: Decode JPEGs at a reduced size when the output is smaller.
+        max_pixels: Refuse (:class:`~streamload.SampleError`) an image whose header
+            claims more than this many pixels, before decoding it; ``None``: no limit.
     """
 
     def __init__(
@@ -81,8 +133,14 @@ class ImageDecoder:
         flip: bool = False,
         backend: Backend = "auto",
         dct_scaling: bool = True,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
     ) -> None:
         self.height, self.width = _pair(size)
+        if max_pixels is not None and (
+            isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1
+        ):
+            raise ConfigError(f"max_pixels={max_pixels!r} must be a positive int or None")
+        self.max_pixels = max_pixels
         if self.height < 1 or self.width < 1:
             raise ConfigError(f"size={size!r} must be positive")
         if crop not in ("center", "random"):
@@ -198,6 +256,7 @@ class ImageDecoder:
         from PIL import Image
 
         height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        check_pixels(width, height, self.max_pixels)
         box = self.box(width, height, rng)
         factor = self._reduction(width, height, box)
         # RGBX: Pillow's own pixel layout, so the decoded array becomes an image without a copy.
@@ -209,9 +268,7 @@ class ImageDecoder:
         return img, _scaled(box, width, w)
 
     def _pillow(self, data: Any, rng: np.random.Generator | None) -> tuple[Any, tuple[float, ...]]:
-        from PIL import Image
-
-        src = Image.open(io.BytesIO(data))
+        src = open_image(data, self.max_pixels)
         width, height = src.size
         box = self.box(width, height, rng)
         factor = self._reduction(width, height, box)

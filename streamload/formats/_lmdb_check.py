@@ -6,7 +6,8 @@ database, no duplicates, no sub-databases, written in one transaction), so befor
 environment is opened its B-tree is walked here with ``os.pread``, checking everything
 LMDB will follow when reading: the meta page it picks, the page size, each page's
 header and bounds, every node's offset and size inside its page, every child and
-overflow page number, and that each overflow value fits in its pages.
+overflow page number, that each overflow value fits in its pages, and that no page is
+used twice (two records sharing one value, or a value made of B-tree pages).
 
 What is checked mirrors LMDB 0.9's on-disk layout (``mdb.c``)::
 
@@ -26,6 +27,7 @@ import os
 import struct
 
 from .._errors import CorruptShardError
+from ._record import open_regular_file
 
 __all__ = ["check_lmdb_file"]
 
@@ -47,6 +49,7 @@ class _Walk:
         self.fd, self.name, self.file_size = fd, name, file_size
         self.psize = 0
         self.last = 0
+        self.overflow: list[tuple[int, int]] = []  # (first page, page count) of every overflow value
 
     def fail(self, what: str) -> CorruptShardError:
         return CorruptShardError(f"{self.name}: LMDB structure is damaged ({what})")
@@ -107,6 +110,20 @@ class _Walk:
                 raise self.fail(f"page {pgno} is reached twice")
             seen.add(pgno)
             todo.extend(self.page(pgno))
+        self.disjoint(seen)
+
+    def disjoint(self, tree: set[int]) -> None:
+        """Check no page is used twice: by two overflow values, or by an overflow value and the tree.
+
+        Otherwise several records could read one value (n records of one large value: n
+        times the shard's bytes for a batch), or a value could be made of B-tree pages.
+        """
+        runs = sorted([(p, 1) for p in tree] + self.overflow)
+        end = 0
+        for first, pages in runs:
+            if first < end:
+                raise self.fail(f"overflow page {first} ({pages} pages) is used twice")
+            end = first + pages
 
     def page(self, pgno: int) -> list[int]:
         """Check one branch or leaf page; return its child pages."""
@@ -148,6 +165,7 @@ class _Walk:
         (pages,) = _OVERFLOW_PAGES.unpack_from(head, 12)
         if not over_flags & _P_OVERFLOW or pages * self.psize < _HEADER + size or first + pages - 1 > self.last:
             raise self.fail(f"overflow page {first} ({pages} pages) cannot hold {size} bytes")
+        self.overflow.append((first, pages))
 
 
 def check_lmdb_file(path: str, name: str) -> None:
@@ -156,7 +174,7 @@ def check_lmdb_file(path: str, name: str) -> None:
     Raises:
         CorruptShardError: Naming ``name``, if anything LMDB would follow is out of bounds.
     """
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular_file(path, name)
     try:
         walk = _Walk(fd, name, os.fstat(fd).st_size)
         root, db_flags = walk.meta()

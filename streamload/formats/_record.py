@@ -13,25 +13,90 @@ Every read checks the checksum (xxh3 runs at tens of GB/s: about a microsecond f
 64 KB image) and that the lengths add up to exactly the record's size, so a damaged
 value gives :class:`~streamload.CorruptShardError` naming the shard and sample, never a
 wrong sample. :func:`seal` / :func:`unseal` give other values (metadata) the same check.
+
+Also the checks every reader shares on untrusted files: :func:`open_regular_file` (a
+FIFO or device in the dataset would block or never end) and :func:`check_field_names`.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 import struct
 from collections.abc import Sequence
 
 import xxhash
 
-from .._errors import CorruptShardError
+from .._errors import CorruptShardError, ShardError, ShardNotFoundError, UnsafeShardError
 from .base import MAX_KEY_BYTES, Sample
 
-__all__ = ["decode_record", "encode_record", "record_field", "record_spans", "seal", "unseal"]
+__all__ = [
+    "check_field_names",
+    "decode_record",
+    "encode_record",
+    "open_regular_file",
+    "record_field",
+    "record_spans",
+    "seal",
+    "unseal",
+]
 
 _SUM = struct.Struct("<Q")
 _HEAD = struct.Struct("<II")
 _FIELD = struct.Struct("<IQ")
 #: Longest field name accepted when decoding (a larger length is damage, not data).
 _MAX_NAME_BYTES = 4096
+
+
+def open_regular_file(path: str, shard: str) -> int:
+    """Open ``path`` read-only and return its descriptor, if it is a regular file.
+
+    Opened non-blocking, so a FIFO put where a shard or sidecar should be cannot block
+    the open (and a read from it never waits for a writer), then refused.
+
+    Raises:
+        ShardNotFoundError: If ``path`` does not exist.
+        UnsafeShardError: If it is a FIFO, device, socket or directory.
+        ShardError: If it cannot be opened (permissions...).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError as exc:
+        raise ShardNotFoundError(f"{shard}: {path} does not exist") from exc
+    except OSError as exc:
+        raise ShardError(f"{shard}: cannot open {path} ({exc})") from exc
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnsafeShardError(f"{shard}: {path} is not a regular file (mode {stat.filemode(mode)})")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_field_names(names: Sequence[str], where: str) -> None:
+    """Check field names read from a shard: what :func:`~.base.check_sample` lets a writer store.
+
+    A name is non-empty, at most 4096 bytes, has no ``/`` or NUL, does not start with
+    ``__`` (so it can never replace ``__key__`` in a sample), and names are unique (a
+    repeated name would silently hide a field).
+
+    Raises:
+        CorruptShardError: Naming ``where`` and the name.
+    """
+    for name in names:
+        if (
+            not name
+            or name.startswith("__")
+            or "/" in name
+            or "\0" in name
+            or len(name.encode("utf-8", "surrogatepass")) > _MAX_NAME_BYTES
+        ):
+            raise CorruptShardError(f"{where}: invalid field name {name!r}")
+    if len(set(names)) != len(names):
+        raise CorruptShardError(f"{where}: a field name appears twice in {list(names)!r}")
 
 
 def seal(payload: bytes) -> bytes:
@@ -103,9 +168,13 @@ def _layout(
         raise CorruptShardError(f"{where}: record lengths add up to {used} bytes, the record has {total}")
     key_at = pos
     pos += key_len
-    names = []
+    names: list[str] = []
     for name_len in name_lens:
-        names.append(str(view[pos : pos + name_len], "utf-8", "surrogateescape"))
+        name = str(view[pos : pos + name_len], "utf-8", "surrogateescape")
+        # As the writer stores them: valid names (never "__key__"), strictly sorted (so unique).
+        if not name or name.startswith("__") or "/" in name or "\0" in name or (names and name <= names[-1]):
+            raise CorruptShardError(f"{where}: record has an invalid, repeated or unsorted field name {name!r}")
+        names.append(name)
         pos += name_len
     fields = []
     for name, size in zip(names, sizes, strict=True):

@@ -27,8 +27,18 @@ Reading: the file is opened on first use in the reading process (reopened after 
 never pickled). The small tables (offsets, presence, keys) are read into memory once;
 then reading a field is one ``os.pread`` at the dataset's file offset plus the sample's
 offset, with no HDF5 call on the hot path (several times faster than an h5py slice, see
-``benchmarks/bench_formats.py``). A dataset that is chunked or filtered (a file written
-by another tool) is read with h5py slices instead.
+``benchmarks/bench_formats.py``). A dataset that is chunked and gzip-compressed (our
+layout written by another tool) is read with h5py slices instead.
+
+Untrusted shards: before any data is read, every group and dataset is checked
+(``_Layout``): reached by hard links only (a soft or external link, or a virtual dataset,
+could make HDF5 read any file on the machine), no external storage (raw data kept in
+another file, possibly a FIFO that blocks forever), the layout's dtypes and shapes,
+contiguous storage inside the file, or chunks with the deflate/shuffle/fletcher32
+filters only, bounded chunk size and expansion (no decompression bombs, no data made of
+fill value), every chunk inside the file. Tables are checked (monotonic offsets from 0 to
+the data's length, presence 0/1 and empty when absent, key lengths, field names) so every
+size handed to a batch read is bounded by the shard's data.
 """
 
 from __future__ import annotations
@@ -42,10 +52,12 @@ from typing import Any
 import h5py
 import numpy as np
 import xxhash
+from h5py import h5d, h5z
 
-from .._errors import CorruptShardError, SampleError, ShardNotFoundError
+from .._errors import CorruptShardError, SampleError, ShardError, UnsafeShardError
 from ..manifest import ShardEntry
-from .base import Format, Sample, ShardReader, ShardWriter, check_sample
+from ._record import check_field_names, open_regular_file
+from .base import MAX_KEY_BYTES, FieldGroup, Format, Sample, ShardReader, ShardWriter, check_sample, unsafe
 
 __all__ = ["FORMAT", "Hdf5ShardReader", "Hdf5ShardWriter"]
 
@@ -139,6 +151,140 @@ class Hdf5ShardWriter(ShardWriter):
         return None
 
 
+#: The datasets of a field's group (the keys group has no ``present``), and their dtypes.
+_FIELD_TABLES = ("data", "offsets", "present", "xxh3")
+_DTYPES: dict[str, np.dtype[Any]] = {
+    "data": np.dtype("u1"),
+    "offsets": np.dtype("<i8"),
+    "present": np.dtype("u1"),
+    "xxh3": np.dtype("<u8"),
+}
+#: Filters a chunked dataset may use. Our writer uses none (contiguous datasets); a shard
+#: with our layout written by another tool may be chunked and gzip-compressed. Any other
+#: filter (a plugin, szip, ...) is refused.
+_ALLOWED_FILTERS = {h5z.FILTER_DEFLATE: "deflate", h5z.FILTER_SHUFFLE: "shuffle", h5z.FILTER_FLETCHER32: "fletcher32"}
+#: A chunked dataset may hold at most this many times its stored bytes, plus
+#: :data:`_EXPANSION_SLACK`: more is a decompression bomb (gzip expands up to 1032x).
+MAX_EXPANSION = 64
+_EXPANSION_SLACK = 64 << 10
+#: Largest chunk of a chunked dataset (each read decompresses whole chunks).
+MAX_CHUNK_BYTES = 16 << 20
+
+
+class _Layout:
+    """Checks the objects of a shard before any of their data is read.
+
+    Only what a streamload shard is made of is accepted: groups and datasets reached by
+    hard links from the root (no soft, external or user-defined link), one-dimensional
+    datasets of the layout's dtypes, stored contiguously inside the file, or chunked
+    with known filters, a bounded chunk size and a bounded expansion, every chunk inside
+    the file. External storage (raw data in other files, FIFOs included), virtual
+    datasets (mapping other files), compact layouts and data with no storage (a fill
+    value of any size) are refused with :class:`UnsafeShardError` or
+    :class:`CorruptShardError` naming the shard and the object.
+    """
+
+    def __init__(self, shard: str, file_size: int) -> None:
+        self.shard, self.file_size = shard, file_size
+
+    def corrupt(self, path: str, detail: str) -> CorruptShardError:
+        return CorruptShardError(f"{self.shard}: HDF5 object /{path} {detail}")
+
+    def unsafe(self, path: str, detail: str) -> UnsafeShardError:
+        return unsafe(self.shard, f"HDF5 object /{path} {detail}")
+
+    def member(self, group: Any, name: str, path: str) -> Any:
+        """Return ``group[name]`` after checking it is a hard link (nothing outside is followed)."""
+        link = group.get(name, getlink=True)
+        if link is None:
+            raise self.corrupt(path, "is missing")
+        if isinstance(link, h5py.SoftLink):
+            raise self.unsafe(path, f"is a soft link to {link.path!r} (only hard links are read)")
+        if isinstance(link, h5py.ExternalLink):
+            raise self.unsafe(path, f"is an external link to {link.filename!r} (only hard links are read)")
+        if not isinstance(link, h5py.HardLink):
+            raise self.unsafe(path, f"is a {type(link).__name__} (only hard links are read)")
+        return group[name]
+
+    def column(self, h5: Any, group_path: tuple[str, ...], names: tuple[str, ...]) -> dict[str, Any]:
+        """Check a column's group and datasets; return them by name, and ``data_offset``."""
+        group = h5
+        for k, part in enumerate(group_path):
+            group = self.member(group, part, "/".join(group_path[: k + 1]))
+            if not isinstance(group, h5py.Group):
+                raise self.corrupt("/".join(group_path[: k + 1]), "is not a group")
+        out: dict[str, Any] = {}
+        for name in names:
+            path = "/".join((*group_path, name))
+            dset = self.member(group, name, path)
+            if not isinstance(dset, h5py.Dataset):
+                raise self.corrupt(path, "is not a dataset")
+            offset = self.dataset(dset, path, _DTYPES[name])
+            out[name] = dset
+            if name == "data":
+                out["data_offset"] = offset
+        return out
+
+    def dataset(self, dset: Any, path: str, dtype: np.dtype[Any]) -> int | None:
+        """Check one dataset's storage; return its file offset if contiguous and not empty."""
+        plist = dset.id.get_create_plist()
+        layout = plist.get_layout()
+        if layout == h5d.VIRTUAL or dset.is_virtual:
+            raise self.unsafe(path, "is a virtual dataset (it maps other files)")
+        if plist.get_external_count():
+            raise self.unsafe(path, f"has external storage in {plist.get_external(0)[0]!r} (outside the shard)")
+        if dset.dtype != dtype or len(dset.shape) != 1:
+            raise self.corrupt(path, f"is {dset.dtype}{list(dset.shape)}, expected a flat {dtype} dataset")
+        nbytes = int(dset.shape[0]) * dtype.itemsize
+        filters = [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
+        storage = int(dset.id.get_storage_size())
+        if layout == h5d.CONTIGUOUS and not filters:
+            if not nbytes:
+                return None
+            offset = dset.id.get_offset()
+            if offset is None or storage != nbytes:
+                raise self.corrupt(path, f"has {storage} bytes of storage for its {nbytes} bytes")
+            if offset + nbytes > self.file_size:
+                raise self.corrupt(
+                    path, f"lies outside the file (bytes {offset}..{offset + nbytes} of {self.file_size})"
+                )
+            return int(offset)
+        if layout != h5d.CHUNKED:
+            raise self.unsafe(path, f"has HDF5 storage layout {layout} (only contiguous or chunked data is read)")
+        unknown = [f for f in filters if f not in _ALLOWED_FILTERS]
+        if unknown:
+            raise self.unsafe(path, f"uses HDF5 filters {unknown} (only {sorted(_ALLOWED_FILTERS.values())} are read)")
+        chunk = dset.chunks
+        if chunk is None or len(chunk) != 1 or chunk[0] * dtype.itemsize > MAX_CHUNK_BYTES:
+            raise self.unsafe(path, f"has chunks of {chunk} items (at most {MAX_CHUNK_BYTES} bytes are read)")
+        if nbytes > MAX_EXPANSION * storage + _EXPANSION_SLACK:
+            raise self.unsafe(
+                path,
+                f"expands {storage} stored bytes to {nbytes} bytes (a decompression bomb; at most {MAX_EXPANSION}x)",
+            )
+        self.chunks_inside(dset, path)
+        return None
+
+    def chunks_inside(self, dset: Any, path: str) -> None:
+        """Check every allocated chunk of a chunked dataset lies inside the file."""
+        extents: list[tuple[int, int]] = []
+
+        def visit(info: Any) -> None:
+            extents.append((int(info.byte_offset), int(info.size)))
+
+        try:
+            dset.id.chunk_iter(visit)
+        except (AttributeError, NotImplementedError):  # pragma: no cover - HDF5 < 1.14: one call per chunk
+            extents = [
+                (int(c.byte_offset), int(c.size)) for c in map(dset.id.get_chunk_info, range(dset.id.get_num_chunks()))
+            ]
+        for offset, size in extents:
+            if offset < 0 or offset + size > self.file_size:
+                raise self.corrupt(
+                    path, f"has a chunk outside the file (bytes {offset}..{offset + size} of {self.file_size})"
+                )
+
+
 @dataclass
 class _Field:
     """A field of an open shard: its tables, and where its bytes are."""
@@ -169,36 +315,37 @@ class Hdf5ShardReader(ShardReader):
         if self._pid == os.getpid():
             return
         self.close()  # a forked child opens its own handles
-        name = self.entry.name
+        self._fd = open_regular_file(self.path, self.entry.name)
         try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError as exc:
-            raise ShardNotFoundError(f"{name}: {self.path} does not exist") from exc
-        self._fd = fd
-        try:
-            self._load(os.fstat(fd).st_size)
+            self._load(os.fstat(self._fd))
         except BaseException:
             self.close()
             raise
         self._pid = os.getpid()
 
-    def _load(self, file_size: int) -> None:
+    def _load(self, st: os.stat_result) -> None:
         name = self.entry.name
         try:
             h5 = h5py.File(self.path, "r", locking=False)  # read-only: no lock (NFS, Lustre, many readers)
         except Exception as exc:  # h5py raises OSError, RuntimeError... for a damaged file
             raise CorruptShardError(f"{name}: not a readable HDF5 file ({exc})") from exc
         try:
+            self._check_same_file(h5, st)
             meta = self._check_meta(h5.attrs.get(_ATTR), h5.attrs.get(_ATTR + "_xxh3"))
+            # Every object is checked before a byte of data is read: hard links only, our
+            # dtypes, contiguous (or chunked with known filters, bounded), inside the file.
+            layout = _Layout(self.entry.name, st.st_size)
+            keys = layout.column(h5, ("keys",), ("data", "offsets", "xxh3"))
+            columns = [layout.column(h5, ("fields", str(j)), _FIELD_TABLES) for j in range(len(meta["fields"]))]
             tables: list[np.ndarray[Any, Any]] = []  # in the order the writer hashed them
-            keys_blob, key_bounds = self._read_keys(h5, tables)
-            fields = [self._read_field(h5, j, field, file_size, tables) for j, field in enumerate(meta["fields"])]
+            keys_blob, key_bounds = self._read_keys(keys, tables)
+            fields = [self._read_field(col, field, tables) for col, field in zip(columns, meta["fields"], strict=True)]
             if _tables_digest(tables) != meta.get("tables_xxh3"):
                 raise CorruptShardError(f"{name}: HDF5 offsets, presence or checksum tables are damaged")
             self._check_keys(keys_blob, key_bounds, tables[1])
         except Exception as exc:  # whatever h5py raises on a damaged layout: KeyError, OSError...
             h5.close()
-            if isinstance(exc, CorruptShardError):
+            if isinstance(exc, ShardError):
                 raise
             raise CorruptShardError(f"{name}: HDF5 shard layout is damaged ({type(exc).__name__}: {exc})") from exc
         except BaseException:
@@ -209,6 +356,15 @@ class Hdf5ShardReader(ShardReader):
             h5.close()  # the hot path needs only the fd
         else:
             self._h5 = h5
+
+    def _check_same_file(self, h5: Any, st: os.stat_result) -> None:
+        """HDF5 opened the path again: check it is the file checked through our descriptor."""
+        try:
+            other = os.fstat(h5.id.get_vfd_handle())
+        except (OSError, ValueError, TypeError):  # pragma: no cover - not the sec2 driver
+            return
+        if (other.st_dev, other.st_ino) != (st.st_dev, st.st_ino):
+            raise UnsafeShardError(f"{self.entry.name}: {self.path} was replaced while it was opened")
 
     def _check_meta(self, raw: Any, digest: Any) -> dict[str, Any]:
         name, n = self.entry.name, self.entry.num_samples
@@ -226,26 +382,30 @@ class Hdf5ShardReader(ShardReader):
         fields = meta.get("fields")
         if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
             raise CorruptShardError(f"{name}: HDF5 shard field list is damaged")
+        check_field_names(fields, f"{name}: HDF5 shard")
         return meta
 
-    def _table(self, group: Any, name: str, dtype: str, length: int, what: str) -> np.ndarray[Any, Any]:
-        table = np.asarray(group[name][()])
-        if table.shape != (length,) or table.dtype.kind != np.dtype(dtype).kind:
-            raise CorruptShardError(f"{self.entry.name}: HDF5 {name} table of {what} has the wrong shape or type")
-        return table.astype(dtype)
+    def _table(self, dset: Any, length: int, what: str) -> np.ndarray[Any, Any]:
+        """Read a checked table whose length is known; its shape is checked first."""
+        if dset.shape != (length,):
+            raise CorruptShardError(
+                f"{self.entry.name}: HDF5 {dset.name} table of {what} has {dset.shape[0]} entries, expected {length}"
+            )
+        return np.asarray(dset[()])
 
-    def _offsets(self, group: Any, what: str, data_len: int) -> np.ndarray[Any, Any]:
-        offsets = self._table(group, "offsets", "<i8", self.entry.num_samples + 1, what)
-        if offsets[0] != 0 or offsets[-1] != data_len or np.any(np.diff(offsets) < 0):
+    def _offsets(self, col: dict[str, Any], what: str) -> np.ndarray[Any, Any]:
+        offsets = self._table(col["offsets"], self.entry.num_samples + 1, what)
+        data_len = col["data"].shape[0]
+        if offsets[0] != 0 or offsets[-1] != data_len or np.any(offsets[1:] < offsets[:-1]):
             raise CorruptShardError(f"{self.entry.name}: HDF5 offsets of {what} are inconsistent")
         return offsets
 
-    def _read_keys(self, h5: Any, tables: list[np.ndarray[Any, Any]]) -> tuple[bytes, list[int]]:
-        group = h5["keys"]
-        data = group["data"]
-        offsets = self._offsets(group, "keys", data.shape[0])
-        tables += [offsets, self._table(group, "xxh3", "<u8", self.entry.num_samples, "keys")]
-        return np.asarray(data[()], dtype=np.uint8).tobytes(), offsets.tolist()
+    def _read_keys(self, col: dict[str, Any], tables: list[np.ndarray[Any, Any]]) -> tuple[bytes, list[int]]:
+        offsets = self._offsets(col, "keys")
+        if np.any(np.diff(offsets) > MAX_KEY_BYTES):
+            raise CorruptShardError(f"{self.entry.name}: HDF5 keys longer than {MAX_KEY_BYTES} bytes")
+        tables += [offsets, self._table(col["xxh3"], self.entry.num_samples, "keys")]
+        return np.asarray(col["data"][()], dtype=np.uint8).tobytes(), offsets.tolist()
 
     def _check_keys(self, blob: bytes, bounds: list[int], hashes: np.ndarray[Any, Any]) -> None:
         digest = xxhash.xxh3_64_intdigest
@@ -253,25 +413,19 @@ class Hdf5ShardReader(ShardReader):
             if digest(blob[bounds[i] : bounds[i + 1]]) != expected:
                 raise CorruptShardError(f"{self.entry.name}: HDF5 key of sample {i} does not match its checksum")
 
-    def _read_field(self, h5: Any, j: int, field: str, file_size: int, tables: list[np.ndarray[Any, Any]]) -> _Field:
-        group = h5[f"fields/{j}"]
-        data = group["data"]
-        if data.dtype != np.uint8 or data.ndim != 1:
-            raise CorruptShardError(f"{self.entry.name}: HDF5 field {field!r} is not a flat uint8 dataset")
+    def _read_field(self, col: dict[str, Any], field: str, tables: list[np.ndarray[Any, Any]]) -> _Field:
         n, what = self.entry.num_samples, f"field {field!r}"
-        offsets = self._offsets(group, what, data.shape[0])
-        present = self._table(group, "present", "u1", n, what)
-        hashes = self._table(group, "xxh3", "<u8", n, what)
+        offsets = self._offsets(col, what)
+        present = self._table(col["present"], n, what)
+        hashes = self._table(col["xxh3"], n, what)
         tables += [offsets, present, hashes]
-        where = data.id.get_offset()
-        contiguous = data.chunks is None and not data.compression and where is not None
-        if data.shape[0] and contiguous and where + data.shape[0] > file_size:
-            raise CorruptShardError(f"{self.entry.name}: HDF5 field {field!r} runs past the end of the file")
+        if np.any(present > 1) or np.any((present == 0) & (offsets[1:] != offsets[:-1])):
+            raise CorruptShardError(f"{self.entry.name}: HDF5 presence table of {what} is inconsistent")
+        data = col["data"]
+        where = col["data_offset"]
         if not data.shape[0]:
             return _Field(field, offsets, present, hashes.tolist(), 0, None)
-        return _Field(
-            field, offsets, present, hashes.tolist(), where if contiguous else None, None if contiguous else data
-        )
+        return _Field(field, offsets, present, hashes.tolist(), where, None if where is not None else data)
 
     # -- reading ---------------------------------------------------------------------
 
@@ -315,9 +469,7 @@ class Hdf5ShardReader(ShardReader):
                 f"{self.path}: shard {self.entry.name}, sample {key!r}, field {field.name!r} {what}"
             )
 
-    # -- batch reads (streamload.batch): sizes from the offsets, bytes by preadv ---------
-
-    can_read_into = True
+    # -- batch reads (streamload.batch, BatchReads): sizes from the offsets, bytes by preadv --
 
     def _choose(self, indices: np.ndarray[Any, Any], fields: Sequence[str]) -> np.ndarray[Any, Any]:
         """Per sample, the index into ``self._fields`` of its first present field of ``fields``."""
@@ -345,14 +497,18 @@ class Hdf5ShardReader(ShardReader):
             sizes[hit] = offsets[indices[hit] + 1] - offsets[indices[hit]]
         return sizes
 
-    def read_into(
+    def read_groups_into(self, indices: np.ndarray[Any, Any], groups: Sequence[FieldGroup]) -> None:
+        """Read each group's fields straight into its ``out``: one ``preadv`` and one xxh3 per sample and group."""
+        for fields, out, sizes in groups:
+            self._read_group(indices, fields, out, sizes)
+
+    def _read_group(
         self,
         indices: np.ndarray[Any, Any],
         fields: Sequence[str],
         out: np.ndarray[Any, Any],
         sizes: np.ndarray[Any, Any],
     ) -> None:
-        """Read the fields straight into ``out``: one ``preadv`` and one xxh3 per sample."""
         chosen = self._choose(indices, fields).tolist()
         fd, view = self._fd, out.data
         if fd is None:

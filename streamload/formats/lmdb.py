@@ -45,6 +45,7 @@ import ctypes
 import json
 import mmap
 import os
+import stat
 import struct
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -53,11 +54,11 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from .._errors import CorruptShardError, SampleError, ShardNotFoundError
+from .._errors import CorruptShardError, SampleError, ShardNotFoundError, UnsafeShardError
 from ..manifest import ShardEntry
 from ._lmdb_check import check_lmdb_file
-from ._record import decode_record, encode_record, record_spans, seal, unseal
-from .base import Format, Sample, ShardReader, ShardWriter, check_sample
+from ._record import check_field_names, decode_record, encode_record, record_spans, seal, unseal
+from .base import MAX_KEY_BYTES, Format, Sample, ShardReader, ShardWriter, check_sample
 
 __all__ = ["FORMAT", "LmdbShardReader", "LmdbShardWriter", "map_size_for", "write_environment"]
 
@@ -225,12 +226,16 @@ class LmdbShardReader(ShardReader):
             raise CorruptShardError(f"{name}: not a streamload LMDB shard (no {_META_KEY.decode()} record)")
         try:
             meta = json.loads(bytes(unseal(raw, f"{name}: LMDB metadata record")))
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
             if isinstance(exc, CorruptShardError):
                 raise
-            raise CorruptShardError(f"{name}: LMDB metadata record is not JSON") from exc
+            raise CorruptShardError(f"{name}: LMDB metadata record is not JSON ({type(exc).__name__})") from exc
         if not isinstance(meta, dict) or meta.get("format") != _MAGIC:
             raise CorruptShardError(f"{name}: not a streamload LMDB shard (no {_META_KEY.decode()} record)")
+        fields = meta.get("fields")
+        if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
+            raise CorruptShardError(f"{name}: LMDB metadata field list is damaged")
+        check_field_names(fields, f"{name}: LMDB metadata")
         if meta.get("version") != _VERSION:
             raise CorruptShardError(f"{name}: LMDB shard version {meta.get('version')!r}, expected {_VERSION}")
         if meta.get("num_samples") != n or entries != n + 2:
@@ -298,8 +303,6 @@ class LmdbShardReader(ShardReader):
     # verified. A record whose lengths do not add up, or that lacks a field, is
     # checksummed at once, so damage is reported as damage. Only the latest call's
     # records are kept.
-
-    can_read_into = True
 
     def _records(self, indices: list[int]) -> list[_Record]:
         """Return each record as ``[value, payload view, field spans, checked]``; reuse the last call's."""
@@ -384,16 +387,6 @@ class LmdbShardReader(ShardReader):
             [span(record, fields, i)[1] for i, record in zip(idx, self._records(idx), strict=True)], dtype=np.int64
         )
 
-    def read_into(
-        self,
-        indices: np.ndarray[Any, Any],
-        fields: Sequence[str],
-        out: np.ndarray[Any, Any],
-        sizes: np.ndarray[Any, Any],
-    ) -> None:
-        """Copy the fields straight from the map into ``out``: one copy per sample."""
-        self.read_groups_into(indices, [(fields, out, sizes)])
-
     def read_groups_into(
         self,
         indices: np.ndarray[Any, Any],
@@ -445,8 +438,14 @@ class LmdbShardReader(ShardReader):
         sizes = np.frombuffer(raw, dtype="<u8", count=n, offset=_INDEX.size)
         offsets = np.frombuffer(raw, dtype="<u8", count=n + 1, offset=_INDEX.size + 8 * n)
         keys_blob = raw[head:]
-        if offsets[0] != 0 or np.any(np.diff(offsets.astype(np.int64)) < 0) or offsets[-1] != len(keys_blob):
+        if offsets[0] != 0 or np.any(offsets[1:] < offsets[:-1]) or offsets[-1] != len(keys_blob):
             raise CorruptShardError(f"{name}: LMDB catalog has inconsistent key offsets")
+        if np.any(np.diff(offsets) > MAX_KEY_BYTES):
+            raise CorruptShardError(f"{name}: LMDB catalog key lengths exceed {MAX_KEY_BYTES} bytes")
+        # Payload sizes: each inside the file, and all of them together (as float: no wrap-around).
+        file_size = self._env.size if self._env is not None else 0
+        if np.any(sizes > file_size) or float(np.sum(sizes, dtype=np.float64)) > file_size:
+            raise CorruptShardError(f"{name}: LMDB catalog sizes exceed the shard's {file_size} bytes")
         bounds = offsets.tolist()
         keys = [keys_blob[bounds[i] : bounds[i + 1]].decode("utf-8", "surrogateescape") for i in range(n)]
         return keys, [int(s) for s in sizes]
@@ -559,6 +558,8 @@ def _acquire_env(path: str, name: str) -> tuple[tuple[int, int], _Env]:
         st = os.stat(path)
     except FileNotFoundError as exc:
         raise ShardNotFoundError(f"{name}: {path} does not exist") from exc
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block LMDB's open forever
+        raise UnsafeShardError(f"{name}: {path} is not a regular file (mode {stat.filemode(st.st_mode)})")
     env_id = (st.st_dev, st.st_ino)
     with _ENVS_LOCK:
         if _ENVS_PID != os.getpid():

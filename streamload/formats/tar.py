@@ -8,7 +8,7 @@ reads it unchanged.
 
 Random access comes from a sidecar ``<shard>.idx`` (little-endian, no pickle)::
 
-    magic  b"SLTARIX1"
+    magic  b"SLTARIX2"
     u64 x 6   n_samples, n_members, n_fields, names_len, keys_len, reserved
     names     field names, UTF-8, newline-joined, padded to 8 bytes
     u64[n+1]  sample_start   byte offset of a sample's first header; [n] = end of data
@@ -23,8 +23,12 @@ Random access comes from a sidecar ``<shard>.idx`` (little-endian, no pickle)::
 With it, reading sample ``i`` is one ``pread`` per field, checked against its xxh3_64
 (about 1 µs per 64 KB, so every read is verified: a flipped byte raises an error naming
 the shard, key and field): no header parsing and
-no ``tarfile`` on the hot path. The sidecar is validated when a shard is opened (bounds,
-monotonic offsets) so a hostile index cannot point outside the shard.
+no ``tarfile`` on the hot path. The sidecar is validated when a shard is opened, with
+vectorised checks over its tables, so a hostile index cannot point outside the shard:
+monotonic offsets starting at 0, every member inside the file (compared as uint64, so
+nothing wraps around 2**64), members in file order without overlap (so the bytes of any
+batch are at most the shard's size), valid and unique field names, no field twice in a
+sample, keys of at most ``MAX_KEY_BYTES``.
 """
 
 from __future__ import annotations
@@ -32,14 +36,15 @@ from __future__ import annotations
 import os
 import struct
 import tarfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import xxhash
 
-from .._errors import CorruptShardError, SampleError, ShardNotFoundError
+from .._errors import CorruptShardError, SampleError
 from ..manifest import ShardEntry, algorithm_of, new_hasher
+from ._record import check_field_names, open_regular_file
 from .base import MAX_KEY_BYTES, Format, Sample, ShardReader, ShardWriter, check_sample, unsafe
 
 __all__ = ["FORMAT", "TarShardReader", "TarShardWriter", "index_tar"]
@@ -57,6 +62,13 @@ _MAX_GAP = 64 << 10
 _IOV_MAX = 1024
 #: A member larger than this is treated as hostile (64 GiB).
 MAX_MEMBER_BYTES = 1 << 36
+#: A PAX or GNU long-name header larger than this is treated as hostile (they hold a name
+#: and a few numbers).
+MAX_EXTENDED_HEADER_BYTES = 1 << 20
+#: Sizes from this on do not fit a tar header's octal field and are written in PAX records.
+_HEADER_SIZE_LIMIT = 8**11
+#: Members are hashed in pieces of this size when indexed.
+_HASH_PIECE = 16 << 20
 
 
 def _pad(n: int) -> int:
@@ -125,6 +137,23 @@ class _IndexBuilder:
         return sorted(self.names)
 
 
+def _read_regular_file(path: str, shard: str) -> bytes:
+    """Return the whole content of a regular file (a FIFO or device is refused, not waited on)."""
+    fd = open_regular_file(path, shard)
+    try:
+        with open(fd, "rb", closefd=False) as f:
+            return f.read(os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def _check_tar_field(field: str, where: str) -> None:
+    """A field name must be valid for every reader and fit the sidecar's newline-separated name list."""
+    if "\n" in field:
+        raise CorruptShardError(f"{where}: invalid field name {field!r} (a newline)")
+    check_field_names([field], where)
+
+
 def _padded(data: bytes) -> bytes:
     return data + bytes(_pad8(len(data)))
 
@@ -141,6 +170,9 @@ class TarShardWriter(ShardWriter):
     def write(self, sample: Mapping[str, Any]) -> None:
         """Append one sample as adjacent ``key.field`` members, fields sorted."""
         key, fields = check_sample(sample)
+        for name, _ in fields:
+            if "\n" in name:
+                raise SampleError(f"sample {key!r}: field name {name!r} has a newline (tar sidecars cannot hold it)")
         self._index.start_sample(key, self._pos)
         for name, data in fields:
             header = _header(f"{key}.{name}", len(data))
@@ -170,18 +202,14 @@ class TarShardWriter(ShardWriter):
 
 
 class TarShardReader(ShardReader):
-    """Reads samples of a tar shard through a memory map and its sidecar."""
+    """Reads samples of a tar shard with ``pread`` at the offsets its sidecar gives."""
 
     def __init__(self, path: str, entry: ShardEntry, sidecar_path: str | None = None) -> None:
         super().__init__(path, entry, sidecar_path)
         if sidecar_path is None:
             raise CorruptShardError(f"{entry.name}: tar shard has no sidecar index in the manifest")
-        try:
-            with open(sidecar_path, "rb") as f:
-                raw = f.read()
-            self._fd: int | None = os.open(path, os.O_RDONLY)
-        except FileNotFoundError as exc:
-            raise ShardNotFoundError(f"{entry.name}: {exc.filename} does not exist") from exc
+        raw = _read_regular_file(sidecar_path, entry.name)
+        self._fd: int | None = open_regular_file(path, entry.name)
         try:
             self._size = os.fstat(self._fd).st_size
             self._check_sidecar_hash(raw)
@@ -218,6 +246,7 @@ class TarShardReader(ShardReader):
         names = raw[pos : pos + names_len].decode("utf-8", "replace").split("\n") if names_len else []
         if len(names) != n_fields:
             raise CorruptShardError(f"{name}: sidecar lists {len(names)} field names, header says {n_fields}")
+        check_field_names(names, f"{name}: sidecar index")
         pos += names_len + _pad8(names_len)
         view = memoryview(raw)
 
@@ -247,23 +276,41 @@ class TarShardReader(ShardReader):
         keys_len: int,
     ) -> None:
         name = self.entry.name
-        a = {
-            k: np.frombuffer(v, dtype=v.format)
-            for k, v in dict(start=start, member=member, key_off=key_off, offset=offset, size=size, field=field).items()
-        }
-        m = len(a["offset"])
-        checks = [
-            (np.all(np.diff(a["start"].astype(np.int64)) >= 0) and a["start"][-1] <= self._size, "sample offsets"),
-            (np.all(np.diff(a["member"].astype(np.int64)) >= 0) and a["member"][-1] == m, "member ranges"),
-            (np.all(np.diff(a["key_off"].astype(np.int64)) >= 0) and a["key_off"][-1] == keys_len, "key offsets"),
-            (np.all(a["size"] <= MAX_MEMBER_BYTES), "member sizes"),
-            (np.all(a["offset"] + a["size"] <= self._size), "member extents"),
-            (np.all(a["field"] < max(n_fields, 1)), "field ids"),
-            (np.all(np.diff(a["key_off"].astype(np.int64)) <= MAX_KEY_BYTES), "key lengths"),
+        u8 = np.uint64
+        starts, members, key_offs, offsets, sizes = (
+            np.frombuffer(v, dtype=np.uint64) for v in (start, member, key_off, offset, size)
+        )
+        field_ids = np.frombuffer(field, dtype=np.uint32)
+        m, fsize = len(offsets), u8(self._size)
+
+        def increasing(a: np.ndarray) -> bool:  # compared as uint64: nothing wraps
+            return bool(np.all(a[1:] >= a[:-1]))
+
+        def extents() -> bool:
+            # Each member inside the file (offset <= size, then size <= size - offset: no
+            # wrap-around), and members in file order without overlap, so the bytes of
+            # all members together, and of any batch, are at most the shard's size.
+            if not (np.all(offsets <= fsize) and np.all(sizes <= fsize - offsets)):
+                return False
+            return bool(np.all(offsets[1:] >= offsets[:-1] + sizes[:-1]))
+
+        checks: list[tuple[Callable[[], bool], str]] = [
+            (lambda: increasing(starts) and starts[-1] <= fsize, "sample offsets"),
+            (lambda: members[0] == 0 and increasing(members) and members[-1] == m, "member ranges"),
+            (lambda: key_offs[0] == 0 and increasing(key_offs) and key_offs[-1] == keys_len, "key offsets"),
+            (lambda: bool(np.all(np.diff(key_offs) <= MAX_KEY_BYTES)), "key lengths"),
+            (lambda: bool(np.all(sizes <= MAX_MEMBER_BYTES)) and extents(), "member extents"),
+            (lambda: bool(np.all(field_ids < n_fields)), "field ids"),
         ]
         for ok, what in checks:
-            if not ok:
+            if not ok():
                 raise CorruptShardError(f"{name}: sidecar index has inconsistent {what}")
+        if m:
+            # A field twice in one sample would hide one of them: (sample, field) pairs are unique.
+            sample_of = np.repeat(np.arange(len(members) - 1, dtype=np.int64), np.diff(members).astype(np.int64))
+            pairs = np.sort(sample_of * n_fields + field_ids)
+            if np.any(pairs[1:] == pairs[:-1]):
+                raise CorruptShardError(f"{name}: sidecar index lists a field twice in one sample")
 
     def get(self, index: int) -> Sample:
         """Return sample ``index`` as ``{"__key__": str, field: bytes}``."""
@@ -302,7 +349,7 @@ class TarShardReader(ShardReader):
             if _parse_octal(block[148:156], where) != sum(block[:148]) + 256 + sum(block[156:]):
                 raise CorruptShardError(f"{where} is damaged (checksum mismatch)")
             size = _parse_octal(block[124:136], where)
-            if size != self._msize[j] and self._msize[j] < 8**11:  # larger sizes live in PAX records
+            if size != self._msize[j] and self._msize[j] < _HEADER_SIZE_LIMIT:  # larger sizes live in PAX records
                 raise CorruptShardError(f"{where} says {size} bytes, the sidecar index says {self._msize[j]}")
 
     def catalog(self) -> tuple[list[str], list[int]]:
@@ -315,12 +362,7 @@ class TarShardReader(ShardReader):
         member = np.frombuffer(self._member, dtype=np.uint64).astype(np.int64)
         return keys, (total[member[1:]] - total[member[:-1]]).tolist()
 
-    def byte_range(self, start: int, stop: int) -> tuple[int, int]:
-        """Return the ``[begin, end)`` byte range of the shard that holds samples ``start..stop-1``."""
-        return self._start[start], self._start[stop]
-
-    # -- batch reads straight into a caller's buffer (streamload.batch) ---------------
-    can_read_into = True
+    # -- batch reads straight into a caller's buffer (streamload.batch, BatchReads) -----
 
     def _members_of(self, fields: Sequence[str]) -> np.ndarray:
         """Per sample, the member holding its first present field of ``fields`` (-1: none).
@@ -357,23 +399,6 @@ class TarShardReader(ShardReader):
         members = self._batch_members(indices, fields)
         sizes: np.ndarray = np.frombuffer(self._msize, dtype=np.uint64)[members].astype(np.int64)
         return sizes
-
-    def read_into(self, indices: np.ndarray, fields: Sequence[str], out: np.ndarray, sizes: np.ndarray) -> None:
-        """Read the fields straight into ``out``: one ``preadv`` per sample, checksum checked."""
-        fd = self._fd
-        if fd is None:
-            raise ValueError(f"{self.entry.name}: reader is closed")
-        members = self._batch_members(indices, fields)
-        offsets = np.frombuffer(self._offset, dtype=np.uint64)[members].tolist()
-        digests = np.frombuffer(self._hash, dtype=np.uint64)[members].tolist()
-        view = out.data
-        pos = 0
-        preadv, digest = os.preadv, xxhash.xxh3_64_intdigest
-        for k, n in enumerate(sizes.tolist()):
-            dest = view[pos : pos + n]
-            if preadv(fd, [dest], offsets[k]) != n or digest(dest) != digests[k]:
-                self._read_failed(int(indices[k]), int(members[k]))
-            pos += n
 
     def read_groups_into(
         self, indices: np.ndarray, groups: Sequence[tuple[Sequence[str], np.ndarray, np.ndarray]]
@@ -476,72 +501,133 @@ def _parse_octal(field: bytes, where: str) -> int:
 
 
 def _parse_pax(data: bytes, where: str) -> dict[str, str]:
+    """Parse PAX records (``<length> <key>=<value>`` and a newline); anything malformed is corruption."""
     out: dict[str, str] = {}
     pos = 0
     while pos < len(data):
-        space = data.find(b" ", pos)
-        if space < 0:
-            raise CorruptShardError(f"{where}: malformed PAX header")
-        length = int(data[pos:space]) if data[pos:space].isdigit() else 0
-        if length <= 0 or pos + length > len(data):
-            raise CorruptShardError(f"{where}: malformed PAX record length")
-        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+        if data[pos:] == bytes(len(data) - pos):
+            break  # NUL padding after the last record (some writers)
+        space = data.find(b" ", pos, pos + 21)
+        digits = data[pos:space] if space > pos else b""
+        length = int(digits) if digits.isdigit() and digits.isascii() else 0  # at most 20 digits
+        end = pos + length
+        if length <= space + 1 - pos or end > len(data) or data[end - 1 : end] != b"\n":
+            raise CorruptShardError(f"{where}: malformed PAX record at byte {pos} of its header")
+        key, eq, value = data[space + 1 : end - 1].partition(b"=")
+        if not key or not eq:
+            raise CorruptShardError(f"{where}: malformed PAX record at byte {pos} of its header")
         out[key.decode("utf-8", "replace")] = value.decode("utf-8", "surrogateescape")
-        pos += length
+        pos = end
     return out
+
+
+def _pax_size(value: str, where: str) -> int:
+    """A PAX ``size`` value: decimal digits only (no sign, space or base prefix)."""
+    if not (0 < len(value) <= 20 and value.isascii() and value.isdigit()):
+        raise CorruptShardError(f"{where}: PAX size {value[:40]!r} is not a byte count")
+    return int(value)
+
+
+def _hash_range(fd: int, offset: int, size: int, where: str) -> int:
+    """xxh3_64 of ``size`` bytes at ``offset``, read in pieces (a member may be larger than memory)."""
+    if size <= _HASH_PIECE:
+        data = os.pread(fd, size, offset)
+        if len(data) != size:
+            raise CorruptShardError(f"{where}: member is truncated")
+        return xxhash.xxh3_64_intdigest(data)
+    hasher = xxhash.xxh3_64()
+    buf = bytearray(_HASH_PIECE)
+    done = 0
+    while done < size:
+        view = memoryview(buf)[: min(_HASH_PIECE, size - done)]
+        got = os.preadv(fd, [view], offset + done)
+        if got != len(view):
+            raise CorruptShardError(f"{where}: member is truncated")
+        hasher.update(view)
+        done += got
+    return hasher.intdigest()
 
 
 def iter_members(path: str, shard_name: str) -> Iterator[tuple[str, int, int, int]]:
     """Yield ``(name, header_offset, data_offset, size)`` for each regular member of a tar file.
 
-    PAX (``x``) and GNU long-name (``L``) headers are folded into the member that follows;
-    directories are skipped. Links, device files and FIFOs raise :class:`UnsafeShardError`.
+    PAX (``x``, and global ``g``, applied to every later member as tar readers do) and
+    GNU long-name (``L``) headers are folded into the member that follows; a PAX ``size``
+    replaces the header's; directories are skipped. Links, device files, FIFOs, sparse
+    members, names with NUL and extended headers over :data:`MAX_EXTENDED_HEADER_BYTES`
+    raise :class:`UnsafeShardError` / :class:`CorruptShardError`; so does a shard that is
+    not a regular file.
     """
-    with open(path, "rb") as f:
-        total = os.fstat(f.fileno()).st_size
-        pos = 0
-        first_header: int | None = None
-        pending: dict[str, str] = {}
-        while pos + _BLOCK <= total:
-            block = os.pread(f.fileno(), _BLOCK, pos)
-            if block == _ZERO_BLOCK:
-                return
-            where = f"{shard_name} at byte {pos}"
-            stored = _parse_octal(block[148:156], where)
-            if stored != sum(block[:148]) + 256 + sum(block[156:]):
-                raise CorruptShardError(f"{where}: tar header checksum mismatch")
-            name = block[:100].split(b"\0", 1)[0]
-            if block[257:262] == b"ustar" and block[345:500].strip(b"\0"):
-                name = block[345:500].split(b"\0", 1)[0] + b"/" + name
-            size = _parse_octal(block[124:136], where)
-            kind = block[156:157]
-            data_at = pos + _BLOCK
-            if size > MAX_MEMBER_BYTES or data_at + size > total:
-                raise CorruptShardError(f"{where}: member size {size} runs past the end of the file")
-            if first_header is None:
-                first_header = pos
-            pos = data_at + size + _pad(size)
-            if kind in (b"x", b"L"):
-                data = os.pread(f.fileno(), size, data_at)
-                if kind == b"x":
-                    pending.update(_parse_pax(data, where))
-                else:
-                    pending["path"] = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-                continue
-            if kind == b"g" or kind == b"5":
+    fd = open_regular_file(path, shard_name)
+    try:
+        yield from _members(fd, shard_name)
+    finally:
+        os.close(fd)
+
+
+def _members(fd: int, shard_name: str) -> Iterator[tuple[str, int, int, int]]:
+    total = os.fstat(fd).st_size
+    pos = 0
+    first_header: int | None = None
+    pending: dict[str, str] = {}
+    global_pax: dict[str, str] = {}
+    while pos + _BLOCK <= total:
+        block = os.pread(fd, _BLOCK, pos)
+        if block == _ZERO_BLOCK:
+            return
+        where = f"{shard_name} at byte {pos}"
+        stored = _parse_octal(block[148:156], where)
+        if stored != sum(block[:148]) + 256 + sum(block[156:]):
+            raise CorruptShardError(f"{where}: tar header checksum mismatch")
+        name = block[:100].split(b"\0", 1)[0]
+        if block[257:262] == b"ustar" and block[345:500].strip(b"\0"):
+            name = block[345:500].split(b"\0", 1)[0] + b"/" + name
+        size = _parse_octal(block[124:136], where)
+        kind = block[156:157]
+        extended = kind in (b"x", b"L", b"g")
+        pax = {**global_pax, **pending}
+        if not extended and "size" in pax:
+            pax_size = _pax_size(pax["size"], where)
+            # Tar writers put a size in PAX only when the header cannot hold it (and write
+            # 0 there); a PAX size that disagrees with a header that could hold it is damage.
+            if pax_size != size and (size or pax_size < _HEADER_SIZE_LIMIT):
+                raise CorruptShardError(f"{where}: PAX size {pax_size} disagrees with the header's {size}")
+            size = pax_size
+        data_at = pos + _BLOCK
+        if size > MAX_MEMBER_BYTES or size > total - data_at:
+            raise CorruptShardError(f"{where}: member size {size} runs past the end of the file")
+        if extended and size > MAX_EXTENDED_HEADER_BYTES:
+            raise unsafe(
+                shard_name, f"extended header of {size} bytes at byte {pos} (at most {MAX_EXTENDED_HEADER_BYTES})"
+            )
+        if first_header is None:
+            first_header = pos
+        pos = data_at + size + _pad(size)
+        if extended:
+            data = os.pread(fd, size, data_at)
+            if kind == b"x":
+                pending.update(_parse_pax(data, where))
+            elif kind == b"g":
+                global_pax.update(_parse_pax(data, where))
                 first_header, pending = None, {}
-                continue
-            if kind not in (b"0", b"\0", b"7"):
-                raise unsafe(
-                    shard_name,
-                    f"member {name!r} at byte {data_at - _BLOCK} has type {kind!r} "
-                    "(links, devices and FIFOs are refused)",
-                )
-            full = pending.get("path") or name.decode("utf-8", "surrogateescape")
-            if "size" in pending:
-                size = int(pending["size"])
-            yield full, first_header, data_at, size
+            else:
+                pending["path"] = data.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+            continue
+        if kind == b"5":
             first_header, pending = None, {}
+            continue
+        if kind not in (b"0", b"\0", b"7"):
+            raise unsafe(
+                shard_name,
+                f"member {name!r} at byte {data_at - _BLOCK} has type {kind!r} (links, devices and FIFOs are refused)",
+            )
+        if any(k.startswith("GNU.sparse.") for k in pax):
+            raise CorruptShardError(f"{where}: sparse member {name!r} (not supported)")
+        full = pax.get("path") or name.decode("utf-8", "surrogateescape")
+        if "\0" in full:
+            raise unsafe(shard_name, f"member name {full!r} at byte {data_at - _BLOCK} contains NUL")
+        yield full, first_header, data_at, size
+        first_header, pending = None, {}
 
 
 def split_name(name: str) -> tuple[str, str] | None:
@@ -565,7 +651,8 @@ def index_tar(path: str, shard_name: str, sidecar_out: str) -> tuple[int, list[s
 
     Raises:
         CorruptShardError: If a member has no extension, a sample's members are not
-            adjacent, or a field repeats within a sample.
+            adjacent, a field repeats within a sample, a key is longer than
+            ``MAX_KEY_BYTES`` or a field name is one the readers refuse.
         UnsafeShardError: For absolute or ``..`` member names, links and device files.
     """
     builder = _IndexBuilder()
@@ -573,7 +660,8 @@ def index_tar(path: str, shard_name: str, sidecar_out: str) -> tuple[int, list[s
     current: str | None = None
     current_fields: set[str] = set()
     end = 0
-    with open(path, "rb") as f:
+    fd = open_regular_file(path, shard_name)
+    try:
         for name, header_at, data_at, size in iter_members(path, shard_name):
             if name.startswith("/") or ".." in name.split("/"):
                 raise unsafe(shard_name, f"member name {name!r} is absolute or contains '..'")
@@ -584,15 +672,21 @@ def index_tar(path: str, shard_name: str, sidecar_out: str) -> tuple[int, list[s
             if key != current:
                 if key in seen:
                     raise CorruptShardError(f"{shard_name}: members of sample {key!r} are not adjacent")
+                if len(key.encode("utf-8", "surrogateescape")) > MAX_KEY_BYTES:
+                    raise CorruptShardError(f"{shard_name}: key {key[:80]!r}... is longer than {MAX_KEY_BYTES} bytes")
                 seen.add(key)
                 current, current_fields = key, set()
                 builder.start_sample(key, header_at)
             if field in current_fields:
                 raise CorruptShardError(f"{shard_name}: sample {key!r} has field {field!r} twice")
+            if field not in builder.names:
+                _check_tar_field(field, f"{shard_name}: member {name!r}")
             current_fields.add(field)
-            digest = xxhash.xxh3_64_intdigest(os.pread(f.fileno(), size, data_at))
+            digest = _hash_range(fd, data_at, size, f"{shard_name}: member {name!r}")
             builder.add_member(field, data_at, size, digest)
             end = data_at + size + _pad(size)
+    finally:
+        os.close(fd)
     with open(sidecar_out, "wb") as out:
         out.write(builder.to_bytes(end))
     return len(builder.sample_start), builder.fields
