@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import gc
+import io
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from torch.utils.data import DataLoader
 
 from streamload import CorruptShardError, SampleError, StreamingDataset
@@ -199,3 +201,19 @@ def test_in_process_buffers_recycled_only_after_last_view_dies() -> None:
     gc.collect()
     third, _ = batch_buffer(800, shared=False)
     assert third.data_ptr() == ptr  # recycled
+
+
+@pytest.mark.parametrize("label", [b"9" * 30, b"-" + b"9" * 19, b"12a", b"\xff"])
+def test_a_label_that_is_not_an_int64_names_the_sample(tmp_path: Path, label: bytes) -> None:
+    from streamload.decode import DecodeBatch
+    from streamload.writer import DatasetWriter
+
+    image = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(image, format="PNG")
+    with DatasetWriter(str(tmp_path), format="tar", max_samples=4) as writer:
+        writer.write({"__key__": "ok", "png": image.getvalue(), "cls": b"1"})
+        writer.write({"__key__": "bad", "png": image.getvalue(), "cls": label})
+    for collate in (RawCollate(), DecodeBatch(8)):
+        ds = StreamingDataset(str(tmp_path), batch_size=2, collate=collate)
+        with pytest.raises(SampleError, match="'bad'.*cls"):
+            next(iter(ds))
