@@ -294,6 +294,7 @@ def test_memory_url_round_trip_and_second_epoch_from_cache(memory_dataset: str, 
     first = [s["txt"] for s in ds]
     assert first == [f"sample {i}".encode() for i in range(23)]
     storage = ds._get_storage()
+    storage.close()  # joins read-ahead still finishing the first epoch's downloads
     downloads = storage.stats.downloads  # type: ignore[attr-defined]
     assert [s["txt"] for s in ds] == first
     assert storage.stats.downloads == downloads  # type: ignore[attr-defined]

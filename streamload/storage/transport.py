@@ -227,8 +227,9 @@ class RemoteFiles:
 
         With ``max_bytes`` (the file's size from its entry, which the cache reserved), the
         file is fetched as concurrent ranged GETs planned by :class:`PartPlanner` (no
-        size request first); each part is retried alone, and a part that comes back
-        short is a :class:`~streamload.CorruptShardError` at once. Without it (or for
+        size request first; the last part asks for one byte more); each part is retried
+        alone, and an object shorter or longer than ``max_bytes`` is a
+        :class:`~streamload.CorruptShardError` at once. Without it (or for
         HTTP servers, which may not serve ranges), one sequential stream that resumes at
         the byte where it stopped.
         """
@@ -249,12 +250,15 @@ class RemoteFiles:
                 if cancelled():
                     return
                 began = time.monotonic()
-                data = self.call("download", name, lambda: self.fs.cat_file(path, start=start, end=end), stop=stop)
-                self.planner.observe(end - start, time.monotonic() - began)
+                # The last part asks for one byte more: an object longer than its entry shows itself.
+                ask = end + 1 if end == size else end
+                data = self.call("download", name, lambda: self.fs.cat_file(path, start=start, end=ask), stop=stop)
+                self.planner.observe(len(data), time.monotonic() - began)
                 if len(data) != end - start:
+                    what = "longer" if len(data) > end - start else "shorter"
                     raise CorruptShardError(
-                        f"{self.url_of(name)}: bytes {start}-{end} came back as {len(data)} bytes: "
-                        "the object is shorter than its entry says"
+                        f"{self.url_of(name)}: the object is {what} than the {size} bytes its entry says "
+                        f"(bytes {start}-{end} came back as {len(data)})"
                     )
                 os.pwrite(fd, data, start)
 

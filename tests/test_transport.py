@@ -1,0 +1,116 @@
+"""Downloads as concurrent ranged GETs, against the real S3 server (direct and as a far bucket)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from streamload._errors import CorruptShardError
+from streamload.storage.retry import RetryPolicy
+from streamload.storage.transport import PartPlanner, RemoteFiles
+from tests.s3server import SeaweedS3
+from tests.shaping import ShapedS3
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+SIZE = 5 * 2**20 + 12345  # not a multiple of any part size
+
+
+@pytest.fixture(scope="module")
+def blob(s3_server: SeaweedS3) -> tuple[str, bytes]:
+    bucket = s3_server.make_bucket()
+    data = os.urandom(SIZE)
+    s3_server.filesystem().pipe(f"{bucket}/blob.bin", data)
+    return f"s3://{bucket}", data
+
+
+def _files(url: str, options: dict[str, Any], part_size: int) -> RemoteFiles:
+    files = RemoteFiles(url, options, RetryPolicy(timeout=20, initial_delay=0.05))
+    files.planner = PartPlanner(part_size=part_size, max_concurrency=4)
+    return files
+
+
+def _count_ranges(files: RemoteFiles, fail: set[int] | None = None) -> Counter[tuple[int, int]]:
+    """Count every ranged read of ``files``; the first read of each start in ``fail`` raises a reset."""
+    calls: Counter[tuple[int, int]] = Counter()
+    lock = threading.Lock()
+    fs = files.fs
+    real = fs.cat_file
+
+    def cat_file(path: str, start: int | None = None, end: int | None = None, **kw: Any) -> bytes:
+        with lock:
+            calls[(start or 0, end or -1)] += 1
+            first = calls[(start or 0, end or -1)] == 1
+        if fail and start in fail and first:
+            raise ConnectionResetError(f"injected reset at byte {start}")
+        data: bytes = real(path, start=start, end=end, **kw)
+        return data
+
+    fs.cat_file = cat_file
+    return calls
+
+
+@pytest.mark.parametrize("where", ["loopback", "shaped"])
+def test_parts_reassemble_to_the_file(
+    where: str, blob: tuple[str, bytes], s3_server: SeaweedS3, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    url, data = blob
+    endpoint: SeaweedS3 | ShapedS3 = s3_server if where == "loopback" else request.getfixturevalue("shaped_s3")
+    files = _files(url, endpoint.storage_options(), part_size=2**20)
+    calls = _count_ranges(files)
+    part = tmp_path / "blob.part"
+    part.write_bytes(b"stale bytes from an earlier try")
+    assert files.download("blob.bin", str(part), lambda: False, max_bytes=SIZE) == SIZE
+    assert part.read_bytes() == data
+    planned = files.planner.parts(SIZE)
+    asked = [*planned[:-1], (planned[-1][0], SIZE + 1)]  # the last part asks one byte more
+    assert sorted(calls) == asked and len(planned) == 6, "one GET per planned part, each once"
+    assert all(n == 1 for n in calls.values())
+
+
+def test_a_failed_part_is_retried_alone(blob: tuple[str, bytes], s3_server: SeaweedS3, tmp_path: Path) -> None:
+    url, data = blob
+    files = _files(url, s3_server.storage_options(), part_size=2**20)
+    planned = files.planner.parts(SIZE)
+    failing = planned[3][0]
+    calls = _count_ranges(files, fail={failing})
+    part = tmp_path / "blob.part"
+    part.touch()
+    files.download("blob.bin", str(part), lambda: False, max_bytes=SIZE)
+    assert part.read_bytes() == data
+    assert calls[planned[3]] == 2, "the failed part was fetched again"
+    asked = [*planned[:-1], (planned[-1][0], SIZE + 1)]  # the last part asks one byte more
+    assert all(calls[p] == 1 for p in asked if p != planned[3]), "and no other part was"
+
+
+@pytest.mark.parametrize(("claimed", "what"), [(SIZE + 100, "shorter"), (SIZE - 100, "longer")])
+def test_an_object_of_another_size_than_its_entry_is_corrupt(
+    blob: tuple[str, bytes], s3_server: SeaweedS3, tmp_path: Path, claimed: int, what: str
+) -> None:
+    url, _ = blob
+    files = _files(url, s3_server.storage_options(), part_size=2**20)
+    part = tmp_path / "blob.part"
+    part.touch()
+    with pytest.raises(CorruptShardError, match=rf"blob\.bin.*{what} than the {claimed} bytes"):
+        files.download("blob.bin", str(part), lambda: False, max_bytes=claimed)
+
+
+def test_the_planner_sizes_parts_from_latency_and_rate() -> None:
+    near = PartPlanner(latency=0.001, rate=1e9)
+    far = PartPlanner(latency=0.1, rate=40e6)
+    assert near.chosen_part_size() == near.min_part  # little latency to hide: small parts
+    assert far.chosen_part_size() == 16 * 2**20  # 4 x 100 ms x 40 MB/s, capped at max_part
+    assert far.concurrency(64 * 2**20) == 4 and far.concurrency(1000) == 1
+    parts = far.parts(64 * 2**20 + 1)
+    assert parts[0][0] == 0 and parts[-1][1] == 64 * 2**20 + 1
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:], strict=False))
+    # Measurements move the estimates: slow large parts lower the rate, slow small ones raise the latency.
+    far.observe(16 * 2**20, 2.0)
+    assert far.rate < 40e6
+    far.observe(1000, 0.3)
+    assert far.latency > 0.1
