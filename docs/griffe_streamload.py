@@ -14,6 +14,7 @@ excluded from the site itself.
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +50,25 @@ class SubpackageElsewhere(griffe.Extension):
             if path.name != "__init__.py":
                 module = griffe.visit(path.stem, path, path.read_text(encoding="utf-8"), parent=package, **options)
                 package.set_member(path.stem, module)
+
+
+_ROLE = re.compile(r":(?:class|func|meth|mod|data|attr|exc|obj|py:\w+):`~?([^`]+)`")
+
+
+class SphinxRoles(griffe.Extension):
+    """Show the docstrings' Sphinx cross-reference roles (``:class:`~a.B```) as code (`` `B` ``).
+
+    The docstrings are read by Python tooling that understands the roles; the Markdown
+    site would otherwise show them raw. A ``~`` keeps only the last dotted name, as Sphinx does.
+    """
+
+    def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
+        """Rewrite the roles of every object's docstring."""
+        if obj.docstring is not None:
+            obj.docstring.value = _ROLE.sub(_as_code, obj.docstring.value)
+
+
+def _as_code(match: re.Match[str]) -> str:
+    target = match.group(1)
+    whole = match.group(0)
+    return f"`{target.rsplit('.', 1)[-1] if '`~' in whole else target}`"

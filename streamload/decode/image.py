@@ -234,8 +234,8 @@ class ImageDecoder:
         """Decode ``data`` into ``out`` (a ``uint8`` array of :attr:`shape`, e.g. a batch slot).
 
         Raises:
-            ValueError / OSError: From the decoder, for data that is not a valid image
-            (the caller names the sample).
+            ValueError: From the decoder, for data that is not a valid image (the caller
+                names the sample); ``OSError`` likewise, from Pillow.
         """
         if self._use_simplejpeg and bytes(data[:2]) == _JPEG_MAGIC:
             img, box = self._simplejpeg(data, rng)
