@@ -224,7 +224,7 @@ class TarShardReader(ShardReader):
         sidecar = self.entry.sidecar
         if sidecar is None or sidecar.hash is None:
             return
-        hasher = new_hasher(algorithm_of(sidecar.hash))
+        hasher = new_hasher(sidecar.algorithm or algorithm_of(sidecar.hash))
         hasher.update(raw)
         if hasher.hexdigest() != sidecar.hash:
             raise CorruptShardError(f"{self.entry.name}: sidecar {sidecar.name} does not match its manifest hash")
