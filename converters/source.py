@@ -13,7 +13,19 @@ from typing import Any
 
 from streamload.manifest import SkippedInput
 
-__all__ = ["Item", "ScanResult", "Source"]
+__all__ = ["Item", "ScanResult", "Source", "printable"]
+
+
+def printable(text: str) -> str:
+    r"""Return ``text`` safe to encode as UTF-8 (manifests, messages).
+
+    File names that are not valid UTF-8 reach Python as lone surrogates
+    (``surrogateescape``); their bytes are shown as ``\xff`` escapes instead.
+    """
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # surrogates no file name produces
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(frozen=True)
