@@ -250,10 +250,15 @@ def _walk(root: str, cls: str) -> Iterator[tuple[str, str, int | str]]:
     hidden names (``.``) skipped. Iterative: no recursion limit on deep trees.
     """
     try:
-        ancestors = frozenset({_ident(os.stat(root)), _ident(os.stat(os.path.join(root, cls)))})
+        top = _ident(os.stat(os.path.join(root, cls)))
+        ancestors = _chain(root)  # the root and every folder above it: a link to one is a loop
     except OSError as exc:
         yield "problem", cls + "/", f"cannot read: {_reason(exc)}"
         return
+    if top in ancestors:
+        yield "problem", cls + "/", "link loop: this class folder leads back to the image folder or above it"
+        return
+    ancestors |= {top}
     stack: list[tuple[str, frozenset[tuple[int, int]]]] = [(cls, ancestors)]
     while stack:
         rel, above = stack.pop()
@@ -285,6 +290,18 @@ def _walk(root: str, cls: str) -> Iterator[tuple[str, str, int | str]]:
 
 def _ident(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
+
+
+def _chain(path: str) -> frozenset[tuple[int, int]]:
+    """The identities of ``path`` and of every folder above it."""
+    out = {_ident(os.stat(path))}
+    current = os.path.realpath(path)
+    while True:
+        out.add(_ident(os.stat(current)))
+        parent = os.path.dirname(current)
+        if parent == current:
+            return frozenset(out)
+        current = parent
 
 
 def _assign_keys(items: list[ImageItem]) -> list[Item]:

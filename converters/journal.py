@@ -214,8 +214,8 @@ class Journal:
                 return JournalState(complete=manifest)
             elif resume:
                 raise ConfigError(
-                    f"{where} already holds a complete dataset, made from another source or with other options: "
-                    "there is nothing to resume. Use --overwrite to replace it."
+                    f"{where} already holds a complete dataset, made from another source, with other options or "
+                    "by an older streamload: there is nothing to resume. Use --overwrite to replace it."
                 )
             raise ConfigError(f"{where} already holds a dataset (index.json); use --overwrite to replace it")
         if foreign:

@@ -509,14 +509,25 @@ def test_unreadable_and_special_entries_are_listed(folder: Path, tmp_path: Path)
     (src / "class_000" / "dangling.jpg").symlink_to(tmp_path / "nowhere.jpg")
     (src / "class_000" / "loop.jpg").symlink_to(src / "class_000" / "loop.jpg")
     (src / "class_000" / "back").symlink_to(src / "class_000")  # a folder loop
+    (src / "class_000" / "up").symlink_to(tmp_path)  # above the image folder: a loop too
+    (src / "zz_root").symlink_to(src)  # a class that is the image folder itself
     os.mkfifo(src / "class_001" / "pipe.jpg")
     with pytest.raises(SourceError):
         convert(ImageFolderSource(str(src)), str(tmp_path / "o1"), ConvertOptions(progress=False))
     report = convert(ImageFolderSource(str(src)), str(tmp_path / "o2"), ConvertOptions(progress=False, on_error="skip"))
     listed = {s.path: s.error for s in report.skipped}
-    assert set(listed) == {"class_000/dangling.jpg", "class_000/loop.jpg", "class_000/back/", "class_001/pipe.jpg"}
+    assert set(listed) == {
+        "class_000/dangling.jpg",
+        "class_000/loop.jpg",
+        "class_000/back/",
+        "class_000/up/",
+        "class_001/pipe.jpg",
+        "zz_root/",
+    }
     assert "loop" in listed["class_000/back/"] and "regular file" in listed["class_001/pipe.jpg"]
+    assert "loop" in listed["zz_root/"] and "loop" in listed["class_000/up/"]
     assert report.manifest.num_samples == 24
+    assert report.manifest.classes == ("class_000", "class_001", "class_002", "zz_root")
 
 
 # -- case 9: the umask ---------------------------------------------------------------
