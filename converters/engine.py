@@ -403,8 +403,9 @@ def _check_paths(source: Source, dst: str) -> None:
         path = local_path_of(dst)
         for root in [source.root, *source.class_dirs()]:
             if _within(path, root):
+                where = "" if root == source.root else f" (in its linked class folder {printable(root)})"
                 raise ConfigError(
-                    f"DST {dst} is inside the image folder {printable(source.root)} (at {printable(root)}): "
+                    f"DST {dst} is inside the image folder {printable(source.root)}{where}: "
                     "the next conversion would read it back as a class or as images. Write it outside SRC."
                 )
 

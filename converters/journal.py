@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from streamload._errors import ConfigError, ManifestError, StreamloadError
+from streamload._files import check_file_name
 from streamload.manifest import MANIFEST_NAME, FileEntry, Manifest, ShardEntry, SkippedInput
 from streamload.storage import Destination
 from streamload.storage.destination import LOCAL_LOCK_NAME, REMOTE_LOCK_NAME, STAGING_PREFIX
@@ -83,6 +84,15 @@ def _files_of(manifest: Manifest) -> set[str]:
         if entry.sidecar is not None:
             out.add(entry.sidecar.name)
     return out
+
+
+def _plain(name: str) -> bool:
+    """True if ``name`` is a plain file name streamload could have written (never a path)."""
+    try:
+        check_file_name(name, "file name")
+    except StreamloadError:
+        return False
+    return True
 
 
 def _names(value: Any) -> set[str]:
@@ -175,8 +185,10 @@ class Journal:
                     "(it never deletes or replaces such a file); move it away or convert into another destination"
                 )
             old = (_files_of(manifest) if manifest is not None and manifest_is_ours else set()) | self._job_files(job)
-            old |= {self._shard_of_marker(n) for n in names if _is_marker(n)}
-            self.replaces = sorted((old & names) - set(self.outputs) - {MANIFEST_NAME} - _OURS)
+            for name in names:
+                if _is_marker(name):
+                    old |= {self._shard_of_marker(name), self._shard_of_marker(name) + ".idx"}
+            self.replaces = sorted(n for n in (old & names) - set(self.outputs) - {MANIFEST_NAME} - _OURS if _plain(n))
             self._write_job()  # first: the files of the old dataset stay known as ours after a crash
             if manifest is not None:
                 self.dest.remove(MANIFEST_NAME)  # then: never leave a stale complete-looking dataset
@@ -196,12 +208,13 @@ class Journal:
                     "or with --overwrite to start over"
                 )
             self._check_job(job)
-            self.replaces = sorted(_names(job.get("replaces")))
+            self.replaces = sorted(n for n in _names(job.get("replaces")) if _plain(n))
             if manifest is not None:
-                if plan_of(manifest) == self.fingerprint:  # published, then killed before the journal was removed
-                    self._check_complete(manifest)
+                # Published, then killed before the journal was removed: done, unless a file
+                # went missing since (then the journal finishes the job like any other).
+                if plan_of(manifest) == self.fingerprint and self._missing(manifest) is None:
                     return JournalState(complete=manifest)
-                self.dest.remove(MANIFEST_NAME)  # the dataset this job replaces (its files are in `replaces`)
+                self.dest.remove(MANIFEST_NAME)  # or the dataset this job replaces (its files are in `replaces`)
             self.dest.clean_staging()
             reusable = self._reusable(hash_algorithm)
             self._write_job()
@@ -308,15 +321,22 @@ class Journal:
                 "another input set; --resume would mix them. Use --overwrite to start over."
             )
 
-    def _check_complete(self, manifest: Manifest) -> None:
-        """Check that every file of a complete ``manifest`` is there with its size."""
+    def _missing(self, manifest: Manifest) -> str | None:
+        """Return the first file of ``manifest`` that is missing or of another size, if any."""
         for entry in manifest.shards:
             for f in (entry, entry.sidecar):
                 if f is not None and self.dest.exists(f.name) != f.num_bytes:
-                    raise ConfigError(
-                        f"{self.dest.url} holds this conversion, complete, but {f.name} is missing or has "
-                        "another size: run `streamload verify` on it, or convert again with --overwrite"
-                    )
+                    return f.name
+        return None
+
+    def _check_complete(self, manifest: Manifest) -> None:
+        """Check that every file of a complete ``manifest`` is there with its size."""
+        missing = self._missing(manifest)
+        if missing is not None:
+            raise ConfigError(
+                f"{self.dest.url} holds this conversion, complete, but {missing} is missing or has "
+                "another size: run `streamload verify` on it, or convert again with --overwrite"
+            )
 
     def _reusable(self, hash_algorithm: str | None) -> dict[str, ShardResult]:
         out: dict[str, ShardResult] = {}

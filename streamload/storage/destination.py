@@ -391,8 +391,12 @@ class RemoteLock(DestinationLock):
         if holder is not None and holder.get("token") != self.owner["token"] and not self._stale(holder):
             raise _busy(self.url, holder)
         self._write()
-        time.sleep(self.settle_s)
-        holder = self._read()
+        try:
+            time.sleep(self.settle_s)
+            holder = self._read()
+        except BaseException:  # interrupted while settling: leave no lock object of ours behind
+            self._remove_if_ours()
+            raise
         if holder is None or holder.get("token") != self.owner["token"]:
             raise _busy(self.url, holder, " (it took the lock at the same moment)")
         self.held = True
@@ -434,6 +438,9 @@ class RemoteLock(DestinationLock):
         if self._thread is not None:
             self._thread.join(timeout=60)
             self._thread = None
+        self._remove_if_ours()
+
+    def _remove_if_ours(self) -> None:
         try:
             holder = self._read()
             if holder is not None and holder.get("token") == self.owner["token"]:
