@@ -393,6 +393,8 @@ def _check_paths(source: Source, dst: str) -> None:
             raise ConfigError(f"the destination {dst!r} names no directory")
         if os.path.lexists(path) and not os.path.isdir(path):
             raise ConfigError(f"the destination {dst} exists and is not a directory")
+    elif not _normal_url(dst).partition("://")[2]:
+        raise ConfigError(f"the destination {dst!r} names no bucket or path")
     if isinstance(source, DatasetSource) and _same_place(source.url, dst):
         raise ConfigError(
             f"SRC {source.url} and DST {dst} are the same dataset: converting it in place would destroy its "

@@ -619,6 +619,7 @@ def _src_with_only_empty_classes(tmp_path: Path) -> Path:
         "seed-negative",
         "dst-is-parent-of-src",
         "dst-unwritable",
+        "dst-url-without-bucket",
     ],
 )
 def test_careless_input_is_a_clear_error_never_a_traceback(folder: Path, tmp_path: Path, case: str, capsys) -> None:
@@ -668,6 +669,8 @@ def test_careless_input_is_a_clear_error_never_a_traceback(folder: Path, tmp_pat
         else:
             (tmp_path / "ro").mkdir(mode=0o555)
             dst = tmp_path / "ro" / "out"
+    elif case == "dst-url-without-bucket":
+        dst = "s3://"
     args = ["convert", str(src), str(dst), "--no-progress", *extra]
     if "--shard-size" not in extra and "--samples-per-shard" not in extra:
         args += ["--samples-per-shard", "5"]

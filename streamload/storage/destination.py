@@ -290,6 +290,16 @@ class LocalLock(DestinationLock):
             self.held = False
 
 
+def _upload(files: RemoteFiles, local: str, name: str) -> None:
+    """Upload, saying what "not found" means when writing: no such bucket or container."""
+    try:
+        files.upload(local, name)
+    except ShardNotFoundError as exc:
+        raise StorageError(
+            f"cannot write {files.url_of(name)}: the bucket (or container) does not exist or is not writable"
+        ) from exc
+
+
 def _read_holder(fd: int) -> dict[str, Any] | None:
     try:
         holder = json.loads(os.pread(fd, 4096, 0) or b"null")
@@ -363,7 +373,7 @@ class RemoteLock(DestinationLock):
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(json.dumps(self.owner, sort_keys=True).encode())
-            self.files.upload(staged, REMOTE_LOCK_NAME)
+            _upload(self.files, staged, REMOTE_LOCK_NAME)
         finally:
             os.unlink(staged)
 
@@ -553,7 +563,7 @@ class RemoteDestination(Destination):
 
     def commit(self, staged: str, name: str) -> None:
         """Upload ``staged`` as ``name`` (retried), then delete the local file."""
-        self.files.upload(staged, name)
+        _upload(self.files, staged, name)
         os.unlink(staged)
 
     def exists(self, name: str) -> int | None:
