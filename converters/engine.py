@@ -466,12 +466,16 @@ def _plan(scanned: Sequence[Item], options: ConvertOptions) -> list[tuple[int, l
 
 def _job(source: Source, options: ConvertOptions) -> dict[str, Any]:
     """What must not change between an interrupted run and its resume."""
-    return {
+    job: dict[str, Any] = {
         "source": source.describe(),
         "format": options.format,
         "hash": options.hash_algorithm,
         "on_error": options.on_error,
     }
+    settings = source.settings()
+    if settings:  # only when there are some: fingerprints of other sources stay as they were
+        job["source_settings"] = settings
+    return job
 
 
 def _run_tasks(

@@ -143,6 +143,10 @@ class ImageFolderSource(Source):
         """Return the root path (printable) for the manifest."""
         return {"source": printable(self.root)}
 
+    def settings(self) -> dict[str, Any]:
+        """Return how images are checked: a resume must check them the same way."""
+        return {"check": self.check}
+
     def class_dirs(self) -> list[str]:
         """Return the paths of the class folders (symbolic links as they are)."""
         return [os.path.join(self.root, name) for name in self._class_names]

@@ -77,3 +77,10 @@ class Source(ABC):
     def meta(self) -> dict[str, Any]:
         """Return JSON metadata about the source for the manifest."""
         return {"source": self.describe()}
+
+    def settings(self) -> dict[str, Any]:
+        """Return the source's own settings that shape the output (JSON).
+
+        A resumed conversion must have the same ones (they are part of its fingerprint).
+        """
+        return {}

@@ -732,6 +732,19 @@ def test_a_failed_start_leaves_no_empty_destination(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+def test_resume_with_another_image_check_is_refused(folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    from streamload.converters import journal
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(journal.Journal, "finish", lambda self: None)
+        assert _convert(folder, out) == 0  # --check none (FAST)
+    (out / MANIFEST_NAME).unlink()  # as if killed before the manifest
+    args = ["convert", str(folder), str(out), "--samples-per-shard", "5", "--no-progress", "--resume"]
+    assert main([*args, "--check", "decode"]) == 2  # would mix shards checked two ways
+    assert main([*args, "--check", "none"]) == 0
+
+
 def test_a_corrupt_journal_marker_is_redone_not_a_crash(folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     reference = tmp_path / "ref"
