@@ -27,9 +27,17 @@ __all__ = [
 
 
 def open_source(src: str, storage_options: dict[str, object] | None = None) -> Source:
-    """Return the source for ``src``: an existing dataset if it holds ``index.json``, else an image folder."""
+    """Return the source for ``src``: an existing dataset if it holds ``index.json``, else an image folder.
+
+    Raises:
+        ConfigError: If ``src`` is empty.
+        SourceError: If a local ``src`` is not a readable folder.
+    """
+    from streamload._errors import ConfigError
     from streamload.storage import is_local, local_path_of
 
+    if not src or (is_local(src) and not local_path_of(src)):
+        raise ConfigError(f"the source {src!r} names no folder or dataset")
     if is_local(src):
         import os
 

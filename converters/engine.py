@@ -5,12 +5,22 @@ The engine decides every shard's content *before* any worker starts: items are l
 bytes. Each worker process writes whole shards, so the output is byte-identical for any
 number of workers. Shards are staged under temporary names and published when complete;
 ``index.json`` is published last, only if every shard succeeded.
+
+A conversion never destroys or silently mixes data. Before anything is written it
+refuses a destination that is its own source (an in-place re-shard: convert into a new
+location instead) or lies inside the image folder it reads; it takes the destination's
+lock (:meth:`~streamload.storage.Destination.lock`) for its whole run, so a second
+conversion into the same destination fails at once naming the first; and the journal
+(:mod:`.journal`) refuses destinations holding files streamload did not write. Keys are
+checked unique over the whole scan. After a failure no staged file is left behind.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -19,19 +29,30 @@ from typing import Any, Literal
 
 import numpy as np
 
-from streamload._errors import ConfigError, ConversionInterrupted, SourceError
+from streamload._errors import (
+    ConfigError,
+    ConversionInterrupted,
+    SampleError,
+    SourceError,
+    StorageError,
+    StreamloadError,
+)
 from streamload._units import parse_bytes
-from streamload.formats import Format, get_format
+from streamload.formats import Format, check_sample, get_format
 from streamload.manifest import HASH_ALGORITHMS, Manifest, SkippedInput
-from streamload.storage import Destination, open_destination
+from streamload.storage import Destination, is_local, local_path_of, open_destination
 from streamload.writer import ShardResult, publish_manifest, write_shard
 
+from .dataset_source import DatasetSource
+from .imagefolder import ImageFolderSource
 from .journal import Journal, plan_fingerprint
-from .source import Item, Source
+from .source import Item, Source, printable
 
 __all__ = ["ConvertOptions", "ConvertReport", "convert", "plan_shards"]
 
 DEFAULT_SHARD_BYTES = 128 * 10**6
+#: Most conversion processes accepted (each is a full process; more only thrash).
+MAX_WORKERS = 1024
 
 
 @dataclass(frozen=True)
@@ -69,26 +90,58 @@ class ConvertOptions:
 
     def validate(self) -> None:
         """Raise :class:`~streamload.ConfigError` for impossible values."""
-        if self.workers < 1:
-            raise ConfigError(f"workers={self.workers} must be >= 1")
-        if self.samples_per_shard is not None and self.samples_per_shard < 1:
-            raise ConfigError(f"samples_per_shard={self.samples_per_shard} must be >= 1")
+        if not isinstance(self.workers, int) or not 1 <= self.workers <= MAX_WORKERS:
+            raise ConfigError(f"workers={self.workers!r} must be between 1 and {MAX_WORKERS}")
+        if self.samples_per_shard is not None and (
+            not isinstance(self.samples_per_shard, int) or self.samples_per_shard < 1
+        ):
+            raise ConfigError(f"samples_per_shard={self.samples_per_shard!r} must be >= 1")
+        max_bytes = self.max_shard_bytes()
+        if self.samples_per_shard is None and max_bytes is not None and max_bytes < 1:
+            raise ConfigError(f"shard_bytes={self.shard_bytes!r} must be at least 1 byte")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"seed={self.seed!r} must be an integer >= 0")
         if self.on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error={self.on_error!r} must be 'raise' or 'skip'")
         if self.hash_algorithm not in HASH_ALGORITHMS:
             raise ConfigError(f"hash_algorithm={self.hash_algorithm!r} must be one of {HASH_ALGORITHMS}")
         get_format(self.format)
 
+    def max_shard_bytes(self) -> int | None:
+        """Return ``shard_bytes`` as a number of bytes (``None``: no byte limit).
+
+        Raises:
+            ConfigError: If it is not a byte size.
+        """
+        if self.shard_bytes is None:
+            return None
+        try:
+            return parse_bytes(self.shard_bytes, name="shard_bytes")
+        except (OverflowError, ValueError) as exc:  # a size too large for a float
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"shard_bytes={self.shard_bytes!r} is not a usable byte size") from exc
+
 
 @dataclass
 class ConvertReport:
-    """What a conversion did."""
+    """What a conversion did.
+
+    Attributes:
+        manifest: The manifest written (or found, if ``already_complete``).
+        seconds: Wall time of the call.
+        payload_bytes: Payload bytes written by this call.
+        ignored: Files of the source that are not inputs.
+        resumed: Shards reused from an interrupted run.
+        already_complete: ``--resume`` found this very conversion complete: nothing was written.
+    """
 
     manifest: Manifest
     seconds: float
     payload_bytes: int
     ignored: list[SkippedInput]
     resumed: int = 0
+    already_complete: bool = False
 
     @property
     def skipped(self) -> tuple[SkippedInput, ...]:
@@ -98,6 +151,11 @@ class ConvertReport:
     def summary(self) -> str:
         """Return a one-paragraph human summary."""
         m = self.manifest
+        if self.already_complete:
+            return (
+                f"nothing to do: the destination already holds this conversion, complete "
+                f"({m.num_samples} samples in {len(m.shards)} {m.format} shards, {m.num_bytes / 1e6:.1f} MB)"
+            )
         rate = self.payload_bytes / max(self.seconds, 1e-9) / 1e6
         return (
             f"wrote {m.num_samples} samples in {len(m.shards)} {m.format} shards "
@@ -136,8 +194,17 @@ def plan_shards(items: Sequence[Item], max_bytes: int | None, max_samples: int |
 _STATE: dict[str, Any] = {}
 
 
-def _init_worker(source: Source, fmt: Format, dest: Destination, options: ConvertOptions) -> None:
+def _init_worker(source: Source, fmt: Format, dest: Destination, options: ConvertOptions, parent: int = 0) -> None:
     _STATE.update(source=source, fmt=fmt, dest=dest, options=options)
+    if parent and sys.platform.startswith("linux"):
+        # A worker dies with the conversion: killed, it must not go on writing shards
+        # into a destination whose lock it never held.
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(1)
 
 
 def _write_task(task: tuple[int, list[Item]]) -> ShardResult:
@@ -150,11 +217,16 @@ def _write_task(task: tuple[int, list[Item]]) -> ShardResult:
     def samples() -> Iterator[dict[str, Any]]:
         for item in items:
             try:
-                yield source.load(item)
-            except SourceError as exc:
+                sample = source.load(item)
+                check_sample(sample)  # a sample the writer would refuse is a broken input, named
+            except (SourceError, SampleError, UnicodeError) as exc:
                 if options.on_error == "raise":
-                    raise
-                skipped.append(SkippedInput(source.origin(item), str(exc)))
+                    if isinstance(exc, SourceError):
+                        raise
+                    raise SourceError(f"{printable(source.origin(item))}: {printable(str(exc))}") from exc
+                skipped.append(SkippedInput(printable(source.origin(item)), printable(str(exc))))
+                continue
+            yield sample
 
     result = write_shard(fmt, _STATE["dest"], fmt.shard_name(index), samples(), options.hash_algorithm)
     result.skipped = skipped
@@ -179,30 +251,76 @@ def convert(
         on_progress: Called with ``(samples_done, payload_bytes_done)`` after each shard.
 
     Returns:
-        A :class:`ConvertReport` with the manifest written.
+        A :class:`ConvertReport` with the manifest written. With ``resume`` on a
+        destination that already holds this very conversion, complete, nothing is written
+        and the report says ``already_complete``.
 
     Raises:
-        SourceError: At the first broken input under ``on_error="raise"``.
+        SourceError: At the first broken input under ``on_error="raise"``, or if there is
+            nothing to convert.
+        ConfigError: If ``dst`` is ``source`` itself or inside the image folder, or holds
+            data the options do not allow to touch (see :class:`~.journal.Journal`).
+        StorageError: If another conversion is writing ``dst`` (naming it), or writing fails.
     """
     options = options or ConvertOptions()
     options.validate()
     started = time.perf_counter()
     fmt = get_format(options.format)
+    _check_paths(source, dst)
+    try:
+        dest = open_destination(dst, options.storage_options)
+    except StreamloadError:
+        raise
+    except OSError as exc:
+        raise StorageError(f"cannot write to {dst}: {exc.strerror or exc}") from exc
+    try:
+        with dest.lock() as lock:
+            report = _convert_locked(source, dst, dest, fmt, options, on_progress, lock.check)
+    except StreamloadError:
+        raise
+    except OSError as exc:  # the destination's disk, permissions...: name it, no traceback
+        raise StorageError(f"writing {dst} failed: {printable(str(exc))}") from exc
+    finally:
+        dest.close()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _convert_locked(
+    source: Source,
+    dst: str,
+    dest: Destination,
+    fmt: Format,
+    options: ConvertOptions,
+    on_progress: Callable[[int, int], None] | None,
+    check_lock: Callable[[], None],
+) -> ConvertReport:
+    """The conversion proper, with the destination locked."""
     scan = source.scan()
-    if scan.problems and options.on_error == "raise":
-        first = scan.problems[0]
-        raise SourceError(f"{source.describe()}/{first.path}: {first.error} (use on_error='skip' to go on)")
-    tasks = _plan(scan.items, options)
-    dest = open_destination(dst, options.storage_options)
+    items, clashes = _unique_keys(source, scan.items)
+    problems = [*scan.problems, *clashes]
+    if problems and options.on_error == "raise":
+        first = problems[0]
+        raise SourceError(f"{printable(source.describe())}/{first.path}: {first.error} (use on_error='skip' to go on)")
+    if not items:
+        raise SourceError(f"{printable(source.describe())}: nothing to convert: no readable input was found")
+    tasks = _plan(items, options)
     names = [fmt.shard_name(index) for index, _ in tasks]
-    journal = Journal(dest, plan_fingerprint(_job(source, options), tasks), names)
-    done = journal.open(options.resume, options.overwrite, options.hash_algorithm)
+    sidecars = [fmt.sidecar_name(name) or name + ".idx" for name in names]
+    fingerprint = plan_fingerprint(_job(source, options), tasks)
+    journal = Journal(dest, fingerprint, names, [*names, *sidecars])
+    state = journal.open(options.resume, options.overwrite, options.hash_algorithm)
+    if state.complete is not None:
+        journal.finish()
+        return ConvertReport(state.complete, 0.0, 0, scan.ignored, len(state.complete.shards), already_complete=True)
+    done = state.reusable
     results: dict[str, ShardResult] = dict(done)
     todo = [task for task in tasks if fmt.shard_name(task[0]) not in done]
-    bar = _Progress(len(scan.items), options.progress)
+    bar = _Progress(len(items), options.progress)
     bar.update(sum(r.entry.num_samples + len(r.skipped) for r in done.values()), 0)
+    running = _run_tasks(todo, source, fmt, dest, options)
     try:
-        for result in _run_tasks(todo, source, fmt, dest, options):
+        for result in running:
             journal.record(result)
             results[result.entry.name] = result
             bar.update(result.entry.num_samples + len(result.skipped), result.payload_bytes)
@@ -211,18 +329,129 @@ def convert(
                     sum(r.entry.num_samples for r in results.values()), sum(r.payload_bytes for r in results.values())
                 )
     except KeyboardInterrupt as exc:
+        _stop(running, dest)
         raise ConversionInterrupted(
             f"conversion into {dst} interrupted after {len(results)} of {len(tasks)} shards; "
             "run the same command with --resume to finish it"
         ) from exc
+    except BaseException:
+        _stop(running, dest)
+        raise
     finally:
         bar.close()
     ordered = [results[name] for name in names]
-    manifest = _manifest(source, fmt, options, ordered, scan.problems)
+    manifest = _manifest(source, fmt, options, ordered, problems, fingerprint)
+    check_lock()  # a writer that lost its lock never publishes
     publish_manifest(dest, manifest)
     journal.finish()
     payload = sum(r.payload_bytes for r in ordered)
-    return ConvertReport(manifest, time.perf_counter() - started, payload, scan.ignored, resumed=len(done))
+    return ConvertReport(manifest, 0.0, payload, scan.ignored, resumed=len(done))
+
+
+def _stop(running: Iterator[ShardResult], dest: Destination) -> None:
+    """After a failure: stop the workers (the pool is terminated), then delete what they staged."""
+    close = getattr(running, "close", None)
+    if close is not None:
+        close()
+    dest.clean_staging()
+
+
+def _unique_keys(source: Source, items: Sequence[Item]) -> tuple[list[Item], list[SkippedInput]]:
+    """Keep the items whose keys are valid and unique; the others are problems naming both inputs."""
+    first: dict[str, Item] = {}
+    out: list[Item] = []
+    problems: list[SkippedInput] = []
+    for item in items:
+        try:
+            check_sample({"__key__": item.key})
+        except (SampleError, UnicodeError) as exc:
+            problems.append(SkippedInput(printable(source.origin(item)), f"unusable key: {printable(str(exc))}"))
+            continue
+        other = first.setdefault(item.key, item)
+        if other is not item:
+            problems.append(
+                SkippedInput(
+                    printable(source.origin(item)),
+                    f"its key {printable(item.key)!r} is also the key of {printable(source.origin(other))}",
+                )
+            )
+            continue
+        out.append(item)
+    return out, problems
+
+
+# -- where the data is ------------------------------------------------------------------
+
+
+def _check_paths(source: Source, dst: str) -> None:
+    """Refuse destinations that would destroy the source or be read back as part of it."""
+    if not dst:
+        raise ConfigError("the destination is an empty string")
+    if is_local(dst):
+        path = local_path_of(dst)
+        if not path:
+            raise ConfigError(f"the destination {dst!r} names no directory")
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise ConfigError(f"the destination {dst} exists and is not a directory")
+    elif not _normal_url(dst).partition("://")[2]:
+        raise ConfigError(f"the destination {dst!r} names no bucket or path")
+    if isinstance(source, DatasetSource) and _same_place(source.url, dst):
+        raise ConfigError(
+            f"SRC {source.url} and DST {dst} are the same dataset: converting it in place would destroy its "
+            "shards before the new ones exist. Convert into a new location, check it (streamload verify), "
+            "then replace the old dataset with it."
+        )
+    if isinstance(source, ImageFolderSource) and is_local(dst):
+        path = local_path_of(dst)
+        for root in [source.root, *source.class_dirs()]:
+            if _within(path, root):
+                where = "" if root == source.root else f" (in its linked class folder {printable(root)})"
+                raise ConfigError(
+                    f"DST {dst} is inside the image folder {printable(source.root)}{where}: "
+                    "the next conversion would read it back as a class or as images. Write it outside SRC."
+                )
+
+
+def _same_place(a: str, b: str) -> bool:
+    """True if ``a`` and ``b`` name the same directory or URL prefix, however spelled."""
+    if is_local(a) and is_local(b):
+        pa, pb = local_path_of(a), local_path_of(b)
+        try:
+            return os.path.samefile(pa, pb)
+        except OSError:
+            return os.path.realpath(pa) == os.path.realpath(pb)
+    if is_local(a) or is_local(b):
+        return False
+    return _normal_url(a) == _normal_url(b)
+
+
+_PROTOCOL_ALIASES = {"s3a": "s3", "gcs": "gs", "abfss": "abfs"}
+
+
+def _normal_url(url: str) -> str:
+    protocol, _, rest = url.partition("://")
+    protocol = protocol.lower()
+    return f"{_PROTOCOL_ALIASES.get(protocol, protocol)}://{re.sub('/+', '/', rest).strip('/')}"
+
+
+def _within(path: str, root: str) -> bool:
+    """True if ``path`` is ``root`` or below it, through any symlink or bind mount of either."""
+    try:
+        top = os.stat(root)
+    except OSError:
+        return False
+    current = os.path.realpath(path)
+    while True:
+        try:
+            st = os.stat(current)
+            if (st.st_dev, st.st_ino) == (top.st_dev, top.st_ino):
+                return True
+        except OSError:
+            pass
+        parent = os.path.dirname(current)
+        if parent == current:
+            return False
+        current = parent
 
 
 def _plan(scanned: Sequence[Item], options: ConvertOptions) -> list[tuple[int, list[Item]]]:
@@ -231,18 +460,22 @@ def _plan(scanned: Sequence[Item], options: ConvertOptions) -> list[tuple[int, l
     if options.shuffle:
         order = np.random.default_rng(options.seed).permutation(len(items))
         items = [items[i] for i in order]
-    max_bytes = None if options.shard_bytes is None else parse_bytes(options.shard_bytes, name="shard_bytes")
+    max_bytes = None if options.samples_per_shard is not None else options.max_shard_bytes()
     return list(enumerate(plan_shards(items, max_bytes, options.samples_per_shard)))
 
 
 def _job(source: Source, options: ConvertOptions) -> dict[str, Any]:
     """What must not change between an interrupted run and its resume."""
-    return {
+    job: dict[str, Any] = {
         "source": source.describe(),
         "format": options.format,
         "hash": options.hash_algorithm,
         "on_error": options.on_error,
     }
+    settings = source.settings()
+    if settings:  # only when there are some: fingerprints of other sources stay as they were
+        job["source_settings"] = settings
+    return job
 
 
 def _run_tasks(
@@ -258,25 +491,36 @@ def _run_tasks(
         return
     method = "fork" if sys.platform.startswith("linux") else "spawn"
     ctx = mp.get_context(method)
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(source, fmt, dest, options)) as pool:
+    try:
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(source, fmt, dest, options, os.getpid()))
+    except OSError as exc:
+        raise ConfigError(f"cannot start {workers} conversion processes ({exc}); use fewer --workers") from exc
+    with pool:
         yield from pool.imap(_write_task, tasks)
 
 
 def _manifest(
-    source: Source, fmt: Format, options: ConvertOptions, results: list[ShardResult], problems: list[SkippedInput]
+    source: Source,
+    fmt: Format,
+    options: ConvertOptions,
+    results: list[ShardResult],
+    problems: list[SkippedInput],
+    fingerprint: str,
 ) -> Manifest:
     fields: set[str] = set()
     skipped: list[SkippedInput] = list(problems)
     for r in results:
         fields |= r.fields
         skipped.extend(r.skipped)
+    skipped = [SkippedInput(printable(s.path), printable(s.error)) for s in skipped]
     meta = {
-        **source.meta(),
+        **_printable_json(source.meta()),
         "converter": {
             "shard_bytes": None if options.samples_per_shard else options.shard_bytes,
             "samples_per_shard": options.samples_per_shard,
             "shuffle": options.shuffle,
             "seed": options.seed if options.shuffle else None,
+            "plan": fingerprint,  # what --resume compares to tell this very conversion complete
         },
     }
     return Manifest(
@@ -288,6 +532,17 @@ def _manifest(
         skipped=tuple(skipped),
         meta=meta,
     )
+
+
+def _printable_json(value: Any) -> Any:
+    """``value`` with every string :func:`~.source.printable` (a manifest is UTF-8)."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable(str(k)): _printable_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_printable_json(v) for v in value]
+    return value
 
 
 class _Progress:

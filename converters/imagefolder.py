@@ -3,13 +3,28 @@
 Classes are the sorted names of ROOT's sub-folders (label ``i`` = ``classes[i]``); any
 image below a class folder, at any depth, belongs to that class. Each sample holds the
 file's original bytes under its lower-cased extension and the label as ``cls`` (ASCII
-decimal). Keys are derived from the relative path only, so they are deterministic.
+decimal). Keys are derived from the relative path only, so they are deterministic, and
+unique by construction (:func:`path_to_key`).
+
+What the scan does with unusual entries:
+
+* Symbolic links are followed, to files and to folders, class folders included (a
+  dataset assembled from links converts like a copy); a link that leads back to a folder
+  above it (a loop) is not followed and is listed as a problem.
+* An entry that cannot be read (a dangling link, a folder whose listing fails) is a
+  problem: an error under ``on_error="raise"``, skipped and listed in the manifest under
+  ``"skip"``; nothing is dropped silently. A FIFO, socket or device with an image
+  extension is a problem too (never opened, so a conversion cannot hang on it).
+* Names starting with ``.`` are hidden and skipped, as before.
+* Names that are not valid UTF-8 get escaped keys: each undecodable byte becomes
+  ``%XX`` (see :func:`path_to_key`); class names are escaped the same way.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +32,7 @@ from typing import Any
 from streamload._errors import SourceError
 from streamload.manifest import SkippedInput
 
-from .source import Item, ScanResult, Source
+from .source import Item, ScanResult, Source, printable
 
 __all__ = ["IMAGE_EXTENSIONS", "ImageFolderSource", "path_to_key"]
 
@@ -25,26 +40,51 @@ __all__ = ["IMAGE_EXTENSIONS", "ImageFolderSource", "path_to_key"]
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif"})
 
 
+def _undecodable(text: str) -> bool:
+    """True if ``text`` holds bytes that were not UTF-8 (``surrogateescape`` surrogates)."""
+    return any("\udc80" <= ch <= "\udcff" for ch in text)
+
+
+def _escape_bytes(text: str) -> str:
+    return "".join(f"%{ord(ch) - 0xDC00:02X}" if "\udc80" <= ch <= "\udcff" else ch for ch in text)
+
+
 def _escape(component: str) -> str:
-    # Injective: '%' is escaped first, so the output never contains a bare '.' or '~'.
-    return component.replace("%", "%25").replace(".", "%2E").replace("~", "%7E")
+    # Injective: '%' is escaped first, so the output never contains a bare '.' or '~',
+    # and a '%XX' with XX >= 80 can only come from a byte that is not UTF-8.
+    return _escape_bytes(component.replace("%", "%25").replace(".", "%2E").replace("~", "%7E"))
 
 
-def path_to_key(relpath: str, disambiguate: bool = False) -> str:
-    """Return the WebDataset key of an image at ``relpath`` (``/``-separated, with extension).
+def _escape_folder(component: str) -> str:
+    """A folder name in a key: as is, unless it is not UTF-8 (then ``%`` and its bytes are escaped)."""
+    return _escape_bytes(component.replace("%", "%25")) if _undecodable(component) else component
+
+
+def path_to_key(relpath: str, disambiguate: bool = False, exact_extension: bool = False) -> str:
+    r"""Return the WebDataset key of an image at ``relpath`` (``/``-separated, with extension).
 
     The key is the path without its extension; dots, ``%`` and ``~`` in the file's stem
     are percent-escaped, so the key's last component is dot-free (WebDataset splits the
     field name at the first dot) and distinct paths give distinct keys. Two files that
     differ only by extension (``a.jpg``, ``a.png``) are told apart with ``disambiguate``,
-    which appends ``~<ext>``.
+    which appends ``~<ext>`` (lower case); files whose extensions differ only in case
+    (``a.jpg``, ``a.JPG``) need ``exact_extension`` too, which keeps the extension's case.
+
+    Names that are not valid UTF-8 (lone surrogates from ``surrogateescape``) are escaped
+    reversibly: each undecodable byte becomes ``%XX`` (upper-case hex, always 80-FF); a
+    folder name holding one also has its ``%`` escaped as ``%25``. Ordinary folder names
+    are kept as they are, so a folder literally named like an escaped one (``a%FF`` beside
+    a folder whose name is the byte ``a\xff``) gives the same key: the converter checks
+    keys unique over the whole scan and reports such a collision naming both files.
     """
     head, _, name = relpath.rpartition("/")
     stem, _, ext = name.rpartition(".")
     key = _escape(stem)
     if disambiguate:
-        key += "~" + ext.lower()
-    return f"{head}/{key}" if head else key
+        key += "~" + _escape(ext if exact_extension else ext.lower())
+    if not head:
+        return key
+    return "/".join(_escape_folder(part) for part in head.split("/")) + "/" + key
 
 
 @dataclass(frozen=True)
@@ -55,6 +95,14 @@ class ImageItem(Item):
     label: int = 0
 
 
+def _reason(exc: OSError) -> str:
+    return printable(exc.strerror or str(exc))
+
+
+def _extension(name: str) -> str:
+    return name.rpartition(".")[2].lower() if "." in name else ""
+
+
 class ImageFolderSource(Source):
     """Scan an image folder; load and check each image in the conversion workers.
 
@@ -63,100 +111,219 @@ class ImageFolderSource(Source):
         check: How to check images while converting: ``"decode"`` (decode at reduced size,
             catches truncated and corrupt files), ``"header"`` (Pillow's ``verify()``),
             or ``"none"``.
+
+    Raises:
+        SourceError: If ``root`` is not a readable folder or holds no class folder.
     """
 
     def __init__(self, root: str, check: str = "decode") -> None:
         if check not in ("decode", "header", "none"):
             raise SourceError(f"check={check!r} must be 'decode', 'header' or 'none'")
+        if not root:
+            raise SourceError("the image folder is an empty string (expected ROOT/<class>/<image>)")
         self.root = os.path.abspath(root)
         self.check = check
         if not os.path.isdir(self.root):
-            raise SourceError(f"{root}: not a directory (expected ROOT/<class>/<image>)")
-        self.classes = sorted(e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith("."))
+            raise SourceError(f"{printable(root)}: not a directory (expected ROOT/<class>/<image>)")
+        try:
+            with os.scandir(self.root) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as exc:
+            raise SourceError(f"{printable(root)}: cannot list the folder: {_reason(exc)}") from exc
+        self._class_names = [e.name for e in entries if not e.name.startswith(".") and _is_dir(e.path)]
+        self.classes = [_escape_folder(name) for name in self._class_names]
         if not self.classes:
-            raise SourceError(f"{root}: no class sub-folders (expected ROOT/<class>/<image>)")
+            raise SourceError(f"{printable(root)}: no class sub-folders (expected ROOT/<class>/<image>)")
 
     def describe(self) -> str:
         """Return the root path."""
         return self.root
 
+    def meta(self) -> dict[str, Any]:
+        """Return the root path (printable) for the manifest."""
+        return {"source": printable(self.root)}
+
+    def settings(self) -> dict[str, Any]:
+        """Return how images are checked: a resume must check them the same way."""
+        return {"check": self.check}
+
+    def class_dirs(self) -> list[str]:
+        """Return the paths of the class folders (symbolic links as they are)."""
+        return [os.path.join(self.root, name) for name in self._class_names]
+
     def scan(self) -> ScanResult:
         """List every image with its label, sorted by class and path.
 
         Files that are not images by extension and files directly under the root are
-        ignored (listed and counted); an empty class folder is a problem (an error unless
-        skipping, and its label is kept either way so labels stay stable).
+        ignored (listed and counted). An empty class folder, an entry that cannot be read
+        (a folder whose listing fails, a dangling link), a link loop and an image that is
+        not a regular file are problems (an error unless skipping; a class's label is
+        kept either way so labels stay stable).
         """
         items: list[ImageItem] = []
-        skipped: list[SkippedInput] = []
+        ignored: list[SkippedInput] = []
         problems: list[SkippedInput] = []
-        for entry in sorted(os.scandir(self.root), key=lambda e: e.name):
-            if entry.is_file() and not entry.name.startswith("."):
-                skipped.append(SkippedInput(entry.name, "file outside any class folder"))
-        for label, cls in enumerate(self.classes):
+        classes = set(self._class_names)
+        try:
+            with os.scandir(self.root) as it:
+                top = sorted(it, key=lambda e: e.name)
+        except OSError as exc:
+            raise SourceError(f"{printable(self.root)}: cannot list the folder: {_reason(exc)}") from exc
+        for entry in top:
+            if entry.name.startswith(".") or entry.name in classes:
+                continue
+            try:
+                st = os.stat(entry.path)
+            except OSError as exc:
+                problems.append(SkippedInput(printable(entry.name), f"cannot read: {_reason(exc)}"))
+                continue
+            if stat.S_ISREG(st.st_mode):
+                ignored.append(SkippedInput(printable(entry.name), "file outside any class folder"))
+            elif not stat.S_ISDIR(st.st_mode):
+                ignored.append(SkippedInput(printable(entry.name), "not a regular file or folder"))
+        for label, cls in enumerate(self._class_names):
             found = 0
-            for relpath, size in _walk_files(self.root, cls):
-                ext = relpath.rpartition(".")[2].lower() if "." in relpath.rpartition("/")[2] else ""
-                if ext not in IMAGE_EXTENSIONS:
-                    skipped.append(SkippedInput(relpath, "not an image file extension"))
-                    continue
-                items.append(ImageItem(key="", nbytes=size + len(str(label)), relpath=relpath, label=label))
-                found += 1
-            if not found:
-                problems.append(SkippedInput(cls + "/", f"class folder {cls!r} holds no image"))
-        return ScanResult(_assign_keys(items), skipped, problems)
+            unreadable = False
+            for kind, relpath, info in _walk(self.root, cls):
+                name = relpath.rstrip("/").rpartition("/")[2]
+                ext = _extension(name)
+                if kind == "file":
+                    if ext not in IMAGE_EXTENSIONS:
+                        ignored.append(SkippedInput(printable(relpath), "not an image file extension"))
+                        continue
+                    assert isinstance(info, int)
+                    items.append(ImageItem(key="", nbytes=info + len(str(label)), relpath=relpath, label=label))
+                    found += 1
+                elif kind == "special" and ext not in IMAGE_EXTENSIONS:
+                    ignored.append(SkippedInput(printable(relpath), str(info)))
+                elif kind == "unreadable" and ext and ext not in IMAGE_EXTENSIONS:
+                    ignored.append(SkippedInput(printable(relpath), str(info)))
+                else:
+                    unreadable |= relpath == cls + "/"
+                    problems.append(SkippedInput(printable(relpath), str(info)))
+            if not found and not unreadable:
+                problems.append(SkippedInput(printable(cls) + "/", f"class folder {printable(cls)!r} holds no image"))
+        return ScanResult(_assign_keys(items), ignored, problems)
 
     def origin(self, item: Item) -> str:
-        """Return the image's path relative to the root."""
+        """Return the image's path relative to the root (printable)."""
         assert isinstance(item, ImageItem)
-        return item.relpath
+        return printable(item.relpath)
 
     def load(self, item: Item) -> dict[str, Any]:
         """Read one image and return its sample.
 
         Raises:
-            SourceError: Naming the file, if it cannot be read or is not a valid image.
+            SourceError: Naming the file, if it cannot be read, is not a regular file, or
+                is not a valid image.
         """
         assert isinstance(item, ImageItem)
         path = os.path.join(self.root, item.relpath)
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            # O_NONBLOCK: a file replaced by a FIFO since the scan cannot hang the worker
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
-            raise SourceError(f"{path}: cannot read: {exc}") from exc
+            raise SourceError(f"{printable(path)}: cannot read: {_reason(exc)}") from exc
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SourceError(f"{printable(path)}: not a regular file (a FIFO, socket or device)")
+            try:
+                data = f.read()
+            except OSError as exc:
+                raise SourceError(f"{printable(path)}: cannot read: {_reason(exc)}") from exc
         if self.check != "none":
-            _check_image(data, path, self.check)
+            _check_image(data, printable(path), self.check)
         ext = item.relpath.rpartition(".")[2].lower()
         return {"__key__": item.key, ext: data, "cls": str(item.label).encode()}
 
 
-def _walk_files(root: str, cls: str) -> Iterator[tuple[str, int]]:
-    """Yield ``(relpath, size)`` of regular files under ``root/cls``, sorted, hidden skipped."""
-    base = os.path.join(root, cls)
-    for dirpath, dirnames, filenames in os.walk(base):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        rel_dir = os.path.relpath(dirpath, root).replace(os.sep, "/")
-        for name in sorted(filenames):
-            if name.startswith("."):
-                continue
-            full = os.path.join(dirpath, name)
+def _is_dir(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _walk(root: str, cls: str) -> Iterator[tuple[str, str, int | str]]:
+    """Walk ``root/cls``, following links; yield ``(kind, relpath, size or reason)``.
+
+    Kinds: ``"file"`` (a regular file and its size), ``"special"`` (a FIFO, socket or
+    device), ``"unreadable"`` (cannot be stat'ed), ``"problem"`` (a folder that cannot be
+    listed or a link loop; its relpath ends with ``/``). Order: a folder's files sorted
+    by name, then its sub-folders, each walked in turn (like :func:`os.walk` top-down);
+    hidden names (``.``) skipped. Iterative: no recursion limit on deep trees.
+    """
+    try:
+        top = _ident(os.stat(os.path.join(root, cls)))
+        ancestors = _chain(root)  # the root and every folder above it: a link to one is a loop
+    except OSError as exc:
+        yield "problem", cls + "/", f"cannot read: {_reason(exc)}"
+        return
+    if top in ancestors:
+        yield "problem", cls + "/", "link loop: this class folder leads back to the image folder or above it"
+        return
+    ancestors |= {top}
+    stack: list[tuple[str, frozenset[tuple[int, int]]]] = [(cls, ancestors)]
+    while stack:
+        rel, above = stack.pop()
+        try:
+            with os.scandir(os.path.join(root, rel)) as it:
+                entries = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
+        except OSError as exc:
+            yield "problem", rel + "/", f"cannot list this folder: {_reason(exc)}"
+            continue
+        folders: list[tuple[str, frozenset[tuple[int, int]]]] = []
+        for entry in entries:
+            relpath = f"{rel}/{entry.name}"
             try:
-                st = os.stat(full)
-            except OSError:
+                st = os.stat(entry.path)
+            except OSError as exc:
+                yield "unreadable", relpath, f"cannot read: {_reason(exc)}"
                 continue
-            yield f"{rel_dir}/{name}", st.st_size
+            if stat.S_ISDIR(st.st_mode):
+                if _ident(st) in above:
+                    yield "problem", relpath + "/", "link loop: it leads back to a folder above it"
+                else:
+                    folders.append((relpath, above | {_ident(st)}))
+            elif stat.S_ISREG(st.st_mode):
+                yield "file", relpath, st.st_size
+            else:
+                yield "special", relpath, "not a regular file (a FIFO, socket or device)"
+        stack.extend(reversed(folders))
+
+
+def _ident(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _chain(path: str) -> frozenset[tuple[int, int]]:
+    """The identities of ``path`` and of every folder above it."""
+    out = {_ident(os.stat(path))}
+    current = os.path.realpath(path)
+    while True:
+        out.add(_ident(os.stat(current)))
+        parent = os.path.dirname(current)
+        if parent == current:
+            return frozenset(out)
+        current = parent
 
 
 def _assign_keys(items: list[ImageItem]) -> list[Item]:
-    """Give each item its key; stems shared by several files get ``~ext`` suffixes."""
+    """Give each item its key; stems shared by several files get ``~ext`` suffixes.
+
+    The suffix is the lower-case extension, unless two files of the group share it
+    (``x.jpg``, ``x.JPG``): those keep their extension's case.
+    """
     plain = [path_to_key(i.relpath) for i in items]
-    counts: dict[str, int] = {}
-    for key in plain:
-        counts[key] = counts.get(key, 0) + 1
+    groups: dict[str, list[str]] = {}
+    for item, key in zip(items, plain, strict=True):
+        groups.setdefault(key, []).append(item.relpath.rpartition(".")[2].lower())
     out: list[Item] = []
     for item, key in zip(items, plain, strict=True):
-        if counts[key] > 1:
-            key = path_to_key(item.relpath, disambiguate=True)
+        exts = groups[key]
+        if len(exts) > 1:
+            ext = item.relpath.rpartition(".")[2].lower()
+            key = path_to_key(item.relpath, disambiguate=True, exact_extension=exts.count(ext) > 1)
         out.append(ImageItem(key=key, nbytes=item.nbytes, relpath=item.relpath, label=item.label))
     return out
 

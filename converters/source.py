@@ -13,7 +13,19 @@ from typing import Any
 
 from streamload.manifest import SkippedInput
 
-__all__ = ["Item", "ScanResult", "Source"]
+__all__ = ["Item", "ScanResult", "Source", "printable"]
+
+
+def printable(text: str) -> str:
+    r"""Return ``text`` safe to encode as UTF-8 (manifests, messages).
+
+    File names that are not valid UTF-8 reach Python as lone surrogates
+    (``surrogateescape``); their bytes are shown as ``\xff`` escapes instead.
+    """
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # surrogates no file name produces
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclass(frozen=True)
@@ -65,3 +77,10 @@ class Source(ABC):
     def meta(self) -> dict[str, Any]:
         """Return JSON metadata about the source for the manifest."""
         return {"source": self.describe()}
+
+    def settings(self) -> dict[str, Any]:
+        """Return the source's own settings that shape the output (JSON).
+
+        A resumed conversion must have the same ones (they are part of its fingerprint).
+        """
+        return {}

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._errors import ConversionInterrupted, StreamloadError
+from ._errors import ConversionInterrupted, StorageError, StreamloadError
 from ._options import add_storage_option, parse_storage_options
 from ._units import format_bytes
 
@@ -27,14 +27,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("convert", help="convert an image folder or a dataset into shards")
+    p = sub.add_parser(
+        "convert",
+        help="convert an image folder or a dataset into shards",
+        epilog="DST must be new or empty (or hold a conversion to --resume or --overwrite), never SRC itself "
+        "nor inside an image-folder SRC. One conversion at a time per DST: another one fails at once, naming "
+        "the first (the lock is .streamload-lock in a directory, _streamload-lock.json under a URL prefix).",
+    )
     p.add_argument("src", help="image folder (ROOT/<class>/<image>) or existing dataset (dir or URL)")
     p.add_argument("dst", help="output directory or fsspec URL (s3://bucket/prefix, ...)")
     p.add_argument("--format", "-f", default="tar", help="shard format: tar, lmdb or hdf5 (default: tar)")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--shard-size", default="128MB", help="payload bytes per shard (default: 128MB)")
     size.add_argument("--samples-per-shard", type=int, help="samples per shard (instead of --shard-size)")
-    p.add_argument("--workers", "-j", type=int, default=1, help="conversion processes (output is identical)")
+    p.add_argument("--workers", "-j", type=int, default=1, help="conversion processes, 1 to 1024 (output is identical)")
     p.add_argument("--shuffle", action="store_true", help="shuffle the sample order before sharding")
     p.add_argument("--seed", type=int, default=0, help="seed for --shuffle (default: 0)")
     p.add_argument(
@@ -54,9 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     again.add_argument(
         "--resume",
         action="store_true",
-        help="finish an interrupted conversion, reusing the shards it wrote (checked by hash)",
+        help="finish an interrupted conversion, reusing the shards it wrote (checked by hash); "
+        "nothing to do if DST already holds it, complete",
     )
-    again.add_argument("--overwrite", action="store_true", help="replace a dataset or interrupted conversion at DST")
+    again.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a dataset or interrupted conversion at DST; files streamload did not write are kept, "
+        "never replaced",
+    )
     prog = p.add_mutually_exclusive_group()
     prog.add_argument("--progress", dest="progress", action="store_true", default=None, help="force a progress bar")
     prog.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -127,10 +139,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         resume=args.resume,
         overwrite=args.overwrite,
     )
-    source = open_source(args.src, options.storage_options)
-    if isinstance(source, ImageFolderSource):
-        source.check = args.check
-    report = convert(source, args.dst, options)
+    try:
+        source = open_source(args.src, options.storage_options)
+        if isinstance(source, ImageFolderSource):
+            source.check = args.check
+        report = convert(source, args.dst, options)
+    except StreamloadError:
+        raise
+    except OSError as exc:  # the environment (disk, permissions, process limits): one line, no traceback
+        raise StorageError(str(exc)) from exc
     print(report.summary())
     for skipped in report.skipped:
         print(f"  skipped {skipped.path}: {skipped.error}", file=sys.stderr)

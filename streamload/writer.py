@@ -56,9 +56,13 @@ def write_shard(
     whose ``entry`` goes into the manifest.
     """
     staged = dest.staging_path(name)
-    writer = fmt.writer(staged)
     result = ShardResult(entry=ShardEntry(name=name, num_bytes=0))
     sidecar_staged: str | None = None
+    try:
+        writer = fmt.writer(staged)
+    except BaseException:
+        dest.discard(staged)
+        raise
     try:
         for sample in samples:
             writer.write(sample)  # validates the sample
@@ -76,8 +80,10 @@ def write_shard(
     except BaseException:
         writer.abort()
         dest.discard(staged)
-        if sidecar_staged is not None:
-            dest.discard(sidecar_staged)
+        # the sidecar, also when the writer failed while writing it (finish() did not return)
+        for extra in {sidecar_staged, fmt.sidecar_name(staged)}:
+            if extra is not None:
+                dest.discard(extra)
         raise
     result.entry = ShardEntry(name=name, num_bytes=size, hash=digest, num_samples=writer.num_samples, sidecar=sidecar)
     return result
