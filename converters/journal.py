@@ -34,7 +34,8 @@ from streamload._errors import ConfigError, ManifestError, StreamloadError
 from streamload._files import check_file_name
 from streamload.manifest import MANIFEST_NAME, FileEntry, Manifest, ShardEntry, SkippedInput
 from streamload.storage import Destination
-from streamload.storage.destination import LOCAL_LOCK_NAME, REMOTE_LOCK_NAME, STAGING_PREFIX
+from streamload.storage.destination import STAGING_PREFIX
+from streamload.storage.locks import LOCAL_LOCK_NAME, REMOTE_LOCK_NAME
 from streamload.writer import ShardResult
 
 from .source import Item

@@ -313,7 +313,12 @@ class RemoteFiles:
     def upload(self, local: str, name: str) -> None:
         """Upload local file ``local`` as ``name`` (an object appears whole or not at all)."""
         path = self.path(name)
-        self.call("upload", name, lambda: self.fs.put_file(local, path))
+        try:
+            self.call("upload", name, lambda: self.fs.put_file(local, path))
+        except ShardNotFoundError as exc:  # when writing, "not found" means no such bucket
+            raise StorageError(
+                f"cannot write {self.url_of(name)}: the bucket (or container) does not exist or is not writable"
+            ) from exc
 
     def remove(self, name: str) -> None:
         """Delete ``name`` if it exists."""
