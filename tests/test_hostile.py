@@ -181,3 +181,13 @@ def test_truncated_shard_is_detected(tar_dataset: Path, tmp_path: Path) -> None:
     shard.write_bytes(shard.read_bytes()[:3000])
     with pytest.raises(CorruptShardError, match="shard-000002.tar.*3000 bytes on disk"):
         list(StreamingDataset(str(ds)))
+
+
+@pytest.mark.parametrize("key", ["a/../../x", "../x", "a//b", "./a", "a/./b"])
+def test_keys_with_path_escapes_are_refused_by_every_writer(tmp_path: Path, key: str) -> None:
+    from streamload import SampleError
+    from streamload.writer import DatasetWriter
+
+    for fmt in ("tar", "lmdb", "hdf5"):
+        with pytest.raises(SampleError, match="components"), DatasetWriter(str(tmp_path / fmt), format=fmt) as w:
+            w.write({"__key__": key, "txt": b"x"})

@@ -52,6 +52,8 @@ def check_sample(sample: Mapping[str, Any]) -> tuple[str, list[tuple[str, bytes]
     last = key.rsplit("/", 1)[-1]
     if "." in last or not last or key.startswith("/") or "\0" in key:
         raise SampleError(f"sample key {key!r}: its last component must be non-empty and dot-free")
+    if any(part in ("", ".", "..") for part in key.split("/")):
+        raise SampleError(f"sample key {key!r}: empty, '.' or '..' path components would escape an extracted tar")
     fields: list[tuple[str, bytes]] = []
     for name in sorted(sample):
         if name.startswith("__"):
