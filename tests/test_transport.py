@@ -114,3 +114,39 @@ def test_the_planner_sizes_parts_from_latency_and_rate() -> None:
     assert far.rate < 40e6
     far.observe(1000, 0.3)
     assert far.latency > 0.1
+
+
+def test_a_tar_shard_read_by_ranges_equals_the_local_read(
+    s3_server: SeaweedS3, tar_dataset: Path, tmp_path: Path
+) -> None:
+    """The tar reader over ranged GETs of the bucket object: the same samples, few requests."""
+    import numpy as np
+
+    from streamload.formats import get_format
+    from streamload.manifest import Manifest
+    from streamload.storage.transport import RangedFile
+
+    manifest = Manifest.loads((tar_dataset / "index.json").read_bytes())
+    entry = manifest.shards[0]
+    assert entry.sidecar is not None
+    bucket = s3_server.make_bucket()
+    s3_server.filesystem().put_file(str(tar_dataset / entry.name), f"{bucket}/{entry.name}")
+    files = RemoteFiles(f"s3://{bucket}", s3_server.storage_options(), RetryPolicy(timeout=20))
+    fmt = get_format("tar")
+    local = fmt.reader(str(tar_dataset / entry.name), entry, str(tar_dataset / entry.sidecar.name))
+    ranged_file = RangedFile(files, entry.name, entry.num_bytes, block_size=1 << 20)
+    remote = fmt.reader(entry.name, entry, str(tar_dataset / entry.sidecar.name), source=ranged_file)  # type: ignore[call-arg]
+    try:
+        n = entry.num_samples
+        assert [remote.get(i) for i in range(n)] == [local.get(i) for i in range(n)]
+        assert ranged_file.requests <= 3, "sequential samples are read a block at a time"
+        idx = np.array([n - 1, 0, 2])
+        sizes = remote.field_sizes(idx, ("jpg",))  # type: ignore[attr-defined]
+        out = np.zeros(int(sizes.sum()), dtype=np.uint8)
+        before = ranged_file.requests
+        remote.read_groups_into(idx, [(("jpg",), out, sizes)])  # type: ignore[attr-defined]
+        assert out.tobytes() == b"".join(local.get(int(i))["jpg"] for i in idx)
+        assert ranged_file.requests - before <= 3, "one request per coalesced run"
+    finally:
+        local.close()
+        remote.close()

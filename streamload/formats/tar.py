@@ -44,6 +44,7 @@ import xxhash
 
 from .._errors import CorruptShardError, SampleError
 from ..manifest import ShardEntry, algorithm_of, new_hasher
+from ._bytes import FileBytes, ShardBytes
 from ._record import check_field_names, open_regular_file
 from .base import MAX_KEY_BYTES, Format, Sample, ShardReader, ShardWriter, check_sample, unsafe
 
@@ -204,14 +205,19 @@ class TarShardWriter(ShardWriter):
 class TarShardReader(ShardReader):
     """Reads samples of a tar shard with ``pread`` at the offsets its sidecar gives."""
 
-    def __init__(self, path: str, entry: ShardEntry, sidecar_path: str | None = None) -> None:
+    def __init__(
+        self, path: str, entry: ShardEntry, sidecar_path: str | None = None, *, source: ShardBytes | None = None
+    ) -> None:
         super().__init__(path, entry, sidecar_path)
         if sidecar_path is None:
             raise CorruptShardError(f"{entry.name}: tar shard has no sidecar index in the manifest")
         raw = _read_regular_file(sidecar_path, entry.name)
-        self._fd: int | None = open_regular_file(path, entry.name)
+        # The shard's bytes: the local file, or (``source``) ranged reads of a remote object.
+        self._bytes: ShardBytes | None = (
+            source if source is not None else FileBytes(open_regular_file(path, entry.name))
+        )
         try:
-            self._size = os.fstat(self._fd).st_size
+            self._size = self._bytes.size
             self._check_sidecar_hash(raw)
             self._load_index(raw)
             self._check_headers()
@@ -315,8 +321,8 @@ class TarShardReader(ShardReader):
     def get(self, index: int) -> Sample:
         """Return sample ``index`` as ``{"__key__": str, field: bytes}``."""
         self._check_index(index)
-        fd = self._fd
-        if fd is None:
+        source = self._bytes
+        if source is None:
             raise ValueError(f"{self.entry.name}: reader is closed")
         key = self._keys[self._key_off[index] : self._key_off[index + 1]].decode("utf-8", "surrogateescape")
         sample: Sample = {"__key__": key}
@@ -324,7 +330,7 @@ class TarShardReader(ShardReader):
         for j in range(self._member[index], self._member[index + 1]):
             n = size[j]
             # pread, not mmap: one copy, and pages read do not count in this process's RSS.
-            data = os.pread(fd, n, offset[j])
+            data = source.pread(n, offset[j])
             if len(data) != n or xxhash.xxh3_64_intdigest(data) != self._hash[j]:
                 what = "is truncated" if len(data) != n else "does not match its checksum (corrupt bytes)"
                 raise CorruptShardError(
@@ -342,7 +348,7 @@ class TarShardReader(ShardReader):
         m = len(self._offset)
         for j in sorted({0, m - 1}) if m else ():
             at = self._offset[j] - _BLOCK
-            block = os.pread(self._fd, _BLOCK, at) if at >= 0 and self._fd is not None else b""
+            block = self._bytes.pread(_BLOCK, at) if at >= 0 and self._bytes is not None else b""
             where = f"{self.entry.name}: tar header at byte {at}"
             if len(block) != _BLOCK or block == _ZERO_BLOCK:
                 raise CorruptShardError(f"{where} is missing: the shard does not match its sidecar index")
@@ -411,8 +417,8 @@ class TarShardReader(ShardReader):
         in its ``out`` array and the bytes between them (headers, padding, fields nobody
         asked for, up to 64 KiB) in a scratch buffer. Every member's checksum is checked.
         """
-        fd = self._fd
-        if fd is None:
+        source = self._bytes
+        if source is None:
             raise ValueError(f"{self.entry.name}: reader is closed")
         n, g = len(indices), len(groups)
         if n == 0:
@@ -437,7 +443,7 @@ class TarShardReader(ShardReader):
         for off, size, start, group in zip(seg_off, seg_size, seg_start, seg_group, strict=True):
             gap = off - end
             if iov and (gap < 0 or gap > _MAX_GAP or len(iov) >= _IOV_MAX - 2):
-                self._preadv(fd, iov, first, end - first)
+                self._preadv(source, iov, first, end - first)
                 iov = []
             if not iov:
                 first = end = off
@@ -445,11 +451,11 @@ class TarShardReader(ShardReader):
                 iov.append(scratch[:gap])
             iov.append(views[group][start : start + size])
             end = off + size
-        self._preadv(fd, iov, first, end - first)
+        self._preadv(source, iov, first, end - first)
         self._check_digests(indices, members, groups, starts)
 
-    def _preadv(self, fd: int, iov: list[memoryview], offset: int, expected: int) -> None:
-        if os.preadv(fd, iov, offset) != expected:
+    def _preadv(self, source: ShardBytes, iov: list[memoryview], offset: int, expected: int) -> None:
+        if source.preadv(iov, offset) != expected:
             raise CorruptShardError(f"{self.path}: shard {self.entry.name} is truncated at byte {offset}")
 
     def _check_digests(
@@ -481,10 +487,10 @@ class TarShardReader(ShardReader):
         return [keys[bounds[i] : bounds[i + 1]].decode("utf-8", "surrogateescape") for i in indices.tolist()]
 
     def close(self) -> None:
-        """Close the shard's file descriptor."""
-        fd, self._fd = getattr(self, "_fd", None), None
-        if fd is not None:
-            os.close(fd)
+        """Close the shard's bytes (its file descriptor)."""
+        source, self._bytes = getattr(self, "_bytes", None), None
+        if source is not None:
+            source.close()
 
 
 # -- scanning tar files written by other tools -------------------------------------

@@ -22,7 +22,7 @@ from .._files import check_file_name
 from .filesystems import detach_finalizers, filesystem_class, forget_inherited, open_filesystem, protocol_of
 from .retry import RetryPolicy, is_permanent, is_transient, retry_call
 
-__all__ = ["PartPlanner", "RemoteFiles"]
+__all__ = ["PartPlanner", "RangedFile", "RemoteFiles"]
 
 _CHUNK = 8 << 20
 _MIB = 1 << 20
@@ -347,3 +347,64 @@ class RemoteFiles:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+
+
+class RangedFile:
+    """Positioned reads of one remote object by ranged GETs (no local copy of the object).
+
+    ``preadv`` fetches exactly the span asked for in one request (callers coalesce a run
+    of samples into one span); ``pread`` serves sequential small reads from a read-through
+    block of ``block_size`` bytes, so reading a shard sample by sample costs one request per
+    block, not one per field. Every GET is retried like any other (:meth:`RemoteFiles.call`);
+    the bytes are checked by the reader (each sample's checksum).
+
+    Args:
+        files: The object's prefix.
+        name: The object's name.
+        size: Its size from its entry (no size request).
+        block_size: Bytes fetched at least per ``pread`` miss.
+    """
+
+    def __init__(self, files: RemoteFiles, name: str, size: int, block_size: int = 4 * _MIB) -> None:
+        self.files = files
+        self.name = name
+        self.size = size
+        self.block_size = block_size
+        self.requests = 0
+        self._path = files.path(name)
+        self._block = b""
+        self._block_at = 0
+
+    def _get(self, start: int, end: int) -> bytes:
+        end = min(end, self.size)
+        if end <= start:
+            return b""
+        self.requests += 1
+        path, fs = self._path, self.files.fs
+        data: bytes = self.files.call("read", self.name, lambda: fs.cat_file(path, start=start, end=end))
+        return data
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """Return ``n`` bytes at ``offset`` (from the current block, else a new block from there)."""
+        at = offset - self._block_at
+        if 0 <= at and at + n <= len(self._block):
+            return self._block[at : at + n]
+        if n >= self.block_size:
+            return self._get(offset, offset + n)
+        self._block, self._block_at = self._get(offset, offset + self.block_size), offset
+        return self._block[:n]
+
+    def preadv(self, buffers: list[memoryview], offset: int) -> int:
+        """Fill ``buffers`` from one GET of exactly their total span."""
+        total = sum(len(b) for b in buffers)
+        data = memoryview(self._get(offset, offset + total))
+        done = 0
+        for buf in buffers:
+            take = min(len(buf), len(data) - done)
+            buf[:take] = data[done : done + take]
+            done += take
+        return done
+
+    def close(self) -> None:
+        """Drop the read-through block."""
+        self._block = b""
