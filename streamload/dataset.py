@@ -27,6 +27,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from ._errors import ConfigError, CorruptShardError, PlanError, SampleError, StreamloadError
+from ._validate import check_epoch, dataset_args
 from .formats import Format, Sample, ShardReader
 from .manifest import Manifest, ShardEntry
 from .plan import (
@@ -147,6 +148,7 @@ class StreamingDataset(IterableDataset[Any]):
         on_error: OnError = "raise",
     ) -> None:
         super().__init__()
+        shuffle, seed, drop_last, shuffle_window, batch_size, rank, world_size, read_ahead = dataset_args(locals())
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error={on_error!r} must be 'raise' or 'skip'")
         self.source = str(source)
@@ -211,8 +213,7 @@ class StreamingDataset(IterableDataset[Any]):
 
         Works with ``persistent_workers=True``: the counter lives in shared memory.
         """
-        if epoch < 0:
-            raise ConfigError(f"{epoch=} must be >= 0")
+        epoch = check_epoch(epoch)
         self._epochs[_BASE] = epoch
         self._epochs[_OFFSET:] = 0
 
