@@ -45,6 +45,11 @@ MAX_READ_AHEAD = 64
 _REMOTE_ONLY = ("cache_dir", "cache_limit", "read_ahead", "storage_options")
 
 
+def _is_local(url: str) -> bool:
+    """True for a plain path or a ``file://`` URL (as :func:`streamload.storage.is_local`; this layer is below it)."""
+    return "://" not in url or url.startswith("file://")
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -158,10 +163,8 @@ def dataset_args(args: Mapping[str, Any]) -> DatasetArgs:
 
 def _warn_remote_only(args: Mapping[str, Any]) -> None:
     """Warn about options given for a local dataset that only a remote one uses."""
-    from .storage import is_local
-
     source = args.get("source")
-    if not isinstance(source, (str, os.PathLike)) or not is_local(os.fspath(source)):
+    if not isinstance(source, (str, os.PathLike)) or not _is_local(os.fspath(source)):
         return
     for name in _REMOTE_ONLY:
         value = args.get(name)

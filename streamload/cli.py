@@ -186,8 +186,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         read_samples=not args.no_read,
         cache_dir=args.cache_dir,
     )
-    for name, what in report.repaired:
-        print(f"REPAIRED {name}: {what}")
+    for _name, what in report.repaired:
+        print(f"REPAIRED {what}")
     for _name, problem in report.problems:
         print(f"BAD  {problem}")
     if report.unhashed:

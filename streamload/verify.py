@@ -20,14 +20,16 @@ instead of ``OK``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import CorruptShardError, StreamloadError
+from ._errors import ConfigError, CorruptShardError, StreamloadError
 from ._files import FileEntry, hash_stream
 from .manifest import ShardEntry
 from .shards import DatasetRef, ShardSource, StorageConfig
+from .storage import is_local
 
 __all__ = ["VerifyReport", "verify_dataset"]
 
@@ -137,7 +139,16 @@ def verify_dataset(
 
     Raises:
         ManifestError: If the manifest cannot be read (nothing else can then be checked).
+        ConfigError: If ``storage_options`` is not a mapping.
     """
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise ConfigError(f"storage_options={storage_options!r} must be a mapping (a dict of fsspec options) or None")
+    if cache_dir is not None and is_local(str(url)):
+        warnings.warn(
+            f"cache_dir={cache_dir!r} does nothing for the local dataset {url!r}: its files are checked in place",
+            UserWarning,
+            stacklevel=2,
+        )
     report = VerifyReport(url)
     ref = DatasetRef.open(url, StorageConfig(dict(storage_options or {}), cache_dir, read_ahead=0))
     with ShardSource(ref, ref.open_storage(), own_storage=True) as source:
@@ -157,8 +168,6 @@ def verify_dataset(
 def __getattr__(name: str) -> Any:
     """``streamload.verify.index_directory`` moved to :mod:`streamload.indexing` (deprecated alias)."""
     if name in ("index_directory", "index_shard", "publish_index"):
-        import warnings
-
         from . import indexing
 
         warnings.warn(f"streamload.verify.{name} moved to streamload.indexing.{name}", DeprecationWarning, stacklevel=2)

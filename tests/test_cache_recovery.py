@@ -231,9 +231,67 @@ def test_a_local_datasets_corrupt_file_is_never_touched(tmp_path: Path) -> None:
     with pytest.raises(CorruptShardError, match="'k007'"):
         list(ds)
     assert (shard.read_bytes(), shard.stat().st_ino) == before
-    report = verify_dataset(str(tmp_path / "ds"))
+    with pytest.warns(UserWarning, match="cache_dir=.* does nothing for the local dataset"):
+        report = verify_dataset(str(tmp_path / "ds"), cache_dir=str(tmp_path / "cache"))
     assert [name for name, _ in report.problems] == ["shard-000001.tar"] and not report.repaired
     assert (shard.read_bytes(), shard.stat().st_ino) == before
+    assert not (tmp_path / "cache").exists()
+
+
+def test_two_readers_finding_one_corrupt_copy_download_it_once(tmp_path: Path) -> None:
+    """The second reader to find the copy corrupt must not delete the fresh one the first fetched."""
+    good = b"\1" * 1000
+    entry = FileEntry("a", len(good), hashlib.sha256(good).hexdigest(), algorithm="sha256")
+    first, second = ShardCache(str(tmp_path), limit=None), ShardCache(str(tmp_path), limit=None)
+    pin = first.pin("a")
+    path = Path(first.fill(entry, _writer(good)) or "")
+    pin.close()
+    seen = first.generation("a")  # both readers read this copy...
+    assert seen is not None and second.generation("a") == seen
+    _flip(path, b"\1\1\1\1")  # ...and it goes bad
+    assert first.discard(entry, seen)  # the first deletes it and fetches it again
+    pin = first.pin("a")
+    assert first.fill(entry, _writer(good)) == str(path)  # (on tmpfs, often in the freed inode)
+    pin.close()
+    fresh = first.generation("a")
+    assert fresh not in (None, seen)
+    assert second.discard(entry, seen)  # the second: already replaced, nothing deleted
+    assert first.generation("a") == fresh and path.read_bytes() == good
+    assert not second.discard(entry, fresh)  # a copy that hashes to its entry is kept
+    assert first.stats.discarded == 1 and second.stats.discarded == 0
+
+
+def test_a_copy_deleted_between_its_lookup_and_its_opening_is_fetched_again(
+    memory_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another reader discarded the copy (as corrupt) just after this one looked it up."""
+    from streamload.shards import ShardSource
+
+    ds = StreamingDataset(memory_url, cache_dir=str(tmp_path), read_ahead=0)
+    assert _texts(ds) == EXPECTED
+    original = ShardSource.open_reader
+    deleted: list[str] = []
+
+    def open_reader(self: ShardSource, shard: int, path: str, sidecar: str | None) -> Any:
+        if shard == 2 and not deleted:
+            os.unlink(path)
+            deleted.append(path)
+        return original(self, shard, path, sidecar)
+
+    monkeypatch.setattr(ShardSource, "open_reader", open_reader)
+    assert _texts(ds) == EXPECTED
+    assert deleted and Path(deleted[0]).exists()
+
+
+def test_a_cache_directory_deleted_under_a_running_job_is_made_again(memory_url: str, tmp_path: Path) -> None:
+    """``rm -rf ~/.cache/streamload`` to free space while a job reads: the next epoch still works."""
+    import shutil
+
+    ds = StreamingDataset(memory_url, cache_dir=str(tmp_path), cache_limit="1MB")
+    assert _texts(ds) == EXPECTED
+    for part in ("", "data", "pins", "tmp", "meta", "readers"):
+        shutil.rmtree(_cache_root(tmp_path) / part)
+        assert _texts(ds) == EXPECTED, part
 
 
 def test_verify_api_repairs_a_corrupt_cached_copy_and_says_so(memory_url: str, tmp_path: Path) -> None:
@@ -419,14 +477,16 @@ def test_without_cache_limit_the_cache_is_bounded_by_half_the_free_space(
 
 
 def test_the_default_bound_holds_at_least_two_of_the_largest_shards_and_is_enforced(
-    memory_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    memory_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     import shutil
     from collections import namedtuple
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 1000, 1000))
-    ds = StreamingDataset(memory_url, cache_dir=str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="streamload"):
+        ds = StreamingDataset(memory_url, cache_dir=str(tmp_path))
+    assert "less than the" in caplog.text and "two of the largest shards need" in caplog.text
     largest = ds.manifest.largest_shard_bytes
     assert ds._get_storage().limit == 2 * largest  # type: ignore[attr-defined]
     assert _texts(ds) == EXPECTED

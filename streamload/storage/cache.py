@@ -14,8 +14,9 @@ Layout, one directory per dataset (``<cache_dir>/<hash of the dataset URL>/``)::
     tmp/<name>.<size>.<pid>.<random>.part
                           a download in progress, flocked by its writer; its name
                           carries the bytes it reserves against the limit
-    meta/<name>           "<hash> <size> <inode>" of the verified download now in
-                          data/<name> (written under .lock just before the rename)
+    meta/<name>           "<hash or -> <size> <inode> <generation>" of the verified
+                          download now in data/<name> (written under .lock just before
+                          the rename; the generation is a random token of that download)
     readers/<pid>.<random>
                           one per process reading through the cache, exclusively
                           flocked while it reads (see "Admission" below)
@@ -43,13 +44,14 @@ Invariants:
 Corrupt copies. A copy can go bad on local disk after it was verified (a flipped bit, a
 restore from a bad backup); its size and record still match, so :meth:`ShardCache.lookup`
 serves it, and the format reader's per-sample checksum finds it. The reader's storage then
-calls :meth:`ShardCache.discard`: if ``data/<name>`` is still the copy it read (same inode)
-and does not hash to its entry (or the entry has no hash to tell), the copy is deleted (its
-name only: processes reading it keep their descriptors), so the next acquire downloads it
-again. A copy that does hash to its entry is kept: the shard is bad at its source, and a
-download would bring the same bytes. Deleting skips the pin's exclusive lock (a reader may
-keep a bad copy open for long); a process that looked the file up just before then meets a
-missing file when it opens it, and looks it up again (see ``streamload.shards``).
+calls :meth:`ShardCache.discard`: if ``data/<name>`` is still the copy it read (the same
+download generation: not an inode, which a fresh file may reuse) and does not hash to its
+entry (or the entry has no hash to tell), the copy is deleted (its name only: processes
+reading it keep their descriptors), so the next acquire downloads it again. A copy that
+does hash to its entry is kept: the shard is bad at its source, and a download would
+bring the same bytes. Deleting skips the pin's exclusive lock (a reader may keep a bad
+copy open for long); a process that looked the file up just before then meets a missing
+file when it opens it, and looks it up again (see ``streamload.shards``).
 
 Admission. Every reader needs room for the shard it reads, pinned, and a DataLoader hands
 out samples in order, so a reader waiting for room held by the others' pins can wait for
@@ -92,6 +94,7 @@ _MAX_POLL = 0.25
 #: A registration being created (``readers/.<name>``) left by a crash is deleted after this long.
 _STALE_NEW_REGISTRATION = 60.0
 _CHUNK = 8 << 20
+_SUBDIRS = ("data", "pins", "tmp", "meta", "readers")
 
 
 @dataclass
@@ -227,8 +230,29 @@ class ShardCache:
         self.log_every = log_every
         self.stats = CacheStats()
         self._stats_lock = threading.Lock()
-        for sub in ("data", "pins", "tmp", "meta", "readers"):
-            os.makedirs(os.path.join(root, sub), exist_ok=True)
+        self._make_dirs()
+
+    def _make_dirs(self) -> None:
+        """Create the cache's directories (again, if someone deleted them under a running job)."""
+        for sub in _SUBDIRS:
+            os.makedirs(os.path.join(self.root, sub), exist_ok=True)
+
+    def _create(self, path: str, flags: int) -> int:
+        """Open (creating) ``path`` in the cache; its directory is made again if it was deleted."""
+        try:
+            return _open_fd(path, flags)
+        except FileNotFoundError:
+            self._make_dirs()
+            return _open_fd(path, flags)
+
+    def _scan(self, sub: str) -> list[os.DirEntry[str]]:
+        """The entries of ``<root>/<sub>`` (none, and the directory made again, if it was deleted)."""
+        try:
+            with os.scandir(os.path.join(self.root, sub)) as it:
+                return list(it)
+        except FileNotFoundError:
+            self._make_dirs()
+            return []
 
     # -- paths -----------------------------------------------------------------------
 
@@ -243,7 +267,7 @@ class ShardCache:
         return os.path.join(self.root, "meta", check_file_name(name, "cached file name"))
 
     def _open_lock(self, path: str) -> int:
-        return _open_fd(path, os.O_RDWR | os.O_CREAT)
+        return self._create(path, os.O_RDWR | os.O_CREAT)
 
     # -- pins --------------------------------------------------------------------------
 
@@ -270,8 +294,10 @@ class ShardCache:
             return None
         if st.st_size != entry.num_bytes:
             return None  # a stale file of another version; replaced by the next download
-        if self._checks_hash(entry) and self._read_record(entry.name) != (entry.hash, entry.num_bytes, st.st_ino):
-            return None  # same size, other bytes (or unverified): replaced by the next download
+        if self._checks_hash(entry):
+            record = self._read_record(entry.name)
+            if record is None or record[:3] != (entry.hash, entry.num_bytes, st.st_ino):
+                return None  # same size, other bytes (or unverified): replaced by the next download
         try:
             os.utime(path)  # the LRU clock
         except FileNotFoundError:
@@ -286,24 +312,41 @@ class ShardCache:
         # applies with verify_hash=False too.
         return entry.hash is not None
 
-    def _read_record(self, name: str) -> tuple[str, int, int] | None:
-        """The ``(hash, size, inode)`` recorded for the download renamed into ``data/<name>``."""
+    def _read_record(self, name: str) -> tuple[str, int, int, str] | None:
+        """The ``(hash, size, inode, generation)`` recorded for the download renamed into ``data/<name>``.
+
+        A record written before generations existed has none (``""``).
+        """
         try:
             with open(self._meta_path(name), encoding="ascii") as f:
-                digest, size, inode = f.read().split()
-            return digest, int(size), int(inode)
+                fields = f.read().split()
+            digest, size, inode = fields[:3]
+            return digest, int(size), int(inode), fields[3] if len(fields) > 3 else ""
         except (OSError, ValueError):
             return None
+
+    def generation(self, name: str) -> str | None:
+        """The generation of the copy now in ``data/<name>`` (``None`` if it has no record of one)."""
+        record = self._read_record(name)
+        try:
+            inode = os.stat(self.data_path(name)).st_ino
+        except FileNotFoundError:
+            return None
+        if record is None or record[2] != inode or not record[3]:
+            return None
+        return record[3]
 
     def _write_record(self, entry: FileEntry, part: str) -> None:
         """Record what ``part`` was verified against (caller holds the cache lock)."""
         meta = self._meta_path(entry.name)
-        if entry.hash is None:
-            _unlink(meta)
-            return
         tmp = f"{meta}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        with open(tmp, "w", encoding="ascii") as f:
-            f.write(f"{entry.hash} {entry.num_bytes} {os.stat(part).st_ino}\n")
+        try:
+            f = open(tmp, "w", encoding="ascii")
+        except FileNotFoundError:
+            self._make_dirs()
+            f = open(tmp, "w", encoding="ascii")
+        with f:
+            f.write(f"{entry.hash or '-'} {entry.num_bytes} {os.stat(part).st_ino} {secrets.token_hex(8)}\n")
         os.replace(tmp, meta)
 
     # -- filling -------------------------------------------------------------------
@@ -357,7 +400,13 @@ class ShardCache:
                     with self._stats_lock:  # counted before it shows: a reader that finds it sees it counted
                         self.stats.downloads += 1
                         self.stats.bytes_downloaded += entry.num_bytes
-                    os.replace(part, final)
+                    try:
+                        os.replace(part, final)
+                    except FileNotFoundError as exc:
+                        raise CacheError(
+                            f"{self.root}: the cache directory was deleted while {entry.name} was downloaded "
+                            "into it; the next read downloads it again"
+                        ) from exc
             return final
         finally:
             _close_fd(dl_fd)
@@ -385,12 +434,13 @@ class ShardCache:
 
     # -- corrupt copies --------------------------------------------------------------
 
-    def discard(self, entry: FileEntry, inode: int | None) -> bool:
+    def discard(self, entry: FileEntry, generation: str | None) -> bool:
         """Delete the cached copy of ``entry`` a reader found corrupt, so that it is downloaded again.
 
         Args:
             entry: The file, as the manifest says it must be.
-            inode: The inode of the copy the reader read (``None``: whatever is cached now).
+            generation: The :meth:`generation` of the copy the reader read (``None``:
+                unknown; whatever is cached now is judged).
 
         Returns:
             True if the next acquire gets another copy (this one was deleted, or another
@@ -405,7 +455,7 @@ class ShardCache:
                 st = os.stat(path)
             except FileNotFoundError:
                 return True
-            if inode is not None and st.st_ino != inode:
+            if generation is not None and self.generation(entry.name) != generation:
                 return True  # already replaced by another reader that found it corrupt
             if st.st_size == entry.num_bytes and self._hashes_to(path, entry):
                 return False
@@ -459,7 +509,7 @@ class ShardCache:
         readers = os.path.join(self.root, "readers")
         name = f"{os.getpid()}.{secrets.token_hex(6)}"
         new = os.path.join(readers, f".{name}")
-        fd = _open_fd(new, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        fd = self._create(new, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             path = os.path.join(readers, name)
@@ -472,11 +522,8 @@ class ShardCache:
 
     def readers(self) -> int:
         """Count the live registrations; delete those of dead processes."""
-        readers = os.path.join(self.root, "readers")
         count = 0
-        with os.scandir(readers) as it:
-            items = list(it)
-        for item in items:
+        for item in self._scan("readers"):
             if item.name.startswith("."):
                 self._forget_stale_new(item.path)
                 continue
@@ -573,7 +620,7 @@ class ShardCache:
                     return None
             token = secrets.token_hex(4)
             part = os.path.join(self.root, "tmp", f"{entry.name}.{entry.num_bytes}.{os.getpid()}.{token}.part")
-            fd = _open_fd(part, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+            fd = self._create(part, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             fcntl.flock(fd, fcntl.LOCK_EX)  # before the cache lock drops: never seen unlocked
             return part, fd
 
@@ -589,23 +636,20 @@ class ShardCache:
     def _used_bytes(self) -> int:
         """Bytes in ``data/`` plus bytes reserved by live parts; deletes dead parts."""
         total = 0
-        with os.scandir(os.path.join(self.root, "data")) as it:
-            for item in it:
-                try:
-                    total += item.stat().st_size
-                except FileNotFoundError:
-                    continue
-        tmp = os.path.join(self.root, "tmp")
-        with os.scandir(tmp) as it:
-            for item in it:
-                reserved = _reserved_bytes(item.name)
-                if reserved is None or not self._part_is_live(item.path):
-                    _unlink(item.path)  # a crashed downloader's leftover
-                    continue
-                try:
-                    total += max(reserved, item.stat().st_size)
-                except FileNotFoundError:
-                    continue
+        for item in self._scan("data"):
+            try:
+                total += item.stat().st_size
+            except FileNotFoundError:
+                continue
+        for item in self._scan("tmp"):
+            reserved = _reserved_bytes(item.name)
+            if reserved is None or not self._part_is_live(item.path):
+                _unlink(item.path)  # a crashed downloader's leftover
+                continue
+            try:
+                total += max(reserved, item.stat().st_size)
+            except FileNotFoundError:
+                continue
         return total
 
     def _part_is_live(self, path: str) -> bool:
@@ -624,13 +668,12 @@ class ShardCache:
         Returns the bytes freed (maybe less, if the rest is pinned). Caller holds the cache lock.
         """
         candidates: list[tuple[float, str, int]] = []
-        with os.scandir(os.path.join(self.root, "data")) as it:
-            for item in it:
-                try:
-                    st = item.stat()
-                except FileNotFoundError:
-                    continue
-                candidates.append((st.st_mtime, item.name, st.st_size))
+        for item in self._scan("data"):
+            try:
+                st = item.stat()
+            except FileNotFoundError:
+                continue
+            candidates.append((st.st_mtime, item.name, st.st_size))
         freed = 0
         for _, name, size in sorted(candidates):
             if freed >= needed:

@@ -84,14 +84,6 @@ _READERS_TTL = 1.0
 _LOGGED_DEFAULTS: set[str] = set()
 
 
-def _inode(path: str) -> int:
-    """The inode of ``path``; -1 if it was deleted since (as corrupt, by another reader: a discard sees it)."""
-    try:
-        return os.stat(path).st_ino
-    except FileNotFoundError:
-        return -1
-
-
 def default_cache_dir() -> str:
     """``$STREAMLOAD_CACHE`` if set, else ``$XDG_CACHE_HOME/streamload`` or ``~/.cache/streamload``."""
     env = os.environ.get("STREAMLOAD_CACHE")
@@ -152,6 +144,7 @@ class RemoteStorage(Storage):
         self._remote = RemoteFiles(self.url, dict(storage_options or {}), retry or RetryPolicy())
         base = os.path.expanduser(os.fspath(cache_dir if cache_dir is not None else default_cache_dir()))
         self.cache_root = os.path.join(base, dataset_cache_key(self.url, storage_options))
+        self._space = 0  # bytes the cache could use, measured for the default bound
         try:
             self.cache = ShardCache(self.cache_root, None, verify_hash=verify_hash, wait_timeout=wait_timeout)
             #: The bound this storage chose itself when no ``cache_limit`` was given, else ``None``.
@@ -164,15 +157,15 @@ class RemoteStorage(Storage):
 
     def _default_limit(self) -> int:
         """Half of the space the cache could use: its filesystem's free space plus what it holds."""
-        free = shutil.disk_usage(self.cache_root).free
-        return int(DEFAULT_CACHE_FRACTION * (free + self.cache.usage()))
+        self._space = shutil.disk_usage(self.cache_root).free + self.cache.usage()
+        return int(DEFAULT_CACHE_FRACTION * self._space)
 
     def _init_process_state(self) -> None:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pins: dict[str, tuple[Pin, int]] = {}  # name -> (pin, acquire count)
-        self._served: dict[str, int] = {}  # name -> inode of the copy last handed out
+        self._served: dict[str, str | None] = {}  # name -> generation of the copy last handed out
         self._stale: set[str] = set()  # pinned here, but discarded: the next acquire fetches again
         self._ahead = ReadAhead(self.read_ahead, self._fetch_ahead)
         self._registration: Registration | None = None
@@ -214,6 +207,15 @@ class RemoteStorage(Storage):
         if self.default_limit is not None and self.limit is not None:
             if self.limit < need:  # a small disk: the default still lets a reader work
                 self.limit = self.cache.limit = self.default_limit = need
+                if need > self._space:
+                    log.warning(
+                        "cache of %s in %s: its filesystem has room for %s, less than the %s two of the "
+                        "largest shards need; downloads will fail when it is full (pass cache_dir= on a larger one)",
+                        self.url,
+                        self.cache_root,
+                        format_bytes(self._space),
+                        format_bytes(need),
+                    )
             self._log_default(largest)
         if self.limit is not None and self.limit < need:
             raise CacheError(
@@ -328,7 +330,7 @@ class RemoteStorage(Storage):
             with self._lock:
                 self._stale.discard(entry.name)
                 self._pins[entry.name] = (held[0], held[1] + 1)
-                self._served[entry.name] = _inode(path)
+                self._served[entry.name] = self.cache.generation(entry.name)
             return path
         self._check_fits(entry)
         pin = self.cache.pin(entry.name)
@@ -339,7 +341,7 @@ class RemoteStorage(Storage):
             raise
         with self._lock:
             self._pins[entry.name] = (pin, 1)
-            self._served[entry.name] = _inode(path)
+            self._served[entry.name] = self.cache.generation(entry.name)
         return path
 
     def _fill(self, entry: FileEntry) -> str:
@@ -384,8 +386,8 @@ class RemoteStorage(Storage):
         """
         self._check_process()
         with self._lock:
-            inode = self._served.get(entry.name)
-        fresh = self.cache.discard(entry, inode)
+            generation = self._served.get(entry.name)
+        fresh = self.cache.discard(entry, generation)
         if fresh:
             with self._lock:
                 if entry.name in self._pins:
@@ -437,7 +439,7 @@ class RemoteStorage(Storage):
         return f"{self.url} (cache {self.cache_root})"
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("url", "read_ahead", "limit", "default_limit", "_remote", "cache_root", "cache")
+        keep = ("url", "read_ahead", "limit", "default_limit", "_space", "_remote", "cache_root", "cache")
         return {k: v for k, v in self.__dict__.items() if k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
