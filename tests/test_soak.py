@@ -8,7 +8,7 @@ The measures are taken after complete epochs (an abandoned one's workers keep it
 open until the next epoch starts). At epoch 20 (warm: imports, fsspec's IO thread, the
 workers' buffers) and at the end, for the main process and each worker:
 
-* open file descriptors (``/proc/<pid>/fd``) and threads: equal, or at most +2;
+* open file descriptors (``/proc/<pid>/fd``) and threads: at most +2;
 * resident memory: at most +20 MB;
 * shared memory: ``/proc/<pid>/maps`` entries of ``/dev/shm`` and torch's shared files,
   and ``/dev/shm`` entries named after the process: at most +2;
@@ -143,7 +143,8 @@ def _soak(ds: StreamingDataset, cache_root: Path | None, limit: int | None) -> d
 
 def _check_flat(usage: dict[str, tuple[Usage, Usage]]) -> None:
     for name, (warm, end) in usage.items():
-        assert warm.fds <= end.fds + 2 and end.fds <= warm.fds + 2, (name, str(warm), str(end))
+        # Growth only: in a long test session the main process may close others' leftovers meanwhile.
+        assert end.fds <= warm.fds + 2, (name, str(warm), str(end))
         assert end.threads <= warm.threads + 2, (name, str(warm), str(end))
         assert end.rss - warm.rss <= 20 * MB, (name, str(warm), str(end))
         assert end.shm_maps <= warm.shm_maps + 2, (name, str(warm), str(end))
