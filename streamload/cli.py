@@ -84,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="re-hash every shard and read every sample; exit 1 on any problem")
     p.add_argument("dataset", help="dataset directory or URL")
     p.add_argument("--no-read", action="store_true", help="only check sizes and hashes")
-    p.add_argument("--cache-dir", help="for a URL: check the copies in this cache (default: the usual cache)")
+    p.add_argument(
+        "--cache-dir",
+        help="for a URL: check the copies in this cache (default: the usual cache); a corrupt one is "
+        "downloaded again and reported REPAIRED",
+    )
     add_storage_option(p)
     p.set_defaults(func=_cmd_verify)
 
@@ -199,11 +203,23 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         read_samples=not args.no_read,
         cache_dir=args.cache_dir,
     )
+    for _name, what in report.repaired:
+        print(f"REPAIRED {what}")
     for _name, problem in report.problems:
         print(f"BAD  {problem}")
     if report.unhashed:
-        print(f"NOTE {len(report.unhashed)} file(s) have no hash in the manifest: only their sizes were checked")
-    status = "OK" if report.ok else f"FAILED: {len(report.problems)} bad shard(s)"
+        shown = ", ".join(report.unhashed[:3]) + (", ..." if len(report.unhashed) > 3 else "")
+        samples = "" if args.no_read else " (and their samples by their own checksums)"
+        print(
+            f"NOTE {len(report.unhashed)} file(s) have no hash in the manifest ({shown}): "
+            f"only their sizes were checked{samples}"
+        )
+    if not report.ok:
+        status = f"FAILED: {len(report.problems)} bad shard(s)"
+    elif report.unhashed:
+        status = f"NO HASH to check for {len(report.unhashed)} file(s), no other problem"
+    else:
+        status = "OK"
     print(f"{status}: {report.shards_checked} shards, {report.samples_checked} samples checked in {args.dataset}")
     return 0 if report.ok else 1
 

@@ -26,7 +26,8 @@ from typing import Any, Literal, NoReturn
 import torch
 from torch.utils.data import IterableDataset
 
-from ._errors import ConfigError, PlanError, SampleError, StreamloadError
+from ._errors import ConfigError, CorruptShardError, PlanError, SampleError, StreamloadError
+from ._validate import check_epoch, dataset_args
 from .formats import Format, Sample, ShardReader
 from .manifest import Manifest, ShardEntry
 from .plan import (
@@ -147,6 +148,7 @@ class StreamingDataset(IterableDataset[Any]):
         on_error: OnError = "raise",
     ) -> None:
         super().__init__()
+        shuffle, seed, drop_last, shuffle_window, batch_size, rank, world_size, read_ahead = dataset_args(locals())
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error={on_error!r} must be 'raise' or 'skip'")
         self.source = str(source)
@@ -211,8 +213,7 @@ class StreamingDataset(IterableDataset[Any]):
 
         Works with ``persistent_workers=True``: the counter lives in shared memory.
         """
-        if epoch < 0:
-            raise ConfigError(f"{epoch=} must be >= 0")
+        epoch = check_epoch(epoch)
         self._epochs[_BASE] = epoch
         self._epochs[_OFFSET:] = 0
 
@@ -382,7 +383,13 @@ class StreamingDataset(IterableDataset[Any]):
         for batch_runs in group_runs(runs, progress.chunk):
             if direct:
                 assert isinstance(collate, BatchReader)
-                batch = collate.read_batch(readers.get, [(run.shard, run.locals) for run in batch_runs])
+                parts = [(run.shard, run.locals) for run in batch_runs]
+                try:
+                    batch = collate.read_batch(readers.get, parts)
+                except CorruptShardError as exc:  # a corrupt cached copy: read the batch again from fresh ones
+                    if not readers.recover_any([shard for shard, _ in parts], exc):
+                        raise
+                    batch = collate.read_batch(readers.get, parts)
             else:
                 batch = collate([s for run in batch_runs for s in self._read_run(readers, run, progress)])
             progress.next_item = int(batch_runs[-1].positions[-1]) + 1
@@ -414,7 +421,7 @@ class StreamingDataset(IterableDataset[Any]):
             yield from substitute.fail(len(run.locals))
             return
         transform = self.transform
-        for position, sample in zip(run.positions.tolist(), self._samples(reader, run, entry), strict=True):
+        for position, sample in zip(run.positions.tolist(), self._samples(readers, reader, run, entry), strict=True):
             progress.next_item = position + 1
             if isinstance(sample, _Failed):
                 self._skip(entry, sample.key, sample.error)
@@ -437,11 +444,14 @@ class StreamingDataset(IterableDataset[Any]):
                 continue
             yield from substitute.good(out)
 
-    def _samples(self, reader: ShardReader, run: Run, entry: ShardEntry) -> Iterator[Sample | _Failed]:
+    def _samples(
+        self, readers: ShardSource, reader: ShardReader, run: Run, entry: ShardEntry
+    ) -> Iterator[Sample | _Failed]:
         """Read the run's samples.
 
-        Under ``on_error="skip"``, a bad sample becomes a :class:`_Failed` and reading
-        goes on with the next one.
+        A corrupt cached copy of a remote shard is read again from a fresh download, once
+        (:meth:`ShardSource.recover`). Under ``on_error="skip"``, a bad sample becomes a
+        :class:`_Failed` and reading goes on with the next one.
         """
         locals_ = run.locals.tolist()
         done = 0
@@ -455,6 +465,14 @@ class StreamingDataset(IterableDataset[Any]):
                     yield reader.get(index)
                     done += 1
         except StreamloadError as exc:
+            try:
+                fresh = readers.recover(run.shard, exc)
+            except StreamloadError as again:  # no fresh copy could be had
+                fresh, exc = None, again
+            if fresh is not None:
+                rest = Run(run.shard, run.locals[done:], run.positions[done:])
+                yield from self._samples(readers, fresh, rest, entry)
+                return
             if self.on_error == "raise":
                 _raise_located(exc, self.source, entry)
             yield _Failed(exc, None)

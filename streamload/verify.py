@@ -5,18 +5,31 @@ training (:mod:`streamload.shards`; a remote dataset through its cache), re-hash
 the manifest, and, unless told otherwise, every sample is read back through the format's
 reader, which checks each sample's own checksum. Every problem is collected, not just the
 first.
+
+A remote dataset is checked through a cache (``cache_dir``, default the usual one): the
+copies training will read. A cached copy found corrupt (a disk error after it was
+downloaded) is *repaired*, by the same logic as training: deleted, downloaded again, and
+the fresh copy checked in its place. It is reported (:attr:`VerifyReport.repaired`, a
+``REPAIRED`` line) but is no problem of the dataset; a fresh copy that is bad too is. A
+local dataset's files are never changed.
+
+A file the manifest gives no hash for can only be checked by its size (and its samples by
+their own checksums): :attr:`VerifyReport.unhashed` lists them, and the command says so
+instead of ``OK``.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import ShardError, StreamloadError
+from ._errors import ConfigError, CorruptShardError, StreamloadError
 from ._files import FileEntry, hash_stream
 from .manifest import ShardEntry
 from .shards import DatasetRef, ShardSource, StorageConfig
+from .storage import is_local
 
 __all__ = ["VerifyReport", "verify_dataset"]
 
@@ -30,6 +43,8 @@ class VerifyReport:
         shards_checked: Shards looked at.
         samples_checked: Samples read back.
         unhashed: Names of files the manifest gives no hash for (only their size was checked).
+        repaired: ``(shard name, message)`` for every shard whose cached copy was corrupt,
+            and was downloaded again and checked (no problem of the dataset).
         problems: ``(shard name, message)`` for every bad shard.
     """
 
@@ -37,6 +52,7 @@ class VerifyReport:
     shards_checked: int = 0
     samples_checked: int = 0
     unhashed: list[str] = field(default_factory=list)
+    repaired: list[tuple[str, str]] = field(default_factory=list)
     problems: list[tuple[str, str]] = field(default_factory=list)
 
     @property
@@ -46,17 +62,18 @@ class VerifyReport:
 
 
 def _check_file(path: str, entry: FileEntry, report: VerifyReport) -> None:
-    """Re-hash a local copy of ``entry``; raise :class:`ShardError` on a mismatch."""
+    """Re-hash a local copy of ``entry``; raise :class:`CorruptShardError` on a mismatch."""
     if entry.hash is None or entry.algorithm is None:
-        report.unhashed.append(entry.name)
+        if entry.name not in report.unhashed:
+            report.unhashed.append(entry.name)
         return
     with open(path, "rb") as f:
         digest, size = hash_stream(f, entry.algorithm)
     if size != entry.num_bytes:
-        raise ShardError(f"{entry.name}: {size} bytes, manifest says {entry.num_bytes}")
+        raise CorruptShardError(f"{entry.name}: {size} bytes, manifest says {entry.num_bytes}")
     problem = entry.digest_problem(digest, entry.algorithm)
     if problem is not None:
-        raise ShardError(f"{entry.name}: {problem}")
+        raise CorruptShardError(f"{entry.name}: {problem}")
 
 
 def _check_shard(source: ShardSource, s: int, read_samples: bool, report: VerifyReport) -> None:
@@ -74,10 +91,32 @@ def _check_shard(source: ShardSource, s: int, read_samples: bool, report: Verify
         finally:
             reader.close()
         if count != entry.num_samples:
-            raise ShardError(f"{entry.name}: read {count} samples, manifest says {entry.num_samples}")
+            raise CorruptShardError(f"{entry.name}: read {count} samples, manifest says {entry.num_samples}")
         report.samples_checked += count
     finally:
         source.release(s)
+
+
+def _check_or_repair(source: ShardSource, s: int, read_samples: bool, report: VerifyReport) -> None:
+    """Check shard ``s``; a corrupt cached copy is dropped, downloaded again and checked once more."""
+    entry = source.ref.manifest.shards[s]
+    try:
+        _check_shard(source, s, read_samples, report)
+    except CorruptShardError as exc:
+        if not source.refetch([s], exc):
+            raise
+        report.repaired.append(
+            (
+                entry.name,
+                f"{_message(entry, exc)}: the cached copy ({source.storage.describe()}) was corrupt; "
+                "deleted, downloaded again and checked",
+            )
+        )
+        _check_shard(source, s, read_samples, report)
+
+
+def _message(entry: ShardEntry, exc: BaseException) -> str:
+    return str(exc) if entry.name in str(exc) else f"{entry.name}: {exc}"
 
 
 def verify_dataset(
@@ -95,20 +134,30 @@ def verify_dataset(
         read_samples: Also open each shard with its format reader and read every sample.
         on_shard: Called with ``(entry, problem or None)`` after each shard.
         cache_dir: The cache a remote dataset is checked through (default: the usual one),
-            so that ``verify`` checks the copies training will use.
+            so that ``verify`` checks the copies training will use. A corrupt copy there
+            is repaired (downloaded again) and listed in :attr:`VerifyReport.repaired`.
 
     Raises:
         ManifestError: If the manifest cannot be read (nothing else can then be checked).
+        ConfigError: If ``storage_options`` is not a mapping.
     """
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise ConfigError(f"storage_options={storage_options!r} must be a mapping (a dict of fsspec options) or None")
+    if cache_dir is not None and is_local(str(url)):
+        warnings.warn(
+            f"cache_dir={cache_dir!r} does nothing for the local dataset {url!r}: its files are checked in place",
+            UserWarning,
+            stacklevel=2,
+        )
     report = VerifyReport(url)
     ref = DatasetRef.open(url, StorageConfig(dict(storage_options or {}), cache_dir, read_ahead=0))
     with ShardSource(ref, ref.open_storage(), own_storage=True) as source:
         for s, entry in enumerate(ref.manifest.shards):
             problem = None
             try:
-                _check_shard(source, s, read_samples, report)
+                _check_or_repair(source, s, read_samples, report)
             except (StreamloadError, OSError, ValueError, OverflowError, MemoryError) as exc:
-                problem = str(exc) if entry.name in str(exc) else f"{entry.name}: {exc}"
+                problem = _message(entry, exc)
                 report.problems.append((entry.name, problem))
             report.shards_checked += 1
             if on_shard is not None:
@@ -119,8 +168,6 @@ def verify_dataset(
 def __getattr__(name: str) -> Any:
     """``streamload.verify.index_directory`` moved to :mod:`streamload.indexing` (deprecated alias)."""
     if name in ("index_directory", "index_shard", "publish_index"):
-        import warnings
-
         from . import indexing
 
         warnings.warn(f"streamload.verify.{name} moved to streamload.indexing.{name}", DeprecationWarning, stacklevel=2)

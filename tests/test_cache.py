@@ -154,8 +154,8 @@ def test_a_file_without_a_record_of_its_verification_is_downloaded_again(tmp_pat
     _fill(cache, "a", 1)
     entry = _entry("a", b"\1" * SIZE)
     record = Path(tmp_path, "meta", "a")
-    digest, size, _inode = record.read_text().split()
-    record.write_text(f"{digest} {size} 1\n")  # the inode of some other file
+    digest, size, _inode, *generation = record.read_text().split()
+    record.write_text(" ".join([digest, size, "1", *generation]) + "\n")  # the inode of some other file
     assert cache.lookup(entry) is None
     record.unlink()
     assert cache.lookup(entry) is None

@@ -14,8 +14,12 @@ Layout, one directory per dataset (``<cache_dir>/<hash of the dataset URL>/``)::
     tmp/<name>.<size>.<pid>.<random>.part
                           a download in progress, flocked by its writer; its name
                           carries the bytes it reserves against the limit
-    meta/<name>           "<hash> <size> <inode>" of the verified download now in
-                          data/<name> (written under .lock just before the rename)
+    meta/<name>           "<hash or -> <size> <inode> <generation>" of the verified
+                          download now in data/<name> (written under .lock just before
+                          the rename; the generation is a random token of that download)
+    readers/<pid>.<random>
+                          one per process reading through the cache, exclusively
+                          flocked while it reads (see "Admission" below)
 
 Names are checked to be plain file names (see
 :func:`~streamload._files.check_file_name`), so no path built here leaves the cache.
@@ -35,12 +39,36 @@ Invariants:
   :meth:`ShardCache.lookup` compares the entry's hash with ``meta/<name>`` (and the
   record's inode with the file's, so a record left by a crash between writing it and the
   rename never vouches for an older file); a mismatch is a miss, and the download
-  replaces the stale file.
+  replaces the stale file (which is deleted first, so it holds no room the download needs).
+
+Corrupt copies. A copy can go bad on local disk after it was verified (a flipped bit, a
+restore from a bad backup); its size and record still match, so :meth:`ShardCache.lookup`
+serves it, and the format reader's per-sample checksum finds it. The reader's storage then
+calls :meth:`ShardCache.discard`: if ``data/<name>`` is still the copy it read (the same
+download generation: not an inode, which a fresh file may reuse) and does not hash to its
+entry (or the entry has no hash to tell), the copy is deleted (its name only: processes
+reading it keep their descriptors), so the next acquire downloads it again. A copy that
+does hash to its entry is kept: the shard is bad at its source, and a download would
+bring the same bytes. Deleting skips the pin's exclusive lock (a reader may keep a bad
+copy open for long); a process that looked the file up just before then meets a missing
+file when it opens it, and looks it up again (see ``streamload.shards``).
+
+Admission. Every reader needs room for the shard it reads, pinned, and a DataLoader hands
+out samples in order, so a reader waiting for room held by the others' pins can wait for
+ever: the others stop when their queues are full, and keep their pins. So each process
+that reads registers in ``readers/`` (:meth:`ShardCache.register`, an exclusive flock held
+while it reads: a crash unregisters it) and counts the live registrations
+(:meth:`ShardCache.readers`). :class:`~streamload.storage.remote.RemoteStorage` refuses at
+once a reader that would make the readers' shards outgrow the limit, and shares the limit
+among the registered readers when it tells each how many shards it may keep open. A wait
+for room that does happen (another process's download holds it) logs a line every
+``log_every`` seconds until it ends or ``wait_timeout`` runs out.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import secrets
 import threading
@@ -53,11 +81,20 @@ from .._errors import CacheError, CorruptShardError
 from .._files import FileEntry, check_file_name, new_hasher
 from .._units import format_bytes
 
-__all__ = ["CacheStats", "Pin", "ShardCache"]
+__all__ = ["CacheStats", "Pin", "Registration", "ShardCache"]
+
+log = logging.getLogger("streamload")
 
 #: How long an acquire waits for room held by other readers before giving up.
 DEFAULT_WAIT_TIMEOUT = 300.0
+#: Seconds between the log lines of an acquire waiting for room.
+DEFAULT_LOG_EVERY = 10.0
+#: Longest sleep between two tries to make room (room is mostly freed by a download ending).
+_MAX_POLL = 0.25
+#: A registration being created (``readers/.<name>``) left by a crash is deleted after this long.
+_STALE_NEW_REGISTRATION = 60.0
 _CHUNK = 8 << 20
+_SUBDIRS = ("data", "pins", "tmp", "meta", "readers")
 
 
 @dataclass
@@ -68,6 +105,8 @@ class CacheStats:
     downloads: int = 0
     bytes_downloaded: int = 0
     evictions: int = 0
+    #: Cached copies found corrupt and deleted, to be downloaded again.
+    discarded: int = 0
 
 
 class Pin:
@@ -80,6 +119,21 @@ class Pin:
     def close(self) -> None:
         """Release the pin (closing the descriptor drops the lock)."""
         if self.fd >= 0:
+            _close_fd(self.fd)
+            self.fd = -1
+
+
+class Registration:
+    """A process's registration as a reader of a cache (see :meth:`ShardCache.register`)."""
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd = fd
+        self.path = path
+
+    def close(self) -> None:
+        """Unregister: delete the file, then drop its lock."""
+        if self.fd >= 0:
+            _unlink(self.path)
             _close_fd(self.fd)
             self.fd = -1
 
@@ -157,6 +211,7 @@ class ShardCache:
         limit: Most bytes the cache may hold (``None``: no bound).
         verify_hash: Check downloads against the manifest hash (size is always checked).
         wait_timeout: Seconds an acquire waits for other readers to free room.
+        log_every: Seconds between the log lines of an acquire waiting for room.
     """
 
     def __init__(
@@ -166,15 +221,38 @@ class ShardCache:
         *,
         verify_hash: bool = True,
         wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
+        log_every: float = DEFAULT_LOG_EVERY,
     ) -> None:
         self.root = root
         self.limit = limit
         self.verify_hash = verify_hash
         self.wait_timeout = wait_timeout
+        self.log_every = log_every
         self.stats = CacheStats()
         self._stats_lock = threading.Lock()
-        for sub in ("data", "pins", "tmp", "meta"):
-            os.makedirs(os.path.join(root, sub), exist_ok=True)
+        self._make_dirs()
+
+    def _make_dirs(self) -> None:
+        """Create the cache's directories (again, if someone deleted them under a running job)."""
+        for sub in _SUBDIRS:
+            os.makedirs(os.path.join(self.root, sub), exist_ok=True)
+
+    def _create(self, path: str, flags: int) -> int:
+        """Open (creating) ``path`` in the cache; its directory is made again if it was deleted."""
+        try:
+            return _open_fd(path, flags)
+        except FileNotFoundError:
+            self._make_dirs()
+            return _open_fd(path, flags)
+
+    def _scan(self, sub: str) -> list[os.DirEntry[str]]:
+        """The entries of ``<root>/<sub>`` (none, and the directory made again, if it was deleted)."""
+        try:
+            with os.scandir(os.path.join(self.root, sub)) as it:
+                return list(it)
+        except FileNotFoundError:
+            self._make_dirs()
+            return []
 
     # -- paths -----------------------------------------------------------------------
 
@@ -189,7 +267,7 @@ class ShardCache:
         return os.path.join(self.root, "meta", check_file_name(name, "cached file name"))
 
     def _open_lock(self, path: str) -> int:
-        return _open_fd(path, os.O_RDWR | os.O_CREAT)
+        return self._create(path, os.O_RDWR | os.O_CREAT)
 
     # -- pins --------------------------------------------------------------------------
 
@@ -216,8 +294,10 @@ class ShardCache:
             return None
         if st.st_size != entry.num_bytes:
             return None  # a stale file of another version; replaced by the next download
-        if self._checks_hash(entry) and self._read_record(entry.name) != (entry.hash, entry.num_bytes, st.st_ino):
-            return None  # same size, other bytes (or unverified): replaced by the next download
+        if self._checks_hash(entry):
+            record = self._read_record(entry.name)
+            if record is None or record[:3] != (entry.hash, entry.num_bytes, st.st_ino):
+                return None  # same size, other bytes (or unverified): replaced by the next download
         try:
             os.utime(path)  # the LRU clock
         except FileNotFoundError:
@@ -232,24 +312,41 @@ class ShardCache:
         # applies with verify_hash=False too.
         return entry.hash is not None
 
-    def _read_record(self, name: str) -> tuple[str, int, int] | None:
-        """The ``(hash, size, inode)`` recorded for the download renamed into ``data/<name>``."""
+    def _read_record(self, name: str) -> tuple[str, int, int, str] | None:
+        """The ``(hash, size, inode, generation)`` recorded for the download renamed into ``data/<name>``.
+
+        A record written before generations existed has none (``""``).
+        """
         try:
             with open(self._meta_path(name), encoding="ascii") as f:
-                digest, size, inode = f.read().split()
-            return digest, int(size), int(inode)
+                fields = f.read().split()
+            digest, size, inode = fields[:3]
+            return digest, int(size), int(inode), fields[3] if len(fields) > 3 else ""
         except (OSError, ValueError):
             return None
+
+    def generation(self, name: str) -> str | None:
+        """The generation of the copy now in ``data/<name>`` (``None`` if it has no record of one)."""
+        record = self._read_record(name)
+        try:
+            inode = os.stat(self.data_path(name)).st_ino
+        except FileNotFoundError:
+            return None
+        if record is None or record[2] != inode or not record[3]:
+            return None
+        return record[3]
 
     def _write_record(self, entry: FileEntry, part: str) -> None:
         """Record what ``part`` was verified against (caller holds the cache lock)."""
         meta = self._meta_path(entry.name)
-        if entry.hash is None:
-            _unlink(meta)
-            return
         tmp = f"{meta}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        with open(tmp, "w", encoding="ascii") as f:
-            f.write(f"{entry.hash} {entry.num_bytes} {os.stat(part).st_ino}\n")
+        try:
+            f = open(tmp, "w", encoding="ascii")
+        except FileNotFoundError:
+            self._make_dirs()
+            f = open(tmp, "w", encoding="ascii")
+        with f:
+            f.write(f"{entry.hash or '-'} {entry.num_bytes} {os.stat(part).st_ino} {secrets.token_hex(8)}\n")
         os.replace(tmp, meta)
 
     # -- filling -------------------------------------------------------------------
@@ -289,6 +386,7 @@ class ShardCache:
             path = self.lookup(entry)  # someone else downloaded it meanwhile
             if path is not None:
                 return path
+            self._drop(entry.name)  # a stale or damaged copy: it must not hold room the download needs
             with self._reservation(entry, wait, on_wait) as part:
                 if part is None:
                     return None
@@ -299,10 +397,16 @@ class ShardCache:
                 final = self.data_path(entry.name)
                 with self._cache_lock():  # so a count under the lock never sees it twice
                     self._write_record(entry, part)
-                    os.replace(part, final)
-            with self._stats_lock:
-                self.stats.downloads += 1
-                self.stats.bytes_downloaded += entry.num_bytes
+                    with self._stats_lock:  # counted before it shows: a reader that finds it sees it counted
+                        self.stats.downloads += 1
+                        self.stats.bytes_downloaded += entry.num_bytes
+                    try:
+                        os.replace(part, final)
+                    except FileNotFoundError as exc:
+                        raise CacheError(
+                            f"{self.root}: the cache directory was deleted while {entry.name} was downloaded "
+                            "into it; the next read downloads it again"
+                        ) from exc
             return final
         finally:
             _close_fd(dl_fd)
@@ -328,6 +432,123 @@ class ShardCache:
         if problem is not None:
             raise CorruptShardError(f"{entry.name}: downloaded bytes do not match the manifest: {problem}")
 
+    # -- corrupt copies --------------------------------------------------------------
+
+    def discard(self, entry: FileEntry, generation: str | None) -> bool:
+        """Delete the cached copy of ``entry`` a reader found corrupt, so that it is downloaded again.
+
+        Args:
+            entry: The file, as the manifest says it must be.
+            generation: The :meth:`generation` of the copy the reader read (``None``:
+                unknown; whatever is cached now is judged).
+
+        Returns:
+            True if the next acquire gets another copy (this one was deleted, or another
+            process already replaced or deleted it); False if the copy hashes to the
+            entry: it is faithful, and a download would bring the same bytes.
+        """
+        fd = self._open_lock(self._pin_path(entry.name, ".dl"))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # no download of this file meanwhile (bounded by its retries)
+            path = self.data_path(entry.name)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                return True
+            if generation is not None and self.generation(entry.name) != generation:
+                return True  # already replaced by another reader that found it corrupt
+            if st.st_size == entry.num_bytes and self._hashes_to(path, entry):
+                return False
+            with self._cache_lock():
+                self._drop_locked(entry.name, st.st_ino)
+            with self._stats_lock:
+                self.stats.discarded += 1
+            return True
+        finally:
+            _close_fd(fd)
+
+    @staticmethod
+    def _hashes_to(path: str, entry: FileEntry) -> bool:
+        """True if the file at ``path`` hashes to ``entry``'s digest (False if it has none)."""
+        if entry.hash is None or entry.algorithm is None:
+            return False
+        hasher = new_hasher(entry.algorithm)
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                hasher.update(chunk)
+        return entry.digest_problem(hasher.hexdigest(), entry.algorithm) is None
+
+    def _drop(self, name: str) -> None:
+        """Delete ``data/<name>`` (a stale copy, about to be replaced) and its record."""
+        try:
+            inode = os.stat(self.data_path(name)).st_ino
+        except FileNotFoundError:
+            return
+        with self._cache_lock():
+            self._drop_locked(name, inode)
+
+    def _drop_locked(self, name: str, inode: int) -> None:
+        """Delete ``data/<name>`` if it is still ``inode``, and its record (caller holds the cache lock)."""
+        path = self.data_path(name)
+        try:
+            if os.stat(path).st_ino != inode:
+                return
+        except FileNotFoundError:
+            return
+        _unlink(path)
+        _unlink(self._meta_path(name))
+
+    # -- readers -----------------------------------------------------------------------
+
+    def register(self) -> Registration:
+        """Register this process as a reader of the cache until the registration is closed.
+
+        The file appears in ``readers/`` already locked (it is locked under a dot-name,
+        then renamed), so a live registration is never taken for a dead one.
+        """
+        readers = os.path.join(self.root, "readers")
+        name = f"{os.getpid()}.{secrets.token_hex(6)}"
+        new = os.path.join(readers, f".{name}")
+        fd = self._create(new, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            path = os.path.join(readers, name)
+            os.rename(new, path)
+        except BaseException:
+            _unlink(new)
+            _close_fd(fd)
+            raise
+        return Registration(fd, path)
+
+    def readers(self) -> int:
+        """Count the live registrations; delete those of dead processes."""
+        count = 0
+        for item in self._scan("readers"):
+            if item.name.startswith("."):
+                self._forget_stale_new(item.path)
+                continue
+            try:
+                fd = _open_fd(item.path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                # A shared probe: two processes probing a dead registration both see it dead.
+                if _lock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB):
+                    _unlink(item.path)  # its process died (its lock with it)
+                else:
+                    count += 1
+            finally:
+                _close_fd(fd)
+        return count
+
+    @staticmethod
+    def _forget_stale_new(path: str) -> None:
+        try:
+            if time.time() - os.stat(path).st_mtime > _STALE_NEW_REGISTRATION:
+                _unlink(path)  # a crash between creating and renaming a registration
+        except FileNotFoundError:
+            pass
+
     # -- room ------------------------------------------------------------------------
 
     @contextmanager
@@ -337,7 +558,9 @@ class ShardCache:
         Yields ``None`` if ``wait`` is false and no room can be made now. The part file is
         deleted on exit unless it was renamed into ``data/``.
         """
-        deadline = time.monotonic() + self.wait_timeout
+        started = time.monotonic()
+        deadline = started + self.wait_timeout
+        next_log = started + min(self.log_every, self.wait_timeout)
         delay = 0.05
         waited = False
         while True:
@@ -352,15 +575,30 @@ class ShardCache:
                 if not waited:
                     waited = True
                     continue
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise CacheError(
                     f"{self.root}: no room for {entry.name} ({format_bytes(entry.num_bytes)}) within "
                     f"cache_limit={format_bytes(self.limit or 0)} after {self.wait_timeout:.0f} s: every "
-                    "cached file is in use by a reader; raise cache_limit (at least (readers + 1) x the "
-                    "largest shard on this machine)"
+                    f"cached file is in use by a reader ({self.readers()} registered); raise cache_limit "
+                    "(at least (readers + 1) x the largest shard on this machine)"
+                )
+            if now >= next_log:
+                next_log = now + self.log_every
+                log.warning(
+                    "%s: waiting for room for %s (%s) within cache_limit=%s: %.0f s of %.0f s; "
+                    "%d reader(s) registered, %s used",
+                    self.root,
+                    entry.name,
+                    format_bytes(entry.num_bytes),
+                    format_bytes(self.limit or 0),
+                    now - started,
+                    self.wait_timeout,
+                    self.readers(),
+                    format_bytes(self.usage()),
                 )
             time.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            delay = min(delay * 2, _MAX_POLL)
         part, fd = reserved
         try:
             yield part
@@ -382,7 +620,7 @@ class ShardCache:
                     return None
             token = secrets.token_hex(4)
             part = os.path.join(self.root, "tmp", f"{entry.name}.{entry.num_bytes}.{os.getpid()}.{token}.part")
-            fd = _open_fd(part, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+            fd = self._create(part, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             fcntl.flock(fd, fcntl.LOCK_EX)  # before the cache lock drops: never seen unlocked
             return part, fd
 
@@ -398,23 +636,20 @@ class ShardCache:
     def _used_bytes(self) -> int:
         """Bytes in ``data/`` plus bytes reserved by live parts; deletes dead parts."""
         total = 0
-        with os.scandir(os.path.join(self.root, "data")) as it:
-            for item in it:
-                try:
-                    total += item.stat().st_size
-                except FileNotFoundError:
-                    continue
-        tmp = os.path.join(self.root, "tmp")
-        with os.scandir(tmp) as it:
-            for item in it:
-                reserved = _reserved_bytes(item.name)
-                if reserved is None or not self._part_is_live(item.path):
-                    _unlink(item.path)  # a crashed downloader's leftover
-                    continue
-                try:
-                    total += max(reserved, item.stat().st_size)
-                except FileNotFoundError:
-                    continue
+        for item in self._scan("data"):
+            try:
+                total += item.stat().st_size
+            except FileNotFoundError:
+                continue
+        for item in self._scan("tmp"):
+            reserved = _reserved_bytes(item.name)
+            if reserved is None or not self._part_is_live(item.path):
+                _unlink(item.path)  # a crashed downloader's leftover
+                continue
+            try:
+                total += max(reserved, item.stat().st_size)
+            except FileNotFoundError:
+                continue
         return total
 
     def _part_is_live(self, path: str) -> bool:
@@ -433,13 +668,12 @@ class ShardCache:
         Returns the bytes freed (maybe less, if the rest is pinned). Caller holds the cache lock.
         """
         candidates: list[tuple[float, str, int]] = []
-        with os.scandir(os.path.join(self.root, "data")) as it:
-            for item in it:
-                try:
-                    st = item.stat()
-                except FileNotFoundError:
-                    continue
-                candidates.append((st.st_mtime, item.name, st.st_size))
+        for item in self._scan("data"):
+            try:
+                st = item.stat()
+            except FileNotFoundError:
+                continue
+            candidates.append((st.st_mtime, item.name, st.st_size))
         freed = 0
         for _, name, size in sorted(candidates):
             if freed >= needed:

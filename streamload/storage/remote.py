@@ -11,35 +11,77 @@ Per process::
                                          waiting for room (nor pinning: an idle reader's
                                          pins would starve the others); see .readahead
     release(entry)                    -> drop the pin: the file becomes evictable
+    discard(entry)                    -> a reader found the copy it read corrupt: delete
+                                         it (unless it hashes to the entry), so the next
+                                         acquire downloads it again (see .cache)
+    register_reader(largest)          -> admission: count the processes reading through
+                                         the cache; refuse one the limit cannot hold
 
 The storage is told what each file must be (:class:`~streamload._files.FileEntry`: size,
 digest, algorithm) by its caller; it never reads a manifest.
+
+The bound. ``cache_limit`` bounds the bytes of one dataset's cache directory:
+
+* ``None`` (the default): half of the space the cache could use when the storage is
+  opened (the free space of its filesystem plus what this dataset's cache already holds),
+  and at least :data:`MIN_CACHE_SHARDS` of the largest shards. It is logged once (INFO),
+  and :class:`~streamload.shards.DatasetRef` hands the number it chose to every worker, so
+  the processes of a job share one bound.
+* ``"unbounded"``: no bound (the cache grows until every file is cached).
+* bytes, or a string like ``"20GB"``: that bound; at least two of the largest shards.
+
+Admission. Each process reading registers in the cache while it reads (see .cache). A
+reader keeps one shard pinned while it reads it, and readers (DataLoader workers) may stop
+for long with their pins held, so N registered readers need room for N of the largest
+shards: a reader that would make them more than the limit holds fails at once with a
+:class:`~streamload.CacheError` naming the count, the limit and what to raise it to (it
+would otherwise wait for room for up to ``wait_timeout``, 300 s). The limit is shared among
+the registered readers when each is told how many shards it may keep open.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import shutil
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .._errors import CacheError, ConfigError, CorruptShardError
+from .._errors import CacheError, CorruptShardError
 from .._files import FileEntry
-from .._units import format_bytes, parse_bytes
+from .._units import format_bytes
+from .._validate import MAX_READ_AHEAD, UNBOUNDED, check_int, parse_cache_limit
 from .base import Storage
-from .cache import DEFAULT_WAIT_TIMEOUT, CacheStats, Pin, ShardCache
+from .cache import DEFAULT_WAIT_TIMEOUT, CacheStats, Pin, Registration, ShardCache
 from .readahead import ReadAhead
 from .retry import RetryPolicy
 from .transport import RemoteFiles
 
-__all__ = ["DEFAULT_READ_AHEAD", "MIN_CACHE_SHARDS", "RemoteStorage", "dataset_cache_key", "default_cache_dir"]
+__all__ = [
+    "DEFAULT_CACHE_FRACTION",
+    "DEFAULT_READ_AHEAD",
+    "MIN_CACHE_SHARDS",
+    "RemoteStorage",
+    "dataset_cache_key",
+    "default_cache_dir",
+]
+
+log = logging.getLogger("streamload")
 
 #: Shards each worker downloads ahead of the one it reads.
 DEFAULT_READ_AHEAD = 2
 #: Smallest workable cache: the shard being read plus the one being fetched.
 MIN_CACHE_SHARDS = 2
+#: Without ``cache_limit``: this fraction of the space the cache could use (free + its own).
+DEFAULT_CACHE_FRACTION = 0.5
+#: Seconds a count of the registered readers is reused (it is taken at every shard opened).
+_READERS_TTL = 1.0
+#: Cache directories whose default bound this process logged already.
+_LOGGED_DEFAULTS: set[str] = set()
 
 
 def default_cache_dir() -> str:
@@ -73,9 +115,11 @@ class RemoteStorage(Storage):
             ``~/.aws/credentials``, ``GOOGLE_APPLICATION_CREDENTIALS``...).
         cache_dir: Cache directory shared by all processes of the machine (default:
             :func:`default_cache_dir`); this dataset uses ``<cache_dir>/<hash of URL>``.
-        cache_limit: Byte bound of this dataset's cache (int or ``"20GB"``); ``None``: none.
-            Must hold at least two of the largest shards (with its sidecar); allow
-            ``(readers on the machine + 1)`` for them not to wait on each other.
+        cache_limit: Byte bound of this dataset's cache (int or ``"20GB"``); ``None``: the
+            default bound (half of the space the cache could use, see the module
+            docstring); ``"unbounded"``: none. Must hold at least two of the largest shards
+            (with its sidecar), and one per reader on the machine (more are refused at
+            once); allow ``(readers + 1)`` for downloads ahead.
         read_ahead: Shards each process downloads ahead in background threads.
         verify_hash: Hash every download against its entry (size is always checked).
         retry: How transient errors are retried (default: up to 120 s per call).
@@ -94,28 +138,39 @@ class RemoteStorage(Storage):
         retry: RetryPolicy | None = None,
         wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
     ) -> None:
-        if read_ahead < 0:
-            raise ConfigError(f"{read_ahead=} must be >= 0")
         self.url = url.rstrip("/")
-        self.read_ahead = read_ahead
-        self.limit = None if cache_limit is None else parse_bytes(cache_limit, name="cache_limit")
-        if self.limit is not None and self.limit <= 0:
-            raise CacheError(f"cache_limit={cache_limit!r} must be positive (cache for {self.url})")
+        self.read_ahead = check_int("read_ahead", read_ahead, low=0, high=MAX_READ_AHEAD)
+        limit = parse_cache_limit(cache_limit)
         self._remote = RemoteFiles(self.url, dict(storage_options or {}), retry or RetryPolicy())
-        base = cache_dir if cache_dir is not None else default_cache_dir()
-        self.cache_root = os.path.join(os.path.expanduser(str(base)), dataset_cache_key(self.url, storage_options))
+        base = os.path.expanduser(os.fspath(cache_dir if cache_dir is not None else default_cache_dir()))
+        self.cache_root = os.path.join(base, dataset_cache_key(self.url, storage_options))
+        self._space = 0  # bytes the cache could use, measured for the default bound
         try:
-            self.cache = ShardCache(self.cache_root, self.limit, verify_hash=verify_hash, wait_timeout=wait_timeout)
+            self.cache = ShardCache(self.cache_root, None, verify_hash=verify_hash, wait_timeout=wait_timeout)
+            #: The bound this storage chose itself when no ``cache_limit`` was given, else ``None``.
+            self.default_limit = self._default_limit() if limit is None else None
         except OSError as exc:
             raise CacheError(f"cannot create the cache directory {self.cache_root} for {self.url}: {exc}") from exc
+        self.limit: int | None = self.default_limit if limit is None else None if limit == UNBOUNDED else int(limit)
+        self.cache.limit = self.limit
         self._init_process_state()
+
+    def _default_limit(self) -> int:
+        """Half of the space the cache could use: its filesystem's free space plus what it holds."""
+        self._space = shutil.disk_usage(self.cache_root).free + self.cache.usage()
+        return int(DEFAULT_CACHE_FRACTION * self._space)
 
     def _init_process_state(self) -> None:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pins: dict[str, tuple[Pin, int]] = {}  # name -> (pin, acquire count)
+        self._served: dict[str, str | None] = {}  # name -> generation of the copy last handed out
+        self._stale: set[str] = set()  # pinned here, but discarded: the next acquire fetches again
         self._ahead = ReadAhead(self.read_ahead, self._fetch_ahead)
+        self._registration: Registration | None = None
+        self._readers = 0  # this process's open readers (one registration for all)
+        self._counted = (0, -_READERS_TTL)  # (registered readers, when counted)
 
     def _check_process(self) -> None:
         """After a fork, forget the parent's threads and pins.
@@ -126,6 +181,8 @@ class RemoteStorage(Storage):
         if self._pid != os.getpid():
             for pin, _ in self._pins.values():
                 pin.close()
+            if self._registration is not None:
+                self._registration.fd = -1  # the parent's: its descriptor is closed here already
             self._init_process_state()
 
     @property
@@ -147,6 +204,19 @@ class RemoteStorage(Storage):
             CacheError: If ``cache_limit`` is below that.
         """
         need = MIN_CACHE_SHARDS * largest
+        if self.default_limit is not None and self.limit is not None:
+            if self.limit < need:  # a small disk: the default still lets a reader work
+                self.limit = self.cache.limit = self.default_limit = need
+                if need > self._space:
+                    log.warning(
+                        "cache of %s in %s: its filesystem has room for %s, less than the %s two of the "
+                        "largest shards need; downloads will fail when it is full (pass cache_dir= on a larger one)",
+                        self.url,
+                        self.cache_root,
+                        format_bytes(self._space),
+                        format_bytes(need),
+                    )
+            self._log_default(largest)
         if self.limit is not None and self.limit < need:
             raise CacheError(
                 f"cache_limit={format_bytes(self.limit)} is too small for {self.url}: the largest shard "
@@ -154,11 +224,91 @@ class RemoteStorage(Storage):
                 f"{MIN_CACHE_SHARDS} of them ({format_bytes(need)}) cached at once"
             )
 
+    def _log_default(self, largest: int) -> None:
+        if self.cache_root in _LOGGED_DEFAULTS:
+            return
+        _LOGGED_DEFAULTS.add(self.cache_root)
+        assert self.limit is not None
+        log.info(
+            "cache of %s in %s: no cache_limit given, so it holds at most %s (half of the free space of its "
+            "filesystem and of what it holds already, at least %d x the largest shard, %s); pass "
+            "cache_limit= to choose, or cache_limit=%r for no bound",
+            self.url,
+            self.cache_root,
+            format_bytes(self.limit),
+            MIN_CACHE_SHARDS,
+            format_bytes(largest),
+            UNBOUNDED,
+        )
+
     def max_open(self, largest: int) -> int | None:
-        """How many shards of ``largest`` bytes one reader should keep open (pinned) at once."""
+        """How many shards of ``largest`` bytes one reader should keep open (pinned) at once.
+
+        The limit is shared among the registered readers (see :meth:`register_reader`);
+        half of a reader's share is left for downloads ahead.
+        """
         if self.limit is None or largest <= 0:
             return None
-        return max(1, self.limit // largest // 2 - 1)
+        share = self.limit // largest // max(1, self._registered())
+        return max(1, share // 2 - 1)
+
+    # -- admission -------------------------------------------------------------------
+
+    def register_reader(self, largest: int) -> None:
+        """A reader of shards of up to ``largest`` bytes starts in this process: register it in the cache.
+
+        One registration per process, held until its last reader ends
+        (:meth:`unregister_reader`) or the process dies.
+
+        Raises:
+            CacheError: If the registered readers, this one included, need more room than
+                the limit: each keeps one shard cached while it reads (waiting would stall
+                the DataLoader, which hands out samples in order).
+        """
+        self._check_process()
+        with self._lock:
+            self._readers += 1
+            if self._registration is not None:
+                return
+            try:
+                self._registration = self.cache.register()
+            except BaseException:
+                self._readers -= 1
+                raise
+        if self.limit is None or largest <= 0:
+            return
+        readers = self._registered(fresh=True)
+        if readers * largest > self.limit:
+            self.unregister_reader()
+            enough = (readers + 1) * largest
+            raise CacheError(
+                f"{readers} readers share the cache {self.cache_root} of {self.url} (DataLoader workers and ranks "
+                f"on this machine, this one included), but cache_limit={format_bytes(self.limit)} holds only "
+                f"{self.limit // largest} of its largest shards ({format_bytes(largest)} with the sidecar): each "
+                "reader keeps the shard it reads cached, so they would wait on each other's room (for up to "
+                f"{self.cache.wait_timeout:.0f} s); raise cache_limit to at least {format_bytes(enough)} "
+                f"((readers + 1) x the largest shard) or use fewer readers"
+            )
+
+    def unregister_reader(self) -> None:
+        """A reader of this process ended; the last one unregisters the process."""
+        self._check_process()
+        with self._lock:
+            self._readers = max(0, self._readers - 1)
+            registration = self._registration if self._readers == 0 else None
+            if registration is not None:
+                self._registration = None
+        if registration is not None:
+            registration.close()
+
+    def _registered(self, fresh: bool = False) -> int:
+        """Registered readers of the cache (counted again at most every :data:`_READERS_TTL` s)."""
+        count, when = self._counted
+        now = time.monotonic()
+        if fresh or now - when >= _READERS_TTL:
+            count = self.cache.readers()
+            self._counted = (count, now)
+        return count
 
     def acquire(self, entry: FileEntry) -> str:
         """Pin ``entry`` in the cache, downloading it first if needed; return its local path.
@@ -172,24 +322,37 @@ class RemoteStorage(Storage):
         self._check_process()
         with self._lock:
             held = self._pins.get(entry.name)
-            if held is not None:
+            if held is not None and entry.name not in self._stale:
                 self._pins[entry.name] = (held[0], held[1] + 1)
                 return self.cache.data_path(entry.name)
+        if held is not None:  # discarded while pinned here: fetch it again under the same pin
+            path = self._fill(entry)
+            with self._lock:
+                self._stale.discard(entry.name)
+                self._pins[entry.name] = (held[0], held[1] + 1)
+                self._served[entry.name] = self.cache.generation(entry.name)
+            return path
         self._check_fits(entry)
         pin = self.cache.pin(entry.name)
         try:
-            path = self.cache.fill(entry, self._downloader(entry), on_wait=lambda: self._ahead.starve(entry.name))
-        except CorruptShardError as exc:
-            pin.close()
-            raise CorruptShardError(f"{self._remote.url_of(entry.name)}: {exc}") from exc
+            path = self._fill(entry)
         except BaseException:
             pin.close()
             raise
+        with self._lock:
+            self._pins[entry.name] = (pin, 1)
+            self._served[entry.name] = self.cache.generation(entry.name)
+        return path
+
+    def _fill(self, entry: FileEntry) -> str:
+        """Bring ``entry`` into the cache (the caller holds its pin); name its URL in a corruption error."""
+        try:
+            path = self.cache.fill(entry, self._downloader(entry), on_wait=lambda: self._ahead.starve(entry.name))
+        except CorruptShardError as exc:
+            raise CorruptShardError(f"{self._remote.url_of(entry.name)}: {exc}") from exc
         finally:
             self._ahead.fed(entry.name)
         assert path is not None
-        with self._lock:
-            self._pins[entry.name] = (pin, 1)
         return path
 
     def _check_fits(self, entry: FileEntry) -> None:
@@ -211,7 +374,25 @@ class RemoteStorage(Storage):
                 self._pins[entry.name] = (pin, count - 1)
                 return
             del self._pins[entry.name]
+            self._stale.discard(entry.name)
         pin.close()
+
+    def discard(self, entry: FileEntry) -> bool:
+        """A reader found the copy of ``entry`` it read corrupt: delete it so that it is downloaded again.
+
+        Returns:
+            True if the next :meth:`acquire` brings another copy; False if the copy
+            hashes to the entry (the file is bad at its source: a download would not help).
+        """
+        self._check_process()
+        with self._lock:
+            generation = self._served.get(entry.name)
+        fresh = self.cache.discard(entry, generation)
+        if fresh:
+            with self._lock:
+                if entry.name in self._pins:
+                    self._stale.add(entry.name)
+        return fresh
 
     def prefetch(self, entries: Iterable[FileEntry]) -> None:
         """Make ``entries`` (in order of use) the read-ahead window; an empty one cancels read-ahead."""
@@ -246,8 +427,11 @@ class RemoteStorage(Storage):
         with self._lock:
             pins = [p for p, _ in self._pins.values()]
             self._pins.clear()
+            registration, self._registration, self._readers = self._registration, None, 0
         for pin in pins:
             pin.close()
+        if registration is not None:
+            registration.close()
         self._stop = threading.Event()
 
     def describe(self) -> str:
@@ -255,7 +439,7 @@ class RemoteStorage(Storage):
         return f"{self.url} (cache {self.cache_root})"
 
     def __getstate__(self) -> dict[str, Any]:
-        keep = ("url", "read_ahead", "limit", "_remote", "cache_root", "cache")
+        keep = ("url", "read_ahead", "limit", "default_limit", "_space", "_remote", "cache_root", "cache")
         return {k: v for k, v in self.__dict__.items() if k in keep}
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -1,0 +1,209 @@
+"""Checks of the values given to the public API: a bad one is a :class:`~streamload.ConfigError` at once.
+
+Without them a bad value fails later and elsewhere: ``batch_size=2.5`` as a ``TypeError``
+deep in the planner, ``seed="3"`` or ``seed=1.5`` not at all (silently another order),
+``set_epoch(2**70)`` as an overflow in a tensor, a numpy seed as an ``OverflowError`` in the
+shuffle, or as a ``state_dict()`` that JSON cannot hold. Every message names the option
+and the value.
+
+Integers may be any :class:`numbers.Integral` (numpy's included) and are returned as
+plain ``int``; ``bool`` is refused where a number is meant (``seed=True`` is a mistake).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any, SupportsIndex, cast
+
+from ._errors import ConfigError, PlanError
+from ._units import parse_bytes
+
+__all__ = [
+    "MAX_EPOCH",
+    "MAX_READ_AHEAD",
+    "UNBOUNDED",
+    "DatasetArgs",
+    "check_int",
+    "check_epoch",
+    "check_samples_seen",
+    "dataset_args",
+    "parse_cache_limit",
+]
+
+#: ``cache_limit`` value for a cache with no bound (``None`` means the default bound).
+UNBOUNDED = "unbounded"
+#: Largest epoch: the epoch counter is an ``int64`` shared with the DataLoader workers.
+MAX_EPOCH = 2**63 - 1
+#: Most shards downloaded ahead per process (one thread each; readers look no further ahead).
+MAX_READ_AHEAD = 64
+#: Options that only matter for a remote dataset (read through the cache).
+_REMOTE_ONLY = ("cache_dir", "cache_limit", "read_ahead", "storage_options")
+
+
+def _is_local(url: str) -> bool:
+    """True for a plain path or a ``file://`` URL (as :func:`streamload.storage.is_local`; this layer is below it)."""
+    return "://" not in url or url.startswith("file://")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, *, low: int | None = None, high: int | None = None) -> int:
+    """Return ``value`` as an ``int`` if it is an integer (not a bool) in ``[low, high]``.
+
+    Raises:
+        ConfigError: Naming ``name`` and the value otherwise.
+    """
+    if not _is_int(value):
+        raise ConfigError(f"{name}={value!r} must be an integer, not {type(value).__name__}")
+    number = operator.index(cast(SupportsIndex, value))
+    if low is not None and number < low:
+        raise ConfigError(f"{name}={number} must be >= {low}")
+    if high is not None and number > high:
+        raise ConfigError(f"{name}={number} must be <= {high}")
+    return number
+
+
+def _optional_int(name: str, value: object, *, low: int, high: int | None = None) -> int | None:
+    return None if value is None else check_int(name, value, low=low, high=high)
+
+
+def _check_bool(name: str, value: object) -> bool:
+    import numpy as np
+
+    if not isinstance(value, (bool, np.bool_)):
+        raise ConfigError(f"{name}={value!r} must be True or False, not {type(value).__name__}")
+    return bool(value)
+
+
+def _check_callable(name: str, value: object) -> None:
+    if value is not None and not callable(value):
+        raise ConfigError(f"{name}={value!r} must be callable (a function or an object with __call__), or None")
+
+
+def parse_cache_limit(value: object) -> int | str | None:
+    """Return the byte bound ``cache_limit`` names, :data:`UNBOUNDED`, or ``None`` (the default bound).
+
+    Accepted: ``None``; ``"unbounded"``; a positive integer or finite float of bytes; a
+    string like ``"20GB"`` (see :func:`~streamload._units.parse_bytes`).
+
+    Raises:
+        ConfigError: For anything else, zero and negative sizes included.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() == UNBOUNDED:
+        return UNBOUNDED
+    size: int | str
+    if isinstance(value, str):
+        size = value
+    elif _is_int(value):
+        size = operator.index(cast(SupportsIndex, value))
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value)):
+        size = int(float(value))
+    else:
+        raise ConfigError(
+            f"cache_limit={value!r} must be a byte count, a size like '20GB', {UNBOUNDED!r} or None (the default)"
+        )
+    limit = parse_bytes(size, name="cache_limit")
+    if limit <= 0:
+        raise ConfigError(f"cache_limit={value!r} must be positive (for no bound: cache_limit={UNBOUNDED!r})")
+    return limit
+
+
+#: ``shuffle, seed, drop_last, shuffle_window, batch_size, rank, world_size, read_ahead``, normalized.
+DatasetArgs = tuple[bool, int, bool, "int | None", "int | None", "int | None", "int | None", "int | None"]
+
+
+def dataset_args(args: Mapping[str, Any]) -> DatasetArgs:
+    """Check the arguments of ``StreamingDataset.__init__`` (its ``locals()``); return the normalized ones.
+
+    Only the names this module knows are looked at, so a new argument is simply not
+    checked here. Warns (:class:`UserWarning`) when options that only matter for a remote
+    dataset are given for a local one.
+
+    Returns:
+        ``shuffle, seed, drop_last, shuffle_window, batch_size, rank, world_size,
+        read_ahead``, numbers as plain ``int`` (numpy integers are accepted).
+
+    Raises:
+        ConfigError: Naming the first bad argument and its value.
+    """
+    shuffle = _check_bool("shuffle", args.get("shuffle", False))
+    seed = check_int("seed", args.get("seed", 0))
+    drop_last = _check_bool("drop_last", args.get("drop_last", False))
+    window = _optional_int("shuffle_window", args.get("shuffle_window"), low=1)
+    batch_size = _optional_int("batch_size", args.get("batch_size"), low=1)
+    rank = _optional_int("rank", args.get("rank"), low=0)
+    world_size = _optional_int("world_size", args.get("world_size"), low=1)
+    if rank is not None and world_size is not None and rank >= world_size:
+        raise ConfigError(f"rank={rank} must be < world_size={world_size}")
+    read_ahead = _optional_int("read_ahead", args.get("read_ahead"), low=0, high=MAX_READ_AHEAD)
+    _check_callable("transform", args.get("transform"))
+    _check_callable("collate", args.get("collate"))
+    on_error = args.get("on_error", "raise")
+    if on_error not in ("raise", "skip"):
+        raise ConfigError(f"on_error={on_error!r} must be 'raise' or 'skip'")
+    options = args.get("storage_options")
+    if options is not None and not isinstance(options, Mapping):
+        raise ConfigError(f"storage_options={options!r} must be a mapping (a dict of fsspec options) or None")
+    cache_dir = args.get("cache_dir")
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        raise ConfigError(f"cache_dir={cache_dir!r} must be a path or None")
+    parse_cache_limit(args.get("cache_limit"))
+    _warn_remote_only(args)
+    return shuffle, seed, drop_last, window, batch_size, rank, world_size, read_ahead
+
+
+def _warn_remote_only(args: Mapping[str, Any]) -> None:
+    """Warn about options given for a local dataset that only a remote one uses."""
+    source = args.get("source")
+    if not isinstance(source, (str, os.PathLike)) or not _is_local(os.fspath(source)):
+        return
+    for name in _REMOTE_ONLY:
+        value = args.get(name)
+        if value is not None and not (name == "storage_options" and not value):
+            warnings.warn(
+                f"{name}={value!r} does nothing for the local dataset {os.fspath(source)!r}: "
+                "its shards are read in place (it applies to remote URLs, read through the cache)",
+                UserWarning,
+                stacklevel=4,  # the caller of StreamingDataset()
+            )
+
+
+def check_epoch(epoch: object) -> int:
+    """Return ``epoch`` as an ``int`` in ``[0, MAX_EPOCH]`` (for ``set_epoch``).
+
+    Raises:
+        ConfigError: If it is not an integer (``1.7``, ``"2"``, ``True``) or out of range.
+    """
+    return check_int("epoch", epoch, low=0, high=MAX_EPOCH)
+
+
+def check_samples_seen(
+    samples_seen: int, stage_start: int, stage_total: int, world_size: int, batch_size: int | None
+) -> None:
+    """Refuse a ``samples_seen`` past the end of its epoch (for ``state_dict`` and ``load_state_dict``).
+
+    ``stage_total`` items (over all ranks) follow ``stage_start`` in the epoch. The count of
+    a plain loop is ``steps * global_batch``, so it may pass the end by less than one global
+    batch (a short last batch); anything further is a wrong count, not a finished epoch.
+
+    Raises:
+        PlanError: If ``samples_seen`` is beyond that (a :class:`PlanError`, like the other
+            checks of a state's ``samples_seen``).
+    """
+    global_batch = world_size * (batch_size or 1)
+    most = stage_start + -(-stage_total // global_batch) * global_batch
+    if samples_seen > most:
+        whole = f", {most} counting whole global batches of {global_batch}" if most != stage_start + stage_total else ""
+        raise PlanError(
+            f"samples_seen={samples_seen} is past the end of the epoch: it ends at "
+            f"{stage_start + stage_total} samples over world_size={world_size}{whole}"
+        )
