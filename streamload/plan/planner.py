@@ -53,13 +53,24 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from .._errors import PlanError
 from .world import World
 
-__all__ = ["DEFAULT_WINDOW_RANGE", "EpochPlan", "Run", "Split", "Stage", "default_window", "samples_per_rank"]
+__all__ = [
+    "DEFAULT_WINDOW_RANGE",
+    "EpochPlan",
+    "Layout",
+    "Run",
+    "ShardLayout",
+    "Split",
+    "Stage",
+    "default_window",
+    "samples_per_rank",
+]
 
 #: Largest number of items materialised at once while iterating a worker's plan.
 _SLICE = 1 << 16
@@ -164,6 +175,52 @@ def _rng(*words: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([w & 0xFFFFFFFFFFFFFFFF for w in words]))
 
 
+class Layout(Protocol):
+    """The epoch sequence: which sample sits at each of its ``total`` positions.
+
+    :class:`ShardLayout` (one dataset's shards, concatenated) is the default; a mixture of
+    datasets uses :class:`~streamload.plan.mixture.MixLayout`. The rank blocks, windows,
+    chunks and stages of :class:`EpochPlan` are built on top of any layout.
+    """
+
+    @property
+    def total(self) -> int:
+        """Positions in the epoch sequence."""
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Map epoch-sequence positions to ``(shard index, index within shard)`` arrays."""
+
+
+class ShardLayout:
+    """One dataset's epoch sequence: its shards in (shuffled) order, concatenated.
+
+    Args:
+        shard_counts: Samples per shard, in manifest order.
+        split: Epoch, seed and shuffle (the shard order is permuted when shuffling).
+    """
+
+    def __init__(self, shard_counts: Sequence[int] | np.ndarray, split: Split) -> None:
+        counts = np.asarray(shard_counts, dtype=np.int64).reshape(-1)
+        if (counts < 0).any():
+            raise PlanError(f"shard_counts must be non-negative, got min {int(counts.min())}")
+        if split.shuffle:
+            self.shard_order = _rng(split.seed, split.epoch, 0x5A4D).permutation(len(counts))
+        else:
+            self.shard_order = np.arange(len(counts))
+        self._cum = np.concatenate([[0], np.cumsum(counts[self.shard_order])])
+        self._total = int(counts.sum())
+
+    @property
+    def total(self) -> int:
+        """Samples of all shards."""
+        return self._total
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Map epoch-sequence positions to ``(shard index, index within shard)`` arrays."""
+        j = np.searchsorted(self._cum, positions, side="right") - 1
+        return self.shard_order[j], positions - self._cum[j]
+
+
 class _RankSplit:
     """One world's split of a parent sequence of ``parent_len`` items into rank orders."""
 
@@ -230,28 +287,32 @@ class EpochPlan:
     """The order and split of one epoch for a whole world (see the module docstring).
 
     Args:
-        shard_counts: Samples per shard, in manifest order.
+        shard_counts: Samples per shard, in manifest order (with a ``layout``: the shards
+            the layout reads, which set the default window).
         world_size: Ranks reading the epoch now.
         split: Epoch, seed, shuffle, drop_last, window and chunk.
         stages: Earlier worlds of this epoch when it was interrupted and resumed on a
             different number of ranks (oldest first); empty for a fresh epoch.
+        layout: The epoch sequence (default: :class:`ShardLayout` of ``shard_counts``),
+            e.g. a :class:`~streamload.plan.mixture.MixLayout` of several datasets.
     """
 
     def __init__(
-        self, shard_counts: Sequence[int], world_size: int, split: Split, stages: Sequence[Stage] = ()
+        self,
+        shard_counts: Sequence[int],
+        world_size: int,
+        split: Split,
+        stages: Sequence[Stage] = (),
+        layout: Layout | None = None,
     ) -> None:
         counts = np.asarray(shard_counts, dtype=np.int64).reshape(-1)
         if (counts < 0).any():
             raise PlanError(f"shard_counts must be non-negative, got min {int(counts.min())}")
         self.split = split
         self.world_size = world_size
-        self.total = int(counts.sum())
+        self.layout: Layout = ShardLayout(counts, split) if layout is None else layout
+        self.total = self.layout.total
         self.stages = tuple(stages)
-        if split.shuffle:
-            self.shard_order = _rng(split.seed, split.epoch, 0x5A4D).permutation(len(counts))
-        else:
-            self.shard_order = np.arange(len(counts))
-        self._cum = np.concatenate([[0], np.cumsum(counts[self.shard_order])])
         self.window = split.window or default_window(counts.tolist())
         self._levels = self._build_levels()
         top = self._levels[-1]
@@ -309,8 +370,7 @@ class EpochPlan:
         """Map epoch-sequence positions to ``(shard index, index within shard)`` arrays."""
         if self.total == 0:
             raise PlanError("cannot locate samples of an empty dataset")
-        j = np.searchsorted(self._cum, positions, side="right") - 1
-        return self.shard_order[j], positions - self._cum[j]
+        return self.layout.locate(positions)
 
     def rank_positions(self, rank: int, begin: int, end: int) -> np.ndarray:
         """Epoch-sequence positions of rank ``rank``'s items ``begin..end-1`` (rank order)."""
@@ -363,8 +423,8 @@ class EpochPlan:
                 hi = min(lo + _SLICE, end)
                 shards, locals_ = self.locate(self.rank_positions(world.rank, lo, hi))
                 breaks = shards[1:] != shards[:-1]
-                if not self.split.shuffle:  # also where padding wraps around: runs stay contiguous
-                    breaks |= locals_[1:] != locals_[:-1] + 1
+                if not self.split.shuffle:  # also where padding wraps around: runs stay ascending
+                    breaks |= locals_[1:] <= locals_[:-1]
                 cuts = np.flatnonzero(breaks) + 1
                 bounds = [0, *cuts.tolist(), len(shards)]
                 for a, b in zip(bounds[:-1], bounds[1:], strict=True):

@@ -10,6 +10,11 @@ depend on the number of ranks or DataLoader workers that will continue it::
      "stages": [[16, 8192]],                     # earlier worlds of this epoch, if any
      "worker": null}                             # one worker's own position, see below
 
+A mixture of streams, or one dataset with an ``epoch_size``, adds ``"mixture"``: a digest
+of every stream's size, shard count and per-epoch count
+(:func:`~streamload.plan.mixture.mixture_fingerprint`), checked like ``num_samples``
+(which is then the epoch's sample count, all streams).
+
 ``samples_seen`` counts items of the epoch consumed over all ranks: ``world_size`` times
 the items each rank consumed of its rank order (a multiple of ``world_size`` past the
 current stage's start). With a fixed per-rank batch ``B`` it is ``steps * world_size * B``.
@@ -85,6 +90,7 @@ class EpochState:
     samples_seen: int | None
     stages: tuple[Stage, ...] = ()
     worker: WorkerPosition | None = None
+    mixture: str | None = None
 
     @property
     def stage_start(self) -> int:
@@ -110,7 +116,7 @@ class EpochState:
                 "chunk": w.chunk,
                 "next_item": w.next_item,
             }
-        return {
+        out: dict[str, Any] = {
             "version": STATE_VERSION,
             "epoch": self.epoch,
             "seed": self.seed,
@@ -123,6 +129,9 @@ class EpochState:
             "stages": [[s.world_size, s.samples_seen] for s in self.stages],
             "worker": worker,
         }
+        if self.mixture is not None:
+            out["mixture"] = self.mixture
+        return out
 
     @classmethod
     def from_dict(cls, state: Mapping[str, Any]) -> EpochState:
@@ -142,6 +151,9 @@ class EpochState:
         stages = tuple(_stage(item) for item in stages_raw)
         seen = state.get("samples_seen")
         worker_raw = state.get("worker")
+        mixture = state.get("mixture")
+        if mixture is not None and (not isinstance(mixture, str) or len(mixture) > 64):
+            raise PlanError(f"state mixture={mixture!r} must be a short string or absent")
         out = cls(
             epoch=_int(state, "epoch"),
             seed=_int(state, "seed", signed=True),
@@ -153,6 +165,7 @@ class EpochState:
             samples_seen=None if seen is None else _int(state, "samples_seen"),
             stages=stages,
             worker=None if worker_raw is None else _worker(worker_raw),
+            mixture=mixture,
         )
         if out.samples_seen is None and out.worker is None:
             raise PlanError("state has neither samples_seen nor a worker position")
@@ -163,15 +176,24 @@ class EpochState:
             previous = stage.samples_seen
         return out
 
-    def check_dataset(self, *, seed: int, shuffle: bool, drop_last: bool, window: int, num_samples: int) -> None:
+    def check_dataset(
+        self, *, seed: int, shuffle: bool, drop_last: bool, window: int, num_samples: int, mixture: str | None = None
+    ) -> None:
         """Raise :class:`PlanError` if the state was saved for a differently configured dataset."""
         mine = {
             "seed": self.seed,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
             "num_samples": self.num_samples,
+            "mixture": self.mixture,
         }
-        theirs = {"seed": seed, "shuffle": shuffle, "drop_last": drop_last, "num_samples": num_samples}
+        theirs = {
+            "seed": seed,
+            "shuffle": shuffle,
+            "drop_last": drop_last,
+            "num_samples": num_samples,
+            "mixture": mixture,
+        }
         if shuffle:
             mine["window"], theirs["window"] = self.window, window
         wrong = [f"{k}={mine[k]!r} (dataset has {theirs[k]!r})" for k in mine if mine[k] != theirs[k]]
@@ -180,6 +202,8 @@ class EpochState:
 
     def normalized(self, shard_counts: Sequence[int]) -> EpochState:
         """Return the state with a finished epoch turned into the start of the next one.
+
+        Only the sum of ``shard_counts`` matters (the epoch's sample count).
 
         Raises:
             PlanError: If ``samples_seen`` is not a multiple of ``world_size`` past the
@@ -197,7 +221,15 @@ class EpochState:
         if done < plan.stage_total:
             return self
         return EpochState(
-            self.epoch + 1, self.seed, self.shuffle, self.drop_last, self.window, self.num_samples, self.world_size, 0
+            self.epoch + 1,
+            self.seed,
+            self.shuffle,
+            self.drop_last,
+            self.window,
+            self.num_samples,
+            self.world_size,
+            0,
+            mixture=self.mixture,
         )
 
     def resume_point(self, world: World, chunk: int) -> tuple[tuple[Stage, ...], int]:
