@@ -312,7 +312,13 @@ class StreamingDataset(IterableDataset[Any]):
                 samples_seen = 0
             else:
                 worker = WorkerPosition(
-                    world.rank, world.world_size, world.worker, world.num_workers, progress.chunk, progress.next_item
+                    world.rank,
+                    world.world_size,
+                    world.worker,
+                    world.num_workers,
+                    progress.chunk,
+                    progress.next_item,
+                    progress.first,
                 )
                 stage_start = stages[-1].samples_seen if stages else 0
                 single = world.num_workers == 1
@@ -366,31 +372,31 @@ class StreamingDataset(IterableDataset[Any]):
         resume = self._resume
         return resume.stages if resume is not None and resume.epoch == epoch else ()
 
-    def _resume_point(self, world: World, epoch: int) -> tuple[tuple[Stage, ...], int]:
-        """Return the stages and start item of ``epoch`` for ``world`` (a fresh epoch: none, 0)."""
+    def _resume_point(self, world: World, epoch: int) -> tuple[tuple[Stage, ...], int, int]:
+        """Return the stages, start item and first dealt chunk of ``epoch`` for ``world`` (fresh: none, 0, 0)."""
         resume = self._resume
         if resume is None or resume.epoch != epoch:
-            return (), 0
+            return (), 0, 0
         saved_chunk = self.plan(epoch, world.world_size, resume.stages).chunk_size(world.num_workers)
-        return resume.resume_point(world, saved_chunk)
+        return resume.resume(world, saved_chunk)
 
     # -- iteration -----------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
         world = detect_world(self.rank, self.world_size, self._inherited_world)
         epoch = self._peek_epoch(world.worker)  # committed when the first sample is asked for
-        stages, start = self._resume_point(world, epoch)
+        stages, start, first = self._resume_point(world, epoch)
         plan = self.plan(epoch, world.world_size, stages)
-        progress = _Progress(epoch, stages, plan.chunk_size(world.num_workers), start)
+        progress = _Progress(epoch, stages, plan.chunk_size(world.num_workers), start, first)
         self._progress = progress
         return self._iter_plan(plan, world, progress)
 
     def _iter_plan(self, plan: EpochPlan, world: World, progress: _Progress) -> Iterator[Any]:
         self._commit_epoch(world.worker)
         readers = self.streams.source(self._get_storages(), self._readers_needed(plan))
-        start = progress.next_item
+        start, first = progress.next_item, progress.first
         try:
-            runs = readers.read_ahead(plan.runs(world, start), plan.worker_shards(world, start))
+            runs = readers.read_ahead(plan.runs(world, start, first), plan.worker_shards(world, start, first))
             if self.collate is not None:
                 yield from self._read_batches(readers, runs, progress)
             else:
@@ -598,6 +604,8 @@ class _Progress:
     chunk: int
     #: Rank-order index of this worker's next item.
     next_item: int
+    #: The chunk from which this iteration dealt chunks to the workers.
+    first: int = 0
     #: Replaces skipped samples so the count per rank stays equal.
     substitute: _Substitute = field(default_factory=lambda: _Substitute())
 

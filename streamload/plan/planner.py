@@ -395,30 +395,35 @@ class EpochPlan:
             return self.split.chunk
         return max(1, math.ceil(self.per_rank / num_workers))
 
-    def worker_items(self, world: World, start: int = 0) -> Iterator[tuple[int, int]]:
+    def worker_items(self, world: World, start: int = 0, first: int = 0) -> Iterator[tuple[int, int]]:
         """Yield the ``[begin, end)`` rank-order item ranges of ``world``'s worker, in order.
 
         Items before ``start`` are left out: the rank's consumed items (resume from a
         sample count) or this worker's own consumed items (resume of one worker).
+        Chunks are dealt round-robin from chunk ``first`` on: chunk ``c`` goes to worker
+        ``(c - first) mod num_workers``. A DataLoader asks its workers in turn from worker
+        0, so an iteration that resumes at rank item ``start`` deals from
+        ``first = start // chunk`` and its batches leave in the uninterrupted order.
         """
         chunk = self.chunk_size(world.num_workers)
         n = world.num_workers
-        c = world.worker + max(0, -(-(start // chunk - world.worker) // n)) * n
+        lowest = max(0, start // chunk)
+        c = lowest + (first + world.worker - lowest) % n
         while c * chunk < self.per_rank:
             begin, end = max(c * chunk, start), min((c + 1) * chunk, self.per_rank)
             if begin < end:
                 yield begin, end
             c += n
 
-    def worker_len(self, world: World, start: int = 0) -> int:
+    def worker_len(self, world: World, start: int = 0, first: int = 0) -> int:
         """Number of items ``world``'s worker yields from rank item ``start`` on."""
-        return sum(end - begin for begin, end in self.worker_items(world, start))
+        return sum(end - begin for begin, end in self.worker_items(world, start, first))
 
-    def runs(self, world: World, start: int = 0) -> Iterator[Run]:
-        """Yield the worker's reads as runs within one shard, in reading order."""
+    def runs(self, world: World, start: int = 0, first: int = 0) -> Iterator[Run]:
+        """Yield the worker's reads as runs within one shard, in reading order (see :meth:`worker_items`)."""
         if world.world_size != self.world_size:
             raise PlanError(f"world.world_size={world.world_size} differs from the plan's {self.world_size}")
-        for begin, end in self.worker_items(world, start):
+        for begin, end in self.worker_items(world, start, first):
             for lo in range(begin, end, _SLICE):
                 hi = min(lo + _SLICE, end)
                 shards, locals_ = self.locate(self.rank_positions(world.rank, lo, hi))
@@ -430,10 +435,10 @@ class EpochPlan:
                 for a, b in zip(bounds[:-1], bounds[1:], strict=True):
                     yield Run(int(shards[a]), locals_[a:b], np.arange(lo + a, lo + b, dtype=np.int64))
 
-    def worker_shards(self, world: World, start: int = 0) -> Iterator[int]:
+    def worker_shards(self, world: World, start: int = 0, first: int = 0) -> Iterator[int]:
         """Yield the shards the worker will open, in order of use (consecutive repeats merged)."""
         last = -1
-        for run in self.runs(world, start):
+        for run in self.runs(world, start, first):
             if run.shard != last:
                 yield run.shard
                 last = run.shard

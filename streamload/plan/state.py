@@ -25,7 +25,9 @@ uninterrupted order exactly); on a different number, the unread suffixes are re-
 ``worker`` is set in states saved inside a DataLoader worker (the
 ``torchdata.stateful_dataloader.StatefulDataLoader`` protocol): that worker's next rank
 item, which resumes the same worker of the same world exactly. Those states carry
-``samples_seen`` only when a rank has a single worker.
+``samples_seen`` only when a rank has a single worker. A worker whose iteration itself
+resumed from a sample count deals chunks from the chunk it resumed at; its position then
+also says ``"first_chunk"`` (see :meth:`~streamload.plan.planner.EpochPlan.worker_items`).
 
 Everything is ints, bools, lists and ``None``: JSON- and ``torch.save``-safe, no pickle.
 """
@@ -56,6 +58,7 @@ class WorkerPosition:
         num_workers: Workers of the rank.
         chunk: Items per chunk handed to a worker.
         next_item: The rank-order index of the worker's next item.
+        first_chunk: The chunk from which the iteration dealt chunks to its workers.
     """
 
     rank: int
@@ -64,6 +67,7 @@ class WorkerPosition:
     num_workers: int
     chunk: int
     next_item: int
+    first_chunk: int = 0
 
     def matches(self, world: World, chunk: int) -> bool:
         """True if this position belongs to ``world``'s worker with the same chunking."""
@@ -116,6 +120,8 @@ class EpochState:
                 "chunk": w.chunk,
                 "next_item": w.next_item,
             }
+            if w.first_chunk:
+                worker["first_chunk"] = w.first_chunk
         out: dict[str, Any] = {
             "version": STATE_VERSION,
             "epoch": self.epoch,
@@ -241,8 +247,22 @@ class EpochState:
         Raises:
             PlanError: If the state holds only a worker position of another world.
         """
+        stages, start, _ = self.resume(world, chunk)
+        return stages, start
+
+    def resume(self, world: World, chunk: int) -> tuple[tuple[Stage, ...], int, int]:
+        """Return the stages, the start item and the first dealt chunk of ``world``'s worker.
+
+        Like :meth:`resume_point`, plus the ``first`` argument of
+        :meth:`EpochPlan.worker_items`: a resume from a sample count deals chunks from the
+        chunk of the start item (the DataLoader asks worker 0 first), a worker's own
+        position keeps its iteration's.
+
+        Raises:
+            PlanError: If the state holds only a worker position of another world.
+        """
         if self.worker is not None and self.worker.matches(world, chunk):
-            return self.stages, self.worker.next_item
+            return self.stages, self.worker.next_item, self.worker.first_chunk
         if self.samples_seen is None:
             w = self.worker
             assert w is not None
@@ -254,10 +274,11 @@ class EpochState:
             )
         done = self.samples_seen - self.stage_start
         if world.world_size == self.world_size:
-            return self.stages, done // self.world_size
+            start = done // self.world_size
+            return self.stages, start, start // chunk
         if done == 0:  # the current stage read nothing: the new world simply replaces it
-            return self.stages, 0
-        return (*self.stages, Stage(self.world_size, self.samples_seen)), 0
+            return self.stages, 0, 0
+        return (*self.stages, Stage(self.world_size, self.samples_seen)), 0, 0
 
 
 def _int(state: Mapping[str, Any], name: str, low: int = 0, signed: bool = False) -> int:
@@ -291,7 +312,7 @@ def _worker(raw: Any) -> WorkerPosition:
         raise PlanError(f"state worker={raw!r} must be a dict or null")
     names = ("rank", "world_size", "worker", "num_workers", "chunk", "next_item")
     values = {name: _int(raw, name) for name in names}
-    position = WorkerPosition(**values)
+    position = WorkerPosition(**values, first_chunk=_int(raw, "first_chunk") if "first_chunk" in raw else 0)
     try:
         World(position.rank, position.world_size, position.worker, position.num_workers)
     except PlanError as exc:
