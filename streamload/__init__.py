@@ -24,6 +24,7 @@ from ._errors import (
 from .dataset import StreamingDataset
 from .decode import ImageLabel, decode_sample
 from .manifest import Manifest, ShardEntry
+from .streams import Stream
 from .writer import DatasetWriter
 
 __version__ = "0.1.0"
@@ -45,6 +46,7 @@ __all__ = [
     "ShardNotFoundError",
     "SourceError",
     "StorageError",
+    "Stream",
     "StreamingDataset",
     "StreamloadError",
     "UnsafeShardError",

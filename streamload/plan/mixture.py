@@ -16,10 +16,14 @@ the earlier stream). The counts are the same every epoch.
 ``q = c // n`` whole passes over its samples plus a subset of ``r = c % n`` samples, each
 sample of the subset once. The subset is uniform and changes every epoch (seeded by seed,
 epoch and stream): its size per shard is drawn from the multivariate hypergeometric
-distribution over the shard counts (O(shards)), and within shard ``j`` it is the first
-``m_j`` entries of a seeded permutation of the shard, sorted, computed only when a worker
-reaches that shard (O(shard) memory, a few kept). So a subsampled stream reads no sample
-twice, and an upsampled one reads every sample ``q`` or ``q + 1`` times.
+distribution over the shard counts (O(shards)), and within shard ``j`` it is the image of
+``0 .. m_j - 1`` under a seeded bijection of the shard's indices ``0 .. k_j - 1``: for
+shards of up to 65536 samples, a seeded permutation whose first ``m_j`` entries are
+sorted (so the subset is read in file order), computed when a worker first reaches the
+shard (at most 2**20 indices kept per worker); for larger shards, a keyed Feistel network
+on ``2**(2h) >= k_j`` values with cycle walking, evaluated lazily (O(1) memory, read in
+the bijection's order). So a subsampled stream reads no sample twice, and an upsampled
+one reads every sample ``q`` or ``q + 1`` times.
 
 **The virtual shard list.** Each stream's epoch is a list of *virtual shards*: one per
 (pass, shard) of its whole passes, plus one per shard with ``m_j > 0`` for the subset.
@@ -63,12 +67,15 @@ import numpy as np
 from .._errors import ConfigError, PlanError
 from .planner import Split, _rng
 
-__all__ = ["MixLayout", "apportion", "epoch_counts", "mixture_fingerprint"]
+__all__ = ["SORTED_SUBSET_LIMIT", "MixLayout", "apportion", "epoch_counts", "feistel_permute", "mixture_fingerprint"]
 
 #: rng tags (arbitrary constants) of the three seeded choices, so they never share a stream.
 _TAG_ORDER, _TAG_SUBSET, _TAG_SIZES = 0x4D4F52, 0x4D5355, 0x4D535A
-#: Sorted subsets of shards kept per layout (a worker touches a few shards at a time).
-_SUBSET_CACHE = 64
+#: Shards of at most this many samples get a materialised, sorted subset; larger ones a Feistel bijection.
+SORTED_SUBSET_LIMIT = 1 << 16
+#: Subset indices (and Feistel keys, counted as 4) kept per layout, least recently used dropped first.
+_SUBSET_CACHE_ITEMS = 1 << 20
+_FEISTEL_ROUNDS = 4
 #: numpy's hypergeometric sampler needs totals below this.
 _HYPER_LIMIT = 10**9
 #: Epoch sizes up to this are interleaved in int64 arithmetic (2 * c * c + c < 2**63).
@@ -197,6 +204,43 @@ def _subset_sizes(shard_counts: np.ndarray, r: int, rng: np.random.Generator) ->
     return out
 
 
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on a ``uint64`` array (wrapping arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    out: np.ndarray = x ^ (x >> np.uint64(31))
+    return out
+
+
+def feistel_permute(indices: np.ndarray, size: int, keys: Sequence[int]) -> np.ndarray:
+    """Map ``indices`` in ``[0, size)`` through a keyed bijection of ``[0, size)``.
+
+    A balanced Feistel network on ``2**(2h) >= size`` values (one round per key), with
+    cycle walking: a value that lands outside ``[0, size)`` is permuted again until it is
+    inside, which keeps the map a bijection of ``[0, size)``.
+    """
+    half = max(1, ((max(size, 2) - 1).bit_length() + 1) // 2)
+    shift, mask = np.uint64(half), np.uint64((1 << half) - 1)
+    raw = np.array([(k + i) & 0xFFFFFFFFFFFFFFFF for i, k in enumerate(keys)], dtype=np.uint64)
+    words = _mix64(raw).tolist()  # mixed, so small keys mix as well as random ones
+
+    def rounds(x: np.ndarray) -> np.ndarray:
+        left, right = x >> shift, x & mask
+        for key in words:
+            left, right = right, left ^ (_mix64(right ^ np.uint64(key)) & mask)
+        out: np.ndarray = (left << shift) | right
+        return out
+
+    y = rounds(np.asarray(indices, dtype=np.uint64))
+    outside = np.flatnonzero(y >= np.uint64(size))
+    while len(outside):
+        y[outside] = rounds(y[outside])
+        outside = outside[y[outside] >= np.uint64(size)]
+    return y.astype(np.int64)
+
+
 class MixLayout:
     """The epoch sequence of a mixture of streams (see the module docstring).
 
@@ -237,7 +281,8 @@ class MixLayout:
         self._v_subset = np.concatenate([*subset, np.zeros(0, dtype=bool)])
         self._v_cum = np.concatenate([[0], np.cumsum(np.concatenate([*lengths, np.zeros(0, dtype=np.int64)]))])
         self._v_cum = self._v_cum.astype(np.int64)
-        self._subsets: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._subsets: OrderedDict[int, np.ndarray | tuple[int, ...]] = OrderedDict()
+        self._cached_items = 0
         self._build_tree()
 
     # -- construction ------------------------------------------------------------------
@@ -350,24 +395,28 @@ class MixLayout:
             vs = v[at]
             for virtual in np.unique(vs).tolist():
                 pick = at[vs == virtual]
-                locals_[pick] = self._subset(virtual)[locals_[pick]]
+                locals_[pick] = self._subset_locals(virtual, locals_[pick])
         return self._v_shard[v].astype(np.int64), locals_
 
-    def _subset(self, virtual: int) -> np.ndarray:
-        """The sorted local indices of subset virtual shard ``virtual`` (cached, least recently used out)."""
-        cached = self._subsets.get(virtual)
-        if cached is not None:
+    def _subset_locals(self, virtual: int, within: np.ndarray) -> np.ndarray:
+        """Map indices ``within`` subset virtual shard ``virtual`` to the shard's sample indices."""
+        chosen = self._subsets.get(virtual)
+        if chosen is not None:
             self._subsets.move_to_end(virtual)
-            return cached
-        shard = int(self._v_shard[virtual])
-        stream = int(self.stream_of_shard(np.array([shard]))[0])
-        size = int(self._v_cum[virtual + 1] - self._v_cum[virtual])
-        local_shard = shard - int(self.offsets[stream])
-        perm = _rng(self.split.seed, self.split.epoch, stream, local_shard, _TAG_SUBSET).permutation(
-            int(self._shard_sizes[shard])
-        )
-        chosen = np.sort(perm[:size])
-        self._subsets[virtual] = chosen
-        while len(self._subsets) > _SUBSET_CACHE:
-            self._subsets.popitem(last=False)
-        return chosen
+        else:
+            shard = int(self._v_shard[virtual])
+            stream = int(self.stream_of_shard(np.array([shard]))[0])
+            rng = _rng(self.split.seed, self.split.epoch, stream, shard - int(self.offsets[stream]), _TAG_SUBSET)
+            size = int(self._shard_sizes[shard])
+            if size <= SORTED_SUBSET_LIMIT:
+                chosen = np.sort(rng.permutation(size)[: int(self._v_cum[virtual + 1] - self._v_cum[virtual])])
+            else:
+                chosen = tuple(int(k) for k in rng.integers(0, 2**63, _FEISTEL_ROUNDS, dtype=np.int64))
+            self._subsets[virtual] = chosen
+            self._cached_items += len(chosen)
+            while self._cached_items > _SUBSET_CACHE_ITEMS and len(self._subsets) > 1:
+                self._cached_items -= len(self._subsets.popitem(last=False)[1])
+        if isinstance(chosen, tuple):
+            return feistel_permute(within, int(self._shard_sizes[self._v_shard[virtual]]), chosen)
+        out: np.ndarray = chosen[within]
+        return out
