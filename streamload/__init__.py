@@ -14,6 +14,7 @@ from ._errors import (
     ManifestNotFoundError,
     PlanError,
     SampleError,
+    SampleNotFoundError,
     ShardError,
     ShardNotFoundError,
     SourceError,
@@ -21,6 +22,7 @@ from ._errors import (
     StreamloadError,
     UnsafeShardError,
 )
+from .access import SampleView, ShardedDataset
 from .dataset import StreamingDataset
 from .decode import ImageLabel, decode_sample
 from .manifest import Manifest, ShardEntry
@@ -41,9 +43,12 @@ __all__ = [
     "ManifestNotFoundError",
     "PlanError",
     "SampleError",
+    "SampleNotFoundError",
+    "SampleView",
     "ShardEntry",
     "ShardError",
     "ShardNotFoundError",
+    "ShardedDataset",
     "SourceError",
     "StorageError",
     "Stream",
