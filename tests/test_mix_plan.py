@@ -362,3 +362,22 @@ def test_planner_memory_is_per_shard_not_per_sample() -> None:
     tracemalloc.stop()
     assert layout.total == 1_500_000_000
     assert peak < 64 * 2**20, f"{peak / 2**20:.1f} MB"
+
+
+@SETTINGS
+@given(
+    counts=st.lists(st.integers(1, 10**13), min_size=2, max_size=9),
+    data=st.data(),
+)
+def test_interleave_of_huge_epochs_is_exact(counts: list[int], data: st.DataObject) -> None:
+    """Epochs beyond 2e9 samples use a float estimate corrected in int64: equal to exact integer arithmetic."""
+    total = sum(counts)
+    positions = np.array(data.draw(st.lists(st.integers(0, total - 1), min_size=1, max_size=50)), dtype=np.int64)
+    positions = np.concatenate([positions, [0, total - 1]])
+    layout = MixLayout([[c] for c in counts], counts, Split())
+    fast = layout.interleave(positions)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mixture, "_FLOAT_SAFE", 0)  # exact Python integers
+        exact = layout.interleave(positions)
+    assert fast[0].tolist() == exact[0].tolist() and fast[1].tolist() == exact[1].tolist()
+    assert all(0 <= t < counts[s] for s, t in zip(*(x.tolist() for x in exact), strict=True))

@@ -41,7 +41,8 @@ streams are the leaves of a balanced binary tree; a node with ``a`` items on its
 (a Bresenham line, with ``round`` half up): the left side then holds ``round(p * a / c)``
 of the node's first ``p`` items, exact within one half at every prefix. Position ``p`` of
 the epoch walks down the tree (``log2(streams)`` vectorised steps) to ``(stream s, index
-t)`` and maps to stream-major position ``base_s + t``. With two streams of counts 7 and 3
+t)`` and maps to stream-major position ``base_s + t`` (exact integer arithmetic: int64, and
+beyond 2e9 samples a float64 estimate corrected by its exact int64 remainder). With two streams of counts 7 and 3
 the epoch starts ``a b a a a b a a b a`` and repeats that pattern.
 
 **On top**: :class:`~streamload.plan.planner.EpochPlan` takes the mixture as its
@@ -78,8 +79,10 @@ _SUBSET_CACHE_ITEMS = 1 << 20
 _FEISTEL_ROUNDS = 4
 #: numpy's hypergeometric sampler needs totals below this.
 _HYPER_LIMIT = 10**9
-#: Epoch sizes up to this are interleaved in int64 arithmetic (2 * c * c + c < 2**63).
+#: Epoch sizes up to this are interleaved in plain int64 arithmetic (2 * c * c + c < 2**63) ...
 _INT64_SAFE = 2_000_000_000
+#: ... up to this with a float64 estimate corrected exactly in wrapping int64 (c * 2**-52 < 1).
+_FLOAT_SAFE = 1 << 50
 
 
 def apportion(targets: Sequence[Fraction], total: int) -> list[int]:
@@ -241,6 +244,23 @@ def feistel_permute(indices: np.ndarray, size: int, keys: Sequence[int]) -> np.n
     return y.astype(np.int64)
 
 
+def _rounded_share(p: np.ndarray, a: np.ndarray, c: np.ndarray, total: int) -> np.ndarray:
+    """Return ``round(p * a / c)`` (half up) exactly: ``floor((2 * p * a + c) / (2 * c))``, for ``0 <= p, a <= c``."""
+    if p.dtype == object or total < _INT64_SAFE:
+        out: np.ndarray = (2 * p * a + c) // (2 * c)
+        return out
+    # float64 estimate (off by at most one for c < 2**50), then the exact remainder in int64:
+    # the true remainder is small, so its value modulo 2**64 (wrapping arithmetic) is exact.
+    q = np.floor((2.0 * p * a + c) / (2.0 * c)).astype(np.int64)
+    with np.errstate(over="ignore"):
+        rest = 2 * p * a + c - 2 * c * q
+    for _ in range(2):
+        low, high = rest < 0, rest >= 2 * c
+        q = q - low + high
+        rest = rest + 2 * c * low - 2 * c * high
+    return q
+
+
 class MixLayout:
     """The epoch sequence of a mixture of streams (see the module docstring).
 
@@ -367,15 +387,14 @@ class MixLayout:
     def interleave(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Map epoch positions to ``(stream, index within the stream's epoch)`` arrays."""
         p = np.asarray(positions, dtype=np.int64)
-        if self._total >= _INT64_SAFE:  # exact integers beyond int64 products
+        if self._total >= _FLOAT_SAFE:  # beyond any real epoch: exact Python integers
             p = p.astype(object)
         node = np.zeros(len(p), dtype=np.int64)
         for _ in range(self._depth):
             a, c = self._a[node], self._c[node]
             if p.dtype == object:
                 a, c = a.astype(object), c.astype(object)
-            lo = (2 * p * a + c) // (2 * c)
-            hi = (2 * (p + 1) * a + c) // (2 * c)
+            lo, hi = _rounded_share(p, a, c, self._total), _rounded_share(p + 1, a, c, self._total)
             go_left = hi > lo
             p = np.where(go_left, lo, p - lo)
             node = np.where(go_left, self._left[node], self._right[node])
