@@ -251,7 +251,7 @@ def _rounded_share(p: np.ndarray, a: np.ndarray, c: np.ndarray, total: int) -> n
         return out
     # float64 estimate (off by at most one for c < 2**50), then the exact remainder in int64:
     # the true remainder is small, so its value modulo 2**64 (wrapping arithmetic) is exact.
-    q = np.floor((2.0 * p * a + c) / (2.0 * c)).astype(np.int64)
+    q: np.ndarray = np.floor((2.0 * p * a + c) / (2.0 * c)).astype(np.int64)
     with np.errstate(over="ignore"):
         rest = 2 * p * a + c - 2 * c * q
     for _ in range(2):
