@@ -52,8 +52,9 @@ __all__ = ["KeyIndex", "SampleView", "ShardedDataset"]
 
 log = logging.getLogger("streamload")
 
-#: Shard readers a process keeps open by default.
-DEFAULT_OPEN_READERS = 8
+#: Shard readers a process keeps open by default (random access touches shards at random;
+#: reopening one costs from ~0.1 ms for tar to ~2 ms for HDF5, see benchmarks/bench_access.py).
+DEFAULT_OPEN_READERS = 64
 
 KeyIndexMode = Literal["disk", "memory"]
 

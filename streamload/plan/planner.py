@@ -15,7 +15,13 @@ The epoch, step by step (N samples, R ranks, W workers per rank)::
                       `window` consecutive items of the block (seed, epoch, rank, window)
     worker w          items of the rank order cut into chunks of `chunk` items; chunk c
                       goes to worker c mod W (so with chunk = the DataLoader's batch size,
-                      the rank's batches come out of the workers in rank order)
+                      the rank's batches come out of the workers in rank order; an
+                      iteration resumed at chunk f deals from there: (c - f) mod W)
+
+The epoch sequence comes from a :class:`Layout`: by default :class:`ShardLayout` (the
+shards above, concatenated); a mixture of datasets, or one dataset with an epoch size,
+uses :class:`~streamload.plan.mixture.MixLayout` (exact per-stream counts, interleaved).
+Everything below works on positions ``0..N-1`` and applies to any layout.
 
 Every sample of the epoch sequence lies in exactly one rank block (exactly once), every
 rank gets P items (equal per rank), padding repeats the first P*R-N positions of the
@@ -432,8 +438,10 @@ class EpochPlan:
                     breaks |= locals_[1:] <= locals_[:-1]
                 cuts = np.flatnonzero(breaks) + 1
                 bounds = [0, *cuts.tolist(), len(shards)]
-                for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-                    yield Run(int(shards[a]), locals_[a:b], np.arange(lo + a, lo + b, dtype=np.int64))
+                positions = np.arange(lo, hi, dtype=np.int64)
+                heads: list[int] = shards[bounds[:-1]].tolist()
+                for shard, a, b in zip(heads, bounds[:-1], bounds[1:], strict=True):
+                    yield Run(shard, locals_[a:b], positions[a:b])
 
     def worker_shards(self, world: World, start: int = 0, first: int = 0) -> Iterator[int]:
         """Yield the shards the worker will open, in order of use (consecutive repeats merged)."""
