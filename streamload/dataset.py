@@ -457,8 +457,8 @@ class StreamingDataset(IterableDataset[Any]):
         and replaced by a repeat of the last good one, so every rank still yields
         ``len(dataset)`` items and DDP cannot hang.
         """
-        entry = readers.entry(run.shard)
-        url, label = readers.url(run.shard), readers.label(run.shard)
+        info = readers.info(run.shard)
+        entry, url, label = info.entry, info.url, info.label
         where = None if self.streams.plain else url  # a mixture names each stream's URL
         substitute = progress.substitute
         try:

@@ -31,7 +31,7 @@ from .plan import Layout, MixLayout, Run, Split, epoch_counts, mixture_fingerpri
 from .shards import DatasetRef, ShardSource, StorageConfig
 from .storage import Storage
 
-__all__ = ["MixedSource", "Mixture", "Stream", "StreamSource"]
+__all__ = ["MixedSource", "Mixture", "ShardInfo", "Stream", "StreamSource"]
 
 
 @dataclass(frozen=True)
@@ -252,6 +252,25 @@ class _AheadSplitter:
             yield queue.popleft()
 
 
+@dataclass(frozen=True)
+class ShardInfo:
+    """What the reading loop needs to know about one global shard.
+
+    Attributes:
+        stream: The stream's index.
+        local: The shard's number within its stream.
+        entry: Its manifest entry.
+        url: The stream's URL.
+        label: The ``__source__`` value of its samples (``None``: none).
+    """
+
+    stream: int
+    local: int
+    entry: ShardEntry
+    url: str
+    label: int | str | None
+
+
 class MixedSource:
     """One process's open shards of every stream, addressed by global shard number.
 
@@ -269,6 +288,7 @@ class MixedSource:
         ]
         self._offsets = mixture.offsets
         self._single = len(self.sources) == 1
+        self._info: dict[int, ShardInfo] = {}
 
     def locate(self, shard: int) -> tuple[int, int]:
         """Return ``(stream, shard within the stream)`` of global shard ``shard``."""
@@ -277,26 +297,35 @@ class MixedSource:
         s = bisect.bisect_right(self._offsets, shard) - 1
         return s, shard - self._offsets[s]
 
+    def info(self, shard: int) -> ShardInfo:
+        """Return the stream, local number, entry, URL and label of global shard ``shard`` (cached)."""
+        info = self._info.get(shard)
+        if info is None:
+            s, local = self.locate(shard)
+            labels = self.mixture.labels
+            ref = self.mixture.refs[s]
+            info = ShardInfo(s, local, ref.manifest.shards[local], ref.url, None if labels is None else labels[s])
+            self._info[shard] = info
+        return info
+
     def get(self, shard: int) -> ShardReader:
         """Return the open reader of global shard ``shard``, opening it if needed."""
         if self._single:
             return self.sources[0].get(shard)
-        s, local = self.locate(shard)
-        return self.sources[s].get(local)
+        info = self._info.get(shard) or self.info(shard)
+        return self.sources[info.stream].get(info.local)
 
     def entry(self, shard: int) -> ShardEntry:
         """Return the manifest entry of global shard ``shard``."""
-        s, local = self.locate(shard)
-        return self.mixture.refs[s].manifest.shards[local]
+        return self.info(shard).entry
 
     def url(self, shard: int) -> str:
         """Return the URL of the stream holding global shard ``shard``."""
-        return self.mixture.refs[self.locate(shard)[0]].url
+        return self.info(shard).url
 
     def label(self, shard: int) -> int | str | None:
         """Return the ``__source__`` value of global shard ``shard``'s samples (``None``: none)."""
-        labels = self.mixture.labels
-        return None if labels is None else labels[self.locate(shard)[0]]
+        return self.info(shard).label
 
     def read_ahead(self, runs: Iterator[Run], ahead: Iterator[int]) -> Iterator[Run]:
         """Pass ``runs`` through, naming each remote stream's next shards to its storage's read-ahead.

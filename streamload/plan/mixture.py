@@ -244,21 +244,26 @@ def feistel_permute(indices: np.ndarray, size: int, keys: Sequence[int]) -> np.n
     return y.astype(np.int64)
 
 
-def _rounded_share(p: np.ndarray, a: np.ndarray, c: np.ndarray, total: int) -> np.ndarray:
-    """Return ``round(p * a / c)`` (half up) exactly: ``floor((2 * p * a + c) / (2 * c))``, for ``0 <= p, a <= c``."""
+def _rounded_share(p: np.ndarray, a: np.ndarray, c: np.ndarray, total: int) -> tuple[np.ndarray, np.ndarray]:
+    """Return ``q = round(p * a / c)`` (half up) exactly, and ``2 * p * a + c - 2 * c * q`` (in ``[0, 2c)``).
+
+    ``q = floor((2 * p * a + c) / (2 * c))``, for ``0 <= p, a <= c``. Then
+    ``round((p + 1) * a / c) > q`` exactly when ``rest + 2 * a >= 2 * c``.
+    """
     if p.dtype == object or total < _INT64_SAFE:
-        out: np.ndarray = (2 * p * a + c) // (2 * c)
-        return out
+        num = 2 * p * a + c
+        q: np.ndarray = num // (2 * c)
+        return q, num - 2 * c * q
     # float64 estimate (off by at most one for c < 2**50), then the exact remainder in int64:
     # the true remainder is small, so its value modulo 2**64 (wrapping arithmetic) is exact.
-    q: np.ndarray = np.floor((2.0 * p * a + c) / (2.0 * c)).astype(np.int64)
+    q = np.floor((2.0 * p * a + c) / (2.0 * c)).astype(np.int64)
     with np.errstate(over="ignore"):
         rest = 2 * p * a + c - 2 * c * q
     for _ in range(2):
         low, high = rest < 0, rest >= 2 * c
         q = q - low + high
         rest = rest + 2 * c * low - 2 * c * high
-    return q
+    return q, rest
 
 
 class MixLayout:
@@ -394,8 +399,8 @@ class MixLayout:
             a, c = self._a[node], self._c[node]
             if p.dtype == object:
                 a, c = a.astype(object), c.astype(object)
-            lo, hi = _rounded_share(p, a, c, self._total), _rounded_share(p + 1, a, c, self._total)
-            go_left = hi > lo
+            lo, rest = _rounded_share(p, a, c, self._total)
+            go_left = rest + 2 * a >= 2 * c  # round((p + 1) * a / c) > round(p * a / c)
             p = np.where(go_left, lo, p - lo)
             node = np.where(go_left, self._left[node], self._right[node])
         return self._leaf_stream[node], np.asarray(p, dtype=np.int64)
@@ -412,9 +417,13 @@ class MixLayout:
         if subset.any():
             at = np.flatnonzero(subset)
             vs = v[at]
-            for virtual in np.unique(vs).tolist():
-                pick = at[vs == virtual]
-                locals_[pick] = self._subset_locals(virtual, locals_[pick])
+            if len(at) > 1 and bool(np.any(vs[1:] != vs[:-1])):  # several subset shards: group them
+                order = np.argsort(vs, kind="stable")
+                at, vs = at[order], vs[order]
+            cuts = [0, *(np.flatnonzero(vs[1:] != vs[:-1]) + 1).tolist(), len(vs)]
+            for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+                pick = at[lo:hi]
+                locals_[pick] = self._subset_locals(int(vs[lo]), locals_[pick])
         return self._v_shard[v].astype(np.int64), locals_
 
     def _subset_locals(self, virtual: int, within: np.ndarray) -> np.ndarray:
