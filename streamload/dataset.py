@@ -177,6 +177,7 @@ class StreamingDataset(IterableDataset[Any]):
         super().__init__()
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error={on_error!r} must be 'raise' or 'skip'")
+        self.source = str(source)
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
@@ -198,7 +199,7 @@ class StreamingDataset(IterableDataset[Any]):
         #: The datasets read and each one's samples per epoch (one for a plain URL).
         self.streams: Mixture = Mixture.open(source, epoch_size, config)
         self.epoch_size = epoch_size
-        self.source = self.streams.describe()
+        self.source = self.streams.describe()  # the URL, or the streams' URLs and counts
         self._ref = self.streams.refs[0]
         self.manifest: Manifest = self._ref.manifest
         self.format: Format = self._ref.format
