@@ -137,7 +137,9 @@ class Mixture:
         fingerprint: Digest of the streams and counts (checked on resume), ``None`` if plain.
     """
 
-    def __init__(self, refs: Sequence[DatasetRef], streams: Sequence[Stream], counts: Sequence[int], url_only: bool):
+    def __init__(
+        self, refs: Sequence[DatasetRef], streams: Sequence[Stream], counts: Sequence[int], url_only: bool
+    ) -> None:
         self.refs = tuple(refs)
         self.streams = tuple(streams)
         self.counts = tuple(int(c) for c in counts)
