@@ -14,6 +14,7 @@ from ._errors import (
     ManifestNotFoundError,
     PlanError,
     SampleError,
+    SampleNotFoundError,
     ShardError,
     ShardNotFoundError,
     SourceError,
@@ -21,9 +22,11 @@ from ._errors import (
     StreamloadError,
     UnsafeShardError,
 )
+from .access import SampleView, ShardedDataset
 from .dataset import StreamingDataset
 from .decode import ImageLabel, decode_sample
 from .manifest import Manifest, ShardEntry
+from .streams import Stream
 from .writer import DatasetWriter
 
 __version__ = "0.1.0"
@@ -40,11 +43,15 @@ __all__ = [
     "ManifestNotFoundError",
     "PlanError",
     "SampleError",
+    "SampleNotFoundError",
+    "SampleView",
     "ShardEntry",
     "ShardError",
     "ShardNotFoundError",
+    "ShardedDataset",
     "SourceError",
     "StorageError",
+    "Stream",
     "StreamingDataset",
     "StreamloadError",
     "UnsafeShardError",

@@ -12,6 +12,7 @@ Where a builtin exception has the same meaning, the error also derives from it, 
     │   ├── CorruptShardError (ValueError)   bad bytes, offsets, size or hash mismatch
     │   └── UnsafeShardError (ValueError)    hostile content: path escape, links, huge sizes
     ├── SampleError (ValueError)             one sample cannot be decoded
+    ├── SampleNotFoundError (KeyError)       no sample has the key asked for (random access)
     ├── SourceError (ValueError)             a conversion input is unreadable or corrupt
     ├── StorageError (OSError)               remote storage failed after retries / permanently
     │   └── CacheError                       the local shard cache cannot work as configured
@@ -33,6 +34,7 @@ __all__ = [
     "ManifestNotFoundError",
     "PlanError",
     "SampleError",
+    "SampleNotFoundError",
     "ShardError",
     "ShardNotFoundError",
     "SourceError",
@@ -72,6 +74,14 @@ class UnsafeShardError(ShardError, ValueError):
 
 class SampleError(StreamloadError, ValueError):
     """One sample (or one field of it) cannot be read or decoded."""
+
+
+class SampleNotFoundError(StreamloadError, KeyError):
+    """No sample of the dataset has the key asked for; the message names the key and the dataset."""
+
+    def __str__(self) -> str:
+        # KeyError shows repr(message); show the message itself, like every other error here.
+        return str(self.args[0]) if self.args else ""
 
 
 class SourceError(StreamloadError, ValueError):

@@ -1,4 +1,4 @@
-"""The ``streamload`` command line: ``convert``, ``info``, ``verify``, ``index``, ``demo``, ``bench``.
+"""The ``streamload`` command line: ``convert``, ``info``, ``show``, ``verify``, ``index``, ``demo``, ``bench``.
 
 Every subcommand is a ``_cmd_<name>`` function and an entry of :func:`build_parser`;
 errors of the :class:`~streamload.StreamloadError` family print one line and exit 2.
@@ -80,6 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     add_storage_option(p)
     p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("show", help="print one sample's fields (by key or index) and optionally write its image")
+    p.add_argument("dataset", help="dataset directory or URL")
+    p.add_argument("sample", metavar="KEY_OR_INDEX", help="a sample key, or an index (negative counts from the end)")
+    p.add_argument("--key", action="store_true", help="read KEY_OR_INDEX as a key even if it is a number")
+    p.add_argument("--out", metavar="FILE", help="write the sample's image bytes (as stored) to FILE")
+    p.add_argument("--cache-dir", help="for a URL: the shard cache (default: the usual cache)")
+    add_storage_option(p)
+    p.set_defaults(func=_cmd_show)
 
     p = sub.add_parser("verify", help="re-hash every shard and read every sample; exit 1 on any problem")
     p.add_argument("dataset", help="dataset directory or URL")
@@ -192,6 +201,76 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print(f"hash      {manifest.hash_algorithm or 'none'}")
     print(f"skipped   {len(manifest.skipped)} inputs at conversion")
     return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from .access import ShardedDataset
+    from .sample import IMAGE_FIELDS, parse_label
+
+    ds = ShardedDataset(
+        args.dataset, storage_options=parse_storage_options(args.storage_option), cache_dir=args.cache_dir
+    )
+    try:
+        index = ds.index_of(args.sample) if args.key or not _is_int(args.sample) else int(args.sample)
+        shard, local = ds.locate(index)
+        sample = ds[index]
+    except IndexError as exc:
+        print(f"streamload show: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        ds.close()
+    index %= len(ds)
+    print(f"dataset   {args.dataset}")
+    print(
+        f"sample    {index} of {len(ds)}: key {sample['__key__']!r} ({ds.manifest.shards[shard].name}, index {local})"
+    )
+    image = None
+    for name in sorted(k for k in sample if not k.startswith("__")):
+        value = bytes(sample[name])
+        detail = ""
+        if name in ("cls", "cls2", "index"):
+            try:
+                label = parse_label(value)
+                classes = ds.manifest.classes
+                detail = f"label {label}" + (f" ({classes[label]})" if 0 <= label < len(classes) else "")
+            except (ValueError, UnicodeDecodeError):
+                detail = "not an integer label"
+        elif name in IMAGE_FIELDS:
+            detail = _image_summary(value)
+            image = image or value
+        elif name in ("txt", "text", "json"):
+            text = value[:60].decode("utf-8", "replace")
+            detail = repr(text) + (" ..." if len(value) > 60 else "")
+        print(f"field     {name:<8} {len(value):>9} bytes  {detail}".rstrip())
+    if args.out:
+        if image is None:
+            print(f"streamload show: error: sample {sample['__key__']!r} has no image field", file=sys.stderr)
+            return 2
+        with open(args.out, "wb") as f:
+            f.write(image)
+        print(f"wrote     {args.out} ({format_bytes(len(image))})")
+    return 0
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _image_summary(data: bytes) -> str:
+    """``WxH MODE FORMAT`` from the image header (not decoded), or why it cannot be read."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return f"image {img.width}x{img.height} {img.mode} {img.format}"
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        return f"not a readable image ({exc})"
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:

@@ -13,6 +13,11 @@ One epoch in one worker, as a stream::
       -> ShardSource.get(shard): storage.acquire -> reader     -- cache/read-ahead if remote
       -> format reader .iter_range / .get -> sample dicts      -- {"__key__", field: bytes}
       -> transform(sample)                                     -- optional, e.g. decode
+
+A mixture of datasets (:class:`~streamload.streams.Stream`) or an ``epoch_size`` changes
+only two steps: the plan's layout (:class:`~streamload.plan.MixLayout`: exact per-stream
+counts, interleaved) and the readers (:class:`~streamload.streams.MixedSource`: one
+``ShardSource`` per stream, global shard numbers); see ``docs/mixing.md``.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from ._errors import ConfigError, CorruptShardError, PlanError, SampleError, StreamloadError
-from ._validate import check_epoch, dataset_args
+from ._validate import check_epoch, check_samples_seen, dataset_args
 from .formats import Format, Sample, ShardReader
 from .manifest import Manifest, ShardEntry
 from .plan import (
@@ -43,8 +48,9 @@ from .plan import (
     samples_per_rank,
 )
 from .plan.state import EpochState, WorkerPosition
-from .shards import DatasetRef, ShardSource, StorageConfig
+from .shards import StorageConfig
 from .storage import Storage
+from .streams import MixedSource, Mixture, StreamSource
 
 __all__ = ["StreamingDataset"]
 
@@ -59,6 +65,8 @@ _BASE, _OFFSET, _SLOTS = 0, 1, 2
 _OPEN_READERS = 8
 #: ... and at most (file descriptors).
 _MAX_OPEN_READERS = 64
+#: A mixture's readers per stream, at least (each stream is read shard after shard).
+_STREAM_READERS = 2
 
 OnError = Literal["raise", "skip"]
 
@@ -71,7 +79,11 @@ class StreamingDataset(IterableDataset[Any]):
     or dropping the tail with ``drop_last=True``), so DDP never waits on an uneven epoch.
 
     Args:
-        source: Dataset directory or URL prefix holding ``index.json`` and the shards.
+        source: Dataset directory or URL prefix holding ``index.json`` and the shards; or a
+            :class:`~streamload.streams.Stream`, or a list of streams (and URLs) to mix.
+        epoch_size: Samples per epoch, all ranks (default: the dataset's size, or the
+            streams' counts). Subsamples or upsamples a single dataset, or sets the size
+            that the streams' weights share (see *Mixtures*).
         shuffle: Shuffle shard order and samples within a window each epoch.
         seed: Seed of the shuffle; the same (seed, epoch, world) gives the same order.
         drop_last: Drop the tail instead of padding so ranks get ``floor(N / world)``.
@@ -102,6 +114,21 @@ class StreamingDataset(IterableDataset[Any]):
         >>> ds = StreamingDataset("/data/imagenet-shards", shuffle=True, seed=1)  # doctest: +SKIP
         >>> loader = torch.utils.data.DataLoader(ds, batch_size=256, num_workers=8)  # doctest: +SKIP
 
+    Mixtures:
+        ``StreamingDataset([Stream("s3://a", weight=0.7), Stream("/data/b", weight=0.3)],
+        epoch_size=1_000_000)`` reads both datasets (any formats and storages, each with its
+        own storage settings) as one epoch. Each stream contributes an exact count per
+        epoch (largest-remainder rounding of its weight, ``repeat`` or ``samples``; they sum
+        to ``epoch_size``); a stream asked for fewer samples than it has reads a different
+        subset each epoch (seed, epoch), each sample at most once; one asked for more reads
+        whole passes plus a subset. The streams are interleaved sample by sample in
+        proportion over the whole epoch (then shuffled within the window with
+        ``shuffle=True``), so each batch reflects the weights. Every guarantee above holds
+        for the mixture. Each sample dict gets ``"__source__"``: the stream's ``name``, else
+        its index. ``epoch_size=`` alone subsamples or upsamples one dataset the same way.
+        For a mixture, :attr:`manifest` and :attr:`format` describe the first stream; see
+        :attr:`streams`.
+
     Epochs:
         ``set_epoch(n)`` makes the next iteration epoch ``n`` (it reaches persistent
         workers through shared memory); each further iteration without ``set_epoch``
@@ -130,8 +157,9 @@ class StreamingDataset(IterableDataset[Any]):
 
     def __init__(
         self,
-        source: str,
+        source: StreamSource,
         *,
+        epoch_size: int | None = None,
         shuffle: bool = False,
         seed: int = 0,
         drop_last: bool = False,
@@ -170,7 +198,11 @@ class StreamingDataset(IterableDataset[Any]):
         self.read_ahead = read_ahead
         Split(seed=seed, window=shuffle_window, chunk=batch_size)  # validate early
         config = StorageConfig(self.storage_options, cache_dir, cache_limit, read_ahead)
-        self._ref = DatasetRef.open(self.source, config)
+        #: The datasets read and each one's samples per epoch (one for a plain URL).
+        self.streams: Mixture = Mixture.open(source, epoch_size, config)
+        self.epoch_size = epoch_size
+        self.source = self.streams.describe()  # the URL, or the streams' URLs and counts
+        self._ref = self.streams.refs[0]
         self.manifest: Manifest = self._ref.manifest
         self.format: Format = self._ref.format
         # Shared across fork/spawn so set_epoch() reaches persistent workers.
@@ -182,7 +214,7 @@ class StreamingDataset(IterableDataset[Any]):
         self._progress: _Progress | None = None
         #: (rank, world_size) of the process that pickled this dataset to a worker.
         self._inherited_world: tuple[int, int] | None = None
-        self._storage: Storage | None = None
+        self._storages: list[Storage] | None = None
         #: Skipped samples per worker id (shared memory, so the main process sees them).
         self._skipped = torch.zeros(_MAX_WORKERS, dtype=torch.int64)
         self._skipped.share_memory_()  # type: ignore[no-untyped-call]
@@ -193,8 +225,8 @@ class StreamingDataset(IterableDataset[Any]):
 
     @property
     def num_samples(self) -> int:
-        """Samples in the whole dataset (all ranks)."""
-        return self.manifest.num_samples
+        """Samples in one epoch, all ranks: the dataset's size, or ``epoch_size``, or the streams' counts."""
+        return self.streams.total
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (batches, with ``collate``); the world is detected now.
@@ -236,7 +268,7 @@ class StreamingDataset(IterableDataset[Any]):
     @property
     def window(self) -> int:
         """The shuffle window in items (see :mod:`streamload.plan.planner`)."""
-        return self.shuffle_window or default_window(self.manifest.shard_counts)
+        return self.shuffle_window or default_window(self.streams.shard_counts)
 
     def plan(self, epoch: int, world_size: int, stages: tuple[Stage, ...] = ()) -> EpochPlan:
         """Return the :class:`EpochPlan` this dataset follows for ``epoch`` in a world of ``world_size``.
@@ -251,7 +283,7 @@ class StreamingDataset(IterableDataset[Any]):
             window=self.shuffle_window,
             chunk=self.batch_size,
         )
-        return EpochPlan(self.manifest.shard_counts, world_size, split, stages)
+        return EpochPlan(self.streams.shard_counts, world_size, split, stages, self.streams.layout(split))
 
     # -- stop and resume -----------------------------------------------------------
 
@@ -282,7 +314,13 @@ class StreamingDataset(IterableDataset[Any]):
                 samples_seen = 0
             else:
                 worker = WorkerPosition(
-                    world.rank, world.world_size, world.worker, world.num_workers, progress.chunk, progress.next_item
+                    world.rank,
+                    world.world_size,
+                    world.worker,
+                    world.num_workers,
+                    progress.chunk,
+                    progress.next_item,
+                    progress.first,
                 )
                 stage_start = stages[-1].samples_seen if stages else 0
                 single = world.num_workers == 1
@@ -298,8 +336,10 @@ class StreamingDataset(IterableDataset[Any]):
             samples_seen,
             stages,
             worker,
+            self.streams.fingerprint,
         )
-        return state.normalized(self.manifest.shard_counts).to_dict()
+        self._check_samples_seen(state)
+        return state.normalized([self.num_samples]).to_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue from ``state_dict`` (from :meth:`state_dict`) at the next iteration.
@@ -317,8 +357,10 @@ class StreamingDataset(IterableDataset[Any]):
             drop_last=self.drop_last,
             window=self.window,
             num_samples=self.num_samples,
+            mixture=self.streams.fingerprint,
         )
-        state = state.normalized(self.manifest.shard_counts)
+        self._check_samples_seen(state)
+        state = state.normalized([self.num_samples])
         self._resume = state
         self._progress = None
         from torch.utils.data import get_worker_info
@@ -330,35 +372,41 @@ class StreamingDataset(IterableDataset[Any]):
             base = int(self._epochs[_BASE]) + int(self._epochs[_SLOTS + info.id])
             self._epochs[_OFFSET] = state.epoch - base
 
+    def _check_samples_seen(self, state: EpochState) -> None:
+        """Refuse a global ``samples_seen`` past the end of its epoch (a wrong count, not a finished epoch)."""
+        if state.samples_seen is not None:
+            stage_total = self.plan(state.epoch, state.world_size, state.stages).stage_total
+            check_samples_seen(state.samples_seen, state.stage_start, stage_total, state.world_size, self.batch_size)
+
     def _stages_for(self, epoch: int) -> tuple[Stage, ...]:
         resume = self._resume
         return resume.stages if resume is not None and resume.epoch == epoch else ()
 
-    def _resume_point(self, world: World, epoch: int) -> tuple[tuple[Stage, ...], int]:
-        """Return the stages and start item of ``epoch`` for ``world`` (a fresh epoch: none, 0)."""
+    def _resume_point(self, world: World, epoch: int) -> tuple[tuple[Stage, ...], int, int]:
+        """Return the stages, start item and first dealt chunk of ``epoch`` for ``world`` (fresh: none, 0, 0)."""
         resume = self._resume
         if resume is None or resume.epoch != epoch:
-            return (), 0
+            return (), 0, 0
         saved_chunk = self.plan(epoch, world.world_size, resume.stages).chunk_size(world.num_workers)
-        return resume.resume_point(world, saved_chunk)
+        return resume.resume(world, saved_chunk)
 
     # -- iteration -----------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
         world = detect_world(self.rank, self.world_size, self._inherited_world)
         epoch = self._peek_epoch(world.worker)  # committed when the first sample is asked for
-        stages, start = self._resume_point(world, epoch)
+        stages, start, first = self._resume_point(world, epoch)
         plan = self.plan(epoch, world.world_size, stages)
-        progress = _Progress(epoch, stages, plan.chunk_size(world.num_workers), start)
+        progress = _Progress(epoch, stages, plan.chunk_size(world.num_workers), start, first)
         self._progress = progress
         return self._iter_plan(plan, world, progress)
 
     def _iter_plan(self, plan: EpochPlan, world: World, progress: _Progress) -> Iterator[Any]:
         self._commit_epoch(world.worker)
-        readers = ShardSource(self._ref, self._get_storage(), self._readers_needed(plan))
-        start = progress.next_item
+        readers = self.streams.source(self._get_storages(), self._readers_needed(plan))
+        start, first = progress.next_item, progress.first
         try:
-            runs = readers.read_ahead(plan.runs(world, start), plan.worker_shards(world, start))
+            runs = readers.read_ahead(plan.runs(world, start, first), plan.worker_shards(world, start, first))
             if self.collate is not None:
                 yield from self._read_batches(readers, runs, progress)
             else:
@@ -368,7 +416,7 @@ class StreamingDataset(IterableDataset[Any]):
         finally:
             readers.close()
 
-    def _read_batches(self, readers: ShardSource, runs: Iterator[Run], progress: _Progress) -> Iterator[Any]:
+    def _read_batches(self, readers: MixedSource, runs: Iterator[Run], progress: _Progress) -> Iterator[Any]:
         """With ``collate``: one collated batch per planned batch (see :mod:`streamload.batch`).
 
         A :class:`~streamload.batch.BatchReader` collate reads the batch straight from the
@@ -395,38 +443,59 @@ class StreamingDataset(IterableDataset[Any]):
             progress.next_item = int(batch_runs[-1].positions[-1]) + 1
             yield batch
 
-    def _readers_needed(self, plan: EpochPlan) -> int:
-        """Shard readers to keep open: enough for the shards one shuffle window spans."""
-        if not self.shuffle or not self.manifest.shards:
-            return _OPEN_READERS
-        mean = max(1.0, self.num_samples / len(self.manifest.shards))
-        return min(_MAX_OPEN_READERS, max(_OPEN_READERS, math.ceil(plan.window / mean) + 2))
+    def _readers_needed(self, plan: EpochPlan) -> list[int]:
+        """Shard readers to keep open per stream: enough for the shards one shuffle window spans.
 
-    def _read_run(self, readers: ShardSource, run: Run, progress: _Progress) -> Iterator[Any]:
+        A mixture's window holds each stream's share of it; without shuffling each stream
+        is read shard after shard.
+        """
+        mix = self.streams
+        if mix.plain:
+            if not self.shuffle or not self.manifest.shards:
+                return [_OPEN_READERS]
+            mean = max(1.0, self.num_samples / len(self.manifest.shards))
+            return [min(_MAX_OPEN_READERS, max(_OPEN_READERS, math.ceil(plan.window / mean) + 2))]
+        out = []
+        for ref, count in zip(mix.refs, mix.counts, strict=True):
+            shards = ref.manifest.shards
+            if not self.shuffle or not shards or not mix.total:
+                out.append(_STREAM_READERS)
+                continue
+            mean = max(1.0, ref.manifest.num_samples / len(shards))
+            share = plan.window * count / mix.total
+            out.append(min(_MAX_OPEN_READERS, max(_STREAM_READERS, math.ceil(share / mean) + 2)))
+        return out
+
+    def _read_run(self, readers: MixedSource, run: Run, progress: _Progress) -> Iterator[Any]:
         """Yield the run's samples (transformed).
 
         Under ``on_error="skip"`` a sample that cannot be read or transformed is counted
         and replaced by a repeat of the last good one, so every rank still yields
         ``len(dataset)`` items and DDP cannot hang.
         """
-        entry = self.manifest.shards[run.shard]
+        info = readers.info(run.shard)
+        entry, url, label = info.entry, info.url, info.label
+        where = None if self.streams.plain else url  # a mixture names each stream's URL
         substitute = progress.substitute
         try:
             reader = readers.get(run.shard)
         except StreamloadError as exc:
             if self.on_error == "raise":
-                _raise_located(exc, self.source, entry)
+                _raise_located(exc, url, entry)
             progress.next_item = int(run.positions[-1]) + 1
-            self._skip(entry, None, exc, count=len(run.locals))
+            self._skip(entry, None, exc, count=len(run.locals), source=where)
             yield from substitute.fail(len(run.locals))
             return
         transform = self.transform
-        for position, sample in zip(run.positions.tolist(), self._samples(readers, reader, run, entry), strict=True):
+        samples = self._samples(readers, reader, run, entry, url)
+        for position, sample in zip(run.positions.tolist(), samples, strict=True):
             progress.next_item = position + 1
             if isinstance(sample, _Failed):
-                self._skip(entry, sample.key, sample.error)
+                self._skip(entry, sample.key, sample.error, source=where)
                 yield from substitute.fail(1)
                 continue
+            if label is not None:
+                sample["__source__"] = label
             if transform is None:
                 yield from substitute.good(sample)
                 continue
@@ -435,17 +504,17 @@ class StreamingDataset(IterableDataset[Any]):
             except Exception as exc:  # noqa: BLE001 - re-raised with context or counted
                 if self.on_error == "raise":
                     if isinstance(exc, StreamloadError):
-                        _raise_located(exc, self.source, entry)
+                        _raise_located(exc, url, entry)
                     raise SampleError(
-                        f"{self.source}/{entry.name}: sample {sample.get('__key__')!r}: transform failed: {exc}"
+                        f"{url}/{entry.name}: sample {sample.get('__key__')!r}: transform failed: {exc}"
                     ) from exc
-                self._skip(entry, sample.get("__key__"), exc)
+                self._skip(entry, sample.get("__key__"), exc, source=where)
                 yield from substitute.fail(1)
                 continue
             yield from substitute.good(out)
 
     def _samples(
-        self, readers: ShardSource, reader: ShardReader, run: Run, entry: ShardEntry
+        self, readers: MixedSource, reader: ShardReader, run: Run, entry: ShardEntry, url: str
     ) -> Iterator[Sample | _Failed]:
         """Read the run's samples.
 
@@ -471,10 +540,10 @@ class StreamingDataset(IterableDataset[Any]):
                 fresh, exc = None, again
             if fresh is not None:
                 rest = Run(run.shard, run.locals[done:], run.positions[done:])
-                yield from self._samples(readers, fresh, rest, entry)
+                yield from self._samples(readers, fresh, rest, entry, url)
                 return
             if self.on_error == "raise":
-                _raise_located(exc, self.source, entry)
+                _raise_located(exc, url, entry)
             yield _Failed(exc, None)
             for index in locals_[done + 1 :]:
                 try:
@@ -482,19 +551,23 @@ class StreamingDataset(IterableDataset[Any]):
                 except StreamloadError as again:
                     yield _Failed(again, None)
 
-    def _skip(self, entry: ShardEntry, key: str | None, exc: BaseException, count: int = 1) -> None:
+    def _skip(
+        self, entry: ShardEntry, key: str | None, exc: BaseException, count: int = 1, source: str | None = None
+    ) -> None:
+        """Count (and log once per shard) skipped samples; ``source``: a mixture's stream URL."""
         from torch.utils.data import get_worker_info
 
         info = get_worker_info()
         self._skipped[0 if info is None else info.id] += count
         self.errors["samples_skipped"] += count
-        logged = self.errors.setdefault(f"shard:{entry.name}", 0)
-        self.errors[f"shard:{entry.name}"] = logged + count
+        shard = entry.name if source is None else f"{source}/{entry.name}"
+        logged = self.errors.setdefault(f"shard:{shard}", 0)
+        self.errors[f"shard:{shard}"] = logged + count
         if not logged:
             log.warning(
                 "skipping %d sample(s) of %s/%s (first key %r): %s; later ones of this shard are counted",
                 count,
-                self.source,
+                self.source if source is None else source,
                 entry.name,
                 key,
                 exc,
@@ -511,20 +584,27 @@ class StreamingDataset(IterableDataset[Any]):
 
     # -- per-process resources -----------------------------------------------------
 
-    def _get_storage(self) -> Storage:
-        if self._storage is None:
-            self._storage = self._ref.open_storage()
-        return self._storage
+    def _get_storages(self) -> list[Storage]:
+        """This process's storage of each stream (opened on first use)."""
+        if self._storages is None:
+            self._storages = self.streams.open_storages()
+        return self._storages
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_storage"] = None  # opened again lazily in the receiving process
+        state["_storages"] = None  # opened again lazily in the receiving process
         state["_progress"] = None
         # A worker started with spawn has no torch.distributed: hand it this process's world.
         state["_inherited_world"] = distributed_world() or self._inherited_world
         return state
 
     def __repr__(self) -> str:
+        mix = self.streams
+        if len(mix.refs) > 1:
+            return (
+                f"StreamingDataset({len(mix.refs)} streams: {self.source}, samples={self.num_samples}, "
+                f"shards={len(mix.shard_counts)}, shuffle={self.shuffle})"
+            )
         return (
             f"StreamingDataset({self.source!r}, format={self.manifest.format!r}, "
             f"samples={self.num_samples}, shards={len(self.manifest.shards)}, shuffle={self.shuffle})"
@@ -552,6 +632,8 @@ class _Progress:
     chunk: int
     #: Rank-order index of this worker's next item.
     next_item: int
+    #: The chunk from which this iteration dealt chunks to the workers.
+    first: int = 0
     #: Replaces skipped samples so the count per rank stays equal.
     substitute: _Substitute = field(default_factory=lambda: _Substitute())
 

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 
 from ._errors import ConfigError
 from .dataset import StreamingDataset
+from .streams import StreamSource
 
 try:
     import lightning.pytorch as pl
@@ -80,9 +81,10 @@ class StreamingDataModule(pl.LightningDataModule):
     the trainer unless one is already there.
 
     Args:
-        train: Training dataset directory or URL (``None``: no training loader).
-        val: Validation dataset directory or URL.
-        test: Test dataset directory or URL.
+        train: Training dataset directory or URL, or a :class:`~streamload.Stream` or list
+            of streams to mix (``None``: no training loader).
+        val: Validation dataset directory or URL, or streams.
+        test: Test dataset directory or URL, or streams.
         batch_size: Samples per batch on each rank.
         num_workers: DataLoader worker processes per rank.
         transform: Sample transform of the training set, e.g. :class:`~streamload.ImageLabel`.
@@ -95,6 +97,9 @@ class StreamingDataModule(pl.LightningDataModule):
         shuffle: Shuffle the training set (validation and test are read in order).
         seed: Shuffle seed; with the epoch it fixes the order on every rank.
         loader: Other DataLoader settings.
+        epoch_size: Samples per training epoch, all ranks (the training set only; see
+            :class:`StreamingDataset`): subsamples or upsamples one dataset, or sets the
+            size the training streams' weights share.
         dataset_options: Further :class:`StreamingDataset` keyword arguments for every
             split, e.g. ``storage_options``, ``cache_dir``, ``cache_limit``, ``drop_last``,
             ``shuffle_window``, ``on_error``.
@@ -103,13 +108,15 @@ class StreamingDataModule(pl.LightningDataModule):
         >>> dm = StreamingDataModule("shards/train", "shards/val", batch_size=64,
         ...                          num_workers=4, transform=ImageLabel(size=224))  # doctest: +SKIP
         >>> Trainer(strategy="ddp", devices=2).fit(model, datamodule=dm)  # doctest: +SKIP
+        >>> mixed = StreamingDataModule([Stream("s3://web", weight=0.7), Stream("/data/books", weight=0.3)],
+        ...                             "shards/val", epoch_size=1_000_000, batch_size=64)  # doctest: +SKIP
     """
 
     def __init__(
         self,
-        train: str | None = None,
-        val: str | None = None,
-        test: str | None = None,
+        train: StreamSource | None = None,
+        val: StreamSource | None = None,
+        test: StreamSource | None = None,
         *,
         batch_size: int = 32,
         num_workers: int = 0,
@@ -120,6 +127,7 @@ class StreamingDataModule(pl.LightningDataModule):
         shuffle: bool = True,
         seed: int = 0,
         loader: LoaderOptions | None = None,
+        epoch_size: int | None = None,
         dataset_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
@@ -127,11 +135,13 @@ class StreamingDataModule(pl.LightningDataModule):
             raise ConfigError(f"{batch_size=} must be >= 1")
         if num_workers < 0:
             raise ConfigError(f"{num_workers=} must be >= 0")
-        reserved = {"shuffle", "seed", "transform", "collate", "rank", "world_size", "batch_size"}
+        reserved = {"shuffle", "seed", "transform", "collate", "rank", "world_size", "batch_size", "epoch_size"}
         clash = reserved & set(dataset_options or {})
         if clash:
             raise ConfigError(f"dataset_options may not set {sorted(clash)}; use the arguments of the same name")
-        self.urls = {"train": train, "val": val, "test": test}
+        #: Each split's source: a URL, a stream or a list of streams (``None``: no such split).
+        self.urls: dict[str, StreamSource | None] = {"train": train, "val": val, "test": test}
+        self.epoch_size = epoch_size
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.transform = transform
@@ -176,6 +186,7 @@ class StreamingDataModule(pl.LightningDataModule):
         train = split == "train"
         return StreamingDataset(
             url,
+            epoch_size=self.epoch_size if train else None,
             shuffle=self.shuffle and train,
             seed=self.seed,
             transform=self.transform if train else self.eval_transform,

@@ -201,11 +201,6 @@ def test_check_samples_seen_allows_one_short_last_batch_and_no_more() -> None:
         check_samples_seen(42, 16, 24, 2, None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the hook in StreamingDataset.state_dict/load_state_dict (or EpochState.normalized): "
-    "see streamload._validate.check_samples_seen",
-)
 def test_a_samples_seen_past_the_epoch_is_refused(local: str) -> None:
     ds = StreamingDataset(local, batch_size=4)
     with pytest.raises(PlanError, match="past the end of the epoch"):

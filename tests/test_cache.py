@@ -198,7 +198,7 @@ def test_a_download_longer_than_the_manifest_says_stops_at_the_reservation(tmp_p
         fs.pipe_file(path, fs.cat_file(path) + b"\0" * 512)
         with pytest.raises(CorruptShardError, match="longer than"):
             list(ds)
-        ds._get_storage().close()  # joins the read-ahead of the next shards
+        ds._get_storages()[0].close()  # joins the read-ahead of the next shards
         cache_root = next(p for p in tmp_path.iterdir() if p.is_dir())
         assert not (cache_root / "data" / shard).exists() and os.listdir(cache_root / "tmp") == []
     finally:
@@ -293,7 +293,7 @@ def test_memory_url_round_trip_and_second_epoch_from_cache(memory_dataset: str, 
     ds = StreamingDataset(memory_dataset, cache_dir=str(tmp_path))
     first = [s["txt"] for s in ds]
     assert first == [f"sample {i}".encode() for i in range(23)]
-    storage = ds._get_storage()
+    storage = ds._get_storages()[0]
     storage.close()  # joins read-ahead still finishing the first epoch's downloads
     downloads = storage.stats.downloads  # type: ignore[attr-defined]
     assert [s["txt"] for s in ds] == first
@@ -305,7 +305,7 @@ def test_read_ahead_threads_end_when_the_iterator_is_closed_early(memory_dataset
     it = iter(ds)
     next(it)
     it.close()  # type: ignore[attr-defined]
-    ds._get_storage().close()
+    ds._get_storages()[0].close()
     deadline = time.monotonic() + 30
     while any(t.name == "streamload-read-ahead" for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -104,7 +104,7 @@ EXPECTED = [_payload(i) for i in range(SAMPLES)]
 def test_a_cached_shard_corrupted_on_disk_is_downloaded_again(memory_url: str, tmp_path: Path) -> None:
     ds = StreamingDataset(memory_url, cache_dir=str(tmp_path), read_ahead=0)
     assert _texts(ds) == EXPECTED
-    storage = ds._get_storage()
+    storage = ds._get_storages()[0]
     downloads = storage.stats.downloads  # type: ignore[attr-defined]
     cached = _cache_root(tmp_path) / "data" / "shard-000001.tar"
     inode = cached.stat().st_ino
@@ -146,7 +146,7 @@ def test_a_cached_file_whose_size_or_record_no_longer_matches_is_downloaded_agai
     else:
         (root / "meta" / name).write_text("0" * 64 + " 1 2\n")
     assert _texts(ds) == EXPECTED
-    assert ds._get_storage().cache.usage() <= limit  # type: ignore[attr-defined]
+    assert ds._get_storages()[0].cache.usage() <= limit  # type: ignore[attr-defined]
 
 
 def test_skip_mode_repairs_before_it_skips(memory_url: str, tmp_path: Path) -> None:
@@ -200,7 +200,7 @@ def test_a_shard_bad_at_its_source_fails_without_a_useless_download(memory_url: 
     root = _cache_root(tmp_path)
     for part in (f"{memory_url}/shard-000001.tar", "'k008'", root.name, "bad at its source", "not downloaded again"):
         assert part in message, (part, message)
-    assert ds._get_storage().stats.downloads == 4  # type: ignore[attr-defined]  # 2 shards, 2 sidecars
+    assert ds._get_storages()[0].stats.downloads == 4  # type: ignore[attr-defined]  # 2 shards, 2 sidecars
 
 
 def test_an_unhashed_shard_bad_at_its_source_is_downloaded_once_more_then_fails(tmp_path: Path) -> None:
@@ -213,7 +213,7 @@ def test_an_unhashed_shard_bad_at_its_source_is_downloaded_once_more_then_fails(
             list(ds)
         assert _cache_root(tmp_path).name in str(info.value) and "bad at its source" in str(info.value)
         # sidecar and shard, then both again: with no hash, either may be the bad one
-        assert ds._get_storage().stats.downloads == 4  # type: ignore[attr-defined]
+        assert ds._get_storages()[0].stats.downloads == 4  # type: ignore[attr-defined]
     finally:
         _memory_fs().rm(url.removeprefix("memory://"), recursive=True)
 
@@ -396,7 +396,7 @@ def test_two_readers_at_the_smallest_cache_read_everything(s3_server: SeaweedS3,
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=60)
     for _ in range(2):
         assert Counter(s["__key__"] for s in loader) == Counter(f"k{i:03d}" for i in range(SAMPLES))
-        assert ds._get_storage().cache.usage() <= limit  # type: ignore[attr-defined]
+        assert ds._get_storages()[0].cache.usage() <= limit  # type: ignore[attr-defined]
 
 
 def _register_and_wait(root: str, ready: Any) -> None:
@@ -469,7 +469,7 @@ def test_without_cache_limit_the_cache_is_bounded_by_half_the_free_space(
     with caplog.at_level(logging.INFO, logger="streamload"):
         ds = StreamingDataset(memory_url, cache_dir=str(tmp_path))
         assert _texts(ds) == EXPECTED
-    limit = ds._get_storage().limit  # type: ignore[attr-defined]
+    limit = ds._get_storages()[0].limit  # type: ignore[attr-defined]
     assert limit is not None and abs(limit - free // 2) < free // 100
     lines = [r.getMessage() for r in caplog.records if "no cache_limit" in r.getMessage()]
     assert len(lines) == 1, caplog.text  # once, not once per storage opened
@@ -488,12 +488,12 @@ def test_the_default_bound_holds_at_least_two_of_the_largest_shards_and_is_enfor
         ds = StreamingDataset(memory_url, cache_dir=str(tmp_path))
     assert "less than the" in caplog.text and "two of the largest shards need" in caplog.text
     largest = ds.manifest.largest_shard_bytes
-    assert ds._get_storage().limit == 2 * largest  # type: ignore[attr-defined]
+    assert ds._get_storages()[0].limit == 2 * largest  # type: ignore[attr-defined]
     assert _texts(ds) == EXPECTED
-    assert ds._get_storage().cache.usage() <= 2 * largest  # type: ignore[attr-defined]  # evicted as it went
+    assert ds._get_storages()[0].cache.usage() <= 2 * largest  # type: ignore[attr-defined]  # evicted as it went
 
 
 def test_an_unbounded_cache_is_asked_for_explicitly(memory_url: str, tmp_path: Path) -> None:
     ds = StreamingDataset(memory_url, cache_dir=str(tmp_path), cache_limit="unbounded")
-    assert ds._get_storage().limit is None  # type: ignore[attr-defined]
+    assert ds._get_storages()[0].limit is None  # type: ignore[attr-defined]
     assert _texts(ds) == EXPECTED

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
-from .planner import EpochPlan, Run, Split, Stage, default_window, samples_per_rank
+from .mixture import MixLayout, apportion, epoch_counts, mixture_fingerprint
+from .planner import EpochPlan, Layout, Run, ShardLayout, Split, Stage, default_window, samples_per_rank
 from .world import World, detect_rank_world, detect_world, distributed_world
 
 __all__ = [
     "EpochPlan",
+    "Layout",
+    "MixLayout",
     "Run",
+    "ShardLayout",
     "Split",
     "Stage",
     "World",
+    "apportion",
     "default_window",
     "detect_rank_world",
     "detect_world",
     "distributed_world",
+    "epoch_counts",
+    "mixture_fingerprint",
     "samples_per_rank",
 ]

@@ -15,7 +15,13 @@ The epoch, step by step (N samples, R ranks, W workers per rank)::
                       `window` consecutive items of the block (seed, epoch, rank, window)
     worker w          items of the rank order cut into chunks of `chunk` items; chunk c
                       goes to worker c mod W (so with chunk = the DataLoader's batch size,
-                      the rank's batches come out of the workers in rank order)
+                      the rank's batches come out of the workers in rank order; an
+                      iteration resumed at chunk f deals from there: (c - f) mod W)
+
+The epoch sequence comes from a :class:`Layout`: by default :class:`ShardLayout` (the
+shards above, concatenated); a mixture of datasets, or one dataset with an epoch size,
+uses :class:`~streamload.plan.mixture.MixLayout` (exact per-stream counts, interleaved).
+Everything below works on positions ``0..N-1`` and applies to any layout.
 
 Every sample of the epoch sequence lies in exactly one rank block (exactly once), every
 rank gets P items (equal per rank), padding repeats the first P*R-N positions of the
@@ -53,13 +59,24 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from .._errors import PlanError
 from .world import World
 
-__all__ = ["DEFAULT_WINDOW_RANGE", "EpochPlan", "Run", "Split", "Stage", "default_window", "samples_per_rank"]
+__all__ = [
+    "DEFAULT_WINDOW_RANGE",
+    "EpochPlan",
+    "Layout",
+    "Run",
+    "ShardLayout",
+    "Split",
+    "Stage",
+    "default_window",
+    "samples_per_rank",
+]
 
 #: Largest number of items materialised at once while iterating a worker's plan.
 _SLICE = 1 << 16
@@ -164,6 +181,52 @@ def _rng(*words: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([w & 0xFFFFFFFFFFFFFFFF for w in words]))
 
 
+class Layout(Protocol):
+    """The epoch sequence: which sample sits at each of its ``total`` positions.
+
+    :class:`ShardLayout` (one dataset's shards, concatenated) is the default; a mixture of
+    datasets uses :class:`~streamload.plan.mixture.MixLayout`. The rank blocks, windows,
+    chunks and stages of :class:`EpochPlan` are built on top of any layout.
+    """
+
+    @property
+    def total(self) -> int:
+        """Positions in the epoch sequence."""
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Map epoch-sequence positions to ``(shard index, index within shard)`` arrays."""
+
+
+class ShardLayout:
+    """One dataset's epoch sequence: its shards in (shuffled) order, concatenated.
+
+    Args:
+        shard_counts: Samples per shard, in manifest order.
+        split: Epoch, seed and shuffle (the shard order is permuted when shuffling).
+    """
+
+    def __init__(self, shard_counts: Sequence[int] | np.ndarray, split: Split) -> None:
+        counts = np.asarray(shard_counts, dtype=np.int64).reshape(-1)
+        if (counts < 0).any():
+            raise PlanError(f"shard_counts must be non-negative, got min {int(counts.min())}")
+        if split.shuffle:
+            self.shard_order = _rng(split.seed, split.epoch, 0x5A4D).permutation(len(counts))
+        else:
+            self.shard_order = np.arange(len(counts))
+        self._cum = np.concatenate([[0], np.cumsum(counts[self.shard_order])])
+        self._total = int(counts.sum())
+
+    @property
+    def total(self) -> int:
+        """Samples of all shards."""
+        return self._total
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Map epoch-sequence positions to ``(shard index, index within shard)`` arrays."""
+        j = np.searchsorted(self._cum, positions, side="right") - 1
+        return self.shard_order[j], positions - self._cum[j]
+
+
 class _RankSplit:
     """One world's split of a parent sequence of ``parent_len`` items into rank orders."""
 
@@ -230,28 +293,32 @@ class EpochPlan:
     """The order and split of one epoch for a whole world (see the module docstring).
 
     Args:
-        shard_counts: Samples per shard, in manifest order.
+        shard_counts: Samples per shard, in manifest order (with a ``layout``: the shards
+            the layout reads, which set the default window).
         world_size: Ranks reading the epoch now.
         split: Epoch, seed, shuffle, drop_last, window and chunk.
         stages: Earlier worlds of this epoch when it was interrupted and resumed on a
             different number of ranks (oldest first); empty for a fresh epoch.
+        layout: The epoch sequence (default: :class:`ShardLayout` of ``shard_counts``),
+            e.g. a :class:`~streamload.plan.mixture.MixLayout` of several datasets.
     """
 
     def __init__(
-        self, shard_counts: Sequence[int], world_size: int, split: Split, stages: Sequence[Stage] = ()
+        self,
+        shard_counts: Sequence[int],
+        world_size: int,
+        split: Split,
+        stages: Sequence[Stage] = (),
+        layout: Layout | None = None,
     ) -> None:
         counts = np.asarray(shard_counts, dtype=np.int64).reshape(-1)
         if (counts < 0).any():
             raise PlanError(f"shard_counts must be non-negative, got min {int(counts.min())}")
         self.split = split
         self.world_size = world_size
-        self.total = int(counts.sum())
+        self.layout: Layout = ShardLayout(counts, split) if layout is None else layout
+        self.total = self.layout.total
         self.stages = tuple(stages)
-        if split.shuffle:
-            self.shard_order = _rng(split.seed, split.epoch, 0x5A4D).permutation(len(counts))
-        else:
-            self.shard_order = np.arange(len(counts))
-        self._cum = np.concatenate([[0], np.cumsum(counts[self.shard_order])])
         self.window = split.window or default_window(counts.tolist())
         self._levels = self._build_levels()
         top = self._levels[-1]
@@ -309,8 +376,7 @@ class EpochPlan:
         """Map epoch-sequence positions to ``(shard index, index within shard)`` arrays."""
         if self.total == 0:
             raise PlanError("cannot locate samples of an empty dataset")
-        j = np.searchsorted(self._cum, positions, side="right") - 1
-        return self.shard_order[j], positions - self._cum[j]
+        return self.layout.locate(positions)
 
     def rank_positions(self, rank: int, begin: int, end: int) -> np.ndarray:
         """Epoch-sequence positions of rank ``rank``'s items ``begin..end-1`` (rank order)."""
@@ -335,45 +401,52 @@ class EpochPlan:
             return self.split.chunk
         return max(1, math.ceil(self.per_rank / num_workers))
 
-    def worker_items(self, world: World, start: int = 0) -> Iterator[tuple[int, int]]:
+    def worker_items(self, world: World, start: int = 0, first: int = 0) -> Iterator[tuple[int, int]]:
         """Yield the ``[begin, end)`` rank-order item ranges of ``world``'s worker, in order.
 
         Items before ``start`` are left out: the rank's consumed items (resume from a
         sample count) or this worker's own consumed items (resume of one worker).
+        Chunks are dealt round-robin from chunk ``first`` on: chunk ``c`` goes to worker
+        ``(c - first) mod num_workers``. A DataLoader asks its workers in turn from worker
+        0, so an iteration that resumes at rank item ``start`` deals from
+        ``first = start // chunk`` and its batches leave in the uninterrupted order.
         """
         chunk = self.chunk_size(world.num_workers)
         n = world.num_workers
-        c = world.worker + max(0, -(-(start // chunk - world.worker) // n)) * n
+        lowest = max(0, start // chunk)
+        c = lowest + (first + world.worker - lowest) % n
         while c * chunk < self.per_rank:
             begin, end = max(c * chunk, start), min((c + 1) * chunk, self.per_rank)
             if begin < end:
                 yield begin, end
             c += n
 
-    def worker_len(self, world: World, start: int = 0) -> int:
+    def worker_len(self, world: World, start: int = 0, first: int = 0) -> int:
         """Number of items ``world``'s worker yields from rank item ``start`` on."""
-        return sum(end - begin for begin, end in self.worker_items(world, start))
+        return sum(end - begin for begin, end in self.worker_items(world, start, first))
 
-    def runs(self, world: World, start: int = 0) -> Iterator[Run]:
-        """Yield the worker's reads as runs within one shard, in reading order."""
+    def runs(self, world: World, start: int = 0, first: int = 0) -> Iterator[Run]:
+        """Yield the worker's reads as runs within one shard, in reading order (see :meth:`worker_items`)."""
         if world.world_size != self.world_size:
             raise PlanError(f"world.world_size={world.world_size} differs from the plan's {self.world_size}")
-        for begin, end in self.worker_items(world, start):
+        for begin, end in self.worker_items(world, start, first):
             for lo in range(begin, end, _SLICE):
                 hi = min(lo + _SLICE, end)
                 shards, locals_ = self.locate(self.rank_positions(world.rank, lo, hi))
                 breaks = shards[1:] != shards[:-1]
-                if not self.split.shuffle:  # also where padding wraps around: runs stay contiguous
-                    breaks |= locals_[1:] != locals_[:-1] + 1
+                if not self.split.shuffle:  # also where padding wraps around: runs stay ascending
+                    breaks |= locals_[1:] <= locals_[:-1]
                 cuts = np.flatnonzero(breaks) + 1
                 bounds = [0, *cuts.tolist(), len(shards)]
-                for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-                    yield Run(int(shards[a]), locals_[a:b], np.arange(lo + a, lo + b, dtype=np.int64))
+                positions = np.arange(lo, hi, dtype=np.int64)
+                heads: list[int] = shards[bounds[:-1]].tolist()
+                for shard, a, b in zip(heads, bounds[:-1], bounds[1:], strict=True):
+                    yield Run(shard, locals_[a:b], positions[a:b])
 
-    def worker_shards(self, world: World, start: int = 0) -> Iterator[int]:
+    def worker_shards(self, world: World, start: int = 0, first: int = 0) -> Iterator[int]:
         """Yield the shards the worker will open, in order of use (consecutive repeats merged)."""
         last = -1
-        for run in self.runs(world, start):
+        for run in self.runs(world, start, first):
             if run.shard != last:
                 yield run.shard
                 last = run.shard

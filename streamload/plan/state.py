@@ -10,6 +10,11 @@ depend on the number of ranks or DataLoader workers that will continue it::
      "stages": [[16, 8192]],                     # earlier worlds of this epoch, if any
      "worker": null}                             # one worker's own position, see below
 
+A mixture of streams, or one dataset with an ``epoch_size``, adds ``"mixture"``: a digest
+of every stream's size, shard count and per-epoch count
+(:func:`~streamload.plan.mixture.mixture_fingerprint`), checked like ``num_samples``
+(which is then the epoch's sample count, all streams).
+
 ``samples_seen`` counts items of the epoch consumed over all ranks: ``world_size`` times
 the items each rank consumed of its rank order (a multiple of ``world_size`` past the
 current stage's start). With a fixed per-rank batch ``B`` it is ``steps * world_size * B``.
@@ -20,7 +25,9 @@ uninterrupted order exactly); on a different number, the unread suffixes are re-
 ``worker`` is set in states saved inside a DataLoader worker (the
 ``torchdata.stateful_dataloader.StatefulDataLoader`` protocol): that worker's next rank
 item, which resumes the same worker of the same world exactly. Those states carry
-``samples_seen`` only when a rank has a single worker.
+``samples_seen`` only when a rank has a single worker. A worker whose iteration itself
+resumed from a sample count deals chunks from the chunk it resumed at; its position then
+also says ``"first_chunk"`` (see :meth:`~streamload.plan.planner.EpochPlan.worker_items`).
 
 Everything is ints, bools, lists and ``None``: JSON- and ``torch.save``-safe, no pickle.
 """
@@ -51,6 +58,7 @@ class WorkerPosition:
         num_workers: Workers of the rank.
         chunk: Items per chunk handed to a worker.
         next_item: The rank-order index of the worker's next item.
+        first_chunk: The chunk from which the iteration dealt chunks to its workers.
     """
 
     rank: int
@@ -59,6 +67,7 @@ class WorkerPosition:
     num_workers: int
     chunk: int
     next_item: int
+    first_chunk: int = 0
 
     def matches(self, world: World, chunk: int) -> bool:
         """True if this position belongs to ``world``'s worker with the same chunking."""
@@ -85,6 +94,7 @@ class EpochState:
     samples_seen: int | None
     stages: tuple[Stage, ...] = ()
     worker: WorkerPosition | None = None
+    mixture: str | None = None
 
     @property
     def stage_start(self) -> int:
@@ -110,7 +120,9 @@ class EpochState:
                 "chunk": w.chunk,
                 "next_item": w.next_item,
             }
-        return {
+            if w.first_chunk:
+                worker["first_chunk"] = w.first_chunk
+        out: dict[str, Any] = {
             "version": STATE_VERSION,
             "epoch": self.epoch,
             "seed": self.seed,
@@ -123,6 +135,9 @@ class EpochState:
             "stages": [[s.world_size, s.samples_seen] for s in self.stages],
             "worker": worker,
         }
+        if self.mixture is not None:
+            out["mixture"] = self.mixture
+        return out
 
     @classmethod
     def from_dict(cls, state: Mapping[str, Any]) -> EpochState:
@@ -142,6 +157,9 @@ class EpochState:
         stages = tuple(_stage(item) for item in stages_raw)
         seen = state.get("samples_seen")
         worker_raw = state.get("worker")
+        mixture = state.get("mixture")
+        if mixture is not None and (not isinstance(mixture, str) or len(mixture) > 64):
+            raise PlanError(f"state mixture={mixture!r} must be a short string or absent")
         out = cls(
             epoch=_int(state, "epoch"),
             seed=_int(state, "seed", signed=True),
@@ -153,6 +171,7 @@ class EpochState:
             samples_seen=None if seen is None else _int(state, "samples_seen"),
             stages=stages,
             worker=None if worker_raw is None else _worker(worker_raw),
+            mixture=mixture,
         )
         if out.samples_seen is None and out.worker is None:
             raise PlanError("state has neither samples_seen nor a worker position")
@@ -163,15 +182,24 @@ class EpochState:
             previous = stage.samples_seen
         return out
 
-    def check_dataset(self, *, seed: int, shuffle: bool, drop_last: bool, window: int, num_samples: int) -> None:
+    def check_dataset(
+        self, *, seed: int, shuffle: bool, drop_last: bool, window: int, num_samples: int, mixture: str | None = None
+    ) -> None:
         """Raise :class:`PlanError` if the state was saved for a differently configured dataset."""
         mine = {
             "seed": self.seed,
             "shuffle": self.shuffle,
             "drop_last": self.drop_last,
             "num_samples": self.num_samples,
+            "mixture": self.mixture,
         }
-        theirs = {"seed": seed, "shuffle": shuffle, "drop_last": drop_last, "num_samples": num_samples}
+        theirs = {
+            "seed": seed,
+            "shuffle": shuffle,
+            "drop_last": drop_last,
+            "num_samples": num_samples,
+            "mixture": mixture,
+        }
         if shuffle:
             mine["window"], theirs["window"] = self.window, window
         wrong = [f"{k}={mine[k]!r} (dataset has {theirs[k]!r})" for k in mine if mine[k] != theirs[k]]
@@ -180,6 +208,8 @@ class EpochState:
 
     def normalized(self, shard_counts: Sequence[int]) -> EpochState:
         """Return the state with a finished epoch turned into the start of the next one.
+
+        Only the sum of ``shard_counts`` matters (the epoch's sample count).
 
         Raises:
             PlanError: If ``samples_seen`` is not a multiple of ``world_size`` past the
@@ -197,7 +227,15 @@ class EpochState:
         if done < plan.stage_total:
             return self
         return EpochState(
-            self.epoch + 1, self.seed, self.shuffle, self.drop_last, self.window, self.num_samples, self.world_size, 0
+            self.epoch + 1,
+            self.seed,
+            self.shuffle,
+            self.drop_last,
+            self.window,
+            self.num_samples,
+            self.world_size,
+            0,
+            mixture=self.mixture,
         )
 
     def resume_point(self, world: World, chunk: int) -> tuple[tuple[Stage, ...], int]:
@@ -209,8 +247,22 @@ class EpochState:
         Raises:
             PlanError: If the state holds only a worker position of another world.
         """
+        stages, start, _ = self.resume(world, chunk)
+        return stages, start
+
+    def resume(self, world: World, chunk: int) -> tuple[tuple[Stage, ...], int, int]:
+        """Return the stages, the start item and the first dealt chunk of ``world``'s worker.
+
+        Like :meth:`resume_point`, plus the ``first`` argument of
+        :meth:`EpochPlan.worker_items`: a resume from a sample count deals chunks from the
+        chunk of the start item (the DataLoader asks worker 0 first), a worker's own
+        position keeps its iteration's.
+
+        Raises:
+            PlanError: If the state holds only a worker position of another world.
+        """
         if self.worker is not None and self.worker.matches(world, chunk):
-            return self.stages, self.worker.next_item
+            return self.stages, self.worker.next_item, self.worker.first_chunk
         if self.samples_seen is None:
             w = self.worker
             assert w is not None
@@ -222,10 +274,11 @@ class EpochState:
             )
         done = self.samples_seen - self.stage_start
         if world.world_size == self.world_size:
-            return self.stages, done // self.world_size
+            start = done // self.world_size
+            return self.stages, start, start // chunk
         if done == 0:  # the current stage read nothing: the new world simply replaces it
-            return self.stages, 0
-        return (*self.stages, Stage(self.world_size, self.samples_seen)), 0
+            return self.stages, 0, 0
+        return (*self.stages, Stage(self.world_size, self.samples_seen)), 0, 0
 
 
 def _int(state: Mapping[str, Any], name: str, low: int = 0, signed: bool = False) -> int:
@@ -259,7 +312,7 @@ def _worker(raw: Any) -> WorkerPosition:
         raise PlanError(f"state worker={raw!r} must be a dict or null")
     names = ("rank", "world_size", "worker", "num_workers", "chunk", "next_item")
     values = {name: _int(raw, name) for name in names}
-    position = WorkerPosition(**values)
+    position = WorkerPosition(**values, first_chunk=_int(raw, "first_chunk") if "first_chunk" in raw else 0)
     try:
         World(position.rank, position.world_size, position.worker, position.num_workers)
     except PlanError as exc:

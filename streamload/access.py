@@ -1,0 +1,404 @@
+"""Random access: :class:`ShardedDataset`, a map-style view of a dataset, by index or by key.
+
+::
+
+    ds = ShardedDataset("s3://bucket/train", storage_options=...)
+    len(ds); ds[0]; ds[-1]; ds[10:20]          # samples by global index (a slice is a lazy view)
+    ds.get("n01440764/n01440764_10026")        # by key, through the key index
+    DataLoader(ds, sampler=DistributedSampler(ds), num_workers=8)
+
+**Index -> sample.** Global index ``i`` is located by a binary search over the manifest's
+cumulative shard counts (O(shards) memory), then read with the shard's reader
+(``ShardReader.get``); shards are opened on first use in each process through
+:class:`~streamload.shards.ShardSource` (local files in place, remote ones through the
+shared cache), at most ``open_readers`` at a time. The dataset is picklable and holds
+nothing open when pickled, so DataLoader workers open their own shards.
+
+**Key -> index.** Built once from the shards' own indexes (``ShardReader.keys_of``: the
+tar sidecar, the LMDB catalog record, the HDF5 keys table), never by reading samples:
+two ``N``-long arrays, the keys' 64-bit xxh3 hashes sorted, and the global index of each
+(16 bytes per sample). A lookup is a binary search for the hash, then the real key of
+each candidate is read from its shard's index and compared, so a hash collision never
+returns the wrong sample. The arrays are one ``.npy`` file under
+``<cache_dir>/keys/`` (default ``$STREAMLOAD_CACHE`` or ``~/.cache/streamload``), named by
+the dataset's URL and manifest digest, written atomically and memory-mapped, so every
+worker and rank on a machine shares one copy in the page cache and builds it at most once
+per process that finds it missing. For a remote dataset, building it reads every shard's
+index through the cache (LMDB and HDF5 keep it inside the shard, so those are downloaded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import operator
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal, overload
+
+import numpy as np
+import torch.utils.data
+import xxhash
+
+from ._errors import ConfigError, SampleNotFoundError, StreamloadError
+from .formats import Sample
+from .manifest import Manifest
+from .plan import Run
+from .shards import DatasetRef, ShardSource, StorageConfig
+from .storage import Storage, is_local, local_path_of
+
+__all__ = ["KeyIndex", "SampleView", "ShardedDataset"]
+
+log = logging.getLogger("streamload")
+
+#: Shard readers a process keeps open by default (random access touches shards at random;
+#: reopening one costs from ~0.1 ms for tar to ~2 ms for HDF5, see benchmarks/bench_access.py).
+DEFAULT_OPEN_READERS = 64
+
+KeyIndexMode = Literal["disk", "memory"]
+
+
+def key_hash(key: str) -> int:
+    """Return the 64-bit hash the key index sorts by (xxh3_64 of the UTF-8 key)."""
+    return int(xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogateescape")))
+
+
+class KeyIndex:
+    """Sorted key hashes and the global index of each: ``2 x N`` ``uint64`` (see the module docstring).
+
+    Args:
+        table: ``uint64[2, N]``: row 0 the hashes, ascending; row 1 the global indices
+            (ascending among equal hashes).
+    """
+
+    def __init__(self, table: np.ndarray) -> None:
+        if table.ndim != 2 or table.shape[0] != 2 or table.dtype != np.uint64:
+            raise ConfigError(f"a key index is uint64[2, N], got {table.dtype}{list(table.shape)}")
+        self.table = table
+        self.hashes = table[0]
+        self.positions = table[1]
+
+    def __len__(self) -> int:
+        return int(self.table.shape[1])
+
+    @classmethod
+    def from_keys(cls, hashes: np.ndarray, positions: np.ndarray) -> KeyIndex:
+        """Build the index from unsorted ``hashes`` and their global ``positions``."""
+        order = np.lexsort((positions, hashes))
+        table = np.empty((2, len(order)), dtype=np.uint64)
+        table[0] = hashes[order]
+        table[1] = positions[order]
+        return cls(table)
+
+    def candidates(self, key: str) -> list[int]:
+        """Return the global indices whose key has ``key``'s hash (ascending)."""
+        h = np.uint64(key_hash(key))
+        lo = int(np.searchsorted(self.hashes, h, side="left"))
+        hi = int(np.searchsorted(self.hashes, h, side="right"))
+        return [int(p) for p in self.positions[lo:hi]]
+
+    def save(self, path: str) -> None:
+        """Write the index to ``path`` atomically (a ``.npy`` file)."""
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".keys-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.save(f, self.table, allow_pickle=False)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str, expected: int) -> KeyIndex | None:
+        """Memory-map the index at ``path``; ``None`` if it is missing or not ``expected`` keys long."""
+        try:
+            table = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError):
+            return None
+        if table.ndim != 2 or table.shape != (2, expected) or table.dtype != np.uint64:
+            return None
+        return cls(table)
+
+
+class ShardedDataset(torch.utils.data.Dataset[Any]):
+    """A map-style dataset over a sharded dataset: ``ds[i]``, slices, and ``ds.get(key)``.
+
+    Reads the same samples as :class:`~streamload.StreamingDataset` (sample ``i`` is the
+    ``i``-th in manifest order: shard by shard), one at a time, for samplers, evaluation,
+    debugging and lookups. Picklable; shards are opened lazily in each process.
+
+    Args:
+        source: Dataset directory or URL prefix holding ``index.json``.
+        transform: Function applied to each sample dict (e.g. :class:`~streamload.ImageLabel`).
+        storage_options: Passed to fsspec for remote URLs.
+        cache_dir: Local cache directory of remote shards, and of the key index.
+        cache_limit: Cache size bound of remote shards (bytes or ``"20GB"``).
+        read_ahead: Shards downloaded ahead while the key index is built (remote URLs).
+        open_readers: Shard readers each process keeps open (least recently used closed first).
+        key_index: ``"disk"``: keep the key index in a file under ``<cache_dir>/keys/``,
+            shared by every process of the machine; ``"memory"``: build it per process.
+
+    Raises:
+        ManifestNotFoundError: If ``source`` holds no dataset.
+
+    Example:
+        >>> ds = ShardedDataset("/data/imagenet-shards", transform=ImageLabel(224))  # doctest: +SKIP
+        >>> image, label = ds[12345]  # doctest: +SKIP
+        >>> sample = ShardedDataset("/data/imagenet-shards").get("n01440764/n01440764_10026")  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str],
+        *,
+        transform: Callable[[Sample], Any] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | None = None,
+        cache_limit: int | str | None = None,
+        read_ahead: int | None = None,
+        open_readers: int = DEFAULT_OPEN_READERS,
+        key_index: KeyIndexMode = "disk",
+    ) -> None:
+        if open_readers < 1:
+            raise ConfigError(f"{open_readers=} must be >= 1")
+        if key_index not in ("disk", "memory"):
+            raise ConfigError(f"key_index={key_index!r} must be 'disk' or 'memory'")
+        self.source = str(source)
+        self.transform = transform
+        self.cache_dir = cache_dir
+        self.open_readers = open_readers
+        self.key_index_mode: KeyIndexMode = key_index
+        config = StorageConfig(dict(storage_options or {}), cache_dir, cache_limit, read_ahead)
+        self.ref = DatasetRef.open(self.source, config)
+        self.manifest: Manifest = self.ref.manifest
+        #: Global index of each shard's first sample; the last entry is the sample count.
+        self.starts = np.concatenate([[0], np.cumsum(self.manifest.shard_counts, dtype=np.int64)]).astype(np.int64)
+        self._pid = -1
+        self._storage: Storage | None = None
+        self._readers: ShardSource | None = None
+        self._keys: KeyIndex | None = None
+
+    # -- by index ----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Samples in the dataset."""
+        return int(self.starts[-1])
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """Return ``(shard, index within the shard)`` of global index ``index`` (negative counts from the end).
+
+        Raises:
+            IndexError: If ``index`` is out of range.
+        """
+        n = len(self)
+        i = operator.index(index)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {index} out of range for {self.source} ({n} samples)")
+        shard = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return shard, i - int(self.starts[shard])
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> SampleView: ...
+
+    def __getitem__(self, index: int | slice) -> Any:
+        """Return sample ``index`` (transformed), or a lazy :class:`SampleView` of a slice.
+
+        Raises:
+            IndexError: If the index is out of range.
+        """
+        if isinstance(index, slice):
+            return SampleView(self, range(len(self))[index])
+        shard, local = self.locate(index)
+        return self._read(shard, local)
+
+    def key_of(self, index: int) -> str:
+        """Return the key of sample ``index`` from its shard's index (no sample is read)."""
+        shard, local = self.locate(index)
+        return self._key_at(shard, local)
+
+    def _read(self, shard: int, local: int) -> Any:
+        readers = self._source()
+        entry = self.manifest.shards[shard]
+        try:
+            sample = readers.get(shard).get(local)
+        except StreamloadError as exc:
+            if self.source in str(exc):
+                raise
+            raise _located(exc, f"{self.ref.where(entry)}: ") from exc
+        return sample if self.transform is None else self.transform(sample)
+
+    def _key_at(self, shard: int, local: int) -> str:
+        return self._source().get(shard).keys_of(np.array([local], dtype=np.int64))[0]
+
+    # -- by key ------------------------------------------------------------------------
+
+    def index_of(self, key: str) -> int:
+        """Return the global index of the sample keyed ``key`` (the first, if keys repeat).
+
+        Raises:
+            SampleNotFoundError: If no sample has that key (a :class:`KeyError`).
+        """
+        for position in self.key_index().candidates(key):
+            shard, local = self.locate(position)
+            if self._key_at(shard, local) == key:
+                return position
+        raise SampleNotFoundError(f"no sample with key {key!r} in {self.source}")
+
+    def get(self, key: str) -> Any:
+        """Return the sample keyed ``key`` (transformed).
+
+        Raises:
+            SampleNotFoundError: If no sample has that key (a :class:`KeyError`).
+        """
+        return self[self.index_of(key)]
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        try:
+            self.index_of(key)
+        except SampleNotFoundError:
+            return False
+        return True
+
+    def key_index(self) -> KeyIndex:
+        """Return the key index, loading it from the disk cache or building it on first use."""
+        if self._keys is not None:
+            return self._keys
+        path = self.key_index_path()
+        if self.key_index_mode == "disk":
+            self._keys = KeyIndex.load(path, len(self))
+            if self._keys is not None:
+                return self._keys
+        keys = self._build_key_index()
+        if self.key_index_mode == "disk":
+            try:
+                keys.save(path)
+                loaded = KeyIndex.load(path, len(self))  # mapped: the pages are shared, not this process's
+                keys = loaded if loaded is not None else keys
+            except OSError as exc:
+                log.warning("cannot keep the key index of %s in %s (%s); it stays in memory", self.source, path, exc)
+        self._keys = keys
+        return keys
+
+    def key_index_path(self) -> str:
+        """Return where the key index file of this dataset (URL and manifest) lives."""
+        from .storage.remote import dataset_cache_key, default_cache_dir
+
+        url = os.path.abspath(local_path_of(self.source)) if is_local(self.source) else self.source
+        where = dataset_cache_key(url, self.ref.config.storage_options)
+        digest = hashlib.sha256(self.manifest.dumps()).hexdigest()[:16]
+        base = os.path.expanduser(self.cache_dir if self.cache_dir is not None else default_cache_dir())
+        return os.path.join(base, "keys", f"{where}-{digest}.npy")
+
+    def _build_key_index(self) -> KeyIndex:
+        """Read every shard's keys from its own index (no sample is read)."""
+        readers = self._source()
+        n = len(self)
+        hashes = np.empty(n, dtype=np.uint64)
+        counts = self.manifest.shard_counts
+        shards = [s for s, count in enumerate(counts) if count]
+        touch = (Run(s, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)) for s in shards)
+        for run in readers.read_ahead(touch, iter(shards)):  # remote: downloads ahead of the reads
+            start, count = int(self.starts[run.shard]), counts[run.shard]
+            keys = readers.get(run.shard).keys_of(np.arange(count, dtype=np.int64))
+            hashes[start : start + count] = [key_hash(k) for k in keys]
+        return KeyIndex.from_keys(hashes, np.arange(n, dtype=np.uint64))
+
+    # -- per-process resources ---------------------------------------------------------
+
+    def _source(self) -> ShardSource:
+        if self._readers is None or self._pid != os.getpid():
+            # After a fork the parent's readers and storage are left alone (not closed here).
+            self._storage = self.ref.open_storage()
+            self._readers = ShardSource(self.ref, self._storage, self.open_readers)
+            self._pid = os.getpid()
+        return self._readers
+
+    def close(self) -> None:
+        """Close this process's open shards and storage (reopened on the next access)."""
+        readers, storage = self._readers, self._storage
+        self._readers = self._storage = None
+        if readers is not None and self._pid == os.getpid():
+            try:
+                readers.close()
+            finally:
+                if storage is not None:
+                    storage.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_storage"] = state["_readers"] = None
+        state["_pid"] = -1
+        if self.key_index_mode == "disk":
+            state["_keys"] = None  # mapped again from the file in the receiving process
+        return state
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedDataset({self.source!r}, format={self.manifest.format!r}, samples={len(self)}, "
+            f"shards={len(self.manifest.shards)})"
+        )
+
+
+def _located(exc: StreamloadError, prefix: str) -> StreamloadError:
+    try:
+        return type(exc)(prefix + str(exc))
+    except TypeError:  # an error type with another constructor
+        return exc
+
+
+class SampleView:
+    """A lazy slice of a :class:`ShardedDataset`: indexing, ``len`` and iteration read on demand.
+
+    Args:
+        dataset: The dataset.
+        indices: The global indices of the view, in order.
+    """
+
+    def __init__(self, dataset: ShardedDataset, indices: range) -> None:
+        self.dataset = dataset
+        self.indices = indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> SampleView: ...
+
+    def __getitem__(self, index: int | slice) -> Any:
+        """Return the view's sample ``index``, or a narrower view.
+
+        Raises:
+            IndexError: If the index is out of range of the view.
+        """
+        if isinstance(index, slice):
+            return SampleView(self.dataset, self.indices[index])
+        try:
+            position = self.indices[operator.index(index)]
+        except IndexError:
+            raise IndexError(f"index {index} out of range for a view of {len(self)} samples") from None
+        return self.dataset[position]
+
+    def __iter__(self) -> Iterator[Any]:
+        for position in self.indices:
+            yield self.dataset[position]
+
+    def keys(self) -> list[str]:
+        """Return the keys of the view's samples (from the shards' indexes)."""
+        return [self.dataset.key_of(i) for i in self.indices]
+
+    def __repr__(self) -> str:
+        r = self.indices
+        return f"SampleView({self.dataset.source!r}, range({r.start}, {r.stop}, {r.step}), {len(self)} samples)"

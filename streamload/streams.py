@@ -1,0 +1,385 @@
+"""Streams: the datasets one :class:`~streamload.StreamingDataset` mixes, and their shards.
+
+A mixture is described by :class:`Stream` objects (a URL, its share of the epoch, its own
+storage settings)::
+
+    StreamingDataset([Stream("s3://bucket/a", weight=0.7), Stream("/data/b", weight=0.3)],
+                     epoch_size=1_000_000, shuffle=True)
+
+Here they are opened once (:class:`Mixture`: every stream's manifest, its per-epoch count
+and the plan's layout; picklable, no I/O afterwards), and read per process through
+:class:`MixedSource`: one :class:`~streamload.shards.ShardSource` per stream (each with
+its own storage, cache and read-ahead), addressed by global shard numbers (stream ``s``'s
+shard ``j`` is ``offsets[s] + j``, the numbering of :class:`~streamload.plan.MixLayout`).
+The counting, subset and interleave rules are in :mod:`streamload.plan.mixture` and
+``docs/mixing.md``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._errors import ConfigError, StreamloadError
+from .formats import ShardReader
+from .manifest import ShardEntry
+from .plan import Layout, MixLayout, Run, Split, epoch_counts, mixture_fingerprint
+from .shards import DatasetRef, ShardSource, StorageConfig
+from .storage import Storage
+
+__all__ = ["MixedSource", "Mixture", "ShardInfo", "Stream", "StreamSource"]
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One dataset of a mixture, and how many of its samples each epoch reads.
+
+    Set at most one of ``weight``, ``repeat`` and ``samples`` (none: the whole dataset once):
+
+    * ``weight``: a relative share of ``epoch_size`` (every stream of the mixture then
+      needs a weight; ``epoch_size`` defaults to the streams' total size).
+    * ``repeat``: passes over the dataset per epoch, e.g. ``0.5`` or ``2.5``.
+    * ``samples``: an absolute number of samples per epoch.
+
+    With ``epoch_size``, repeats and sample numbers give the streams' proportions, scaled
+    so the epoch holds ``epoch_size`` samples. Counts are rounded by largest remainder so
+    they sum exactly; a stream asked for fewer samples than it has reads a different
+    subset each epoch, one asked for more reads whole passes plus a subset.
+
+    Args:
+        url: Dataset directory or URL (any format, any fsspec storage).
+        weight: Relative share of the epoch.
+        repeat: Passes over the dataset per epoch.
+        samples: Samples per epoch.
+        name: What the samples' ``__source__`` entry says (default: the stream's index, an
+            ``int``, or its ``str`` when another stream of the mixture has a name).
+        storage_options: fsspec options of this stream (default: the dataset's).
+        cache_dir: Cache directory of this stream (default: the dataset's).
+        cache_limit: Cache bound of this stream (default: the dataset's).
+        read_ahead: Shards downloaded ahead for this stream (default: the dataset's).
+
+    Example:
+        >>> Stream("s3://bucket/web", weight=0.7, storage_options={"anon": True})  # doctest: +SKIP
+    """
+
+    url: str | os.PathLike[str]
+    weight: float | None = None
+    repeat: float | None = None
+    samples: int | None = None
+    name: str | None = None
+    storage_options: Mapping[str, Any] | None = field(default=None, compare=False)
+    cache_dir: str | None = None
+    cache_limit: int | str | None = None
+    read_ahead: int | None = None
+
+    def __post_init__(self) -> None:
+        if sum(v is not None for v in (self.weight, self.repeat, self.samples)) > 1:
+            raise ConfigError(f"Stream({str(self.url)!r}): set at most one of weight, repeat and samples")
+        for what in ("weight", "repeat"):
+            value = getattr(self, what)
+            if value is not None and (isinstance(value, bool) or not value >= 0 or value == float("inf")):
+                raise ConfigError(f"Stream({str(self.url)!r}): {what}={value!r} must be a finite number >= 0")
+        if self.samples is not None and (
+            isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 0
+        ):
+            raise ConfigError(f"Stream({str(self.url)!r}): samples={self.samples!r} must be an integer >= 0")
+        if self.name is not None and not isinstance(self.name, str):
+            raise ConfigError(f"Stream({str(self.url)!r}): name={self.name!r} must be a str")
+
+    def config(self, defaults: StorageConfig) -> StorageConfig:
+        """Return this stream's storage settings, the dataset's ``defaults`` filling the gaps."""
+        return StorageConfig(
+            dict(defaults.storage_options if self.storage_options is None else self.storage_options),
+            defaults.cache_dir if self.cache_dir is None else self.cache_dir,
+            defaults.cache_limit if self.cache_limit is None else self.cache_limit,
+            defaults.read_ahead if self.read_ahead is None else self.read_ahead,
+        )
+
+
+#: What ``StreamingDataset`` accepts as its source: a URL, a :class:`Stream`, or a list of them.
+StreamSource = str | os.PathLike[str] | Stream | Sequence[str | os.PathLike[str] | Stream]
+
+
+def _as_streams(source: Any) -> tuple[list[Stream], bool]:
+    """Return the streams of ``source`` and whether it was a plain URL (no ``__source__`` then)."""
+    if isinstance(source, (str, os.PathLike)):
+        return [Stream(source)], True
+    if isinstance(source, Stream):
+        return [source], False
+    if isinstance(source, Sequence) and not isinstance(source, (bytes, bytearray)):
+        streams = [s if isinstance(s, Stream) else Stream(s) for s in source]
+        if not streams:
+            raise ConfigError("a mixture needs at least one stream")
+        return streams, False
+    raise ConfigError(f"source={source!r} must be a URL, a Stream or a list of them")
+
+
+class Mixture:
+    """The datasets a :class:`~streamload.StreamingDataset` reads, opened once.
+
+    Picklable and small (the manifests and a few numbers); every process opens its own
+    storages and readers from it (:meth:`open_storages`, :meth:`source`).
+
+    Attributes:
+        refs: Each stream's opened dataset.
+        streams: The :class:`Stream` descriptions.
+        counts: Each stream's samples per epoch.
+        labels: Each stream's ``__source__`` value: its name, else its index (as a ``str``
+            when other streams have names, so a batch's values share one type); ``None``
+            for a dataset given as a plain URL (its samples get no ``__source__``).
+        offsets: Global number of each stream's first shard; the last entry is the total.
+        shard_counts: Samples per shard of every stream, concatenated in global numbering.
+        plain: True if the epoch is one dataset read once, in the planner's default layout.
+        fingerprint: Digest of the streams and counts (checked on resume), ``None`` if plain.
+    """
+
+    def __init__(
+        self, refs: Sequence[DatasetRef], streams: Sequence[Stream], counts: Sequence[int], url_only: bool
+    ) -> None:
+        self.refs = tuple(refs)
+        self.streams = tuple(streams)
+        self.counts = tuple(int(c) for c in counts)
+        named = any(s.name is not None for s in self.streams)
+        self.labels: tuple[int | str, ...] | None = (
+            None
+            if url_only
+            else tuple(s.name if s.name is not None else (str(i) if named else i) for i, s in enumerate(self.streams))
+        )
+        per_stream = [ref.manifest.shard_counts for ref in self.refs]
+        self.offsets = [0]
+        for counts_of in per_stream:
+            self.offsets.append(self.offsets[-1] + len(counts_of))
+        self.shard_counts = [c for counts_of in per_stream for c in counts_of]
+        self._per_stream = per_stream
+        self.plain = len(self.refs) == 1 and self.counts[0] == self.refs[0].manifest.num_samples
+        self.fingerprint = None if self.plain else mixture_fingerprint(per_stream, self.counts)
+
+    @classmethod
+    def open(cls, source: Any, epoch_size: int | None, defaults: StorageConfig) -> Mixture:
+        """Open every stream of ``source`` (read its manifest) and compute the per-epoch counts.
+
+        Raises:
+            ConfigError: If the source or a stream's share is invalid.
+            ManifestNotFoundError: If a stream's URL holds no dataset.
+        """
+        streams, url_only = _as_streams(source)
+        refs = [DatasetRef.open(str(s.url), s.config(defaults)) for s in streams]
+        sizes = [ref.manifest.num_samples for ref in refs]
+        try:
+            counts = epoch_counts(
+                sizes,
+                weights=[s.weight for s in streams],
+                repeats=[s.repeat for s in streams],
+                samples=[s.samples for s in streams],
+                epoch_size=epoch_size,
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (streams: {', '.join(str(s.url) for s in streams)})") from exc
+        names = [s.name for s in streams if s.name is not None]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"stream names must be distinct, got {names}")
+        return cls(refs, streams, counts, url_only)
+
+    @property
+    def total(self) -> int:
+        """Samples per epoch, all streams."""
+        return sum(self.counts)
+
+    def layout(self, split: Split) -> Layout | None:
+        """Return the epoch's layout for the planner (``None``: its default, one dataset once)."""
+        if self.plain:
+            return None
+        return MixLayout(self._per_stream, self.counts, split)
+
+    def open_storages(self) -> list[Storage]:
+        """Return a new storage per stream, in this process."""
+        storages: list[Storage] = []
+        try:
+            for ref in self.refs:
+                storages.append(ref.open_storage())
+        except BaseException:
+            for storage in storages:
+                storage.close()
+            raise
+        return storages
+
+    def source(self, storages: Sequence[Storage], capacities: Sequence[int]) -> MixedSource:
+        """Return this process's shard readers over ``storages`` (one per stream)."""
+        return MixedSource(self, storages, capacities)
+
+    def describe(self) -> str:
+        """Return the streams' URLs (one URL for a single dataset)."""
+        if len(self.refs) == 1:
+            return self.refs[0].url
+        return " + ".join(f"{ref.url} ({count})" for ref, count in zip(self.refs, self.counts, strict=True))
+
+
+class _Feed:
+    """An iterator that yields what is pushed into it (a run at a time, never empty when asked)."""
+
+    def __init__(self) -> None:
+        self.items: deque[Run] = deque()
+
+    def __iter__(self) -> _Feed:
+        return self
+
+    def __next__(self) -> Run:
+        return self.items.popleft()
+
+
+class _AheadSplitter:
+    """Split one plan's shard sequence into each stream's own (local numbers, repeats merged)."""
+
+    def __init__(self, ahead: Iterator[int], locate: Callable[[int], tuple[int, int]], wanted: set[int]) -> None:
+        self._ahead = ahead
+        self._locate = locate
+        self._queues: dict[int, deque[int]] = {s: deque() for s in wanted}
+        self._last: dict[int, int] = {}
+
+    def stream(self, s: int) -> Iterator[int]:
+        queue = self._queues[s]
+        while True:
+            while not queue:
+                shard = next(self._ahead, None)
+                if shard is None:
+                    return
+                owner, local = self._locate(shard)
+                if owner in self._queues and self._last.get(owner) != local:
+                    self._queues[owner].append(local)
+                    self._last[owner] = local
+            yield queue.popleft()
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What the reading loop needs to know about one global shard.
+
+    Attributes:
+        stream: The stream's index.
+        local: The shard's number within its stream.
+        entry: Its manifest entry.
+        url: The stream's URL.
+        label: The ``__source__`` value of its samples (``None``: none).
+    """
+
+    stream: int
+    local: int
+    entry: ShardEntry
+    url: str
+    label: int | str | None
+
+
+class MixedSource:
+    """One process's open shards of every stream, addressed by global shard number.
+
+    Args:
+        mixture: The streams.
+        storages: One storage per stream (:meth:`Mixture.open_storages`); closed by :meth:`close`.
+        capacities: Readers kept open per stream.
+    """
+
+    def __init__(self, mixture: Mixture, storages: Sequence[Storage], capacities: Sequence[int]) -> None:
+        self.mixture = mixture
+        self.sources = [
+            ShardSource(ref, storage, capacity)
+            for ref, storage, capacity in zip(mixture.refs, storages, capacities, strict=True)
+        ]
+        self._offsets = mixture.offsets
+        self._single = len(self.sources) == 1
+        self._info: dict[int, ShardInfo] = {}
+
+    def locate(self, shard: int) -> tuple[int, int]:
+        """Return ``(stream, shard within the stream)`` of global shard ``shard``."""
+        if self._single:
+            return 0, shard
+        s = bisect.bisect_right(self._offsets, shard) - 1
+        return s, shard - self._offsets[s]
+
+    def info(self, shard: int) -> ShardInfo:
+        """Return the stream, local number, entry, URL and label of global shard ``shard`` (cached)."""
+        info = self._info.get(shard)
+        if info is None:
+            s, local = self.locate(shard)
+            labels = self.mixture.labels
+            ref = self.mixture.refs[s]
+            info = ShardInfo(s, local, ref.manifest.shards[local], ref.url, None if labels is None else labels[s])
+            self._info[shard] = info
+        return info
+
+    def get(self, shard: int) -> ShardReader:
+        """Return the open reader of global shard ``shard``, opening it if needed."""
+        if self._single:
+            return self.sources[0].get(shard)
+        info = self._info.get(shard) or self.info(shard)
+        return self.sources[info.stream].get(info.local)
+
+    def entry(self, shard: int) -> ShardEntry:
+        """Return the manifest entry of global shard ``shard``."""
+        return self.info(shard).entry
+
+    def url(self, shard: int) -> str:
+        """Return the URL of the stream holding global shard ``shard``."""
+        return self.info(shard).url
+
+    def label(self, shard: int) -> int | str | None:
+        """Return the ``__source__`` value of global shard ``shard``'s samples (``None``: none)."""
+        return self.info(shard).label
+
+    def recover(self, shard: int, error: StreamloadError) -> ShardReader | None:
+        """Global ``shard`` read corrupt: a reader over a fresh copy, or ``None`` (see ``ShardSource.recover``)."""
+        s, local = self.locate(shard)
+        return self.sources[s].recover(local, error)
+
+    def recover_any(self, shards: Iterable[int], error: StreamloadError) -> bool:
+        """A batch over global ``shards`` read corrupt: drop their corrupt copies (see ``ShardSource.recover_any``)."""
+        by_stream: dict[int, list[int]] = {}
+        for shard in shards:
+            s, local = self.locate(shard)
+            by_stream.setdefault(s, []).append(local)
+        refetched = False
+        for s, locals_ in by_stream.items():
+            refetched = self.sources[s].recover_any(locals_, error) or refetched
+        return refetched
+
+    def read_ahead(self, runs: Iterator[Run], ahead: Iterator[int]) -> Iterator[Run]:
+        """Pass ``runs`` through, naming each remote stream's next shards to its storage's read-ahead.
+
+        ``ahead`` yields the plan's shards, one per change of shard in ``runs`` (see
+        :meth:`ShardSource.read_ahead`); it is split per stream.
+        """
+        if self._single:
+            yield from self.sources[0].read_ahead(runs, ahead)
+            return
+        remote = {s for s, src in enumerate(self.sources) if src.storage.read_ahead > 0}
+        if not remote:
+            yield from runs
+            return
+        splitter = _AheadSplitter(ahead, self.locate, remote)
+        feeds = {s: _Feed() for s in remote}
+        passes = {s: self.sources[s].read_ahead(feeds[s], splitter.stream(s)) for s in remote}
+        try:
+            for run in runs:
+                s, local = self.locate(run.shard)
+                if s in feeds:
+                    feeds[s].items.append(Run(local, run.locals, run.positions))
+                    next(passes[s])
+                yield run
+        finally:
+            for gen in passes.values():
+                if isinstance(gen, Generator):
+                    gen.close()
+
+    def close(self) -> None:
+        """Close every stream's readers and release their files (the storages stay open)."""
+        errors: list[BaseException] = []
+        for src in self.sources:
+            try:
+                src.close()
+            except BaseException as exc:  # noqa: BLE001 - close the others first
+                errors.append(exc)
+        if errors:
+            raise errors[0]

@@ -1,0 +1,142 @@
+"""Random access: ShardedDataset by index, slice and key, for every format, local and through S3.
+
+The reference is what StreamingDataset iterates (no shuffle: manifest order), so ``ds[i]``
+must be exactly the ``i``-th iterated sample, in every format and storage.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader, DistributedSampler
+
+from streamload import SampleNotFoundError, SampleView, ShardedDataset, StreamingDataset
+from streamload import access as access_module
+from streamload.cli import main
+from tests.s3server import SeaweedS3
+from tests.test_mix import write_dataset
+
+COUNTS = [6, 0, 9, 4, 7]  # 26 samples, one empty shard
+FORMATS = ["tar", "lmdb", "hdf5"]
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STREAMLOAD_CACHE", str(tmp_path / "default-cache"))
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("access")
+    return {fmt: write_dataset(str(root / fmt), fmt, COUNTS, fmt[0]) for fmt in FORMATS}
+
+
+def check_random_access(ds: ShardedDataset, url: str, **options: Any) -> None:
+    """Every index, negative index, slice and key gives the iterated sample."""
+    iterated = list(StreamingDataset(url, **options))
+    assert len(ds) == len(iterated) == sum(COUNTS)
+    assert [ds[i] for i in range(len(ds))] == iterated
+    assert ds[-1] == iterated[-1] and ds[-len(ds)] == iterated[0]
+    assert ds[np.int64(5)] == iterated[5]
+    view = ds[3:20:4]
+    assert isinstance(view, SampleView) and len(view) == 5
+    assert list(view) == iterated[3:20:4] and view[-1] == iterated[19] and list(view[1:3]) == iterated[7:12:4]
+    assert view.keys() == [s["__key__"] for s in iterated[3:20:4]]
+    assert list(ds[::-1]) == iterated[::-1] and list(ds[100:]) == []
+    for bad in (len(ds), -len(ds) - 1):
+        with pytest.raises(IndexError, match="out of range"):
+            ds[bad]
+    with pytest.raises(IndexError):
+        view[5]
+    for i in np.random.default_rng(0).permutation(len(ds)).tolist():
+        key = iterated[i]["__key__"]
+        assert ds.get(key) == iterated[i] and ds.index_of(key) == i and key in ds and ds.key_of(i) == key
+    with pytest.raises(SampleNotFoundError) as missing:
+        ds.get("no/such-key")
+    assert isinstance(missing.value, KeyError)
+    assert "'no/such-key'" in str(missing.value) and url in str(missing.value)
+    assert "no/such-key" not in ds and 5 not in ds
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_locally(local: dict[str, str], fmt: str, tmp_path: Path) -> None:
+    ds = ShardedDataset(local[fmt], cache_dir=str(tmp_path / "cache"))
+    check_random_access(ds, local[fmt])
+    index_file = ds.key_index_path()
+    assert index_file.startswith(str(tmp_path / "cache")) and os.path.exists(index_file)
+    again = ShardedDataset(local[fmt], cache_dir=str(tmp_path / "cache"))
+
+    def no_build() -> Any:
+        raise AssertionError("the key index must come from the file")
+
+    again._build_key_index = no_build  # type: ignore[method-assign]
+    key = ds.key_of(10)
+    assert again.get(key) == ds[10]
+    assert isinstance(again.key_index().table, np.memmap)
+    ds.close()
+
+
+def test_hash_collisions_are_resolved_by_the_real_key(
+    local: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(access_module, "key_hash", lambda key: 7)  # every key collides
+    ds = ShardedDataset(local["lmdb"], key_index="memory")
+    for i in (0, 13, 25):
+        assert ds.index_of(ds.key_of(i)) == i
+    with pytest.raises(SampleNotFoundError):
+        ds.index_of("l9_9")
+    assert not os.path.exists(ds.key_index_path())
+
+
+def test_transform_pickle_and_distributed_sampler(local: dict[str, str]) -> None:
+    ds = ShardedDataset(local["hdf5"], transform=lambda s: s["__key__"])
+    assert ds[0] == "h0_0"  # opens shards in this process before the workers fork
+    pickled = pickle.loads(pickle.dumps(ShardedDataset(local["tar"])))  # noqa: S301 - our own bytes
+    assert pickled[7]["__key__"] == "t2_1"
+    seen: Counter[str] = Counter()
+    for rank in range(2):
+        sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=1)
+        loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2)
+        seen.update(k for batch in loader for k in batch)
+    assert set(seen) == {f"h{i}_{j}" for i, n in enumerate(COUNTS) for j in range(n)}
+    assert sum(seen.values()) == 26
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_every_format_through_s3(s3_server: SeaweedS3, tmp_path: Path) -> None:
+    options = s3_server.storage_options()
+    bucket = s3_server.make_bucket()
+    for fmt in FORMATS:
+        url = write_dataset(f"s3://{bucket}/{fmt}", fmt, COUNTS, fmt[0], options)
+        cache = str(tmp_path / "cache")
+        ds = ShardedDataset(url, storage_options=options, cache_dir=cache, cache_limit="1MB")
+        check_random_access(ds, url, storage_options=options, cache_dir=cache)
+        assert ds.key_index_path().startswith(os.path.join(cache, "keys"))
+        ds.close()
+
+
+def test_show_prints_a_sample_and_writes_its_image(
+    tar_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ds = ShardedDataset(str(tar_dataset))
+    key = ds.key_of(3)
+    assert main(["show", str(tar_dataset), key, "--out", str(tmp_path / "img")]) == 0
+    out = capsys.readouterr().out
+    label = int(ds[3]["cls"])
+    assert key in out and f"label {label} ({ds.manifest.classes[label]})" in out
+    assert "jpg" in out and "x" in out and "bytes" in out
+    assert (tmp_path / "img").read_bytes() == ds[3]["jpg"]
+    assert main(["show", str(tar_dataset), "-1"]) == 0
+    assert ds.key_of(-1) in capsys.readouterr().out
+    assert main(["show", str(tar_dataset), "no-such-key"]) == 2
+    err = capsys.readouterr().err
+    assert "'no-such-key'" in err and str(tar_dataset) in err
+    assert main(["show", str(tar_dataset), "100000"]) == 2
+    assert "out of range" in capsys.readouterr().err
