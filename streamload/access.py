@@ -334,6 +334,13 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
                 if storage is not None:
                     storage.close()
 
+    def __del__(self) -> None:
+        # Shards left open by a dataset dropped without close(): their descriptors go with it.
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001, S110 - best effort at collection time
+            pass
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_storage"] = state["_readers"] = None

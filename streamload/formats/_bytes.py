@@ -46,5 +46,15 @@ class FileBytes:
         return os.preadv(self.fd, buffers, offset)
 
     def close(self) -> None:
-        """Close the descriptor."""
-        os.close(self.fd)
+        """Close the descriptor (once)."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        # A reader dropped without close() must not leak its descriptor.
+        if getattr(self, "fd", -1) >= 0:
+            try:
+                self.close()
+            except OSError:
+                pass
