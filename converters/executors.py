@@ -11,8 +11,9 @@ executor only submits those tasks and hands results back as they complete
   dies is run again elsewhere by the scheduler; tasks are also submitted with
   ``retries=`` for failures of the environment (errors of the input itself are returned
   as values and never retried).
-* ``ray`` / ``ray://HOST:PORT``: the Ray instance already initialised in this process, a
-  local one of ``--workers`` CPUs, or the cluster at that address (Ray Client). Tasks
+* ``ray`` / ``ray://HOST:PORT``: the Ray instance already initialised in this process, the
+  cluster named by ``RAY_ADDRESS``, a local one of ``--workers`` CPUs, or the cluster at
+  that address (Ray Client). Tasks
   have ``max_retries``: a task whose worker process dies is run again.
 
 Engines are imported only when chosen; they are the optional extras ``streamload[dask]``
@@ -22,6 +23,7 @@ and ``streamload[ray]``.
 from __future__ import annotations
 
 import importlib
+import os
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -151,6 +153,7 @@ class RayExecutor(Executor):
         self._owned = False
         if not ray.is_initialized():
             try:
+                address = address or os.environ.get("RAY_ADDRESS") or None
                 if address is None:
                     ray.init(
                         num_cpus=workers,

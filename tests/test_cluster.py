@@ -147,9 +147,13 @@ convert(Slow(sys.argv[1]), sys.argv[2], ConvertOptions(samples_per_shard=2, prog
 def test_resume_after_the_driver_is_killed(
     folder: Path, tmp_path: Path, dask_address: str, ray_local: str, engine: str
 ) -> None:
-    executor = dask_address if engine == "dask" else "ray"  # ray: the driver starts its own local instance
+    executor = dask_address if engine == "dask" else "ray"
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if engine == "ray":  # the driver joins the module's Ray instance (RAY_ADDRESS), which outlives it
+        import ray
+
+        env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
     proc = subprocess.Popen([sys.executable, "-c", SLOW_DRIVER, str(folder), str(out), executor], env=env)
     try:
         deadline = time.monotonic() + 120
