@@ -174,6 +174,10 @@ class TableSource(Source):
     ) -> None:
         if check not in ("decode", "header", "none"):
             raise SourceError(f"check={check!r} must be 'decode', 'header' or 'none'")
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(f"{url}: reading listing tables needs pyarrow: pip install 'streamload[table]'") from exc
         self.url = url
         self.kind = TABLE_EXTENSIONS.get(os.path.splitext(url)[1].lower(), "")
         if not self.kind:
