@@ -91,7 +91,6 @@ def throughput(images: int, work: Path) -> list[dict[str, Any]]:
 def planning(rows: int, work: Path) -> dict[str, Any]:
     import pyarrow as pa
     import pyarrow.parquet as pq
-
     from streamload.converters import TableSource
     from streamload.converters.engine import _plan
 
