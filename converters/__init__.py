@@ -1,14 +1,18 @@
-"""Converters: sources (image folders, existing datasets) and the parallel conversion engine.
+"""Converters: sources (image folders local or remote, listing tables, datasets) and the conversion engine.
 
 Installed as ``streamload.converters``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .dataset_source import DatasetSource
 from .engine import ConvertOptions, ConvertReport, convert, plan_shards
 from .imagefolder import IMAGE_EXTENSIONS, ImageFolderSource, path_to_key
+from .remote import RemoteImageFolderSource
 from .source import Item, ScanResult, Source
+from .table import TableSource, is_table
 
 __all__ = [
     "IMAGE_EXTENSIONS",
@@ -17,8 +21,10 @@ __all__ = [
     "DatasetSource",
     "ImageFolderSource",
     "Item",
+    "RemoteImageFolderSource",
     "ScanResult",
     "Source",
+    "TableSource",
     "convert",
     "open_source",
     "path_to_key",
@@ -26,22 +32,47 @@ __all__ = [
 ]
 
 
-def open_source(src: str, storage_options: dict[str, object] | None = None) -> Source:
-    """Return the source for ``src``: an existing dataset if it holds ``index.json``, else an image folder.
+def open_source(
+    src: str,
+    storage_options: dict[str, object] | None = None,
+    *,
+    check: str = "decode",
+    path_column: str = "path",
+    label_column: str = "label",
+    image_column: str | None = None,
+    keep_columns: Sequence[str] = (),
+) -> Source:
+    """Return the source for ``src``, chosen by what it is.
+
+    A Parquet, CSV or JSONL file (by extension) is a listing table (:class:`TableSource`);
+    a directory or URL holding ``index.json`` is an existing dataset; any other directory
+    or URL is an image folder (local, or listed in one pass at the URL).
 
     Raises:
         ConfigError: If ``src`` is empty.
         SourceError: If a local ``src`` is not a readable folder.
     """
-    from streamload._errors import ConfigError
+    import os
+
+    from streamload._errors import ConfigError, StreamloadError
     from streamload.storage import is_local, local_path_of
+    from streamload.storage.filesystems import open_filesystem
 
     if not src or (is_local(src) and not local_path_of(src)):
         raise ConfigError(f"the source {src!r} names no folder or dataset")
+    options = dict(storage_options or {})
+    if is_table(src):
+        url = os.path.abspath(local_path_of(src)) if is_local(src) else src
+        return TableSource(url, path_column, label_column, image_column, keep_columns, options, check)
     if is_local(src):
-        import os
-
         if os.path.isfile(os.path.join(local_path_of(src), "index.json")):
-            return DatasetSource(src, storage_options)
-        return ImageFolderSource(local_path_of(src))
-    return DatasetSource(src, storage_options)
+            return DatasetSource(src, options)
+        return ImageFolderSource(local_path_of(src), check)
+    try:
+        fs, root = open_filesystem(src, options)
+        has_manifest = fs.exists(f"{str(root).rstrip('/')}/index.json")
+    except (StreamloadError, OSError, ValueError):
+        has_manifest = True  # the dataset reader names what is wrong
+    if has_manifest:
+        return DatasetSource(src, options)
+    return RemoteImageFolderSource(src, options, check)

@@ -17,6 +17,7 @@ checked unique over the whole scan. After a failure no staged file is left behin
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import re
@@ -39,14 +40,16 @@ from streamload._errors import (
 )
 from streamload._units import parse_bytes
 from streamload.formats import Format, check_sample, get_format
-from streamload.manifest import HASH_ALGORITHMS, Manifest, SkippedInput
-from streamload.storage import Destination, is_local, local_path_of, open_destination
+from streamload.manifest import HASH_ALGORITHMS, MANIFEST_NAME, Manifest, SkippedInput
+from streamload.storage import Destination, LocalDestination, is_local, local_path_of, open_destination
 from streamload.writer import ShardResult, publish_manifest, write_shard
 
 from .dataset_source import DatasetSource
+from .executors import Failed, open_executor, parse_executor
 from .imagefolder import ImageFolderSource
-from .journal import Journal, plan_fingerprint
+from .journal import JOB_NAME, Journal, plan_fingerprint
 from .source import Item, Source, printable
+from .table import RowItems
 
 __all__ = ["ConvertOptions", "ConvertReport", "convert", "plan_shards"]
 
@@ -73,6 +76,10 @@ class ConvertOptions:
         storage_options: fsspec options for a remote destination.
         resume: Finish an interrupted conversion, reusing the shards it published.
         overwrite: Replace a dataset or an interrupted conversion at the destination.
+        executor: Where shard tasks run: ``"local"`` (a process pool of ``workers``),
+            ``"dask"`` / ``"dask://HOST:PORT"``, ``"ray"`` / ``"ray://HOST:PORT"``
+            (see :mod:`.executors`). The output is the same for every executor.
+        append: Add the source's samples as new shards to the dataset at the destination.
     """
 
     format: str = "tar"
@@ -87,6 +94,8 @@ class ConvertOptions:
     storage_options: dict[str, Any] = field(default_factory=dict)
     resume: bool = False
     overwrite: bool = False
+    executor: str = "local"
+    append: bool = False
 
     def validate(self) -> None:
         """Raise :class:`~streamload.ConfigError` for impossible values."""
@@ -106,6 +115,9 @@ class ConvertOptions:
         if self.hash_algorithm not in HASH_ALGORITHMS:
             raise ConfigError(f"hash_algorithm={self.hash_algorithm!r} must be one of {HASH_ALGORITHMS}")
         get_format(self.format)
+        parse_executor(self.executor)
+        if self.append and self.overwrite:
+            raise ConfigError("append and overwrite exclude each other: --append keeps the dataset it adds to")
 
     def max_shard_bytes(self) -> int | None:
         """Return ``shard_bytes`` as a number of bytes (``None``: no byte limit).
@@ -172,21 +184,25 @@ def plan_shards(items: Sequence[Item], max_bytes: int | None, max_samples: int |
     A shard holds at most ``max_samples`` items (if given), else at most ``max_bytes``
     payload bytes; an item larger than ``max_bytes`` gets a shard alone.
     """
-    shards: list[list[Item]] = []
-    current: list[Item] = []
+    cuts = _cuts([item.nbytes for item in items], max_bytes, max_samples)
+    return [list(items[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+def _cuts(sizes: Sequence[int] | np.ndarray[Any, Any], max_bytes: int | None, max_samples: int | None) -> list[int]:
+    """Return the shard boundaries (``0``, ..., ``len(sizes)``) of :func:`plan_shards`."""
+    n = len(sizes)
+    if max_samples is not None:
+        return [*range(0, n, max_samples), n] if n else [0]
+    cuts = [0]
     size = 0
-    for item in items:
-        full = (max_samples is not None and len(current) >= max_samples) or (
-            max_samples is None and max_bytes is not None and current and size + item.nbytes > max_bytes
-        )
-        if full:
-            shards.append(current)
-            current, size = [], 0
-        current.append(item)
-        size += item.nbytes
-    if current:
-        shards.append(current)
-    return shards
+    for i, nbytes in enumerate(sizes):
+        if max_bytes is not None and i > cuts[-1] and size + nbytes > max_bytes:
+            cuts.append(i)
+            size = 0
+        size += nbytes
+    if n:
+        cuts.append(n)
+    return cuts
 
 
 # -- the worker side -------------------------------------------------------------
@@ -207,11 +223,40 @@ def _init_worker(source: Source, fmt: Format, dest: Destination, options: Conver
             os._exit(1)
 
 
-def _write_task(task: tuple[int, list[Item]]) -> ShardResult:
+def _write_task(task: tuple[int, Sequence[Item]]) -> ShardResult:
+    return _write(_STATE["source"], _STATE["fmt"], _STATE["dest"], _STATE["options"], task)
+
+
+@dataclass
+class ShardJob:
+    """A whole-shard task as sent to a Dask or Ray worker: it writes straight to the destination.
+
+    Calling it with ``(index, items)`` writes shard ``index`` and returns its
+    :class:`~streamload.writer.ShardResult`, or :class:`~.executors.Failed` for an error
+    of the input (returned, not raised, so the engine does not retry it).
+    """
+
+    source: Source
+    format: str
+    dst: str
+    storage_options: dict[str, Any]
+    options: ConvertOptions
+
+    def __call__(self, task: tuple[int, Sequence[Item]]) -> ShardResult | Failed:
+        dest = open_destination(self.dst, self.storage_options)
+        try:
+            return _write(self.source, get_format(self.format), dest, self.options, task)
+        except StreamloadError as exc:
+            return Failed(exc)
+        finally:
+            if not isinstance(dest, LocalDestination):
+                dest.close()  # its local staging folder
+
+
+def _write(
+    source: Source, fmt: Format, dest: Destination, options: ConvertOptions, task: tuple[int, Sequence[Item]]
+) -> ShardResult:
     index, items = task
-    source: Source = _STATE["source"]
-    options: ConvertOptions = _STATE["options"]
-    fmt: Format = _STATE["fmt"]
     skipped: list[SkippedInput] = []
 
     def samples() -> Iterator[dict[str, Any]]:
@@ -228,7 +273,7 @@ def _write_task(task: tuple[int, list[Item]]) -> ShardResult:
                 continue
             yield sample
 
-    result = write_shard(fmt, _STATE["dest"], fmt.shard_name(index), samples(), options.hash_algorithm)
+    result = write_shard(fmt, dest, fmt.shard_name(index), samples(), options.hash_algorithm)
     result.skipped = skipped
     return result
 
@@ -296,19 +341,28 @@ def _convert_locked(
     check_lock: Callable[[], None],
 ) -> ConvertReport:
     """The conversion proper, with the destination locked."""
+    base, offset = _append_base(dest, dst, fmt, options) if options.append else (None, 0)
     scan = source.scan()
     items, clashes = _unique_keys(source, scan.items)
+    if base is not None:
+        _check_appendable(source, base, dst, options)
+        items, present = _drop_present(source, items, _keys_of(dst, options), dst)
+        clashes += present
     problems = [*scan.problems, *clashes]
     if problems and options.on_error == "raise":
         first = problems[0]
         raise SourceError(f"{printable(source.describe())}/{first.path}: {first.error} (use on_error='skip' to go on)")
     if not items:
         raise SourceError(f"{printable(source.describe())}: nothing to convert: no readable input was found")
-    tasks = _plan(items, options)
+    tasks = [(offset + index, shard) for index, shard in _plan(items, options)]
     names = [fmt.shard_name(index) for index, _ in tasks]
     sidecars = [fmt.sidecar_name(name) or name + ".idx" for name in names]
-    fingerprint = plan_fingerprint(_job(source, options), tasks)
-    journal = Journal(dest, fingerprint, names, [*names, *sidecars])
+    job = _job(source, options)
+    if base is not None:
+        job["append_to"] = {"shards": offset, "plan": base.meta.get("converter", {}).get("plan")}
+    fingerprint = plan_fingerprint(job, tasks)
+    extra = {"base_shards": offset} if base is not None else None
+    journal = Journal(dest, fingerprint, names, [*names, *sidecars], append=base is not None, extra=extra)
     state = journal.open(options.resume, options.overwrite, options.hash_algorithm)
     if state.complete is not None:
         journal.finish()
@@ -318,7 +372,7 @@ def _convert_locked(
     todo = [task for task in tasks if fmt.shard_name(task[0]) not in done]
     bar = _Progress(len(items), options.progress)
     bar.update(sum(r.entry.num_samples + len(r.skipped) for r in done.values()), 0)
-    running = _run_tasks(todo, source, fmt, dest, options)
+    running = _run_tasks(todo, source, fmt, dest, options, dst)
     try:
         for result in running:
             journal.record(result)
@@ -339,13 +393,128 @@ def _convert_locked(
         raise
     finally:
         bar.close()
+    dest.clean_staging()  # what a worker killed mid-shard staged (its task ran again elsewhere)
     ordered = [results[name] for name in names]
     manifest = _manifest(source, fmt, options, ordered, problems, fingerprint)
+    if base is not None:
+        manifest = _appended(base, offset, manifest, source, fingerprint, dst)
     check_lock()  # a writer that lost its lock never publishes
     publish_manifest(dest, manifest)
     journal.finish()
     payload = sum(r.payload_bytes for r in ordered)
     return ConvertReport(manifest, 0.0, payload, scan.ignored, resumed=len(done))
+
+
+# -- appending ---------------------------------------------------------------------------
+
+
+def _append_base(dest: Destination, dst: str, fmt: Format, options: ConvertOptions) -> tuple[Manifest, int]:
+    """Return the dataset an append adds to and how many of its shards are the base.
+
+    After an append that was published but not finished (killed before its journal was
+    removed), the base is the dataset before it (the journal's ``base_shards``).
+    """
+    if dest.exists(MANIFEST_NAME) is None:
+        raise ConfigError(f"{dst}: --append needs an existing dataset there (no index.json); convert without --append")
+    try:
+        manifest = Manifest.loads(dest.read_bytes(MANIFEST_NAME), f"{dst}/{MANIFEST_NAME}")
+    except (StreamloadError, ValueError) as exc:
+        raise ConfigError(f"{dst}/{MANIFEST_NAME}: not a streamload dataset to append to ({exc})") from exc
+    if "indexed_by" in manifest.meta:
+        raise ConfigError(f"{dst}: its shards were written by another tool (streamload index); --append refuses them")
+    if manifest.format != fmt.name:
+        raise ConfigError(
+            f"{dst} holds {manifest.format} shards: --append writes the same format (use --format {manifest.format})"
+        )
+    if manifest.hash_algorithm is not None and manifest.hash_algorithm != options.hash_algorithm:
+        algorithm = manifest.hash_algorithm
+        raise ConfigError(f"{dst} uses the {algorithm} hash: append with --hash {algorithm}")
+    offset = len(manifest.shards)
+    if dest.exists(JOB_NAME) is not None:
+        try:
+            job = json.loads(dest.read_bytes(JOB_NAME))
+        except ValueError:
+            job = {}
+        base = job.get("base_shards") if isinstance(job, dict) else None
+        if isinstance(base, int) and 0 <= base <= offset:
+            offset = base
+    return manifest, offset
+
+
+def _check_appendable(source: Source, base: Manifest, dst: str, options: ConvertOptions) -> None:
+    """Refuse an append whose labels would mean other classes than the dataset's."""
+    if list(source.classes) != list(base.classes) and (source.classes or base.classes):
+        raise ConfigError(
+            f"{printable(source.describe())} has classes {_few(source.classes)} but {dst} has {_few(base.classes)}: "
+            "appended labels would name other classes"
+        )
+
+
+def _few(names: Sequence[str]) -> str:
+    return "[" + ", ".join(map(repr, names[:5])) + (", ...]" if len(names) > 5 else "]") if names else "none"
+
+
+def _keys_of(dst: str, options: ConvertOptions) -> set[str]:
+    """The keys of the dataset at ``dst`` (from its shards' indexes)."""
+    existing = DatasetSource(dst, options.storage_options)
+    try:
+        scan = existing.scan()
+    finally:
+        existing.close()
+    if scan.problems:
+        first = scan.problems[0]
+        raise ConfigError(f"{dst}/{first.path}: {first.error}: cannot check the appended keys against it")
+    return {item.key for item in scan.items}
+
+
+def _drop_present(
+    source: Source, items: Sequence[Item], present: set[str], dst: str
+) -> tuple[Sequence[Item], list[SkippedInput]]:
+    """Keep the items whose keys are not in the dataset yet; the others are problems."""
+    keep = [item.key not in present for item in items]
+    problems = [
+        SkippedInput(printable(source.origin(item)), f"its key {printable(item.key)!r} is already in {dst}")
+        for item, k in zip(items, keep, strict=True)
+        if not k
+    ]
+    if all(keep):
+        return items, problems
+    if isinstance(items, RowItems):
+        return items.take(np.flatnonzero(np.array(keep, dtype=bool))), problems
+    return [item for item, k in zip(items, keep, strict=True) if k], problems
+
+
+def _appended(base: Manifest, offset: int, new: Manifest, source: Source, fingerprint: str, dst: str) -> Manifest:
+    """The base dataset's manifest with the new shards after its own, and the append recorded in ``meta``."""
+    if base.fields and set(new.fields) != set(base.fields):
+        raise ConfigError(
+            f"{dst} has fields {', '.join(base.fields)}; the appended samples have {', '.join(new.fields)}: "
+            "an appended dataset keeps the same fields (nothing was published; the new shards stay for --overwrite)"
+        )
+    meta = dict(base.meta)
+    appends = list(meta.get("appends") or [])
+    appends.append(
+        {
+            "source": printable(source.describe()),
+            "shards": len(new.shards),
+            "samples": new.num_samples,
+            "first_shard": new.shards[0].name if new.shards else None,
+            "plan": fingerprint,
+        }
+    )
+    meta["appends"] = appends
+    converter = dict(meta.get("converter") or {})
+    converter["plan"] = fingerprint  # what --resume compares: the latest job on this dataset
+    meta["converter"] = converter
+    return Manifest(
+        format=base.format,
+        shards=(*base.shards[:offset], *new.shards),
+        fields=tuple(sorted(set(base.fields) | set(new.fields))),
+        classes=base.classes or new.classes,
+        hash_algorithm=base.hash_algorithm,
+        skipped=(*base.skipped, *new.skipped),
+        meta=meta,
+    )
 
 
 def _stop(running: Iterator[ShardResult], dest: Destination) -> None:
@@ -356,8 +525,10 @@ def _stop(running: Iterator[ShardResult], dest: Destination) -> None:
     dest.clean_staging()
 
 
-def _unique_keys(source: Source, items: Sequence[Item]) -> tuple[list[Item], list[SkippedInput]]:
+def _unique_keys(source: Source, items: Sequence[Item]) -> tuple[Sequence[Item], list[SkippedInput]]:
     """Keep the items whose keys are valid and unique; the others are problems naming both inputs."""
+    if isinstance(items, RowItems):  # keys made from distinct row numbers: valid and unique by construction
+        return items, []
     first: dict[str, Item] = {}
     out: list[Item] = []
     problems: list[SkippedInput] = []
@@ -454,8 +625,16 @@ def _within(path: str, root: str) -> bool:
         current = parent
 
 
-def _plan(scanned: Sequence[Item], options: ConvertOptions) -> list[tuple[int, list[Item]]]:
+def _plan(scanned: Sequence[Item], options: ConvertOptions) -> list[tuple[int, Sequence[Item]]]:
     """Order the items (seeded shuffle) and cut them into numbered shards."""
+    if isinstance(scanned, RowItems):  # a table's rows: arrays all along, never one object per row
+        rows = scanned
+        if options.shuffle:
+            rows = rows.take(np.random.default_rng(options.seed).permutation(len(rows)))
+        limit = None if options.samples_per_shard is not None else options.max_shard_bytes()
+        sizes = rows.nbytes.tolist() if options.samples_per_shard is None else rows.rows  # only its length counts
+        cuts = _cuts(sizes, limit, options.samples_per_shard)
+        return [(i, rows[a:b]) for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False))]
     items = list(scanned)
     if options.shuffle:
         order = np.random.default_rng(options.seed).permutation(len(items))
@@ -479,8 +658,16 @@ def _job(source: Source, options: ConvertOptions) -> dict[str, Any]:
 
 
 def _run_tasks(
-    tasks: list[tuple[int, list[Item]]], source: Source, fmt: Format, dest: Destination, options: ConvertOptions
+    tasks: list[tuple[int, Sequence[Item]]],
+    source: Source,
+    fmt: Format,
+    dest: Destination,
+    options: ConvertOptions,
+    dst: str,
 ) -> Iterator[ShardResult]:
+    if parse_executor(options.executor)[0] != "local":
+        yield from _run_elsewhere(tasks, source, fmt, dest, options, dst)
+        return
     workers = min(options.workers, max(1, len(tasks)))
     if workers == 1:
         _init_worker(source, fmt, dest, options)
@@ -497,6 +684,37 @@ def _run_tasks(
         raise ConfigError(f"cannot start {workers} conversion processes ({exc}); use fewer --workers") from exc
     with pool:
         yield from pool.imap(_write_task, tasks)
+
+
+def _run_elsewhere(
+    tasks: list[tuple[int, Sequence[Item]]],
+    source: Source,
+    fmt: Format,
+    dest: Destination,
+    options: ConvertOptions,
+    dst: str,
+) -> Iterator[ShardResult]:
+    """Run the tasks on Dask or Ray: each writes its shard straight to ``dst``; check each shard's size here."""
+    if not tasks:
+        return
+    executor = open_executor(options.executor, options.workers)
+    assert executor is not None
+    where = os.path.abspath(local_path_of(dst)) if is_local(dst) else dst  # workers may have another cwd
+    job = ShardJob(source, fmt.name, where, dict(options.storage_options), options)
+    try:
+        for result in executor.run(job, tasks):
+            if isinstance(result, Failed):
+                raise result.error
+            assert isinstance(result, ShardResult)
+            for entry in (result.entry, result.entry.sidecar):
+                if entry is not None and dest.exists(entry.name) != entry.num_bytes:
+                    raise StorageError(
+                        f"{dst}/{entry.name}: the {executor.name} task reported {entry.num_bytes} bytes, "
+                        f"the destination holds {dest.exists(entry.name)}: is DST shared with the workers?"
+                    )
+            yield result
+    finally:
+        executor.close()
 
 
 def _manifest(

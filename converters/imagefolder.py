@@ -22,10 +22,11 @@ What the scan does with unusual entries:
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -308,7 +309,7 @@ def _chain(path: str) -> frozenset[tuple[int, int]]:
         current = parent
 
 
-def _assign_keys(items: list[ImageItem]) -> list[Item]:
+def _assign_keys(items: Sequence[ImageItem]) -> list[Item]:
     """Give each item its key; stems shared by several files get ``~ext`` suffixes.
 
     The suffix is the lower-case extension, unless two files of the group share it
@@ -324,7 +325,7 @@ def _assign_keys(items: list[ImageItem]) -> list[Item]:
         if len(exts) > 1:
             ext = item.relpath.rpartition(".")[2].lower()
             key = path_to_key(item.relpath, disambiguate=True, exact_extension=exts.count(ext) > 1)
-        out.append(ImageItem(key=key, nbytes=item.nbytes, relpath=item.relpath, label=item.label))
+        out.append(dataclasses.replace(item, key=key))
     return out
 
 

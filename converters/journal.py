@@ -57,6 +57,10 @@ def plan_fingerprint(job: dict[str, Any], tasks: Sequence[tuple[int, Sequence[It
     h = hashlib.sha256(json.dumps(job, sort_keys=True).encode())
     for index, items in tasks:
         h.update(f"\n#{index}".encode())
+        compact = getattr(items, "fingerprint_bytes", None)
+        if compact is not None:  # a table's rows (RowItems): their arrays, not one JSON per row
+            h.update(compact())
+            continue
         for item in items:
             # surrogateescape: file names that are not UTF-8 reach here as lone surrogates
             h.update(json.dumps(asdict(item), sort_keys=True, ensure_ascii=False).encode("utf-8", "surrogateescape"))
@@ -153,13 +157,23 @@ class Journal:
     """
 
     def __init__(
-        self, dest: Destination, fingerprint: str, shard_names: Sequence[str], outputs: Iterable[str] | None = None
+        self,
+        dest: Destination,
+        fingerprint: str,
+        shard_names: Sequence[str],
+        outputs: Iterable[str] | None = None,
+        *,
+        append: bool = False,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         self.dest = dest
         self.fingerprint = fingerprint
         self.shard_names = list(shard_names)
         self.outputs = sorted(set(self.shard_names) | set(outputs or ()))
         self.replaces: list[str] = []
+        #: Adding shards to the dataset there: its index.json is kept until the new one replaces it.
+        self.append = append
+        self.extra = dict(extra or {})
 
     def open(self, resume: bool, overwrite: bool, hash_algorithm: str | None) -> JournalState:
         """Start (or resume) the job; return what can be reused.
@@ -215,11 +229,16 @@ class Journal:
                 # went missing since (then the journal finishes the job like any other).
                 if plan_of(manifest) == self.fingerprint and self._missing(manifest) is None:
                     return JournalState(complete=manifest)
-                self.dest.remove(MANIFEST_NAME)  # or the dataset this job replaces (its files are in `replaces`)
+                if not self.append:  # an append keeps the dataset it adds to readable meanwhile
+                    self.dest.remove(MANIFEST_NAME)  # or the dataset this job replaces (its files are in `replaces`)
             self.dest.clean_staging()
             reusable = self._reusable(hash_algorithm)
             self._write_job()
             return JournalState(reusable)
+        if self.append and manifest is not None and manifest_is_ours and plan_of(manifest) != self.fingerprint:
+            self.dest.clean_staging()
+            self._write_job()
+            return JournalState()
         if manifest is not None:
             if not manifest_is_ours:
                 pass  # an index of files other tools wrote: only --overwrite may replace it
@@ -307,6 +326,7 @@ class Journal:
             "shards": len(self.shard_names),
             "outputs": self.outputs,
             "replaces": self.replaces,
+            **self.extra,
         }
         return json.dumps(job, sort_keys=True).encode()
 

@@ -34,13 +34,25 @@ def build_parser() -> argparse.ArgumentParser:
         "nor inside an image-folder SRC. One conversion at a time per DST: another one fails at once, naming "
         "the first (the lock is .streamload-lock in a directory, _streamload-lock.json under a URL prefix).",
     )
-    p.add_argument("src", help="image folder (ROOT/<class>/<image>) or existing dataset (dir or URL)")
+    p.add_argument(
+        "src",
+        help="image folder (ROOT/<class>/<image>, a directory or any fsspec URL), existing dataset (dir or URL), "
+        "or listing table (.parquet, .csv, .jsonl)",
+    )
     p.add_argument("dst", help="output directory or fsspec URL (s3://bucket/prefix, ...)")
-    p.add_argument("--format", "-f", default="tar", help="shard format: tar, lmdb or hdf5 (default: tar)")
+    p.add_argument(
+        "--format", "-f", help="shard format: tar, lmdb or hdf5 (default: tar; with --append: the dataset's)"
+    )
     size = p.add_mutually_exclusive_group()
     size.add_argument("--shard-size", default="128MB", help="payload bytes per shard (default: 128MB)")
     size.add_argument("--samples-per-shard", type=int, help="samples per shard (instead of --shard-size)")
     p.add_argument("--workers", "-j", type=int, default=1, help="conversion processes, 1 to 1024 (output is identical)")
+    p.add_argument(
+        "--executor",
+        default="local",
+        help="where shard tasks run: local (a process pool, default), dask, dask://HOST:PORT, ray, ray://HOST:PORT; "
+        "the output is identical",
+    )
     p.add_argument("--shuffle", action="store_true", help="shuffle the sample order before sharding")
     p.add_argument("--seed", type=int, default=0, help="seed for --shuffle (default: 0)")
     p.add_argument(
@@ -56,6 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
         default="decode",
         help="how image inputs are checked (default: decode at reduced size)",
     )
+    table = p.add_argument_group("listing tables (SRC is .parquet, .csv or .jsonl)")
+    table.add_argument("--path-column", default="path", help="column of image paths or URLs (default: path)")
+    table.add_argument(
+        "--label-column",
+        default="label",
+        help="column of labels: class indices, or class names (sorted into indices); '' for none (default: label)",
+    )
+    table.add_argument(
+        "--image-column",
+        help="column of embedded image bytes ({bytes, path} struct or binary; found automatically in Parquet)",
+    )
+    table.add_argument("--keep-columns", default="", help="comma-separated columns kept in each sample's json field")
     again = p.add_mutually_exclusive_group()
     again.add_argument(
         "--resume",
@@ -68,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="replace a dataset or interrupted conversion at DST; files streamload did not write are kept, "
         "never replaced",
+    )
+    again.add_argument(
+        "--append",
+        action="store_true",
+        help="add SRC's samples as new shards to the dataset at DST (same format and fields; a key already there "
+        "is an error, or skipped with --on-error skip); index.json is replaced atomically",
     )
     prog = p.add_mutually_exclusive_group()
     prog.add_argument("--progress", dest="progress", action="store_true", default=None, help="force a progress bar")
@@ -136,10 +166,14 @@ def _version() -> str:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from streamload.converters import ConvertOptions, ImageFolderSource, convert, open_source
+    from streamload.converters import ConvertOptions, convert, open_source
 
+    storage_options = parse_storage_options(args.storage_option)
+    fmt = args.format
+    if fmt is None:
+        fmt = _load_manifest(args.dst, storage_options).format if args.append else "tar"
     options = ConvertOptions(
-        format=args.format,
+        format=fmt,
         shard_bytes=None if args.samples_per_shard else args.shard_size,
         samples_per_shard=args.samples_per_shard,
         workers=args.workers,
@@ -148,14 +182,22 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         on_error=args.on_error,
         hash_algorithm=args.hash,
         progress=args.progress,
-        storage_options=parse_storage_options(args.storage_option),
+        storage_options=storage_options,
         resume=args.resume,
         overwrite=args.overwrite,
+        executor=args.executor,
+        append=args.append,
     )
     try:
-        source = open_source(args.src, options.storage_options)
-        if isinstance(source, ImageFolderSource):
-            source.check = args.check
+        source = open_source(
+            args.src,
+            options.storage_options,
+            check=args.check,
+            path_column=args.path_column,
+            label_column=args.label_column,
+            image_column=args.image_column,
+            keep_columns=[c.strip() for c in args.keep_columns.split(",") if c.strip()],
+        )
         report = convert(source, args.dst, options)
     except StreamloadError:
         raise
@@ -186,6 +228,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
             "classes": list(manifest.classes),
             "hash": manifest.hash_algorithm,
             "skipped": len(manifest.skipped),
+            "appends": len(manifest.meta.get("appends") or []),
         }
         print(json.dumps(summary, indent=1))
         return 0
@@ -200,6 +243,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
     print(f"classes   {len(manifest.classes)}: {classes or '-'}")
     print(f"hash      {manifest.hash_algorithm or 'none'}")
     print(f"skipped   {len(manifest.skipped)} inputs at conversion")
+    appends = manifest.meta.get("appends") or []
+    print(f"appends   {len(appends)}" + (f" (last: {appends[-1].get('source')})" if appends else ""))
     return 0
 
 

@@ -1,0 +1,174 @@
+"""Conversion at scale: executors, a bucket as source, planning a huge listing, listing a big prefix.
+
+Three figures (each can be run alone):
+
+    throughput   images/s and MB/s converting a synthetic folder, from local disk and from a
+                 bucket (SeaweedFS on loopback, started here), with the local, dask and ray
+                 executors at 1 and 2 processes (tar shards to local disk)
+    planning     driver memory (peak RSS growth) and time to scan and plan a Parquet listing
+                 of N rows of paths (no image is read: the plan only)
+    listing      time to list a bucket prefix of M tiny objects in one recursive listing
+
+    python benchmarks/bench_convert.py throughput --images 2000
+    python benchmarks/bench_convert.py planning --rows 10000000
+    python benchmarks/bench_convert.py listing --objects 100000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from streamload.converters import ConvertOptions, ImageFolderSource, RemoteImageFolderSource, convert  # noqa: E402
+
+from streamload.synthetic import make_image_folder  # noqa: E402
+from tests.s3server import SeaweedS3  # noqa: E402
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def throughput(images: int, work: Path) -> list[dict[str, Any]]:
+    folder = work / "images"
+    make_image_folder(str(folder), num_classes=10, per_class=images // 10, size=(128, 96), seed=0)
+    server = SeaweedS3(work / "s3")
+    server.start()
+    rows: list[dict[str, Any]] = []
+    try:
+        so = server.storage_options()
+        bucket = server.make_bucket()
+        fs = server.filesystem()
+        fs.put(str(folder) + "/", f"{bucket}/images/", recursive=True)
+        sources = {
+            "local folder": lambda: ImageFolderSource(str(folder)),
+            "bucket": lambda: RemoteImageFolderSource(f"s3://{bucket}/images", so),
+        }
+        for name, make in sources.items():
+            for executor in ("local", "dask", "ray"):
+                for workers in (1, 2):
+                    out = work / f"out-{executor}-{workers}"
+                    shutil.rmtree(out, ignore_errors=True)
+                    started = time.perf_counter()
+                    report = convert(
+                        make(),
+                        str(out),
+                        ConvertOptions(
+                            shard_bytes="4MB", workers=workers, executor=executor, progress=False, storage_options=so
+                        ),
+                    )
+                    seconds = time.perf_counter() - started  # engine start-up included
+                    m = report.manifest
+                    rows.append(
+                        {
+                            "source": name,
+                            "executor": executor,
+                            "processes": workers,
+                            "images": m.num_samples,
+                            "seconds": round(seconds, 2),
+                            "images_per_s": round(m.num_samples / seconds),
+                            "MB_per_s": round(report.payload_bytes / seconds / 1e6, 1),
+                        }
+                    )
+                    print(rows[-1], flush=True)
+    finally:
+        server.stop()
+    return rows
+
+
+def planning(rows: int, work: Path) -> dict[str, Any]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from streamload.converters import TableSource
+    from streamload.converters.engine import _plan
+
+    path = work / "listing.parquet"
+    writer = pq.ParquetWriter(path, pa.schema([("path", pa.string()), ("label", pa.int64())]))
+    step = 1_000_000
+    for start in range(0, rows, step):
+        n = min(step, rows - start)
+        paths = pa.array([f"images/{i // 1000:05d}/{i:09d}.jpg" for i in range(start, start + n)])
+        writer.write_table(pa.table({"path": paths, "label": pa.array([i % 1000 for i in range(start, start + n)])}))
+    writer.close()
+    before = _rss_mb()
+    started = time.perf_counter()
+    source = TableSource(str(path))
+    scan = source.scan()
+    scanned = time.perf_counter()
+    tasks = _plan(scan.items, ConvertOptions(samples_per_shard=1000))
+    planned = time.perf_counter()
+    result = {
+        "rows": rows,
+        "shards": len(tasks),
+        "scan_s": round(scanned - started, 1),
+        "plan_s": round(planned - scanned, 2),
+        "peak_rss_growth_MB": round(_rss_mb() - before),
+        "bytes_per_row_kept": 24,
+    }
+    print(result, flush=True)
+    return result
+
+
+def listing(objects: int, work: Path) -> dict[str, Any]:
+    server = SeaweedS3(work / "s3")
+    server.start()
+    try:
+        bucket = server.make_bucket()
+        fs = server.filesystem()
+        started = time.perf_counter()
+
+        def put(i: int) -> None:
+            fs.pipe_file(f"{bucket}/images/class_{i % 10:02d}/{i:07d}.jpg", b"x")
+
+        with ThreadPoolExecutor(64) as pool:
+            list(pool.map(put, range(objects)))
+        created = time.perf_counter() - started
+        started = time.perf_counter()
+        source = RemoteImageFolderSource(f"s3://{bucket}/images", server.storage_options(), check="none")
+        items = source.scan().items
+        listed = time.perf_counter() - started
+    finally:
+        server.stop()
+    result = {"objects": objects, "items": len(items), "put_s": round(created, 1), "list_s": round(listed, 2)}
+    print(result, flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("figure", choices=("throughput", "planning", "listing"))
+    parser.add_argument("--images", type=int, default=2000)
+    parser.add_argument("--rows", type=int, default=10_000_000)
+    parser.add_argument("--objects", type=int, default=100_000)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-convert-"))
+    try:
+        if args.figure == "throughput":
+            result: Any = throughput(args.images, work)
+        elif args.figure == "planning":
+            result = planning(args.rows, work)
+        else:
+            result = listing(args.objects, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    load = os.getloadavg()
+    print(f"load average: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"result": result, "load": load}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

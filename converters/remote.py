@@ -1,0 +1,173 @@
+"""Reading inputs at fsspec URLs: the image folder in a bucket, and the objects a listing table names.
+
+A remote image folder is listed with the filesystem's recursive listing in one pass
+(:meth:`fsspec.AbstractFileSystem.find` with ``detail=True``: one paged ``LIST`` on S3,
+never one request per file); each item carries its object's path and size, and the
+conversion task that writes the shard reads the object (retried like every other remote
+read, see :mod:`streamload.storage.retry`).
+
+The layout and keys are the local image folder's (:mod:`.imagefolder`): ``ROOT/<class>/...``,
+classes sorted, images ordered like the local walk (a folder's files by name, then its
+sub-folders), so a folder uploaded to a bucket converts to the same shards as the local
+copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from streamload._errors import ConfigError, ShardNotFoundError, SourceError, StreamloadError
+from streamload.manifest import SkippedInput
+from streamload.storage.filesystems import open_filesystem
+from streamload.storage.retry import RetryPolicy, retry_call
+from streamload.storage.transport import translate_error
+
+from .imagefolder import IMAGE_EXTENSIONS, ImageItem, _assign_keys, _check_image, _escape_folder
+from .source import Item, ScanResult, Source, printable
+
+__all__ = ["RemoteImageFolderSource", "RemoteImageItem", "read_url"]
+
+
+def read_url(url: str, storage_options: Mapping[str, Any] | None = None, retry: RetryPolicy | None = None) -> bytes:
+    """Return the bytes of the object at ``url`` (retried on transient errors).
+
+    Raises:
+        SourceError: Naming the URL, if it does not exist or cannot be read.
+    """
+    try:
+        fs, path = open_filesystem(url, storage_options)
+    except ConfigError as exc:
+        raise SourceError(f"{url}: {exc}") from exc
+    try:
+        data = retry_call(lambda: fs.cat_file(path), retry or RetryPolicy(), f"GET {url}")
+    except Exception as exc:
+        err = translate_error(exc, url, "read")
+        if isinstance(err, ShardNotFoundError):
+            raise SourceError(f"{url}: does not exist (404)") from exc
+        raise SourceError(f"{url}: cannot read: {err}") from exc
+    if not isinstance(data, bytes):
+        raise SourceError(f"{url}: cannot read: the filesystem returned {type(data).__name__}")
+    return data
+
+
+def list_tree(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[str, dict[str, int]]:
+    """Return ``(root path, {path below root: size})`` of every object under ``url``, in one listing.
+
+    Raises:
+        SourceError: Naming the URL, if it cannot be listed.
+    """
+    try:
+        fs, root = open_filesystem(url, storage_options)
+    except ConfigError as exc:
+        raise SourceError(f"{url}: {exc}") from exc
+    root = root.rstrip("/")
+    try:
+        found = retry_call(lambda: fs.find(root, detail=True, withdirs=False), RetryPolicy(), f"LIST {url}")
+    except Exception as exc:
+        raise SourceError(f"{url}: cannot list: {translate_error(exc, url, 'list')}") from exc
+    out: dict[str, int] = {}
+    for path, info in found.items():
+        rel = str(path)[len(root) :].lstrip("/") if str(path).startswith(root) else str(path)
+        if not rel or rel.endswith("/") or info.get("type") == "directory":
+            continue
+        out[rel] = int(info.get("size") or 0)
+    return root, out
+
+
+@dataclass(frozen=True)
+class RemoteImageItem(ImageItem):
+    """One image object: its path below the root (``relpath``), its label and its size."""
+
+    size: int = 0
+
+
+def _order(relpath: str) -> tuple[tuple[int, str], ...]:
+    """Sort key that orders paths like the local walk: a folder's files by name, then its sub-folders."""
+    *folders, name = relpath.split("/")
+    return (*((1, f) for f in folders), (0, name))
+
+
+class RemoteImageFolderSource(Source):
+    """An image folder (``ROOT/<class>/<...>/<image>``) at an fsspec URL.
+
+    Args:
+        url: The folder's URL (``s3://raw/images``).
+        storage_options: fsspec options (credentials, endpoint).
+        check: How images are checked, as for :class:`~.imagefolder.ImageFolderSource`.
+
+    Raises:
+        SourceError: If the URL cannot be listed or holds no class folder.
+    """
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None, check: str = "decode") -> None:
+        if check not in ("decode", "header", "none"):
+            raise SourceError(f"check={check!r} must be 'decode', 'header' or 'none'")
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self.check = check
+        self._root, self._objects = list_tree(self.url, self.storage_options)
+        names = {rel.split("/", 1)[0] for rel in self._objects if "/" in rel}
+        self._class_names = sorted(n for n in names if not n.startswith("."))
+        self.classes = [_escape_folder(n) for n in self._class_names]
+        if not self.classes:
+            raise SourceError(f"{self.url}: no class sub-folders (expected ROOT/<class>/<image>)")
+
+    def describe(self) -> str:
+        """Return the folder's URL."""
+        return self.url
+
+    def settings(self) -> dict[str, Any]:
+        """Return how images are checked: a resume must check them the same way."""
+        return {"check": self.check}
+
+    def scan(self) -> ScanResult:
+        """List every image object with its label and size, from the one listing done at construction."""
+        labels = {name: i for i, name in enumerate(self._class_names)}
+        items: list[RemoteImageItem] = []
+        ignored: list[SkippedInput] = []
+        for rel in sorted(self._objects, key=_order):
+            parts = rel.split("/")
+            if any(p.startswith(".") for p in parts):
+                continue
+            if len(parts) == 1:
+                ignored.append(SkippedInput(printable(rel), "file outside any class folder"))
+                continue
+            ext = parts[-1].rpartition(".")[2].lower() if "." in parts[-1] else ""
+            if ext not in IMAGE_EXTENSIONS:
+                ignored.append(SkippedInput(printable(rel), "not an image file extension"))
+                continue
+            label = labels[parts[0]]
+            size = self._objects[rel]
+            items.append(RemoteImageItem(key="", nbytes=size + len(str(label)), relpath=rel, label=label, size=size))
+        items.sort(key=lambda i: (i.label, _order(i.relpath)))
+        return ScanResult(_assign_keys(items), ignored, [])
+
+    def origin(self, item: Item) -> str:
+        """Return the object's URL."""
+        assert isinstance(item, RemoteImageItem)
+        return f"{self.url}/{printable(item.relpath)}"
+
+    def load(self, item: Item) -> dict[str, Any]:
+        """Read one image object and return its sample.
+
+        Raises:
+            SourceError: Naming the URL, if the object is gone (404), cannot be read, or
+                is not a valid image.
+        """
+        assert isinstance(item, RemoteImageItem)
+        url = f"{self.url}/{item.relpath}"
+        try:
+            data = read_url(url, self.storage_options)
+        except StreamloadError as exc:
+            raise SourceError(printable(str(exc))) from exc
+        if self.check != "none":
+            _check_image(data, printable(url), self.check)
+        ext = item.relpath.rpartition(".")[2].lower()
+        return {"__key__": item.key, ext: data, "cls": str(item.label).encode()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_objects"] = {}  # the listing stays with the driver: tasks carry their items
+        return state
