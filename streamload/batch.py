@@ -31,7 +31,7 @@ and copying each field once into the buffer.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import numpy as np
 import torch
@@ -339,44 +339,82 @@ class RawCollate:
     # -- the fast path: read straight from the shard readers ----------------------------
 
     def read_batch(self, open_reader: Callable[[int], ShardReader], parts: Parts) -> RawBatch:
-        """Read a batch straight into one buffer: sizes from the index, then one read each.
+        """Read a batch straight into one buffer: sizes from the index, then one read per shard.
+
+        The batch's samples are grouped by shard (a shuffled or mixed batch has many small
+        parts, often several from one shard), so each shard gets one size lookup and one
+        read of all its samples; a group whose samples are not consecutive in the batch
+        is read into scratch memory and copied to its places.
 
         Args:
             open_reader: Returns the open reader of a shard (the dataset's reader cache;
                 called again for every step, so an evicted reader is simply reopened).
             parts: ``(shard, local indices)`` of the batch, in batch order.
         """
-        if not all(isinstance(open_reader(shard), BatchReads) for shard, _ in parts):
+        if not all(_serves_batches(open_reader(shard)) for shard, _ in parts):
             samples = [open_reader(shard).get(int(i)) for shard, idx in parts for i in idx]
             return self(samples)
-
-        def batch_reads(shard: int) -> BatchReads:
-            reader = open_reader(shard)
-            assert isinstance(reader, BatchReads)
-            return reader
-
         label = None if self.label_field is None else (self.label_field,)
-        sizes = [batch_reads(shard).field_sizes(idx, self.fields) for shard, idx in parts]
-        label_sizes = [batch_reads(shard).field_sizes(idx, label) if label else None for shard, idx in parts]
-        data, offsets_t, labels, lease = self._buffers(np.concatenate(sizes))
-        offsets = offsets_t.numpy()
-        flat = data.numpy()
-        at = 0
-        for (shard, idx), size, lsize in zip(parts, sizes, label_sizes, strict=True):
-            n = len(idx)
-            groups: list[FieldGroup] = [(self.fields, flat[offsets[at] : offsets[at + n]], size)]
+        groups = _group_by_shard(parts)
+        n = sum(len(idx) for _, idx in parts)
+        sizes = np.empty(n, dtype=np.int64)
+        label_sizes = []
+        for shard, idx, pos in groups:
+            reader = cast(BatchReads, open_reader(shard))
+            sizes[pos] = reader.field_sizes(idx, self.fields)
+            label_sizes.append(reader.field_sizes(idx, label) if label else None)
+        data, offsets_t, labels, lease = self._buffers(sizes)
+        offsets, flat = offsets_t.numpy(), data.numpy()
+        for (shard, idx, pos), lsize in zip(groups, label_sizes, strict=True):
+            reader = cast(BatchReads, open_reader(shard))
+            size = sizes[pos]
+            first, last = int(pos[0]), int(pos[-1])
+            in_place = last - first + 1 == len(pos)  # consecutive in the batch: read straight into place
+            out = flat[offsets[first] : offsets[last + 1]] if in_place else np.empty(int(size.sum()), dtype=np.uint8)
+            reads: list[FieldGroup] = [(self.fields, out, size)]
             if label and lsize is not None:
-                loffsets = np.zeros(n + 1, dtype=np.int64)
+                loffsets = np.zeros(len(idx) + 1, dtype=np.int64)
                 np.cumsum(lsize, out=loffsets[1:])
                 raw = np.empty(int(loffsets[-1]), dtype=np.uint8)
-                groups.append((label, raw, lsize))
-            batch_reads(shard).read_groups_into(idx, groups)  # data and labels in one pass over the shard
+                reads.append((label, raw, lsize))
+            reader.read_groups_into(idx, reads)  # data and labels in one pass over the shard
+            if not in_place:
+                at = 0
+                for p, k in zip(pos.tolist(), size.tolist(), strict=True):
+                    flat[offsets[p] : offsets[p] + k] = out[at : at + k]
+                    at += k
             if label and lsize is not None and labels is not None:
-                keys_of = _key_lookup(open_reader(shard), idx)
-                parse_labels(raw, loffsets, keys_of, label[0], out=labels[at : at + n])
-            at += n
+                parsed = parse_labels(raw, loffsets, _key_lookup(open_reader(shard), idx), label[0])
+                labels[torch.from_numpy(pos)] = parsed
         keys = tuple(k for shard, idx in parts for k in open_reader(shard).keys_of(idx)) if self.keys else None
         return RawBatch(data, offsets_t, labels, keys, lease)
+
+
+def _group_by_shard(parts: Parts) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """``(shard, local indices, batch positions)`` per shard, in order of first appearance."""
+    by_shard: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+    at = 0
+    for shard, idx in parts:
+        indices, positions = by_shard.setdefault(shard, ([], []))
+        indices.append(np.asarray(idx, dtype=np.int64))
+        positions.append(np.arange(at, at + len(idx), dtype=np.int64))
+        at += len(idx)
+    return [
+        (shard, np.concatenate(i) if len(i) > 1 else i[0], np.concatenate(p) if len(p) > 1 else p[0])
+        for shard, (i, p) in by_shard.items()
+    ]
+
+
+#: Reader classes that serve zero-copy batches (``isinstance`` on a runtime protocol is slow).
+_SERVES: dict[type, bool] = {}
+
+
+def _serves_batches(reader: ShardReader) -> bool:
+    kind = type(reader)
+    known = _SERVES.get(kind)
+    if known is None:
+        known = _SERVES[kind] = isinstance(reader, BatchReads)
+    return known
 
 
 def _key_lookup(reader: ShardReader, indices: np.ndarray) -> Callable[[int], str]:

@@ -6,6 +6,7 @@ import gc
 import io
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -217,3 +218,45 @@ def test_a_label_that_is_not_an_int64_names_the_sample(tmp_path: Path, label: by
         ds = StreamingDataset(str(tmp_path), batch_size=2, collate=collate)
         with pytest.raises(SampleError, match="'bad'.*cls"):
             next(iter(ds))
+
+
+@pytest.mark.parametrize("fmt", ["tar", "lmdb", "hdf5"])
+def test_a_batch_interleaving_shards_reads_each_shard_once_and_keeps_batch_order(
+    image_folder: Path, tmp_path: Path, fmt: str
+) -> None:
+    from streamload.converters import ConvertOptions, ImageFolderSource, convert
+
+    from streamload.shards import DatasetRef, ShardSource
+
+    convert(
+        ImageFolderSource(str(image_folder)),
+        str(tmp_path / fmt),
+        ConvertOptions(format=fmt, samples_per_shard=7, progress=False),
+    )
+    ref = DatasetRef.open(str(tmp_path / fmt))
+    parts = [(0, np.array([1, 2])), (1, np.array([0])), (0, np.array([5])), (1, np.array([3, 4])), (0, np.array([0]))]
+    with ShardSource(ref, ref.open_storage(), own_storage=True) as source:
+        calls: list[int] = []
+        reader_of = source.get
+        wrapped: set[int] = set()
+
+        def counting(shard: int) -> Any:
+            reader = reader_of(shard)
+            if shard in wrapped:
+                return reader
+            wrapped.add(shard)
+            real = reader.read_groups_into
+
+            def read(indices: np.ndarray, groups: Any) -> None:
+                calls.append(shard)
+                real(indices, groups)
+
+            reader.read_groups_into = read  # type: ignore[method-assign]
+            return reader
+
+        collate = RawCollate(keys=True)
+        direct = collate.read_batch(counting, parts)
+        generic = collate([source.get(s).get(int(i)) for s, idx in parts for i in idx])
+    assert _unpack(direct) == _unpack(generic)
+    assert direct.keys == generic.keys and torch.equal(direct.offsets, generic.offsets)
+    assert sorted(calls) == [0, 1], "one read per shard, not one per part"
