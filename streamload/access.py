@@ -291,7 +291,7 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
 
     def key_index_path(self) -> str:
         """Return where the key index file of this dataset (URL and manifest) lives."""
-        from .storage.remote import dataset_cache_key, default_cache_dir
+        from .storage.cachedir import dataset_cache_key, default_cache_dir
 
         url = os.path.abspath(local_path_of(self.source)) if is_local(self.source) else self.source
         where = dataset_cache_key(url, self.ref.config.storage_options)

@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 
 from streamload._errors import CorruptShardError
+from streamload.storage.parts import PartPlanner
 from streamload.storage.retry import RetryPolicy
-from streamload.storage.transport import PartPlanner, RemoteFiles
+from streamload.storage.transport import RemoteFiles
 from tests.s3server import SeaweedS3
 from tests.shaping import ShapedS3
 

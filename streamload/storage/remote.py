@@ -30,24 +30,16 @@ The bound. ``cache_limit`` bounds the bytes of one dataset's cache directory:
 * ``"unbounded"``: no bound (the cache grows until every file is cached).
 * bytes, or a string like ``"20GB"``: that bound; at least two of the largest shards.
 
-Admission. Each process reading registers in the cache while it reads (see .cache). A
-reader keeps one shard pinned while it reads it, and readers (DataLoader workers) may stop
-for long with their pins held, so N registered readers need room for N of the largest
-shards: a reader that would make them more than the limit holds fails at once with a
-:class:`~streamload.CacheError` naming the count, the limit and what to raise it to (it
-would otherwise wait for room for up to ``wait_timeout``, 300 s). The limit is shared among
-the registered readers when each is told how many shards it may keep open.
+Admission (see .admission): each process reading registers in the cache; more readers than
+the limit can hold are refused at once.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import shutil
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -55,8 +47,10 @@ from .._errors import CacheError, CorruptShardError
 from .._files import FileEntry
 from .._units import format_bytes
 from .._validate import MAX_READ_AHEAD, UNBOUNDED, check_int, parse_cache_limit
+from .admission import Admission
 from .base import Storage
-from .cache import DEFAULT_WAIT_TIMEOUT, CacheStats, Pin, Registration, ShardCache
+from .cache import DEFAULT_WAIT_TIMEOUT, CacheStats, Pin, ShardCache
+from .cachedir import dataset_cache_key, default_cache_dir
 from .readahead import ReadAhead
 from .retry import RetryPolicy
 from .transport import RemoteFiles
@@ -78,31 +72,8 @@ DEFAULT_READ_AHEAD = 2
 MIN_CACHE_SHARDS = 2
 #: Without ``cache_limit``: this fraction of the space the cache could use (free + its own).
 DEFAULT_CACHE_FRACTION = 0.5
-#: Seconds a count of the registered readers is reused (it is taken at every shard opened).
-_READERS_TTL = 1.0
 #: Cache directories whose default bound this process logged already.
 _LOGGED_DEFAULTS: set[str] = set()
-
-
-def default_cache_dir() -> str:
-    """``$STREAMLOAD_CACHE`` if set, else ``$XDG_CACHE_HOME/streamload`` or ``~/.cache/streamload``."""
-    env = os.environ.get("STREAMLOAD_CACHE")
-    if env:
-        return env
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "streamload")
-
-
-def dataset_cache_key(url: str, storage_options: Mapping[str, Any] | None) -> str:
-    """Return a short hash naming a dataset's cache directory: of its URL and endpoint.
-
-    The same ``s3://bucket/x`` on two servers must not share a cache.
-    """
-    client = (storage_options or {}).get("client_kwargs") or {}
-    endpoint = client.get("endpoint_url") if isinstance(client, Mapping) else None
-    endpoint = endpoint or (storage_options or {}).get("endpoint_url")
-    text = json.dumps([url.rstrip("/"), endpoint])
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 class RemoteStorage(Storage):
@@ -168,9 +139,7 @@ class RemoteStorage(Storage):
         self._served: dict[str, str | None] = {}  # name -> generation of the copy last handed out
         self._stale: set[str] = set()  # pinned here, but discarded: the next acquire fetches again
         self._ahead = ReadAhead(self.read_ahead, self._fetch_ahead)
-        self._registration: Registration | None = None
-        self._readers = 0  # this process's open readers (one registration for all)
-        self._counted = (0, -_READERS_TTL)  # (registered readers, when counted)
+        self._admission = Admission(self.cache, self.url)
 
     def _check_process(self) -> None:
         """After a fork, forget the parent's threads and pins.
@@ -181,8 +150,7 @@ class RemoteStorage(Storage):
         if self._pid != os.getpid():
             for pin, _ in self._pins.values():
                 pin.close()
-            if self._registration is not None:
-                self._registration.fd = -1  # the parent's: its descriptor is closed here already
+            self._admission.forget_parent()
             self._init_process_state()
 
     @property
@@ -249,66 +217,24 @@ class RemoteStorage(Storage):
         """
         if self.limit is None or largest <= 0:
             return None
-        share = self.limit // largest // max(1, self._registered())
+        share = self.limit // largest // max(1, self._admission.registered())
         return max(1, share // 2 - 1)
 
     # -- admission -------------------------------------------------------------------
 
     def register_reader(self, largest: int) -> None:
-        """A reader of shards of up to ``largest`` bytes starts in this process: register it in the cache.
-
-        One registration per process, held until its last reader ends
-        (:meth:`unregister_reader`) or the process dies.
+        """A reader of shards of up to ``largest`` bytes starts in this process: register it (see .admission).
 
         Raises:
-            CacheError: If the registered readers, this one included, need more room than
-                the limit: each keeps one shard cached while it reads (waiting would stall
-                the DataLoader, which hands out samples in order).
+            CacheError: If the registered readers need more room than the limit holds.
         """
         self._check_process()
-        with self._lock:
-            self._readers += 1
-            if self._registration is not None:
-                return
-            try:
-                self._registration = self.cache.register()
-            except BaseException:
-                self._readers -= 1
-                raise
-        if self.limit is None or largest <= 0:
-            return
-        readers = self._registered(fresh=True)
-        if readers * largest > self.limit:
-            self.unregister_reader()
-            enough = (readers + 1) * largest
-            raise CacheError(
-                f"{readers} readers share the cache {self.cache_root} of {self.url} (DataLoader workers and ranks "
-                f"on this machine, this one included), but cache_limit={format_bytes(self.limit)} holds only "
-                f"{self.limit // largest} of its largest shards ({format_bytes(largest)} with the sidecar): each "
-                "reader keeps the shard it reads cached, so they would wait on each other's room (for up to "
-                f"{self.cache.wait_timeout:.0f} s); raise cache_limit to at least {format_bytes(enough)} "
-                f"((readers + 1) x the largest shard) or use fewer readers"
-            )
+        self._admission.register(largest, self.limit)
 
     def unregister_reader(self) -> None:
         """A reader of this process ended; the last one unregisters the process."""
         self._check_process()
-        with self._lock:
-            self._readers = max(0, self._readers - 1)
-            registration = self._registration if self._readers == 0 else None
-            if registration is not None:
-                self._registration = None
-        if registration is not None:
-            registration.close()
-
-    def _registered(self, fresh: bool = False) -> int:
-        """Registered readers of the cache (counted again at most every :data:`_READERS_TTL` s)."""
-        count, when = self._counted
-        now = time.monotonic()
-        if fresh or now - when >= _READERS_TTL:
-            count = self.cache.readers()
-            self._counted = (count, now)
-        return count
+        self._admission.unregister()
 
     def acquire(self, entry: FileEntry) -> str:
         """Pin ``entry`` in the cache, downloading it first if needed; return its local path.
@@ -427,11 +353,9 @@ class RemoteStorage(Storage):
         with self._lock:
             pins = [p for p, _ in self._pins.values()]
             self._pins.clear()
-            registration, self._registration, self._readers = self._registration, None, 0
         for pin in pins:
             pin.close()
-        if registration is not None:
-            registration.close()
+        self._admission.close()
         self._stop = threading.Event()
 
     def describe(self) -> str:

@@ -1,0 +1,32 @@
+"""Where a remote dataset's cache lives: the cache directory and one sub-directory per dataset."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["dataset_cache_key", "default_cache_dir"]
+
+
+def default_cache_dir() -> str:
+    """``$STREAMLOAD_CACHE`` if set, else ``$XDG_CACHE_HOME/streamload`` or ``~/.cache/streamload``."""
+    env = os.environ.get("STREAMLOAD_CACHE")
+    if env:
+        return env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "streamload")
+
+
+def dataset_cache_key(url: str, storage_options: Mapping[str, Any] | None) -> str:
+    """Return a short hash naming a dataset's cache directory: of its URL and endpoint.
+
+    The same ``s3://bucket/x`` on two servers must not share a cache.
+    """
+    client = (storage_options or {}).get("client_kwargs") or {}
+    endpoint = client.get("endpoint_url") if isinstance(client, Mapping) else None
+    endpoint = endpoint or (storage_options or {}).get("endpoint_url")
+    text = json.dumps([url.rstrip("/"), endpoint])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
