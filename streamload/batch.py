@@ -384,8 +384,11 @@ class RawCollate:
                     flat[offsets[p] : offsets[p] + k] = out[at : at + k]
                     at += k
             if label and lsize is not None and labels is not None:
-                parsed = parse_labels(raw, loffsets, _key_lookup(open_reader(shard), idx), label[0])
-                labels[torch.from_numpy(pos)] = parsed
+                keys_of = _key_lookup(open_reader(shard), idx)
+                if in_place:
+                    parse_labels(raw, loffsets, keys_of, label[0], out=labels[first : last + 1])
+                else:
+                    labels.numpy()[pos] = parse_labels(raw, loffsets, keys_of, label[0]).numpy()
         keys = tuple(k for shard, idx in parts for k in open_reader(shard).keys_of(idx)) if self.keys else None
         return RawBatch(data, offsets_t, labels, keys, lease)
 
