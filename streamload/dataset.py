@@ -101,7 +101,8 @@ class StreamingDataset(IterableDataset[Any]):
         storage_options: Passed to fsspec for remote URLs (credentials, endpoint...).
         cache_dir: Local cache directory for remote shards.
         cache_limit: Cache size bound, bytes or a string like ``"20GB"`` (remote URLs;
-            default unbounded; at least twice the largest shard).
+            at least twice the largest shard; default: half of the space the cache could
+            use, logged once; ``"unbounded"`` for no bound).
         read_ahead: Shards each worker downloads ahead of its reads in background
             threads (remote URLs; default 2; 0 turns read-ahead off).
         on_error: ``"raise"`` (default): a sample or shard that fails to read or
