@@ -15,7 +15,8 @@ Where a builtin exception has the same meaning, the error also derives from it, 
     ├── SampleNotFoundError (KeyError)       no sample has the key asked for (random access)
     ├── SourceError (ValueError)             a conversion input is unreadable or corrupt
     ├── StorageError (OSError)               remote storage failed after retries / permanently
-    │   └── CacheError                       the local shard cache cannot work as configured
+    │   ├── CacheError                       the local shard cache cannot work as configured
+    │   └── DestinationBusyError             another conversion is writing the destination
     ├── PlanError (ValueError)               the requested split or resume state is impossible
     ├── ConfigError (ValueError)             an option has a bad value or a missing extra
     └── ConversionInterrupted                Ctrl-C during a conversion; resumable
@@ -30,6 +31,7 @@ __all__ = [
     "ConfigError",
     "ConversionInterrupted",
     "CorruptShardError",
+    "DestinationBusyError",
     "ManifestError",
     "ManifestNotFoundError",
     "PlanError",
@@ -94,6 +96,10 @@ class StorageError(StreamloadError, OSError):
 
 class CacheError(StorageError):
     """The local shard cache cannot work as configured (e.g. a limit below one shard)."""
+
+
+class DestinationBusyError(StorageError):
+    """Another conversion holds the destination's lock; the message names the holder."""
 
 
 class PlanError(StreamloadError, ValueError):

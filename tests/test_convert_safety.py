@@ -764,7 +764,9 @@ def test_the_convert_api_refuses_a_destination_being_written(folder: Path, tmp_p
 
     out = tmp_path / "out"
     dest = open_destination(str(out))
-    with dest.lock(), pytest.raises(StorageError, match=f"another conversion.*pid {os.getpid()}"):
+    from streamload import DestinationBusyError
+
+    with dest.lock(), pytest.raises(DestinationBusyError, match=f"another conversion.*pid {os.getpid()}"):
         convert(ImageFolderSource(str(folder), check="none"), str(out), ConvertOptions(progress=False))
     with pytest.raises(ConfigError):  # the lock is free again: a plain refusal of other kind
         (out / "junk").write_text("x")

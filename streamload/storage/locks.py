@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
-from .._errors import ShardNotFoundError, StorageError
+from .._errors import DestinationBusyError, ShardNotFoundError, StorageError
 from .transport import RemoteFiles
 
 __all__ = ["LOCAL_LOCK_NAME", "REMOTE_LOCK_NAME", "DestinationLock", "LocalLock", "RemoteLock"]
@@ -54,8 +54,8 @@ def _describe_holder(holder: Mapping[str, Any] | None) -> str:
     return text + ")"
 
 
-def _busy(url: str, holder: Mapping[str, Any] | None, extra: str = "") -> StorageError:
-    return StorageError(
+def _busy(url: str, holder: Mapping[str, Any] | None, extra: str = "") -> DestinationBusyError:
+    return DestinationBusyError(
         f"{url} is being written by {_describe_holder(holder)}{extra}; wait for it to finish, "
         "or convert into another destination"
     )
