@@ -125,7 +125,14 @@ class DatasetSource(Source):
         entry = self.manifest.shards[item.shard]
         where = f"{self.ref.where(entry)}: sample {item.index} ({item.key!r})"
         try:
-            sample = self._reader(item.shard).get(item.index)
+            try:
+                sample = self._reader(item.shard).get(item.index)
+            except StreamloadError as exc:
+                # A remote source's cached copy damaged on disk: read it again from a fresh download, once.
+                fresh = self._source.recover(item.shard, exc) if self._source is not None else None
+                if fresh is None:
+                    raise
+                sample = fresh.get(item.index)
         except (StreamloadError, OSError) as exc:
             raise SourceError(f"{where}: cannot read: {exc}") from exc
         if sample.get("__key__") != item.key:

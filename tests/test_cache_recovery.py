@@ -497,3 +497,16 @@ def test_an_unbounded_cache_is_asked_for_explicitly(memory_url: str, tmp_path: P
     ds = StreamingDataset(memory_url, cache_dir=str(tmp_path), cache_limit="unbounded")
     assert ds._get_storages()[0].limit is None  # type: ignore[attr-defined]
     assert _texts(ds) == EXPECTED
+
+
+def test_converting_a_remote_dataset_repairs_a_corrupt_cached_copy(memory_url: str, tmp_path: Path) -> None:
+    """A dataset used as a conversion source reads through the same repair as training."""
+    from streamload.converters import ConvertOptions, DatasetSource, convert
+
+    cache = tmp_path / "cache"
+    source = DatasetSource(memory_url, cache_dir=str(cache))
+    convert(source, str(tmp_path / "first"), ConvertOptions(progress=False))
+    _flip(_cache_root(cache) / "data" / "shard-000001.tar", b"<sample 007>")
+    source = DatasetSource(memory_url, cache_dir=str(cache))
+    convert(source, str(tmp_path / "second"), ConvertOptions(progress=False))
+    assert _texts(StreamingDataset(str(tmp_path / "second"))) == EXPECTED
