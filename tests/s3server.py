@@ -233,6 +233,17 @@ class SeaweedS3:
         options.update(overrides)
         return options
 
+    def cli_options(self, secret: str | None = None) -> list[str]:
+        """Return ``-o key=value`` arguments of the ``streamload`` command for this server."""
+        return [
+            "-o",
+            f"key={self.key}",
+            "-o",
+            f"secret={secret or self.secret}",
+            "-o",
+            f"client_kwargs.endpoint_url={self.endpoint_url}",
+        ]
+
     def make_bucket(self, name: str | None = None) -> str:
         """Create a bucket (a fresh name unless given) and return its name."""
         name = name or f"bucket-{os.getpid()}-{next(_buckets)}"

@@ -317,17 +317,6 @@ def s3_url(s3_server: SeaweedS3) -> str:
     return url
 
 
-def _cli_options(server: SeaweedS3) -> list[str]:
-    return [
-        "-o",
-        f"key={server.key}",
-        "-o",
-        f"secret={server.secret}",
-        "-o",
-        f"client_kwargs.endpoint_url={server.endpoint_url}",
-    ]
-
-
 @pytest.mark.slow
 def test_s3_dataloader_workers_repair_corrupt_cached_copies(s3_server: SeaweedS3, s3_url: str, tmp_path: Path) -> None:
     ds = StreamingDataset(s3_url, storage_options=s3_server.storage_options(), cache_dir=str(tmp_path), shuffle=True)
@@ -353,13 +342,13 @@ def test_s3_verify_with_cache_dir_repairs_and_reports(
     cached = _cache_root(cache) / "data" / "shard-000002.tar"
     _flip(cached, b"<sample 011>")
     capsys.readouterr()
-    assert main(["verify", s3_url, "--cache-dir", str(cache), *_cli_options(s3_server)]) == 0
+    assert main(["verify", s3_url, "--cache-dir", str(cache), *s3_server.cli_options()]) == 0
     out = capsys.readouterr().out
     assert "REPAIRED shard-000002.tar" in out and str(cache) in out, out
     assert f"OK: {SAMPLES // PER_SHARD + 1} shards, {SAMPLES} samples" in out
     remote = s3_server.filesystem().cat_file(f"{s3_url.removeprefix('s3://')}/shard-000002.tar")
     assert cached.read_bytes() == remote
-    assert main(["verify", s3_url, "--cache-dir", str(cache), *_cli_options(s3_server)]) == 0
+    assert main(["verify", s3_url, "--cache-dir", str(cache), *s3_server.cli_options()]) == 0
     assert "REPAIRED" not in capsys.readouterr().out
 
 

@@ -232,31 +232,20 @@ def test_two_conversions_race_into_one_directory(folder: Path, tmp_path: Path) -
     assert not _leftovers(out)
 
 
-def _cli_options(server: Any) -> list[str]:
-    return [
-        "-o",
-        f"key={server.key}",
-        "-o",
-        f"secret={server.secret}",
-        "-o",
-        f"client_kwargs.endpoint_url={server.endpoint_url}",
-    ]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_conversions_race_into_one_bucket_prefix(folder: Path, s3_server: Any, tmp_path: Path) -> None:
     bucket = s3_server.make_bucket()
     url = f"s3://{bucket}/ds"
     fs = s3_server.filesystem()
-    args = [str(folder), url, "--samples-per-shard", "2", *FAST, *_cli_options(s3_server)]
+    args = [str(folder), url, "--samples-per-shard", "2", *FAST, *s3_server.cli_options()]
     # Started together: both write the lock object, the last write wins (or, started far
     # apart, the second finds the dataset); exactly one writes the dataset.
     codes, errs, _ = _race(args, args)
     assert sorted(codes) == [0, 2], errs
     loser = errs[codes.index(2)]
     assert b"another conversion" in loser or b"already holds" in loser, loser
-    opts = [*_cli_options(s3_server), "--cache-dir", str(tmp_path / "c1")]
+    opts = [*s3_server.cli_options(), "--cache-dir", str(tmp_path / "c1")]
     assert _verify(url, *opts) == 0
 
     def started() -> bool:
@@ -266,7 +255,7 @@ def test_two_conversions_race_into_one_bucket_prefix(folder: Path, s3_server: An
     codes, errs, pids = _race([*args, "--overwrite"], [*args, "--overwrite"], started)
     assert codes == [0, 2], errs
     assert b"another conversion" in errs[1] and f"pid {pids[0]}".encode() in errs[1], errs[1]
-    assert _verify(url, *_cli_options(s3_server), "--cache-dir", str(tmp_path / "c2")) == 0
+    assert _verify(url, *s3_server.cli_options(), "--cache-dir", str(tmp_path / "c2")) == 0
     fs.invalidate_cache()
     names = {p.rsplit("/", 1)[1] for p in fs.find(f"{bucket}/ds")}
     assert REMOTE_LOCK_NAME not in names and JOB_NAME not in names
@@ -276,7 +265,7 @@ def test_two_conversions_race_into_one_bucket_prefix(folder: Path, s3_server: An
 def test_in_place_reshard_in_a_bucket_is_refused(folder: Path, s3_server: Any, tmp_path: Path, capsys) -> None:
     bucket = s3_server.make_bucket()
     url = f"s3://{bucket}/ds"
-    opts = _cli_options(s3_server)
+    opts = s3_server.cli_options()
     assert _convert(folder, url, *opts) == 0
     before = sorted(s3_server.filesystem().find(f"{bucket}/ds"))
     for dst in (url, f"s3://{bucket}//ds/", f"s3a://{bucket}/ds"):

@@ -49,17 +49,6 @@ def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STREAMLOAD_CACHE", str(tmp_path / "default-cache"))
 
 
-def _cli_options(server: SeaweedS3, secret: str | None = None) -> list[str]:
-    return [
-        "-o",
-        f"key={server.key}",
-        "-o",
-        f"secret={secret or server.secret}",
-        "-o",
-        f"client_kwargs.endpoint_url={server.endpoint_url}",
-    ]
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("s3-images")
@@ -73,7 +62,7 @@ def bucket_dataset(s3_server: SeaweedS3, folder: Path) -> str:  # noqa: F811
     bucket = s3_server.make_bucket()
     url = f"s3://{bucket}/train"
     args = ["convert", str(folder), url, "--samples-per-shard", str(PER_SHARD), "--no-progress", "-j", "2"]
-    assert main([*args, *_cli_options(s3_server)]) == 0
+    assert main([*args, *s3_server.cli_options()]) == 0
     return url
 
 
@@ -111,9 +100,9 @@ def test_info_verify_on_url(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setenv("STREAMLOAD_CACHE", str(tmp_path / "cache"))
-    assert main(["info", bucket_dataset, "--json", *_cli_options(s3_server)]) == 0
+    assert main(["info", bucket_dataset, "--json", *s3_server.cli_options()]) == 0
     assert f'"num_samples": {SHARDS * PER_SHARD}' in capsys.readouterr().out
-    assert main(["verify", bucket_dataset, *_cli_options(s3_server)]) == 0
+    assert main(["verify", bucket_dataset, *s3_server.cli_options()]) == 0
     assert f"OK: {SHARDS} shards, {SHARDS * PER_SHARD} samples" in capsys.readouterr().out
 
 
@@ -328,7 +317,7 @@ def test_missing_shard_names_the_url(s3_server: SeaweedS3, folder: Path, tmp_pat
     bucket = s3_server.make_bucket()
     url = f"s3://{bucket}/ds"
     assert (
-        main(["convert", str(folder), url, "--samples-per-shard", "48", "--no-progress", *_cli_options(s3_server)]) == 0
+        main(["convert", str(folder), url, "--samples-per-shard", "48", "--no-progress", *s3_server.cli_options()]) == 0
     )
     s3_server.filesystem().rm_file(f"{bucket}/ds/shard-000001.tar")
     ds = StreamingDataset(url, storage_options=s3_server.storage_options(), cache_dir=str(tmp_path))
@@ -350,7 +339,7 @@ def test_bad_credentials_fail_at_once_with_the_url(
     with pytest.raises(StorageError, match=f"{bucket_dataset}/index.json.*access denied") as info:
         StreamingDataset(bucket_dataset, storage_options=bad, cache_dir=str(tmp_path))
     assert isinstance(info.value.__cause__, PermissionError)
-    assert main(["info", bucket_dataset, *_cli_options(s3_server, secret="wrong")]) == 2
+    assert main(["info", bucket_dataset, *s3_server.cli_options(secret="wrong")]) == 2
     assert "access denied" in capsys.readouterr().err
 
 
@@ -427,7 +416,7 @@ def test_index_tar_shards_in_a_bucket(s3_server: SeaweedS3, tar_dataset: Path, t
     for path in shards:
         fs.put_file(str(path), f"{bucket}/foreign/{path.name}")
     url = f"s3://{bucket}/foreign"
-    assert main(["index", url, *_cli_options(s3_server)]) == 0
+    assert main(["index", url, *s3_server.cli_options()]) == 0
     local = StreamingDataset(str(tar_dataset))
     remote = StreamingDataset(url, storage_options=s3_server.storage_options(), cache_dir=str(tmp_path))
     assert [s["__key__"] for s in remote] == [s["__key__"] for s in local]
@@ -457,7 +446,7 @@ def test_a_replaced_object_fails_verification_with_its_url(
     bucket = s3_server.make_bucket()
     url = f"s3://{bucket}/ds"
     assert (
-        main(["convert", str(folder), url, "--samples-per-shard", "48", "--no-progress", *_cli_options(s3_server)]) == 0
+        main(["convert", str(folder), url, "--samples-per-shard", "48", "--no-progress", *s3_server.cli_options()]) == 0
     )
     fs = s3_server.filesystem()
     key = f"{bucket}/ds/shard-000000.tar"
@@ -481,7 +470,7 @@ def test_a_failed_conversion_into_a_bucket_publishes_no_manifest(
     bucket = s3_server.make_bucket()
     url = f"s3://{bucket}/ds"
     assert (
-        main(["convert", str(broken), url, "--samples-per-shard", "16", "--no-progress", *_cli_options(s3_server)]) == 2
+        main(["convert", str(broken), url, "--samples-per-shard", "16", "--no-progress", *s3_server.cli_options()]) == 2
     )
     names = [p.rsplit("/", 1)[-1] for p in s3_server.filesystem().find(bucket)]
     assert "index.json" not in names
@@ -497,7 +486,7 @@ def test_a_failed_conversion_into_a_bucket_publishes_no_manifest(
                 "--on-error",
                 "skip",
                 "--overwrite",
-                *_cli_options(s3_server),
+                *s3_server.cli_options(),
             ]
         )
         == 0
