@@ -36,18 +36,21 @@ def index_directory(
 
     Raises:
         ConfigError: If the format cannot be indexed or the directory holds no shard.
+        DestinationBusyError: If a conversion or another writer holds the directory.
     """
     fmt = get_format(format)
     if fmt.indexer is None:
         raise ConfigError(f"format {format!r} cannot index shards written by other tools")
     dest = open_destination(url, storage_options)
     try:
-        names = [n for n in dest.list_names() if n.endswith(fmt.extension) and not n.startswith(".")]
-        if not names:
-            where = local_path_of(url) if is_local(url) else url
-            raise ConfigError(f"{where}: no *{fmt.extension} files to index")
-        indexed = [_index_one(fmt, dest, name, hash_algorithm) for name in names]
-        return publish_index(dest, fmt, indexed, hash_algorithm, classes)
+        with dest.lock() as lock:  # one writer at a time, as for a conversion
+            names = [n for n in dest.list_names() if n.endswith(fmt.extension) and not n.startswith(".")]
+            if not names:
+                where = local_path_of(url) if is_local(url) else url
+                raise ConfigError(f"{where}: no *{fmt.extension} files to index")
+            indexed = [_index_one(fmt, dest, name, hash_algorithm) for name in names]
+            lock.check()
+            return publish_index(dest, fmt, indexed, hash_algorithm, classes)
     finally:
         dest.close()
 

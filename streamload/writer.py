@@ -106,9 +106,19 @@ class DatasetWriter:
         hash_algorithm: Shard hash algorithm, or ``None``.
         storage_options: fsspec options for remote destinations.
         meta: JSON metadata to store in the manifest.
+        overwrite: Replace a dataset already at ``url`` (its ``index.json`` and the shards
+            whose names come again). Without it such a destination is refused, so a
+            second writer never destroys a dataset by accident.
 
     The manifest is written by :meth:`close` only if no exception is pending, so a
-    failed ``with`` block leaves no complete-looking dataset.
+    failed ``with`` block leaves no complete-looking dataset. The writer holds the
+    destination's writer lock (the one ``streamload convert`` takes) from construction to
+    :meth:`close` or :meth:`abort`: two writers, or a writer and a conversion, never
+    write one destination at once.
+
+    Raises:
+        ConfigError: If ``url`` already holds a dataset and ``overwrite`` is false.
+        DestinationBusyError: If another writer or conversion holds the destination.
     """
 
     def __init__(
@@ -122,11 +132,23 @@ class DatasetWriter:
         hash_algorithm: str | None = "sha256",
         storage_options: Mapping[str, Any] | None = None,
         meta: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
     ) -> None:
         if max_samples is not None and max_samples < 1:
             raise ConfigError(f"max_samples={max_samples} must be >= 1")
         self.format = get_format(format)
         self.dest = open_destination(url, storage_options)
+        self._lock = self.dest.lock()
+        try:
+            self._lock.acquire()
+            if not overwrite and self.dest.exists(MANIFEST_NAME) is not None:
+                raise ConfigError(
+                    f"{url} already holds a dataset ({MANIFEST_NAME}): DatasetWriter(..., overwrite=True) replaces it"
+                )
+        except BaseException:
+            self._lock.release()
+            self.dest.close()
+            raise
         self.max_samples = max_samples
         self.max_bytes = None if max_bytes is None else parse_bytes(max_bytes, name="max_bytes")
         self.classes = tuple(classes)
@@ -156,11 +178,27 @@ class DatasetWriter:
         self._pending, self._pending_bytes = [], 0
 
     def close(self) -> Manifest:
-        """Flush the last shard and write the manifest; return it."""
+        """Flush the last shard and write the manifest; return it (and release the destination)."""
         if self._closed:
             raise ConfigError("DatasetWriter is already closed")
-        self._flush()
-        self._closed = True
+        try:
+            self._flush()
+            self._lock.check()  # a writer that lost its lock never publishes
+            return self._publish()
+        finally:
+            self._closed = True
+            self._lock.release()
+            self.dest.close()
+
+    def abort(self) -> None:
+        """Give up: publish nothing and release the destination (the shards written stay unlisted)."""
+        if not self._closed:
+            self._closed = True
+            self._pending = []
+            self._lock.release()
+            self.dest.close()
+
+    def _publish(self) -> Manifest:
         fields: set[str] = set()
         for r in self._results:
             fields |= r.fields
@@ -183,3 +221,5 @@ class DatasetWriter:
     ) -> None:
         if exc_type is None:
             self.close()
+        else:
+            self.abort()
