@@ -95,15 +95,15 @@ def test_one_slow_download_does_not_swing_the_depth() -> None:
 def test_cache_room_bounds_the_depth_and_is_divided_among_readers(tmp_path: Path) -> None:
     memory = "memory://ahead-room"
     largest = 10 * MB
-    storage = RemoteStorage(memory, cache_dir=str(tmp_path), cache_limit=3 * largest, read_ahead=8)
-    other = RemoteStorage(memory, cache_dir=str(tmp_path), cache_limit=6 * largest, read_ahead=8)
+    storage = RemoteStorage(memory, cache_dir=str(tmp_path), cache_limit=4 * largest, read_ahead=8)
+    other = RemoteStorage(memory, cache_dir=str(tmp_path), cache_limit=8 * largest, read_ahead=8)
     unbounded = RemoteStorage(memory, cache_dir=str(tmp_path / "u"), cache_limit="unbounded", read_ahead=8)
     try:
         storage.register_reader(largest)
         assert storage.max_open(largest) == 1
-        assert storage._ahead_room() == 2  # 3 shards: the one read, two ahead
+        assert storage._ahead_room() == 2  # 4 shards: the one read, the one opened next, two ahead
         other.register_reader(largest)  # a second process reading through the same cache directory
-        assert other._ahead_room() == 2  # 6 shards / 2 readers = 3 each: one read, two ahead
+        assert other._ahead_room() == 2  # 8 shards / 2 readers = 4 each: as above
         unbounded.register_reader(largest)
         assert unbounded._ahead_room() is None
         assert RemoteStorage(memory, cache_dir=str(tmp_path), read_ahead=0).ahead_depth() == 0
@@ -163,14 +163,14 @@ def test_a_slow_reader_keeps_one_shard_ahead(shaped_s3: ShapedS3, far_dataset: s
     ref = _ref(far_dataset, shaped_s3, tmp_path, "unbounded", 8)
     storage = ref.open_storage()
     assert isinstance(storage, RemoteStorage)
-    depths, samples = _read_shards(_first(ref, 6), storage, per_shard=0.5)
-    assert samples == {f"s{i:04d}": _payload(i) for i in range(6 * PER_SHARD)}
+    depths, samples = _read_shards(_first(ref, 5), storage, per_shard=0.8)
+    assert samples == {f"s{i:04d}": _payload(i) for i in range(5 * PER_SHARD)}
     stats = storage.ahead_stats
-    assert stats.consume_seconds is not None and stats.consume_seconds >= 0.4
+    assert stats.consume_seconds is not None and stats.consume_seconds >= 0.7
     assert stats.fetch_seconds < stats.consume_seconds  # the link is faster than the reader
     assert depths[0] == START_DEPTH  # before the reader's pace is known
     assert depths[2:] == [1] * (len(depths) - 2), depths  # then the minimum
-    assert stats.downloads >= 6  # what the estimate comes from
+    assert stats.downloads == storage.stats.downloads == 10  # what the estimate comes from: 5 shards, 5 sidecars
 
 
 def _first(ref: DatasetRef, count: int) -> DatasetRef:
@@ -218,13 +218,13 @@ class _CachePeak:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("bounded", [False, True], ids=["unbounded", "limit-3-shards"])
+@pytest.mark.parametrize("bounded", [False, True], ids=["unbounded", "limit-4-shards"])
 def test_a_fast_reader_on_a_slow_link_reads_deeper_within_the_cache_room(
     shaped_s3: ShapedS3, far_dataset: str, tmp_path: Path, bounded: bool
 ) -> None:
     probe = _ref(far_dataset, shaped_s3, tmp_path, "unbounded", 4)
     largest = probe.manifest.largest_shard_bytes
-    limit = 3 * largest if bounded else "unbounded"
+    limit = 4 * largest if bounded else "unbounded"
     ref = _ref(far_dataset, shaped_s3, tmp_path / "cache", limit, 4)
     storage = ref.open_storage()
     assert isinstance(storage, RemoteStorage)
@@ -233,8 +233,10 @@ def test_a_fast_reader_on_a_slow_link_reads_deeper_within_the_cache_room(
     assert samples == {f"s{i:04d}": _payload(i) for i in range(SHARDS * PER_SHARD)}
     stats = storage.ahead_stats
     assert stats.consume_seconds is not None and stats.fetch_seconds > stats.consume_seconds
+    # Every shard and sidecar downloaded once: read-ahead never evicted a shard before it was read.
+    assert storage.stats.downloads == 2 * SHARDS
     if bounded:
-        assert stats.room == 2  # 3 shards: the one read and two ahead
+        assert stats.room == 2  # 4 shards: the one read, the one opened next, two ahead
         assert max(depths) == 2, depths
         assert cache.samples > 0 and cache.peak <= limit, cache.at_peak
     else:

@@ -17,7 +17,8 @@ both smoothed (exponentially weighted, so one slow GET does not swing them), and
     depth = ceil(fetch time of a shard / time to read a shard + margin)
 
 shards ahead, at least 1, at most the cap (``read_ahead=``) and at most the room the cache
-leaves this reader (its share of the limit, less the shards it keeps open).
+leaves this reader (its share of the limit, less the shards it keeps open and the one it
+opens next).
 """
 
 from __future__ import annotations

@@ -242,14 +242,16 @@ class RemoteStorage(Storage):
         """Shards ahead this process's share of the limit leaves room for (``None``: no bound).
 
         The share (the limit divided among the registered readers) less the shards the
-        reader keeps open (:meth:`max_open`); at least one.
+        reader keeps open (:meth:`max_open`) and the one it is about to open: the window
+        is named before that shard is pinned, and a deeper window would make room by
+        evicting it (the least recently used). At least one.
         """
         largest = self._largest
         if self.limit is None or largest <= 0:
             return None
         share = self.limit // largest // max(1, self._admission.registered())
         open_shards = self.max_open(largest) or 1
-        return max(1, share - open_shards)
+        return max(1, share - open_shards - 1)
 
     def ahead_depth(self) -> int:
         """Shards the reader should name to :meth:`prefetch` now (0: read-ahead is off).
