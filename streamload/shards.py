@@ -366,9 +366,11 @@ class ShardSource:
         """Pass ``runs`` through; when a run opens a shard, name the next shards to the storage's read-ahead.
 
         ``ahead`` yields one shard per change of shard in ``runs`` (the same plan), so the
-        two stay in step; ``upcoming`` holds what was read from it early.
+        two stay in step; ``upcoming`` holds what was read from it early. How many are
+        named is asked of the storage at each shard opened (:meth:`Storage.ahead_depth`:
+        a remote storage adapts it to the measured download and reading times).
         """
-        count = self.storage.read_ahead
+        enabled = self.storage.read_ahead > 0
         upcoming: deque[int] = deque()
         current = -1
         for run in runs:
@@ -378,8 +380,8 @@ class ShardSource:
                     upcoming.popleft()  # == run.shard
                 else:
                     next(ahead, None)
-                if count > 0 and run.shard not in self:
-                    wanted = self._next_shards(upcoming, ahead, current, count)
+                if enabled and run.shard not in self:
+                    wanted = self._next_shards(upcoming, ahead, current, max(1, self.storage.ahead_depth()))
                     if wanted:
                         shards = self.ref.manifest.shards
                         self.storage.prefetch([f for s in wanted for f in shards[s].files])

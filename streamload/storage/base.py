@@ -36,7 +36,8 @@ class Storage(ABC):
     """Read access to one dataset's directory or URL prefix."""
 
     url: str
-    #: Shards a reader should name to :meth:`prefetch` ahead of the one it reads (0: none).
+    #: The most shards a reader should name to :meth:`prefetch` ahead of the one it reads
+    #: (0: none); :meth:`ahead_depth` says how many now.
     read_ahead: int = 0
 
     @abstractmethod
@@ -63,6 +64,14 @@ class Storage(ABC):
 
         Each call replaces the read-ahead window; an empty iterable cancels read-ahead.
         """
+
+    def ahead_depth(self) -> int:
+        """Return how many shards a reader should name to :meth:`prefetch` now (0: none).
+
+        A storage that measures its downloads adapts it (see
+        :class:`~streamload.storage.remote.RemoteStorage`); by default it is :attr:`read_ahead`.
+        """
+        return self.read_ahead
 
     def check_capacity(self, largest: int) -> None:  # noqa: B027 - optional hook
         """Raise :class:`~streamload.CacheError` if files of ``largest`` bytes cannot be served."""

@@ -1,4 +1,4 @@
-"""Read-ahead: fetch the files a reader will need next, in background threads.
+"""Read-ahead: fetch the files a reader will need next, in background threads, as deep as needed.
 
 The reader knows its future (the planner's order), so it names the next files; this
 module keeps them in a *window* that each call replaces. Queued fetches that left the
@@ -6,23 +6,188 @@ window are forgotten, running ones are cancelled when the window is emptied (end
 epoch), and every fetch pauses while some acquire is starved for cache room, so
 read-ahead never takes the room a reader waits for. Threads exist only while there is
 work: an idle reader holds none.
+
+How deep the window is (:class:`AheadDepth`): deep enough that the next shard is cached
+before the reader needs it. Each process measures how long a file takes to arrive
+(``seconds = latency + bytes x seconds_per_byte``, fitted to its own downloads, whether
+its reader or its read-ahead made them) and how long its reader spends on a shard (the
+time between two shards started, less the time it was blocked waiting for a download),
+both smoothed (exponentially weighted, so one slow GET does not swing them), and keeps::
+
+    depth = ceil(fetch time of a shard / time to read a shard + margin)
+
+shards ahead, at least 1, at most the cap (``read_ahead=``) and at most the room the cache
+leaves this reader (its share of the limit, less the shards it keeps open and the one it
+opens next).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .._files import FileEntry
 
-__all__ = ["ReadAhead"]
+__all__ = ["AheadDepth", "AheadStats", "ReadAhead"]
 
 log = logging.getLogger("streamload")
 
 #: ``fetch(entry, cancelled)`` brings ``entry`` into the cache, polling ``cancelled()``.
 Fetch = Callable[[FileEntry, Callable[[], bool]], None]
+
+
+#: Depth before the reader's pace is known (the first shard of an iteration).
+START_DEPTH = 2
+#: Files smaller than this measure the latency; larger ones the time per byte.
+_SMALL_FILE = 1 << 20
+#: The shortest time per shard counted (a reader faster than this is "as fast as it gets").
+_MIN_CONSUME = 1e-3
+
+
+@dataclass(frozen=True)
+class AheadStats:
+    """What one process's read-ahead depth rule sees (a snapshot).
+
+    Attributes:
+        depth: Shards named ahead at the last shard change.
+        peak: The deepest window named so far.
+        cap: The most shards ahead (``read_ahead=``).
+        room: Shards ahead the cache had room for at the last change (``None``: no bound).
+        fetch_seconds: Estimated seconds to download the largest shard.
+        consume_seconds: Estimated seconds the reader spends on a shard (``None``: not measured yet).
+        latency: Estimated seconds from a request to the first byte of a file.
+        seconds_per_byte: Estimated download time per byte past the latency.
+        downloads: Downloads measured.
+        shards: Shard changes measured.
+    """
+
+    depth: int
+    peak: int
+    cap: int
+    room: int | None
+    fetch_seconds: float
+    consume_seconds: float | None
+    latency: float
+    seconds_per_byte: float
+    downloads: int
+    shards: int
+
+
+class AheadDepth:
+    """How many shards to keep ahead of the reader, from measured download and reading times.
+
+    Not thread-safe by itself: :class:`~streamload.storage.remote.RemoteStorage` calls it
+    under its lock.
+
+    Args:
+        cap: The most shards ahead (0: read-ahead is off, the depth is 0).
+        start: The depth until the reader's pace is measured.
+        margin: Shards of slack added to ``fetch / consume`` before rounding up, for
+            jitter: a download that takes half a shard's reading time keeps one ahead.
+        alpha: Weight of a new measurement in the exponentially weighted estimates.
+        latency: First guess of the seconds to a file's first byte.
+        seconds_per_byte: First guess of the download time per byte (one 40 MB/s connection).
+    """
+
+    def __init__(
+        self,
+        cap: int,
+        *,
+        start: int = START_DEPTH,
+        margin: float = 0.5,
+        alpha: float = 0.3,
+        latency: float = 0.05,
+        seconds_per_byte: float = 1 / 40e6,
+    ) -> None:
+        self.cap = cap
+        self.start = start
+        self.margin = margin
+        self.alpha = alpha
+        self.latency = latency
+        self.seconds_per_byte = seconds_per_byte
+        self.consume: float | None = None
+        self.downloads = 0
+        self.shards = 0
+        self.current = min(cap, start)
+        self.peak = 0
+        self.room: int | None = None
+        self._largest = 0
+        self._last: float | None = None  # when the reader started its current shard
+        self._blocked_at_last = 0.0
+
+    def observe_fetch(self, nbytes: int, seconds: float) -> None:
+        """Fold one whole download (``nbytes`` in ``seconds``) into the estimates.
+
+        ``seconds = latency + nbytes x seconds_per_byte`` is solved for one estimate with the
+        other held: a small file measures the latency, a large one the time per byte.
+        """
+        if seconds <= 0 or nbytes < 0:
+            return
+        self.downloads += 1
+        if nbytes < _SMALL_FILE:
+            sample = max(0.0, seconds - nbytes * self.seconds_per_byte)
+            self.latency += self.alpha * (sample - self.latency)
+        else:
+            sample = max(0.0, seconds - self.latency) / nbytes
+            self.seconds_per_byte += self.alpha * (sample - self.seconds_per_byte)
+
+    def observe_shard(self, now: float, blocked: float) -> None:
+        """The reader starts a new shard at ``now``; ``blocked`` is its total time spent waiting on downloads.
+
+        The time since the previous shard started, less the time blocked meanwhile, is
+        what reading that shard took.
+        """
+        if self._last is not None:
+            sample = max(_MIN_CONSUME, now - self._last - (blocked - self._blocked_at_last))
+            self.consume = sample if self.consume is None else self.consume + self.alpha * (sample - self.consume)
+            self.shards += 1
+        self._last, self._blocked_at_last = now, blocked
+
+    def pause(self) -> None:
+        """The reader stopped (end of an iteration): the gap until it starts again is no reading time."""
+        self._last = None
+
+    def fetch_seconds(self, nbytes: int) -> float:
+        """Estimated seconds to download a file of ``nbytes``."""
+        return self.latency + nbytes * self.seconds_per_byte
+
+    def depth(self, largest: int, room: int | None) -> int:
+        """Shards to keep ahead now, for shards of up to ``largest`` bytes and ``room`` shards of cache room.
+
+        Args:
+            largest: The largest shard (with its sidecar) in bytes.
+            room: Shards ahead the cache has room for (``None``: no bound); at least one
+                is always allowed.
+        """
+        self._largest, self.room = largest, room
+        if self.cap <= 0:
+            return 0
+        if self.consume is None:
+            want = self.start
+        else:
+            want = math.ceil(self.fetch_seconds(largest) / max(self.consume, _MIN_CONSUME) + self.margin)
+        bound = self.cap if room is None else min(self.cap, room)
+        self.current = max(1, min(want, bound))
+        self.peak = max(self.peak, self.current)
+        return self.current
+
+    def stats(self) -> AheadStats:
+        """A snapshot of the estimates and the depth."""
+        return AheadStats(
+            depth=self.current,
+            peak=self.peak,
+            cap=self.cap,
+            room=self.room,
+            fetch_seconds=self.fetch_seconds(self._largest),
+            consume_seconds=self.consume,
+            latency=self.latency,
+            seconds_per_byte=self.seconds_per_byte,
+            downloads=self.downloads,
+            shards=self.shards,
+        )
 
 
 @dataclass
@@ -35,7 +200,8 @@ class ReadAhead:
     """Background fetches of a window of files, in at most ``threads`` daemon threads.
 
     Args:
-        threads: Concurrent fetches at most (0: read-ahead is off).
+        threads: Concurrent fetches at most (0: read-ahead is off); may be changed
+            between calls (the owner sets it to the depth of the window).
         fetch: Brings one file into the cache; errors are left to the reader's own
             acquire, which will meet them again and report them.
     """

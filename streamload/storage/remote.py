@@ -7,9 +7,13 @@ Per process::
       hit:  data/<name>, mtime bumped  -> local path, no remote call
       miss: reserve room (evict LRU unpinned), download to tmp/ (retried, resumed at
             the byte it stopped), verify size + hash, rename into data/
-    prefetch([next files])            -> the same, in `read_ahead` daemon threads, never
-                                         waiting for room (nor pinning: an idle reader's
-                                         pins would starve the others); see .readahead
+    ahead_depth()                     -> how many shards the reader should name ahead now:
+                                         from the measured download and reading times,
+                                         at most `read_ahead` and the cache room (.readahead)
+    prefetch([next files])            -> the same as acquire, in daemon threads (one per
+                                         shard of the window), never waiting for room (nor
+                                         pinning: an idle reader's pins would starve the
+                                         others); see .readahead
     release(entry)                    -> drop the pin: the file becomes evictable
     discard(entry)                    -> a reader found the copy it read corrupt: delete
                                          it (unless it hashes to the entry), so the next
@@ -40,6 +44,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -51,7 +56,7 @@ from .admission import Admission
 from .base import Storage
 from .cache import DEFAULT_WAIT_TIMEOUT, CacheStats, Pin, ShardCache
 from .cachedir import dataset_cache_key, default_cache_dir
-from .readahead import ReadAhead
+from .readahead import AheadDepth, AheadStats, ReadAhead
 from .retry import RetryPolicy
 from .transport import RemoteFiles
 
@@ -66,8 +71,8 @@ __all__ = [
 
 log = logging.getLogger("streamload")
 
-#: Shards each worker downloads ahead of the one it reads.
-DEFAULT_READ_AHEAD = 2
+#: The most shards each process downloads ahead of the one it reads (the depth adapts below it).
+DEFAULT_READ_AHEAD = 8
 #: Smallest workable cache: the shard being read plus the one being fetched.
 MIN_CACHE_SHARDS = 2
 #: Without ``cache_limit``: this fraction of the space the cache could use (free + its own).
@@ -91,7 +96,10 @@ class RemoteStorage(Storage):
             docstring); ``"unbounded"``: none. Must hold at least two of the largest shards
             (with its sidecar), and one per reader on the machine (more are refused at
             once); allow ``(readers + 1)`` for downloads ahead.
-        read_ahead: Shards each process downloads ahead in background threads.
+        read_ahead: The most shards each process downloads ahead in background threads
+            (0: none). The depth adapts below it: enough that the next shard is cached
+            before the reader needs it, from the measured download time of a shard and
+            the time the reader spends on one, within the cache room (see .readahead).
         verify_hash: Hash every download against its entry (size is always checked).
         retry: How transient errors are retried (default: up to 120 s per call).
         wait_timeout: Seconds an acquire waits for other readers to free cache room.
@@ -139,6 +147,9 @@ class RemoteStorage(Storage):
         self._served: dict[str, str | None] = {}  # name -> generation of the copy last handed out
         self._stale: set[str] = set()  # pinned here, but discarded: the next acquire fetches again
         self._ahead = ReadAhead(self.read_ahead, self._fetch_ahead)
+        self._depth = AheadDepth(self.read_ahead)
+        self._blocked = 0.0  # seconds this process's acquires waited for a file to arrive
+        self._largest = 0  # the largest shard (with its sidecar) its readers read
         self._admission = Admission(self.cache, self.url)
 
     def _check_process(self) -> None:
@@ -157,6 +168,12 @@ class RemoteStorage(Storage):
     def stats(self) -> CacheStats:
         """Hits, downloads and bytes downloaded by this process."""
         return self.cache.stats
+
+    @property
+    def ahead_stats(self) -> AheadStats:
+        """This process's read-ahead depth and the estimates it comes from."""
+        with self._lock:
+            return self._depth.stats()
 
     # -- Storage interface -----------------------------------------------------------
 
@@ -217,8 +234,50 @@ class RemoteStorage(Storage):
         """
         if self.limit is None or largest <= 0:
             return None
+        self._largest = max(self._largest, largest)
         share = self.limit // largest // max(1, self._admission.registered())
         return max(1, share // 2 - 1)
+
+    def _ahead_room(self) -> int | None:
+        """Shards ahead this process's share of the limit leaves room for (``None``: no bound).
+
+        The share (the limit divided among the registered readers) less the shards the
+        reader keeps open (:meth:`max_open`) and the one it is about to open: the window
+        is named before that shard is pinned, and a deeper window would make room by
+        evicting it (the least recently used). At least one.
+        """
+        largest = self._largest
+        if self.limit is None or largest <= 0:
+            return None
+        share = self.limit // largest // max(1, self._admission.registered())
+        open_shards = self.max_open(largest) or 1
+        return max(1, share - open_shards - 1)
+
+    def ahead_depth(self) -> int:
+        """Shards the reader should name to :meth:`prefetch` now (0: read-ahead is off).
+
+        ``ceil(fetch time of a shard / reading time of a shard + margin)``, from this
+        process's measurements (see :class:`~streamload.storage.readahead.AheadDepth`), at
+        least 1, at most ``read_ahead`` and the room the cache leaves this reader.
+        """
+        self._check_process()
+        if self.read_ahead <= 0:
+            return 0
+        room = self._ahead_room()
+        with self._lock:
+            before = self._depth.current
+            depth = self._depth.depth(self._largest, room)
+            stats = self._depth.stats() if depth != before else None
+        if stats is not None:
+            log.debug(
+                "read-ahead of %s: %d shard(s) ahead (a shard takes %.3f s to download, %s s to read; room %s)",
+                self.url,
+                depth,
+                stats.fetch_seconds,
+                "?" if stats.consume_seconds is None else f"{stats.consume_seconds:.3f}",
+                "unbounded" if room is None else room,
+            )
+        return depth
 
     # -- admission -------------------------------------------------------------------
 
@@ -230,6 +289,7 @@ class RemoteStorage(Storage):
         """
         self._check_process()
         self._admission.register(largest, self.limit)
+        self._largest = max(self._largest, largest)
 
     def unregister_reader(self) -> None:
         """A reader of this process ended; the last one unregisters the process."""
@@ -271,13 +331,19 @@ class RemoteStorage(Storage):
         return path
 
     def _fill(self, entry: FileEntry) -> str:
-        """Bring ``entry`` into the cache (the caller holds its pin); name its URL in a corruption error."""
+        """Bring ``entry`` into the cache (the caller holds its pin); name its URL in a corruption error.
+
+        The time it takes counts as the reader blocked (not reading), for the read-ahead depth.
+        """
+        began = time.monotonic()
         try:
             path = self.cache.fill(entry, self._downloader(entry), on_wait=lambda: self._ahead.starve(entry.name))
         except CorruptShardError as exc:
             raise CorruptShardError(f"{self._remote.url_of(entry.name)}: {exc}") from exc
         finally:
             self._ahead.fed(entry.name)
+            with self._lock:
+                self._blocked += time.monotonic() - began
         assert path is not None
         return path
 
@@ -321,11 +387,22 @@ class RemoteStorage(Storage):
         return fresh
 
     def prefetch(self, entries: Iterable[FileEntry]) -> None:
-        """Make ``entries`` (in order of use) the read-ahead window; an empty one cancels read-ahead."""
+        """Make ``entries`` (in order of use) the read-ahead window; an empty one cancels read-ahead.
+
+        A reader calls it as it starts each shard it had not open (see
+        :meth:`ahead_depth`): the time between two calls, less the time its acquires
+        waited meanwhile, is how long it spent reading a shard.
+        """
         self._check_process()
+        wanted = list(entries)
         with self._lock:
             held = set(self._pins)
-        self._ahead.want(entries, held)
+            if wanted:
+                self._depth.observe_shard(time.monotonic(), self._blocked)
+                self._ahead.threads = min(self.read_ahead, max(1, self._depth.current))
+            else:
+                self._depth.pause()
+        self._ahead.want(wanted, held)
 
     def _fetch_ahead(self, entry: FileEntry, cancelled: Callable[[], bool]) -> None:
         pin = self.cache.pin(entry.name)
@@ -339,7 +416,11 @@ class RemoteStorage(Storage):
 
     def _downloader(self, entry: FileEntry) -> Callable[[str, Callable[[], bool]], None]:
         def download(part: str, cancelled: Callable[[], bool]) -> None:
-            self._remote.download(entry.name, part, cancelled, self._stop, max_bytes=entry.num_bytes)
+            began = time.monotonic()
+            done = self._remote.download(entry.name, part, cancelled, self._stop, max_bytes=entry.num_bytes)
+            if done == entry.num_bytes and not cancelled():
+                with self._lock:
+                    self._depth.observe_fetch(entry.num_bytes, time.monotonic() - began)
 
         return download
 
