@@ -358,6 +358,19 @@ class TarShardReader(ShardReader):
             if size != self._msize[j] and self._msize[j] < _HEADER_SIZE_LIMIT:  # larger sizes live in PAX records
                 raise CorruptShardError(f"{where} says {size} bytes, the sidecar index says {self._msize[j]}")
 
+    def sample_extents(self, indices: np.ndarray) -> np.ndarray:
+        """Return the ``[start, end)`` byte extents of samples ``indices`` in the shard, as ``int64[n, 2]``.
+
+        A sample's extent runs from its first header to the next sample's first header (its
+        headers, data and padding): every byte :meth:`get` or :meth:`read_groups_into` reads
+        for it. Streaming mode fetches these ranges ahead of a batch.
+        """
+        index = np.asarray(indices, dtype=np.int64)
+        if len(index) and (int(index.min()) < 0 or int(index.max()) >= self.entry.num_samples):
+            raise IndexError(f"{self.entry.name}: sample indices out of range [0, {self.entry.num_samples})")
+        starts = np.frombuffer(self._start, dtype=np.uint64).astype(np.int64)
+        return np.stack([starts[index], starts[index + 1]], axis=1)
+
     def catalog(self) -> tuple[list[str], list[int]]:
         """Return keys and payload sizes from the sidecar index (no member is read)."""
         n = self.entry.num_samples
