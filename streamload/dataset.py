@@ -519,9 +519,14 @@ class StreamingDataset(IterableDataset[Any]):
                 try:
                     batch = collate.read_batch(readers.get, parts)
                 except CorruptShardError as exc:  # a corrupt cached copy: read the batch again from fresh ones
-                    if not readers.recover_any([shard for shard, _ in parts], exc):
+                    shards = [shard for shard, _ in parts]
+                    if not readers.recover_any(shards, exc):
                         raise
-                    batch = collate.read_batch(readers.get, parts)
+                    try:
+                        batch = collate.read_batch(readers.get, parts)
+                    except CorruptShardError as again:  # bad at the source: say so (recover_any raises)
+                        readers.recover_any(shards, again)
+                        raise
             else:
                 batch = collate([s for run in batch_runs for s in self._read_run(readers, run, progress)])
             progress.next_item = int(batch_runs[-1].positions[-1]) + 1

@@ -60,8 +60,8 @@ def coalesce(extents: Sequence[tuple[int, int]], gap: int, max_span: int = MAX_S
     cut into pieces of at most ``max_span``. Empty extents are dropped.
 
     Example:
-        >>> coalesce([(100, 200), (0, 50), (60, 90), (1000, 1100)], gap=20)
-        [(0, 50), (60, 200), (1000, 1100)]
+        >>> coalesce([(100, 200), (0, 50), (60, 90), (1000, 1100)], gap=10)
+        [(0, 200), (1000, 1100)]
     """
     spans: list[tuple[int, int]] = []
     for start, end in sorted(e for e in extents if e[1] > e[0]):
