@@ -474,8 +474,8 @@ class StreamingDataset(IterableDataset[Any]):
 
         Before a batch is yielded, the ranges of the batches after it are requested while
         the bytes fetched and not yet read stay under ``stream_buffer`` (the next batch is
-        always requested); a batch's ranges are dropped once the caller comes back for the
-        next one.
+        always requested; at most two more per batch yielded); a batch's ranges are
+        dropped once the caller comes back for the next one.
         """
         if not readers.streaming:
             yield from batches
@@ -485,7 +485,13 @@ class StreamingDataset(IterableDataset[Any]):
         more = True
         try:
             while True:
-                while more and (not ahead or (readers.fetching() < budget and len(ahead) < _MAX_BATCHES_AHEAD)):
+                # Two batches planned per batch read at most: the look-ahead grows to the budget
+                # over the first batches (planning opens shards), so the first one is not delayed.
+                planned = 0
+                while more and (
+                    not ahead or (planned < 2 and readers.fetching() < budget and len(ahead) < _MAX_BATCHES_AHEAD)
+                ):
+                    planned += 1
                     batch = next(batches, None)
                     if batch is None:
                         more = False

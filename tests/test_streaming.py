@@ -139,7 +139,7 @@ def test_streaming_rides_out_an_outage(s3_server: SeaweedS3, dataset: str, tmp_p
         args: dict[str, Any] = {"storage_options": options, "shuffle": True, "seed": 11}
         ref = StreamingDataset(dataset, cache_dir=str(tmp_path / "ref"), cache="shards", **args)
         reference = _samples(DataLoader(ref, batch_size=None, num_workers=2, multiprocessing_context="fork"))
-        # A small buffer: the workers fetch a unit ahead, so they need the server all along.
+        # A tiny buffer: the workers fetch no unit ahead of the one they read, so they need the server all along.
         ds = StreamingDataset(dataset, cache_dir=str(tmp_path / "s"), cache="none", stream_buffer=1, **args)
         loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=90)
         got: list[tuple[str, bytes]] = []

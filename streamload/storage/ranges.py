@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -46,11 +46,14 @@ _MIB = 1 << 20
 DEFAULT_STREAM_BUFFER = 64 * _MIB
 #: Concurrent GETs of one process.
 DEFAULT_THREADS = 8
-#: Smallest and largest gap merged into one request (the gap is latency x rate between them:
-#: reading the gap costs about what one more request's latency costs).
-MIN_GAP, MAX_GAP = 64 * _KIB, 4 * _MIB
-#: Longest span one GET fetches (a longer extent is cut into several, fetched in parallel).
-MAX_SPAN = 16 * _MIB
+#: Smallest and largest gap merged into one request. The gap chosen is latency x rate
+#: divided by the concurrent GETs: reading it on one connection costs about what one more
+#: request costs while the other connections are busy; a larger one would read mostly
+#: bytes nobody asked for (a shuffled batch takes a few samples from each shard).
+MIN_GAP, MAX_GAP = 64 * _KIB, 1 * _MIB
+#: Smallest and largest span one GET fetches: two latencies' worth of bytes at the
+#: measured rate, so one batch's bytes are spread over several connections.
+MIN_SPAN, MAX_SPAN = 1 * _MIB, 8 * _MIB
 
 
 def coalesce(extents: Sequence[tuple[int, int]], gap: int, max_span: int = MAX_SPAN) -> list[tuple[int, int]]:
@@ -90,12 +93,15 @@ class FetchStats:
         spans: Spans fetched ahead.
         misses: Reads no fetched span covered (each one direct GET per hole).
         bytes: Bytes received.
+        wanted: Bytes of the samples' extents asked for ahead (``bytes / wanted`` is the
+            read amplification of coalescing).
     """
 
     requests: int = 0
     spans: int = 0
     misses: int = 0
     bytes: int = 0
+    wanted: int = 0
 
 
 @dataclass
@@ -124,16 +130,21 @@ class RangeFetcher:
         files: The objects' prefix (its calls are retried).
         threads: Concurrent GETs.
         gap: Gap merged into one request; ``None``: latency x rate of ``files``'
-            measurements, between :data:`MIN_GAP` and :data:`MAX_GAP`.
-        max_span: Longest single GET.
+            measurements over ``threads``, between :data:`MIN_GAP` and :data:`MAX_GAP`.
+        max_span: Longest single GET; ``None``: two latencies at the measured rate,
+            between :data:`MIN_SPAN` and :data:`MAX_SPAN`.
     """
 
     def __init__(
-        self, files: RemoteFiles, threads: int = DEFAULT_THREADS, gap: int | None = None, max_span: int = MAX_SPAN
+        self,
+        files: RemoteFiles,
+        threads: int = DEFAULT_THREADS,
+        gap: int | None = None,
+        max_span: int | None = None,
     ) -> None:
         self.files = files
         self.threads = threads
-        self.max_span = max_span
+        self._max_span = max_span
         self._gap = gap
         self.stats = FetchStats()
         self._lock = threading.Lock()
@@ -150,7 +161,15 @@ class RangeFetcher:
         if self._gap is not None:
             return self._gap
         planner = self.files.planner
-        return int(min(MAX_GAP, max(MIN_GAP, planner.latency * planner.rate)))
+        return int(min(MAX_GAP, max(MIN_GAP, planner.latency * planner.rate / self.threads)))
+
+    @property
+    def max_span(self) -> int:
+        """Longest single GET."""
+        if self._max_span is not None:
+            return self._max_span
+        planner = self.files.planner
+        return int(min(MAX_SPAN, max(MIN_SPAN, 2 * planner.latency * planner.rate)))
 
     @property
     def outstanding(self) -> int:
@@ -163,6 +182,15 @@ class RangeFetcher:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="streamload-range")
             self._pid = os.getpid()
         return self._pool
+
+    def run(self, calls: Sequence[Callable[[], object]]) -> None:
+        """Run ``calls`` on the pool and wait for them (their errors are ignored: the caller meets them again)."""
+        pool = self._executor()
+        for future in [pool.submit(call) for call in calls]:
+            try:
+                future.result()
+            except Exception:  # noqa: BLE001, S110 - the caller's own call raises it again
+                pass
 
     def get(self, name: str, start: int, end: int) -> bytes:
         """One retried GET of ``[start, end)`` of ``name``.
@@ -191,10 +219,12 @@ class RangeFetcher:
         ticket = Ticket()
         if self._closed:
             return ticket
-        gap, pool = self.gap, self._executor()
+        gap, span_cap, pool = self.gap, self.max_span, self._executor()
         for name, size, extents in wanted:
             clipped = [(max(0, a), min(size, b)) for a, b in extents]
-            for start, end in coalesce(clipped, gap, self.max_span):
+            with self._lock:
+                self.stats.wanted += sum(max(0, b - a) for a, b in clipped)
+            for start, end in coalesce(clipped, gap, span_cap):
                 span = _Span(start, end, pool.submit(self.get, name, start, end))
                 ticket.spans.append((name, span))
                 ticket.bytes += end - start
