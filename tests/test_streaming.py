@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
-from streamload import DatasetWriter, StreamingDataset
+from streamload import DatasetWriter, Stream, StreamingDataset
 from streamload._errors import ConfigError, CorruptShardError
 from streamload.batch import RawCollate
-from streamload.storage.ranges import coalesce
+from streamload.storage.ranges import RangeFetcher, coalesce
 from tests.s3server import SeaweedS3
 from tests.shaping import ShapedS3
 
@@ -108,6 +108,62 @@ def test_streaming_ranks_read_what_cached_ranks_read(s3_server: SeaweedS3, datas
         cached = _samples(StreamingDataset(dataset, cache_dir=str(tmp_path / "c"), cache="shards", **args))
         streamed = _samples(StreamingDataset(dataset, cache_dir=str(tmp_path / "s"), cache="none", **args))
         assert streamed == cached and len(streamed) == TOTAL // 2
+
+
+def test_a_mixture_streams_its_remote_stream_only(s3_server: SeaweedS3, dataset: str, tmp_path: Path) -> None:
+    """A bucket stream and a local stream: the bucket one is streamed, the local one read in place; same order."""
+    local = tmp_path / "local"
+    with DatasetWriter(str(local), max_samples=25) as writer:
+        for i in range(50):
+            writer.write({"__key__": f"l{i:03d}", "jpg": _payload(1000 + i), "cls": b"0"})
+    options = s3_server.storage_options()
+    streams = [Stream(dataset, weight=0.75, storage_options=options), Stream(str(local), weight=0.25)]
+
+    def epoch(cache: str) -> list[tuple[str, bytes]]:
+        ds = StreamingDataset(
+            streams, epoch_size=200, shuffle=True, seed=2, cache_dir=str(tmp_path / cache), cache=cache
+        )
+        return _samples(ds)
+
+    cached, streamed = epoch("shards"), epoch("none")
+    assert streamed == cached and len(streamed) == 200
+    assert all(name.endswith(".idx") for name in _cached_files(tmp_path / "none"))
+
+
+def test_streaming_memory_stays_within_the_buffer(
+    s3_server: SeaweedS3, dataset: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bytes fetched ahead and not yet read never pass ``stream_buffer`` plus one batch."""
+    peak = [0]
+    fetch = RangeFetcher.fetch
+
+    def recording(self: RangeFetcher, wanted: Any) -> Any:
+        ticket = fetch(self, wanted)
+        peak[0] = max(peak[0], self.outstanding)
+        return ticket
+
+    monkeypatch.setattr(RangeFetcher, "fetch", recording)
+    budget = 20_000
+    ds = StreamingDataset(
+        dataset,
+        storage_options=s3_server.storage_options(),
+        cache_dir=str(tmp_path),
+        cache="none",
+        stream_buffer=budget,
+        batch_size=16,
+        collate=RawCollate(field="jpg"),
+    )
+    largest_batch = 0
+    for batch in ds:
+        largest_batch = max(largest_batch, int(batch.data.numel()))
+    # One batch's extents hold its headers and labels too: allow twice its payload.
+    assert 0 < peak[0] <= budget + 2 * 2 * largest_batch
+    # Each epoch's fetch threads end with it: more epochs leave no more threads behind.
+    threads = threading.active_count()
+    for _ in range(3):
+        assert sum(len(b) for b in ds) == TOTAL
+    time.sleep(0.5)
+    assert threading.active_count() <= threads
 
 
 def test_a_streaming_epoch_coalesces_its_requests(shaped_s3: ShapedS3, dataset: str, tmp_path: Path) -> None:
