@@ -33,6 +33,8 @@ __all__ = [
     "check_samples_seen",
     "dataset_args",
     "parse_cache_limit",
+    "parse_cache_mode",
+    "parse_stream_buffer",
 ]
 
 #: ``cache_limit`` value for a cache with no bound (``None`` means the default bound).
@@ -42,7 +44,7 @@ MAX_EPOCH = 2**63 - 1
 #: Most shards downloaded ahead per process (one thread each; readers look no further ahead).
 MAX_READ_AHEAD = 64
 #: Options that only matter for a remote dataset (read through the cache).
-_REMOTE_ONLY = ("cache_dir", "cache_limit", "read_ahead", "storage_options")
+_REMOTE_ONLY = ("cache_dir", "cache_limit", "read_ahead", "storage_options", "stream_buffer")
 
 
 def _is_local(url: str) -> bool:
@@ -117,6 +119,41 @@ def parse_cache_limit(value: object) -> int | str | None:
     return limit
 
 
+#: Values of ``cache``: how a remote dataset's shards are read (see ``StreamingDataset``).
+CACHE_MODES = ("auto", "shards", "none")
+
+
+def parse_cache_mode(value: object) -> str:
+    """Return ``cache`` (``"auto"``, ``"shards"`` or ``"none"``).
+
+    Raises:
+        ConfigError: For anything else.
+    """
+    if not isinstance(value, str) or value not in CACHE_MODES:
+        raise ConfigError(
+            f"cache={value!r} must be 'auto' (stream when the cache cannot hold a shuffle window's shards), "
+            "'shards' (download whole shards into the cache) or 'none' (stream samples by ranged GETs)"
+        )
+    return value
+
+
+def parse_stream_buffer(value: object) -> int | None:
+    """Return ``stream_buffer`` in bytes (an integer or a string like ``"128MB"``), or ``None`` (the default).
+
+    Raises:
+        ConfigError: If it is not a positive byte size.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        size = parse_bytes(value, name="stream_buffer")
+    else:
+        size = check_int("stream_buffer", value, low=1)
+    if size <= 0:
+        raise ConfigError(f"stream_buffer={value!r} must be positive")
+    return size
+
+
 #: ``shuffle, seed, drop_last, shuffle_window, batch_size, rank, world_size, read_ahead``, normalized.
 DatasetArgs = tuple[bool, int, bool, "int | None", "int | None", "int | None", "int | None", "int | None"]
 
@@ -157,6 +194,8 @@ def dataset_args(args: Mapping[str, Any]) -> DatasetArgs:
     if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
         raise ConfigError(f"cache_dir={cache_dir!r} must be a path or None")
     parse_cache_limit(args.get("cache_limit"))
+    parse_cache_mode(args.get("cache", "auto"))
+    parse_stream_buffer(args.get("stream_buffer"))
     _warn_remote_only(args)
     return shuffle, seed, drop_last, window, batch_size, rank, world_size, read_ahead
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
@@ -32,7 +34,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from ._errors import ConfigError, CorruptShardError, PlanError, SampleError, StreamloadError
-from ._validate import check_epoch, check_samples_seen, dataset_args
+from ._validate import check_epoch, check_samples_seen, dataset_args, parse_cache_mode, parse_stream_buffer
 from .formats import Format, Sample, ShardReader
 from .manifest import Manifest, ShardEntry
 from .plan import (
@@ -48,8 +50,9 @@ from .plan import (
     samples_per_rank,
 )
 from .plan.state import EpochState, WorkerPosition
-from .shards import StorageConfig
+from .shards import CacheMode, StorageConfig
 from .storage import Storage
+from .storage.ranges import DEFAULT_STREAM_BUFFER
 from .streams import MixedSource, Mixture, StreamSource
 
 __all__ = ["StreamingDataset"]
@@ -67,6 +70,11 @@ _OPEN_READERS = 8
 _MAX_OPEN_READERS = 64
 #: A mixture's readers per stream, at least (each stream is read shard after shard).
 _STREAM_READERS = 2
+#: Streaming mode: planned batches whose ranges are fetched ahead, at most (the byte
+#: budget, ``stream_buffer``, usually binds first), and samples per prefetch unit when
+#: samples are yielded one by one.
+_MAX_BATCHES_AHEAD = 32
+_SAMPLE_UNIT = 64
 
 OnError = Literal["raise", "skip"]
 
@@ -103,8 +111,23 @@ class StreamingDataset(IterableDataset[Any]):
         cache_limit: Cache size bound, bytes or a string like ``"20GB"`` (remote URLs;
             at least twice the largest shard; default: half of the space the cache could
             use, logged once; ``"unbounded"`` for no bound).
-        read_ahead: Shards each worker downloads ahead of its reads in background
-            threads (remote URLs; default 2; 0 turns read-ahead off).
+        read_ahead: At most this many shards each worker downloads ahead of its reads
+            in background threads (remote URLs, cached mode; default 8; the depth adapts
+            to the measured download and reading times within it and the cache room;
+            0 turns read-ahead off).
+        cache: How a remote dataset's shards are read. ``"shards"``: each shard is
+            downloaded whole into the cache, verified, and read locally. ``"none"``
+            (streaming mode, tar shards with sidecars only): only the sidecars are
+            cached; each planned batch's samples are read straight from the bucket by
+            coalesced ranged GETs, fetched several batches ahead, every sample's
+            checksum checked; no shard is ever written to disk. ``"auto"`` (default):
+            stream when the cache limit cannot hold the shards one shuffle window spans
+            for every reader of the machine (or two of the largest shards), else cache.
+            LMDB and HDF5 datasets are always cached (``"none"`` is a ``ConfigError``
+            for them). See ``docs/remote.md``.
+        stream_buffer: Streaming mode: bytes of ranges each worker fetches ahead of its
+            reads (an int or a string like ``"256MB"``; default 64 MiB). At least one
+            batch is always fetched whole.
         on_error: ``"raise"`` (default): a sample or shard that fails to read or
             transform raises an error naming the dataset URL, shard, key and field.
             ``"skip"``: it is counted (:attr:`skipped_samples`, shared with the workers),
@@ -174,6 +197,8 @@ class StreamingDataset(IterableDataset[Any]):
         cache_dir: str | None = None,
         cache_limit: int | str | None = None,
         read_ahead: int | None = None,
+        cache: CacheMode = "auto",
+        stream_buffer: int | str | None = None,
         on_error: OnError = "raise",
     ) -> None:
         super().__init__()
@@ -197,8 +222,10 @@ class StreamingDataset(IterableDataset[Any]):
         self.cache_dir = cache_dir
         self.cache_limit = cache_limit
         self.read_ahead = read_ahead
+        self.cache: CacheMode = parse_cache_mode(cache)  # type: ignore[assignment]
+        self.stream_buffer = parse_stream_buffer(stream_buffer)
         Split(seed=seed, window=shuffle_window, chunk=batch_size)  # validate early
-        config = StorageConfig(self.storage_options, cache_dir, cache_limit, read_ahead)
+        config = StorageConfig(self.storage_options, cache_dir, cache_limit, read_ahead, self.cache, self.stream_buffer)
         #: The datasets read and each one's samples per epoch (one for a plain URL).
         self.streams: Mixture = Mixture.open(source, epoch_size, config)
         self.epoch_size = epoch_size
@@ -404,18 +431,82 @@ class StreamingDataset(IterableDataset[Any]):
 
     def _iter_plan(self, plan: EpochPlan, world: World, progress: _Progress) -> Iterator[Any]:
         self._commit_epoch(world.worker)
-        readers = self.streams.source(self._get_storages(), self._readers_needed(plan))
+        storages = self._get_storages()
+        readers = self.streams.source(storages, self._readers_needed(plan), self._streaming(plan, world, storages))
         start, first = progress.next_item, progress.first
         try:
             runs = readers.read_ahead(plan.runs(world, start, first), plan.worker_shards(world, start, first))
             if self.collate is not None:
                 yield from self._read_batches(readers, runs, progress)
+            elif readers.streaming:  # samples one by one, their ranges fetched a unit ahead
+                from .batch import group_runs
+
+                for unit in self._fetch_ahead(readers, group_runs(runs, min(progress.chunk, _SAMPLE_UNIT))):
+                    for run in unit:
+                        yield from self._read_run(readers, run, progress)
             else:
                 for run in runs:
                     yield from self._read_run(readers, run, progress)
             yield from progress.substitute.finish()
         finally:
             readers.close()
+
+    def _streaming(self, plan: EpochPlan, world: World, storages: list[Storage]) -> list[bool]:
+        """Per stream: read its shards by ranged GETs (``cache="none"``, or ``"auto"`` when the cache is too small).
+
+        ``"auto"`` compares the cache limit with the shards this machine's readers keep
+        open at once: the shards one shuffle window spans (one without shuffling) times the
+        DataLoader workers and the ranks of the node (``LOCAL_WORLD_SIZE``).
+        """
+        readers = max(1, world.num_workers) * _local_ranks()
+        mix = self.streams
+        out = []
+        for ref, storage, count in zip(mix.refs, storages, mix.counts, strict=True):
+            shards = ref.manifest.shards
+            window = 1
+            if self.shuffle and shards and mix.total:
+                mean = max(1.0, ref.manifest.num_samples / len(shards))
+                share = plan.window * count / mix.total
+                window = min(_MAX_OPEN_READERS, math.ceil(share / mean) + 1)
+            out.append(ref.streams(storage, readers * window))
+        return out
+
+    def _fetch_ahead(self, readers: MixedSource, batches: Iterator[list[Run]]) -> Iterator[list[Run]]:
+        """Streaming mode: pass planned batches through, their byte ranges fetched ahead.
+
+        Before a batch is yielded, the ranges of the batches after it are requested while
+        the bytes fetched and not yet read stay under ``stream_buffer`` (the next batch is
+        always requested; at most two more per batch yielded); a batch's ranges are
+        dropped once the caller comes back for the next one.
+        """
+        if not readers.streaming:
+            yield from batches
+            return
+        budget = self.stream_buffer or DEFAULT_STREAM_BUFFER
+        ahead: deque[tuple[list[Run], Any]] = deque()
+        more = True
+        try:
+            while True:
+                # Two batches planned per batch read at most: the look-ahead grows to the budget
+                # over the first batches (planning opens shards), so the first one is not delayed.
+                planned = 0
+                while more and (
+                    not ahead or (planned < 2 and readers.fetching() < budget and len(ahead) < _MAX_BATCHES_AHEAD)
+                ):
+                    planned += 1
+                    batch = next(batches, None)
+                    if batch is None:
+                        more = False
+                        break
+                    ahead.append((batch, readers.fetch_ahead(batch)))
+                if not ahead:
+                    return
+                batch, tickets = ahead.popleft()
+                yield batch
+                readers.forget(tickets)
+        finally:
+            for _, tickets in ahead:
+                readers.forget(tickets)
 
     def _read_batches(self, readers: MixedSource, runs: Iterator[Run], progress: _Progress) -> Iterator[Any]:
         """With ``collate``: one collated batch per planned batch (see :mod:`streamload.batch`).
@@ -429,16 +520,21 @@ class StreamingDataset(IterableDataset[Any]):
         collate = self.collate
         assert collate is not None
         direct = isinstance(collate, BatchReader) and self.transform is None and self.on_error == "raise"
-        for batch_runs in group_runs(runs, progress.chunk):
+        for batch_runs in self._fetch_ahead(readers, group_runs(runs, progress.chunk)):
             if direct:
                 assert isinstance(collate, BatchReader)
                 parts = [(run.shard, run.locals) for run in batch_runs]
                 try:
                     batch = collate.read_batch(readers.get, parts)
                 except CorruptShardError as exc:  # a corrupt cached copy: read the batch again from fresh ones
-                    if not readers.recover_any([shard for shard, _ in parts], exc):
+                    shards = [shard for shard, _ in parts]
+                    if not readers.recover_any(shards, exc):
                         raise
-                    batch = collate.read_batch(readers.get, parts)
+                    try:
+                        batch = collate.read_batch(readers.get, parts)
+                    except CorruptShardError as again:  # bad at the source: say so (recover_any raises)
+                        readers.recover_any(shards, again)
+                        raise
             else:
                 batch = collate([s for run in batch_runs for s in self._read_run(readers, run, progress)])
             progress.next_item = int(batch_runs[-1].positions[-1]) + 1
@@ -610,6 +706,14 @@ class StreamingDataset(IterableDataset[Any]):
             f"StreamingDataset({self.source!r}, format={self.manifest.format!r}, "
             f"samples={self.num_samples}, shards={len(self.manifest.shards)}, shuffle={self.shuffle})"
         )
+
+
+def _local_ranks() -> int:
+    """Ranks of this node (``LOCAL_WORLD_SIZE``, as torchrun sets it; 1 when unset or unreadable)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def _raise_located(exc: StreamloadError, source: str, entry: ShardEntry) -> NoReturn:

@@ -15,6 +15,14 @@ Everything that reads shards goes through here: :class:`~streamload.StreamingDat
 The storage is told what each file must be (size, digest, algorithm: the manifest's
 entries); it never reads the manifest itself. See ``docs/design.md#storage-and-the-cache``.
 
+Streaming mode (``cache="none"``, or ``"auto"`` when the cache cannot hold what a
+shuffle window needs): a remote tar shard is not downloaded; only its sidecar is cached
+(verified by its manifest hash), and its reader reads the shard's bytes through a
+:class:`~streamload.storage.ranges.StreamedFile`, served from the byte ranges fetched
+ahead for the planned batches (:meth:`ShardSource.fetch_ahead`). A sample that fails its
+checksum drops the shard's fetched ranges and is read once more from the bucket; bad
+again, the shard is bad at its source.
+
 Corrupt cached copies. A remote dataset's files are local *copies* (a :class:`CachedCopies`
 storage); one can go bad on disk after it was verified, and the format reader's checksums
 find it. Then :meth:`ShardSource.recover` (while reading) and :meth:`ShardSource.get` (when
@@ -28,18 +36,35 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
-from ._errors import CorruptShardError, StreamloadError
+import numpy as np
+
+from ._errors import ConfigError, CorruptShardError, StreamloadError
 from ._files import FileEntry
+from ._units import format_bytes
+from ._validate import CACHE_MODES
 from .formats import Format, ShardReader, get_format
+from .formats.tar import TarShardReader
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardEntry
 from .plan import Run
 from .storage import Storage, open_storage
+from .storage.ranges import DEFAULT_THREADS, RangeFetcher, StreamedFile, Ticket
+from .storage.retry import RetryPolicy
+from .storage.transport import RemoteFiles
 
-__all__ = ["CachedCopies", "DatasetRef", "ShardSource", "StorageConfig", "load_manifest"]
+__all__ = [
+    "CACHE_MODES",
+    "CacheMode",
+    "CachedCopies",
+    "DatasetRef",
+    "ShardSource",
+    "StorageConfig",
+    "can_stream",
+    "load_manifest",
+]
 
 log = logging.getLogger("streamload")
 
@@ -47,6 +72,24 @@ log = logging.getLogger("streamload")
 DEFAULT_OPEN_READERS = 8
 #: How many shard changes ahead a reader looks for shards to name to the read-ahead.
 _READ_AHEAD_SCAN = 64
+#: Shard readers a streaming reader keeps open at least (each holds only its sidecar).
+_STREAMING_READERS = 64
+
+#: How remote shards are read: ``"shards"`` downloads each whole into the cache;
+#: ``"none"`` streams tar samples by ranged GETs (only sidecars are cached); ``"auto"``
+#: streams when the cache cannot hold the shards a shuffle window needs, else caches.
+CacheMode = Literal["auto", "shards", "none"]
+#: Datasets whose "auto" choice this process logged already.
+_LOGGED_AUTO: set[str] = set()
+
+
+def can_stream(manifest: Manifest) -> bool:
+    """True if the dataset's shards can be read by ranges: tar, every shard with its sidecar."""
+    return manifest.format == "tar" and all(s.sidecar is not None for s in manifest.shards)
+
+
+def _largest_sidecar(manifest: Manifest) -> int:
+    return max((s.sidecar.num_bytes for s in manifest.shards if s.sidecar is not None), default=0)
 
 
 @dataclass(frozen=True)
@@ -59,12 +102,18 @@ class StorageConfig:
         cache_limit: Cache size bound (bytes or a string like ``"20GB"``; ``None``: the
             default bound, ``"unbounded"``: none; see :mod:`streamload.storage.remote`).
         read_ahead: Shards downloaded ahead per process (``None``: the default).
+        cache: How remote shards are read (:data:`CacheMode`); ``"shards"`` for
+            everything but training, which streams only when asked or needed.
+        stream_buffer: Streaming mode: bytes of ranges each process fetches ahead
+            (``None``: :data:`~streamload.storage.ranges.DEFAULT_STREAM_BUFFER`).
     """
 
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     cache_dir: str | None = None
     cache_limit: int | str | None = None
     read_ahead: int | None = None
+    cache: CacheMode = "shards"
+    stream_buffer: int | None = None
 
     def open(self, url: str) -> Storage:
         """Return a new storage for the dataset at ``url`` in this process."""
@@ -136,7 +185,8 @@ class DatasetRef:
         storage = config.open(url)
         try:
             manifest = load_manifest(storage, url)
-            storage.check_capacity(manifest.largest_shard_bytes)
+            config = _choose_mode(url, manifest, storage, config)
+            storage.check_capacity(_largest_cached(manifest, config))
             if config.cache_limit is None and isinstance(storage, CachedCopies) and storage.default_limit:
                 # The default bound, chosen once here: every worker and rank gets the same number.
                 config = replace(config, cache_limit=storage.default_limit)
@@ -153,12 +203,84 @@ class DatasetRef:
     def open_storage(self) -> Storage:
         """Return a new storage for this dataset's files, in this process."""
         storage = self.config.open(self.url)
-        storage.check_capacity(self.manifest.largest_shard_bytes)
+        storage.check_capacity(_largest_cached(self.manifest, self.config))
         return storage
+
+    def streams(self, storage: Storage, shards_at_once: int) -> bool:
+        """Whether this process reads the shards by ranges (streaming mode) rather than through the cache.
+
+        Args:
+            storage: This process's storage of the dataset.
+            shards_at_once: Shards the readers of this machine keep open at once (the
+                shards one shuffle window spans, times the readers); ``"auto"`` streams
+                when the cache limit cannot hold that many of the largest shards.
+        """
+        if not isinstance(storage, CachedCopies):
+            return False  # a local dataset is read in place
+        mode = self.config.cache
+        if mode == "none":
+            return True
+        if mode == "shards" or not can_stream(self.manifest):
+            return False
+        limit = getattr(storage, "limit", None)
+        need = shards_at_once * self.manifest.largest_shard_bytes
+        if limit is None or need <= limit:
+            return False
+        _log_auto(
+            self.url,
+            f"{shards_at_once} shards open at once (a shuffle window's shards x the readers of this machine) "
+            f"need {format_bytes(need)}, more than cache_limit={format_bytes(limit)}",
+        )
+        return True
 
     def where(self, entry: ShardEntry) -> str:
         """Return ``<url>/<shard name>`` for messages."""
         return f"{self.url.rstrip('/')}/{entry.name}"
+
+
+def _log_auto(url: str, why: str) -> None:
+    if url not in _LOGGED_AUTO:
+        _LOGGED_AUTO.add(url)
+        log.info(
+            '%s: cache="auto" streams samples by ranged GETs (only sidecars are cached): %s; '
+            'pass cache="shards" to cache whole shards anyway',
+            url,
+            why,
+        )
+
+
+def _choose_mode(url: str, manifest: Manifest, storage: Storage, config: StorageConfig) -> StorageConfig:
+    """Check ``config.cache`` against the dataset; ``"auto"`` becomes ``"none"`` where caching cannot work.
+
+    Raises:
+        ConfigError: ``cache="none"`` for a remote dataset whose shards cannot be streamed.
+    """
+    remote = isinstance(storage, CachedCopies)
+    if config.cache not in CACHE_MODES:
+        raise ConfigError(f"cache={config.cache!r} must be one of {', '.join(map(repr, CACHE_MODES))}")
+    if config.cache == "none" and remote and not can_stream(manifest):
+        what = f"{manifest.format} shards" if manifest.format != "tar" else "tar shards without sidecars"
+        raise ConfigError(
+            f'cache="none" cannot stream {url}: its {what} cannot be read by byte ranges (only tar shards '
+            'with sidecars can; build them with `streamload index`); use cache="shards" or "auto"'
+        )
+    if config.cache == "auto" and remote:
+        if not can_stream(manifest):
+            return config
+        from .storage.remote import MIN_CACHE_SHARDS
+
+        limit = getattr(storage, "limit", None)
+        need = MIN_CACHE_SHARDS * manifest.largest_shard_bytes
+        if limit is not None and limit < need:
+            two = f"cache_limit={format_bytes(limit)} cannot hold two of the largest shards ({format_bytes(need)})"
+            _log_auto(url, two)
+            return replace(config, cache="none")
+    return config
+
+
+def _largest_cached(manifest: Manifest, config: StorageConfig) -> int:
+    """The largest set of files a reader keeps in the cache: a shard with its sidecar, or a sidecar when streaming."""
+    return _largest_sidecar(manifest) if config.cache == "none" else manifest.largest_shard_bytes
 
 
 class ShardSource:
@@ -169,10 +291,17 @@ class ShardSource:
         storage: Where its files come from (see :meth:`DatasetRef.open_storage`).
         capacity: Readers kept open at most (fewer if a bounded cache cannot pin that many).
         own_storage: Close ``storage`` in :meth:`close`.
+        streaming: Read the shards by ranged GETs instead of downloading them (see
+            :meth:`DatasetRef.streams`; tar shards of a remote dataset only). Only the
+            sidecars go through the cache.
+        stream_buffer: Streaming: bytes of ranges fetched ahead (the caller's budget, see
+            :meth:`fetch_ahead`).
 
     Attributes:
         opens: How many times a shard was opened (a reader built).
-        recovered: Shards whose corrupt cached copies were dropped and fetched again.
+        recovered: Shards whose corrupt cached copies were dropped and fetched again
+            (streaming: whose fetched ranges were dropped and read again).
+        fetcher: Streaming: the ranges fetched ahead (its ``stats`` count the GETs), else ``None``.
 
     Raises:
         CacheError: If the storage's cache cannot admit one more reader (see
@@ -180,7 +309,13 @@ class ShardSource:
     """
 
     def __init__(
-        self, ref: DatasetRef, storage: Storage, capacity: int = DEFAULT_OPEN_READERS, *, own_storage: bool = False
+        self,
+        ref: DatasetRef,
+        storage: Storage,
+        capacity: int = DEFAULT_OPEN_READERS,
+        *,
+        own_storage: bool = False,
+        streaming: bool = False,
     ) -> None:
         self.ref = ref
         self.storage = storage
@@ -191,11 +326,30 @@ class ShardSource:
         self._format = ref.format
         self._open: OrderedDict[int, ShardReader] = OrderedDict()
         self._copies = storage if isinstance(storage, CachedCopies) else None
+        self.streaming = streaming and self._copies is not None
+        if self.streaming and not can_stream(ref.manifest):
+            raise ConfigError(f"{ref.url}: {ref.manifest.format} shards cannot be streamed by byte ranges")
+        self.fetcher: RangeFetcher | None = None
+        if self.streaming:
+            options = dict(ref.config.storage_options)
+            if ref.url.startswith(("s3://", "s3a://")):  # botocore pools 10 connections: too few for the GETs
+                config = dict(options.get("config_kwargs") or {})
+                config.setdefault("max_pool_connections", 2 * DEFAULT_THREADS)
+                options["config_kwargs"] = config
+            files = RemoteFiles(ref.url, options, RetryPolicy())
+            self.fetcher = RangeFetcher(files)  # its threads start with the first fetch
         if self._copies is not None:
-            self._copies.register_reader(ref.manifest.largest_shard_bytes)
+            self._copies.register_reader(self._largest_cached)
         self.capacity = self._capacity()
 
+    @property
+    def _largest_cached(self) -> int:
+        manifest = self.ref.manifest
+        return _largest_sidecar(manifest) if self.streaming else manifest.largest_shard_bytes
+
     def _capacity(self) -> int:
+        if self.streaming:  # a reader holds a sidecar (cached, small) and no shard
+            return max(self._wanted, _STREAMING_READERS)
         bound = self.storage.max_open(self.ref.manifest.largest_shard_bytes)
         return max(1, self._wanted if bound is None else min(self._wanted, bound))
 
@@ -245,9 +399,13 @@ class ShardSource:
     def acquire(self, shard: int) -> tuple[str, str | None]:
         """Acquire ``shard``'s files from the storage; return local ``(shard path, sidecar path)``.
 
-        Each acquire must be paired with :meth:`release`.
+        Each acquire must be paired with :meth:`release`. Streaming, only the sidecar is
+        acquired; the shard's "path" is its URL (named in messages).
         """
         entry = self.ref.manifest.shards[shard]
+        if self.streaming:
+            assert entry.sidecar is not None
+            return self.ref.where(entry), self.storage.acquire(entry.sidecar)
         path = self.storage.acquire(entry)
         try:
             sidecar = self.storage.acquire(entry.sidecar) if entry.sidecar else None
@@ -258,14 +416,74 @@ class ShardSource:
 
     def release(self, shard: int) -> None:
         """Release ``shard``'s files (after its reader was closed)."""
-        for entry in self.ref.manifest.shards[shard].files:
-            self.storage.release(entry)
+        entry = self.ref.manifest.shards[shard]
+        if self.streaming:
+            if entry.sidecar is not None:
+                self.storage.release(entry.sidecar)
+            return
+        for file in entry.files:
+            self.storage.release(file)
 
     def open_reader(self, shard: int, path: str, sidecar: str | None) -> ShardReader:
         """Build the format's reader over acquired files (not kept in the LRU)."""
-        reader = self._format.reader(path, self.ref.manifest.shards[shard], sidecar)
+        entry = self.ref.manifest.shards[shard]
+        if self.fetcher is not None:
+            source = StreamedFile(self.fetcher, entry.name, entry.num_bytes)
+            # No header reads at open (two round trips): the samples' checksums catch a mismatch.
+            reader: ShardReader = TarShardReader(path, entry, sidecar, source=source, check_headers=False)
+        else:
+            reader = self._format.reader(path, entry, sidecar)
         self.opens += 1
         return reader
+
+    # -- streaming: ranges fetched ahead -------------------------------------------------
+
+    def fetch_ahead(self, parts: Iterable[tuple[int, np.ndarray]]) -> Ticket | None:
+        """Streaming: start fetching the byte ranges of a planned batch's samples (``(shard, locals)``).
+
+        Opens the shards' readers (their sidecars) to learn the samples' extents. A shard
+        that cannot be opened is left out: its error comes when the batch is read.
+        Returns the ticket to :meth:`forget` once the batch was read (``None``: not streaming).
+        """
+        fetcher = self.fetcher
+        if fetcher is None:
+            return None
+        by_shard: dict[int, list[np.ndarray]] = {}
+        for shard, locals_ in parts:
+            by_shard.setdefault(shard, []).append(np.asarray(locals_, dtype=np.int64))
+        self._warm_sidecars([s for s in by_shard if s not in self._open])
+        wanted: list[tuple[str, int, list[tuple[int, int]]]] = []
+        for shard, chunks in by_shard.items():
+            try:
+                reader = self.get(shard)
+            except StreamloadError:
+                continue
+            assert isinstance(reader, TarShardReader)
+            extents = reader.sample_extents(np.concatenate(chunks) if len(chunks) > 1 else chunks[0])
+            entry = self.ref.manifest.shards[shard]
+            wanted.append((entry.name, entry.num_bytes, [(int(a), int(b)) for a, b in extents.tolist()]))
+        return fetcher.fetch(wanted)
+
+    def _warm_sidecars(self, shards: list[int]) -> None:
+        """Bring the sidecars of several shards about to open into the cache at once (one round trip, not one each)."""
+        if len(shards) < 2 or self.fetcher is None:
+            return
+        storage = self.storage
+        sidecars = [e.sidecar for e in (self.ref.manifest.shards[s] for s in shards) if e.sidecar is not None]
+
+        def warm(entry: FileEntry) -> Callable[[], None]:
+            def call() -> None:
+                storage.acquire(entry)
+                storage.release(entry)  # cached, unpinned: the reader's own acquire pins it
+
+            return call
+
+        self.fetcher.run([warm(entry) for entry in sidecars])
+
+    def forget(self, ticket: Ticket | None) -> None:
+        """Drop the ranges fetched for a batch that was read (see :meth:`fetch_ahead`)."""
+        if ticket is not None and self.fetcher is not None:
+            self.fetcher.forget(ticket)
 
     # -- corrupt cached copies ---------------------------------------------------------
 
@@ -330,6 +548,8 @@ class ShardSource:
         """
         if self._copies is None or not isinstance(error, CorruptShardError):
             return []
+        if self.fetcher is not None:
+            return self._reread(shards, error)
         dropped: list[int] = []
         bad: list[str] = []
         for shard in shards:
@@ -356,6 +576,29 @@ class ShardSource:
                 ", ".join(files),
                 self.storage.describe(),
             )
+        if not dropped and bad:
+            raise CorruptShardError("; ".join(bad)) from error
+        return dropped
+
+    def _reread(self, shards: Iterable[int], error: CorruptShardError) -> list[int]:
+        """Streaming: drop the fetched ranges (and a corrupt cached sidecar) of ``shards``, once per shard."""
+        assert self.fetcher is not None and self._copies is not None
+        dropped: list[int] = []
+        bad: list[str] = []
+        for shard in shards:
+            entry = self.ref.manifest.shards[shard]
+            if shard in self.recovered:
+                bad.append(
+                    f"{self.ref.where(entry)}: {error} (read again from the bucket after the first read failed: "
+                    "the shard is bad at its source)"
+                )
+                continue
+            self.recovered.add(shard)
+            self.fetcher.drop(entry.name)
+            if entry.sidecar is not None:
+                self._copies.discard(entry.sidecar)  # only if its copy no longer hashes to its entry
+            dropped.append(shard)
+            log.warning("%s: %s; reading its bytes from the bucket again", self.ref.where(entry), error)
         if not dropped and bad:
             raise CorruptShardError("; ".join(bad)) from error
         return dropped
@@ -405,6 +648,8 @@ class ShardSource:
 
     def close(self) -> None:
         """Close every reader, release its files, cancel read-ahead and unregister (and close an owned storage)."""
+        if self.fetcher is not None:
+            self.fetcher.close()
         try:
             while self._open:
                 shard, reader = self._open.popitem()

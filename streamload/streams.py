@@ -30,6 +30,7 @@ from .manifest import ShardEntry
 from .plan import Layout, MixLayout, Run, Split, epoch_counts, mixture_fingerprint
 from .shards import DatasetRef, ShardSource, StorageConfig
 from .storage import Storage
+from .storage.ranges import Ticket
 
 __all__ = ["MixedSource", "Mixture", "ShardInfo", "Stream", "StreamSource"]
 
@@ -97,6 +98,8 @@ class Stream:
             defaults.cache_dir if self.cache_dir is None else self.cache_dir,
             defaults.cache_limit if self.cache_limit is None else self.cache_limit,
             defaults.read_ahead if self.read_ahead is None else self.read_ahead,
+            defaults.cache,
+            defaults.stream_buffer,
         )
 
 
@@ -207,9 +210,11 @@ class Mixture:
             raise
         return storages
 
-    def source(self, storages: Sequence[Storage], capacities: Sequence[int]) -> MixedSource:
-        """Return this process's shard readers over ``storages`` (one per stream)."""
-        return MixedSource(self, storages, capacities)
+    def source(
+        self, storages: Sequence[Storage], capacities: Sequence[int], streaming: Sequence[bool] | None = None
+    ) -> MixedSource:
+        """Return this process's shard readers over ``storages`` (one per stream; ``streaming``: which by ranges)."""
+        return MixedSource(self, storages, capacities, streaming)
 
     def describe(self) -> str:
         """Return the streams' URLs (one URL for a single dataset)."""
@@ -280,14 +285,26 @@ class MixedSource:
         mixture: The streams.
         storages: One storage per stream (:meth:`Mixture.open_storages`); closed by :meth:`close`.
         capacities: Readers kept open per stream.
+        streaming: Per stream, read its shards by ranged GETs (see :class:`~streamload.shards.ShardSource`).
     """
 
-    def __init__(self, mixture: Mixture, storages: Sequence[Storage], capacities: Sequence[int]) -> None:
+    def __init__(
+        self,
+        mixture: Mixture,
+        storages: Sequence[Storage],
+        capacities: Sequence[int],
+        streaming: Sequence[bool] | None = None,
+    ) -> None:
         self.mixture = mixture
-        self.sources = [
-            ShardSource(ref, storage, capacity)
-            for ref, storage, capacity in zip(mixture.refs, storages, capacities, strict=True)
-        ]
+        modes = list(streaming) if streaming is not None else [False] * len(mixture.refs)
+        self.sources: list[ShardSource] = []
+        try:
+            for ref, storage, capacity, streams in zip(mixture.refs, storages, capacities, modes, strict=True):
+                self.sources.append(ShardSource(ref, storage, capacity, streaming=streams))
+        except BaseException:
+            for src in self.sources:
+                src.close()
+            raise
         self._offsets = mixture.offsets
         self._single = len(self.sources) == 1
         self._info: dict[int, ShardInfo] = {}
@@ -345,16 +362,43 @@ class MixedSource:
             refetched = self.sources[s].recover_any(locals_, error) or refetched
         return refetched
 
+    @property
+    def streaming(self) -> bool:
+        """True if some stream is read by ranged GETs (see :meth:`fetch_ahead`)."""
+        return any(src.streaming for src in self.sources)
+
+    def fetching(self) -> int:
+        """Bytes of ranges fetched ahead and not forgotten yet, all streams."""
+        return sum(src.fetcher.outstanding for src in self.sources if src.fetcher is not None)
+
+    def fetch_ahead(self, runs: Sequence[Run]) -> list[tuple[int, Ticket | None]]:
+        """Streaming: start fetching the byte ranges of a planned batch's ``runs``; return the tickets to forget."""
+        by_stream: dict[int, list[tuple[int, Any]]] = {}
+        for run in runs:
+            s, local = self.locate(run.shard)
+            if self.sources[s].streaming:
+                by_stream.setdefault(s, []).append((local, run.locals))
+        return [(s, self.sources[s].fetch_ahead(parts)) for s, parts in by_stream.items()]
+
+    def forget(self, tickets: Iterable[tuple[int, Ticket | None]]) -> None:
+        """Drop the ranges of a batch that was read (see :meth:`fetch_ahead`)."""
+        for s, ticket in tickets:
+            self.sources[s].forget(ticket)
+
     def read_ahead(self, runs: Iterator[Run], ahead: Iterator[int]) -> Iterator[Run]:
         """Pass ``runs`` through, naming each remote stream's next shards to its storage's read-ahead.
 
         ``ahead`` yields the plan's shards, one per change of shard in ``runs`` (see
-        :meth:`ShardSource.read_ahead`); it is split per stream.
+        :meth:`ShardSource.read_ahead`); it is split per stream. Streams read by ranges
+        download no shard ahead (their batches' ranges are fetched ahead instead).
         """
         if self._single:
-            yield from self.sources[0].read_ahead(runs, ahead)
+            if self.sources[0].streaming:
+                yield from runs
+            else:
+                yield from self.sources[0].read_ahead(runs, ahead)
             return
-        remote = {s for s, src in enumerate(self.sources) if src.storage.read_ahead > 0}
+        remote = {s for s, src in enumerate(self.sources) if src.storage.read_ahead > 0 and not src.streaming}
         if not remote:
             yield from runs
             return

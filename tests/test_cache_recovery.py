@@ -368,7 +368,9 @@ def test_more_readers_than_the_smallest_cache_holds_fail_at_once(
     third would wait for the others' room until the 300 s wait ran out. It fails at once."""
     options = s3_server.storage_options()
     limit = 2 * _largest(s3_url, storage_options=options)
-    ds = StreamingDataset(s3_url, storage_options=options, cache_dir=str(tmp_path), cache_limit=limit)
+    ds = StreamingDataset(  # whole shards cached (cache="auto" would stream: 3 readers need 3 shards)
+        s3_url, storage_options=options, cache_dir=str(tmp_path), cache_limit=limit, cache="shards"
+    )
     loader = DataLoader(ds, batch_size=None, num_workers=3, multiprocessing_context="fork", timeout=100)
     started = time.monotonic()
     with pytest.raises(CacheError, match=r"3 readers share the cache .* cache_limit=") as info:
@@ -474,7 +476,7 @@ def test_the_default_bound_holds_at_least_two_of_the_largest_shards_and_is_enfor
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 1000, 1000))
     with caplog.at_level(logging.INFO, logger="streamload"):
-        ds = StreamingDataset(memory_url, cache_dir=str(tmp_path))
+        ds = StreamingDataset(memory_url, cache_dir=str(tmp_path), cache="shards")  # "auto" would stream
     assert "less than the" in caplog.text and "two of the largest shards need" in caplog.text
     largest = ds.manifest.largest_shard_bytes
     assert ds._get_storages()[0].limit == 2 * largest  # type: ignore[attr-defined]

@@ -264,8 +264,14 @@ def test_cache_limit_of_three_shards_is_never_exceeded(
     options = s3_server.storage_options()
     limit = 3 * _largest(bucket_dataset, options)
     cache = tmp_path / "small-cache"
-    ds = StreamingDataset(
-        bucket_dataset, storage_options=options, cache_dir=str(cache), cache_limit=limit, shuffle=True, seed=3
+    ds = StreamingDataset(  # whole shards cached (cache="auto" would stream: the window spans 12 shards)
+        bucket_dataset,
+        storage_options=options,
+        cache_dir=str(cache),
+        cache_limit=limit,
+        shuffle=True,
+        seed=3,
+        cache="shards",
     )
     before = _gets(s3_server)
     with _Sampler(cache) as sampler:
@@ -286,8 +292,10 @@ def test_cache_limit_below_two_shards_fails_at_start(
 ) -> None:
     options = s3_server.storage_options()
     limit = _largest(bucket_dataset, options) + 1
-    with pytest.raises(CacheError, match="cache_limit=.*too small"):
-        StreamingDataset(bucket_dataset, storage_options=options, cache_dir=str(tmp_path), cache_limit=limit)
+    with pytest.raises(CacheError, match="cache_limit=.*too small"):  # cache="auto" would stream instead
+        StreamingDataset(
+            bucket_dataset, storage_options=options, cache_dir=str(tmp_path), cache_limit=limit, cache="shards"
+        )
 
 
 def test_second_epoch_is_served_from_the_cache(

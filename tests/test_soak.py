@@ -175,6 +175,7 @@ def test_soak_s3_with_eviction(s3_server: SeaweedS3, tmp_path: Path) -> None:
         seed=5,
         shuffle_window=PER_SHARD,  # the default (the whole dataset here) would reopen a shard per run
         transform=_sample,
+        cache="shards",  # whole shards, evicted all along ("auto" would stream: 2 readers x 2 shards > 3)
     )
     usage = _soak(ds, next(p for p in cache.iterdir() if p.is_dir()), limit)
     _check_flat(usage)
