@@ -7,7 +7,8 @@ Three figures (each can be run alone):
                  executors at 1 and 2 processes (tar shards to local disk)
     planning     driver memory (peak RSS growth) and time to scan and plan a Parquet listing
                  of N rows of paths (no image is read: the plan only)
-    listing      time to list a bucket prefix of M tiny objects in one recursive listing
+    listing      time and driver memory of the one recursive listing (``list_tree``) of a bucket
+                 prefix of M empty objects (made through the SeaweedFS filer, see below)
 
     python benchmarks/bench_convert.py throughput --images 2000
     python benchmarks/bench_convert.py planning --rows 10000000
@@ -121,27 +122,68 @@ def planning(rows: int, work: Path) -> dict[str, Any]:
     return result
 
 
-def listing(objects: int, work: Path) -> dict[str, Any]:
+def _create_empty_objects(server: SeaweedS3, bucket: str, prefix: str, objects: int, connections: int) -> float:
+    """Create ``objects`` empty objects ``<prefix>/class_NN/NNNNNNN.jpg``; return the seconds taken.
+
+    They are written through SeaweedFS's filer HTTP API (the bucket is the filer folder
+    ``/buckets/<bucket>``), one keep-alive connection per thread: an empty object is a
+    filer entry without chunks, about ten times faster to make than a put through the S3
+    gateway (signing, one volume write per object). The S3 listing sees them like any
+    other object (size 0); a listing's cost does not depend on the objects' sizes.
+    """
+    import http.client
+
+    def create(first: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", server.filer_port, timeout=60)
+        try:
+            for i in range(first, objects, connections):
+                conn.request("PUT", f"/buckets/{bucket}/{prefix}/class_{i % 10:02d}/{i:07d}.jpg", body=b"")
+                response = conn.getresponse()
+                response.read()
+                if response.status >= 300:
+                    raise RuntimeError(f"filer PUT of object {i} answered {response.status}")
+        finally:
+            conn.close()
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(connections) as pool:
+        list(pool.map(create, range(connections)))
+    return time.perf_counter() - started
+
+
+def listing(objects: int, work: Path, connections: int = 8) -> dict[str, Any]:
+    """Time ``list_tree`` (the converter's one recursive listing) over ``objects`` objects, and its memory."""
+    from streamload.converters.remote import list_tree
+
     server = SeaweedS3(work / "s3")
     server.start()
     try:
         bucket = server.make_bucket()
-        fs = server.filesystem()
+        created = _create_empty_objects(server, bucket, "images", objects, connections)
+        url = f"s3://{bucket}/images"
+        so = server.storage_options()
+        rss_before = _rss_mb()
         started = time.perf_counter()
-
-        def put(i: int) -> None:
-            fs.pipe_file(f"{bucket}/images/class_{i % 10:02d}/{i:07d}.jpg", b"x")
-
-        with ThreadPoolExecutor(64) as pool:
-            list(pool.map(put, range(objects)))
-        created = time.perf_counter() - started
-        started = time.perf_counter()
-        source = RemoteImageFolderSource(f"s3://{bucket}/images", server.storage_options(), check="none")
-        items = source.scan().items
+        _, found = list_tree(url, so)
         listed = time.perf_counter() - started
+        rss_growth = _rss_mb() - rss_before
+        if len(found) != objects:
+            raise RuntimeError(f"list_tree found {len(found)} objects, {objects} were made")
+        started = time.perf_counter()
+        items = RemoteImageFolderSource(url, so, check="none").scan().items  # the listing again, then the scan
+        scanned = time.perf_counter() - started
     finally:
         server.stop()
-    result = {"objects": objects, "items": len(items), "put_s": round(created, 1), "list_s": round(listed, 2)}
+    result = {
+        "objects": objects,
+        "create_s": round(created, 1),
+        "create_objects_per_s": round(objects / created),
+        "list_tree_s": round(listed, 2),
+        "list_objects_per_s": round(objects / listed),
+        "list_peak_rss_growth_MB": round(rss_growth, 1),
+        "source_scan_s": round(scanned, 2),
+        "items": len(items),
+    }
     print(result, flush=True)
     return result
 
