@@ -387,3 +387,26 @@ def test_append_in_a_bucket_then_read_exactly_once(
     manifest = json.loads(s3_server.filesystem().cat_file(f"{bucket}/data/ds/index.json"))
     assert len(manifest["meta"]["appends"]) == 1
     assert manifest["meta"]["appends"][0]["source"] == f"s3://{bucket}/raw/second"
+
+
+def test_list_tree_reads_the_bucket_listing_like_find(s3_server: SeaweedS3) -> None:
+    from streamload.converters.remote import _found, list_tree
+
+    from streamload.storage.filesystems import open_filesystem
+
+    bucket = s3_server.make_bucket()
+    objects = {"p/a/x.jpg": b"12", "p/a/b/y y.jpg": b"1", "p/z.txt": b"", "p/d/": b"", "pq/n.jpg": b"1", "t.jpg": b"3"}
+    s3_server.filesystem().pipe({f"{bucket}/{k}": v for k, v in objects.items()})
+    so = s3_server.storage_options()
+    expected = {
+        f"s3://{bucket}/p": {"a/x.jpg": 2, "a/b/y y.jpg": 1, "z.txt": 0},  # not the folder marker, not pq/
+        f"s3://{bucket}/p/": {"a/x.jpg": 2, "a/b/y y.jpg": 1, "z.txt": 0},
+        f"s3://{bucket}": {"p/a/x.jpg": 2, "p/a/b/y y.jpg": 1, "p/z.txt": 0, "pq/n.jpg": 1, "t.jpg": 1},
+        f"s3://{bucket}/nothing": {},
+    }
+    for url, sizes in expected.items():
+        root, listed = list_tree(url, so)
+        assert root == f"{bucket}/{url.partition(bucket)[2].strip('/')}".rstrip("/")
+        assert listed == sizes, url
+        fs, path = open_filesystem(url, so)
+        assert _found(fs, path.rstrip("/")) == listed, url  # the generic listing agrees
