@@ -7,7 +7,8 @@ Three figures (each can be run alone):
                  executors at 1 and 2 processes (tar shards to local disk)
     planning     driver memory (peak RSS growth) and time to scan and plan a Parquet listing
                  of N rows of paths (no image is read: the plan only)
-    listing      time to list a bucket prefix of M tiny objects in one recursive listing
+    listing      time and driver memory of the one recursive listing (``list_tree``) of a bucket
+                 prefix of M empty objects (made through the SeaweedFS filer, see below)
 
     python benchmarks/bench_convert.py throughput --images 2000
     python benchmarks/bench_convert.py planning --rows 10000000
@@ -121,27 +122,114 @@ def planning(rows: int, work: Path) -> dict[str, Any]:
     return result
 
 
-def listing(objects: int, work: Path) -> dict[str, Any]:
+def _create_empty_objects(server: SeaweedS3, bucket: str, prefix: str, objects: int, connections: int) -> float:
+    """Create ``objects`` empty objects ``<prefix>/class_NN/NNNNNNN.jpg``; return the seconds taken.
+
+    They are written through SeaweedFS's filer HTTP API (the bucket is the filer folder
+    ``/buckets/<bucket>``), one keep-alive connection per thread: an empty object is a
+    filer entry without chunks, about ten times faster to make than a put through the S3
+    gateway (signing, one volume write per object). The S3 listing sees them like any
+    other object (size 0); a listing's cost does not depend on the objects' sizes.
+    """
+    import http.client
+
+    def create(first: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", server.filer_port, timeout=60)
+        try:
+            for i in range(first, objects, connections):
+                conn.request("PUT", f"/buckets/{bucket}/{prefix}/class_{i % 10:02d}/{i:07d}.jpg", body=b"")
+                response = conn.getresponse()
+                response.read()
+                if response.status >= 300:
+                    raise RuntimeError(f"filer PUT of object {i} answered {response.status}")
+        finally:
+            conn.close()
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(connections) as pool:
+        list(pool.map(create, range(connections)))
+    return time.perf_counter() - started
+
+
+_LIST_CHILD = """
+import json, os, sys, threading, time
+from streamload.converters.remote import _found, list_tree
+from streamload.storage.filesystems import open_filesystem
+
+url, how = sys.argv[1], sys.argv[2]
+so = json.loads(sys.argv[3])
+def rss():  # resident set now, MB
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+fs, root = open_filesystem(url, so)
+fs.ls(root.partition("/")[0])  # the client is made and connected before the measure
+before = peak = rss()
+done = threading.Event()
+def sample():
+    global peak
+    while not done.wait(0.005):
+        peak = max(peak, rss())
+sampler = threading.Thread(target=sample)
+sampler.start()
+started = time.perf_counter()
+found = list_tree(url, so)[1] if how == "list_tree" else _found(fs, root)
+seconds = time.perf_counter() - started
+done.set()
+sampler.join()
+peak = max(peak, rss())
+print(json.dumps({"objects": len(found), "seconds": seconds, "peak_rss_growth_MB": peak - before}))
+"""
+
+
+def _list_in_child(url: str, how: str, storage_options: dict[str, Any]) -> dict[str, Any]:
+    """List ``url`` in a fresh process (``list_tree``, or fsspec ``find``): seconds and peak RSS growth."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-c", _LIST_CHILD, url, how, json.dumps(storage_options)]
+    out = subprocess.run(args, env=env, check=True, capture_output=True, text=True).stdout
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def listing(objects: int, work: Path, connections: int = 8, rounds: int = 2) -> dict[str, Any]:
+    """Time ``list_tree`` (the converter's one recursive listing) over ``objects`` objects, and its memory.
+
+    Each listing runs in a fresh process, whose resident set is sampled every 5 ms
+    (peak minus the resident set before the listing); ``list_tree``
+    (S3 pages read one by one, path and size kept) and fsspec's ``find`` (what it used
+    before) alternate, ``rounds`` times each, on the same objects.
+    """
     server = SeaweedS3(work / "s3")
     server.start()
     try:
         bucket = server.make_bucket()
-        fs = server.filesystem()
+        created = _create_empty_objects(server, bucket, "images", objects, connections)
+        url = f"s3://{bucket}/images"
+        so = server.storage_options()
+        runs: dict[str, list[dict[str, Any]]] = {"list_tree": [], "find": []}
+        for _ in range(rounds):
+            for how, results in runs.items():
+                results.append(_list_in_child(url, how, so))
+                if results[-1]["objects"] != objects:
+                    raise RuntimeError(f"{how} found {results[-1]['objects']} objects, {objects} were made")
         started = time.perf_counter()
-
-        def put(i: int) -> None:
-            fs.pipe_file(f"{bucket}/images/class_{i % 10:02d}/{i:07d}.jpg", b"x")
-
-        with ThreadPoolExecutor(64) as pool:
-            list(pool.map(put, range(objects)))
-        created = time.perf_counter() - started
-        started = time.perf_counter()
-        source = RemoteImageFolderSource(f"s3://{bucket}/images", server.storage_options(), check="none")
-        items = source.scan().items
-        listed = time.perf_counter() - started
+        items = RemoteImageFolderSource(url, so, check="none").scan().items  # the listing, then the scan
+        scanned = time.perf_counter() - started
     finally:
         server.stop()
-    result = {"objects": objects, "items": len(items), "put_s": round(created, 1), "list_s": round(listed, 2)}
+    result: dict[str, Any] = {
+        "objects": objects,
+        "create_s": round(created, 1),
+        "create_objects_per_s": round(objects / created),
+        "source_scan_s": round(scanned, 2),
+        "items": len(items),
+    }
+    for how, results in runs.items():
+        best = min(r["seconds"] for r in results)
+        result[f"{how}_s"] = [round(r["seconds"], 2) for r in results]
+        result[f"{how}_objects_per_s"] = round(objects / best)
+        result[f"{how}_peak_rss_growth_MB"] = round(max(r["peak_rss_growth_MB"] for r in results), 1)
     print(result, flush=True)
     return result
 

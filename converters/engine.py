@@ -44,10 +44,10 @@ from streamload.manifest import HASH_ALGORITHMS, MANIFEST_NAME, Manifest, Skippe
 from streamload.storage import Destination, LocalDestination, is_local, local_path_of, open_destination
 from streamload.writer import ShardResult, publish_manifest, write_shard
 
-from .dataset_source import DatasetSource
+from .dataset_source import DatasetSource, SampleItem
 from .executors import Failed, open_executor, parse_executor
 from .imagefolder import ImageFolderSource
-from .journal import JOB_NAME, Journal, plan_fingerprint
+from .journal import JOB_NAME, Journal, plan_fingerprint, plan_of
 from .source import Item, Source, printable
 from .table import RowItems
 
@@ -345,8 +345,8 @@ def _convert_locked(
     scan = source.scan()
     items, clashes = _unique_keys(source, scan.items)
     if base is not None:
-        _check_appendable(source, base, dst, options)
-        items, present = _drop_present(source, items, _keys_of(dst, options), dst)
+        _check_appendable(source, base, dst, options, items)
+        items, present = _drop_present(source, items, _keys_of(dst, options, len(base.shards)), dst)
         clashes += present
     problems = [*scan.problems, *clashes]
     if problems and options.on_error == "raise":
@@ -361,7 +361,7 @@ def _convert_locked(
     if base is not None:
         job["append_to"] = {"shards": offset, "plan": base.meta.get("converter", {}).get("plan")}
     fingerprint = plan_fingerprint(job, tasks)
-    extra = {"base_shards": offset} if base is not None else None
+    extra = _append_journal(base) if base is not None else None
     journal = Journal(dest, fingerprint, names, [*names, *sidecars], append=base is not None, extra=extra)
     state = journal.open(options.resume, options.overwrite, options.hash_algorithm)
     if state.complete is not None:
@@ -397,7 +397,11 @@ def _convert_locked(
     ordered = [results[name] for name in names]
     manifest = _manifest(source, fmt, options, ordered, problems, fingerprint)
     if base is not None:
-        manifest = _appended(base, offset, manifest, source, fingerprint, dst)
+        try:
+            manifest = _appended(base, offset, manifest, source, fingerprint, dst)
+        except ConfigError:
+            _abandon_append(dest, journal, base)
+            raise
     check_lock()  # a writer that lost its lock never publishes
     publish_manifest(dest, manifest)
     journal.finish()
@@ -409,10 +413,19 @@ def _convert_locked(
 
 
 def _append_base(dest: Destination, dst: str, fmt: Format, options: ConvertOptions) -> tuple[Manifest, int]:
-    """Return the dataset an append adds to and how many of its shards are the base.
+    """Return the dataset an append adds to and how many shards it has.
 
-    After an append that was published but not finished (killed before its journal was
-    removed), the base is the dataset before it (the journal's ``base_shards``).
+    The dataset is ``index.json`` as found, unless an append is under way there (its
+    journal names ``base_shards``). Interrupted before publishing, that append left
+    ``index.json`` as it was. Published but killed before its journal was removed, it
+    left the dataset *with* its new shards: the base is then rebuilt from what the
+    journal recorded of it (shards, skipped inputs, fields, classes and ``meta`` as they
+    were), so that ``--append --resume`` plans the very same job and finds it complete.
+
+    Raises:
+        ConfigError: If there is no streamload dataset at ``dst``, it was indexed from
+            another tool's shards, has another format or hash, or the journal of an
+            interrupted append does not match it.
     """
     if dest.exists(MANIFEST_NAME) is None:
         raise ConfigError(f"{dst}: --append needs an existing dataset there (no index.json); convert without --append")
@@ -429,42 +442,125 @@ def _append_base(dest: Destination, dst: str, fmt: Format, options: ConvertOptio
     if manifest.hash_algorithm is not None and manifest.hash_algorithm != options.hash_algorithm:
         algorithm = manifest.hash_algorithm
         raise ConfigError(f"{dst} uses the {algorithm} hash: append with --hash {algorithm}")
-    offset = len(manifest.shards)
-    if dest.exists(JOB_NAME) is not None:
-        try:
-            job = json.loads(dest.read_bytes(JOB_NAME))
-        except ValueError:
-            job = {}
-        base = job.get("base_shards") if isinstance(job, dict) else None
-        if isinstance(base, int) and 0 <= base <= offset:
-            offset = base
-    return manifest, offset
+    if dest.exists(JOB_NAME) is None:
+        return manifest, len(manifest.shards)
+    try:
+        job = json.loads(dest.read_bytes(JOB_NAME))
+    except ValueError:
+        job = {}
+    base = job.get("base_shards") if isinstance(job, dict) else None
+    if not isinstance(base, int) or isinstance(base, bool) or not 0 <= base <= len(manifest.shards):
+        return manifest, len(manifest.shards)  # another job's journal: Journal.open says what to do with it
+    if base == len(manifest.shards):
+        return manifest, base  # interrupted before publishing: index.json is the base itself
+    return _base_before(manifest, job, base, dst), base
 
 
-def _check_appendable(source: Source, base: Manifest, dst: str, options: ConvertOptions) -> None:
-    """Refuse an append whose labels would mean other classes than the dataset's."""
+def _base_before(manifest: Manifest, job: dict[str, Any], shards: int, dst: str) -> Manifest:
+    """The dataset before a published append whose journal ``job`` is still at ``dst``."""
+    skipped, fields, classes, meta = (job.get(k) for k in ("base_skipped", "base_fields", "base_classes", "base_meta"))
+    fine = (
+        plan_of(manifest) == job.get("fingerprint")
+        and isinstance(skipped, int)
+        and not isinstance(skipped, bool)
+        and 0 <= skipped <= len(manifest.skipped)
+        and isinstance(fields, list)
+        and all(isinstance(f, str) for f in fields)
+        and isinstance(classes, list)
+        and all(isinstance(c, str) for c in classes)
+        and isinstance(meta, dict)
+    )
+    if not fine:
+        raise ConfigError(
+            f"{dst}: an append published its {len(manifest.shards) - shards} shards but {JOB_NAME} does not "
+            "record the dataset it added to: the append cannot be resumed. Check the dataset "
+            f"(streamload verify {dst}), then delete {dst}/{JOB_NAME} and its _done-* markers"
+        )
+    assert isinstance(skipped, int) and isinstance(meta, dict)  # for mypy: checked above
+    return Manifest(
+        format=manifest.format,
+        shards=manifest.shards[:shards],
+        fields=tuple(map(str, fields or ())),
+        classes=tuple(map(str, classes or ())),
+        hash_algorithm=manifest.hash_algorithm,
+        skipped=manifest.skipped[:skipped],
+        meta=meta,
+    )
+
+
+def _append_journal(base: Manifest) -> dict[str, Any]:
+    """What an append's journal records of the dataset it adds to (see :func:`_append_base`)."""
+    return {
+        "base_shards": len(base.shards),
+        "base_skipped": len(base.skipped),
+        "base_fields": list(base.fields),
+        "base_classes": list(base.classes),
+        "base_meta": _printable_json(dict(base.meta)),
+    }
+
+
+def _check_appendable(
+    source: Source, base: Manifest, dst: str, options: ConvertOptions, items: Sequence[Item] = ()
+) -> None:
+    """Refuse an append whose samples would not fit the dataset, before any shard is written.
+
+    Labels must mean the same classes. The fields are checked on the first input that
+    loads (the driver reads that one input): samples with other fields (a ``json`` of
+    ``--keep-columns``, labels where the dataset has none, another image type) are
+    refused here. :func:`_appended` checks the fields of every shard again before
+    publishing.
+
+    Raises:
+        ConfigError: Naming both class lists, or both field sets.
+    """
     if list(source.classes) != list(base.classes) and (source.classes or base.classes):
         raise ConfigError(
             f"{printable(source.describe())} has classes {_few(source.classes)} but {dst} has {_few(base.classes)}: "
             "appended labels would name other classes"
         )
+    if not base.fields:
+        return
+    for item in items[:_PROBES]:
+        try:
+            sample = source.load(item)
+        except (StreamloadError, UnicodeError):
+            continue  # a broken input: its task reports it under --on-error
+        fields = sorted(k for k in sample if k != "__key__")
+        if set(fields) != set(base.fields):
+            raise ConfigError(
+                f"{dst} has fields {_fields(base.fields)}; the appended samples have {_fields(fields)} "
+                f"(first: {printable(source.origin(item))}): an appended dataset keeps the same fields. "
+                "Nothing was written."
+            )
+        return
+
+
+#: Inputs :func:`_check_appendable` tries to load to learn the appended fields.
+_PROBES = 8
+
+
+def _fields(names: Sequence[str]) -> str:
+    return "{" + ", ".join(sorted(names)) + "}"
 
 
 def _few(names: Sequence[str]) -> str:
     return "[" + ", ".join(map(repr, names[:5])) + (", ...]" if len(names) > 5 else "]") if names else "none"
 
 
-def _keys_of(dst: str, options: ConvertOptions) -> set[str]:
-    """The keys of the dataset at ``dst`` (from its shards' indexes)."""
+def _keys_of(dst: str, options: ConvertOptions, shards: int | None = None) -> set[str]:
+    """The keys of the dataset at ``dst`` (from its shards' indexes); only its first ``shards`` if given."""
     existing = DatasetSource(dst, options.storage_options)
     try:
         scan = existing.scan()
     finally:
         existing.close()
-    if scan.problems:
-        first = scan.problems[0]
+    count = len(existing.manifest.shards) if shards is None else shards
+    mine = {entry.name for entry in existing.manifest.shards[:count]}
+    problems = [p for p in scan.problems if p.path in mine]
+    if problems:
+        first = problems[0]
         raise ConfigError(f"{dst}/{first.path}: {first.error}: cannot check the appended keys against it")
-    return {item.key for item in scan.items}
+    return {item.key for item in scan.items if isinstance(item, SampleItem) and item.shard < count}
 
 
 def _drop_present(
@@ -488,8 +584,9 @@ def _appended(base: Manifest, offset: int, new: Manifest, source: Source, finger
     """The base dataset's manifest with the new shards after its own, and the append recorded in ``meta``."""
     if base.fields and set(new.fields) != set(base.fields):
         raise ConfigError(
-            f"{dst} has fields {', '.join(base.fields)}; the appended samples have {', '.join(new.fields)}: "
-            "an appended dataset keeps the same fields (nothing was published; the new shards stay for --overwrite)"
+            f"{dst} has fields {_fields(base.fields)}; the appended samples have {_fields(new.fields)}: "
+            "an appended dataset keeps the same fields (nothing was published; the shards written for it were "
+            "removed)"
         )
     meta = dict(base.meta)
     appends = list(meta.get("appends") or [])
@@ -515,6 +612,20 @@ def _appended(base: Manifest, offset: int, new: Manifest, source: Source, finger
         skipped=(*base.skipped, *new.skipped),
         meta=meta,
     )
+
+
+def _abandon_append(dest: Destination, journal: Journal, base: Manifest) -> None:
+    """After a refused append: delete the shards it wrote and its journal; the dataset stays as it was.
+
+    Files of the base dataset and of the published ``index.json`` are never deleted.
+    """
+    published = Manifest.loads(dest.read_bytes(MANIFEST_NAME), f"{dest.url}/{MANIFEST_NAME}")
+    kept = {f.name for m in (base, published) for entry in m.shards for f in (entry, entry.sidecar) if f is not None}
+    for name in journal.outputs:
+        if name not in kept:
+            dest.remove(name)
+    dest.clean_staging()
+    journal.finish()
 
 
 def _stop(running: Iterator[ShardResult], dest: Destination) -> None:

@@ -93,11 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace a dataset or interrupted conversion at DST; files streamload did not write are kept, "
         "never replaced",
     )
-    again.add_argument(
+    p.add_argument(  # not in the group: `--append --resume` finishes an interrupted append
         "--append",
         action="store_true",
         help="add SRC's samples as new shards to the dataset at DST (same format and fields; a key already there "
-        "is an error, or skipped with --on-error skip); index.json is replaced atomically",
+        "is an error, or skipped with --on-error skip); index.json is replaced atomically; with --resume: "
+        "finish an interrupted append",
     )
     prog = p.add_mutually_exclusive_group()
     prog.add_argument("--progress", dest="progress", action="store_true", default=None, help="force a progress bar")
