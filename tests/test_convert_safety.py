@@ -308,6 +308,49 @@ def test_a_stale_bucket_lock_is_taken_over_and_a_live_one_is_not(
             assert not fs.exists(lock_path)
 
 
+def test_racing_bucket_locks_admit_exactly_one_even_without_a_settle_wait(
+    s3_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock object is created exclusively (``If-None-Match: *``): of writers that all saw
+    no lock, one takes it, whatever the timing; the write-wait-read-back step alone would
+    let several through with no wait."""
+    import threading
+
+    from streamload._errors import DestinationBusyError
+    from streamload.storage.locks import RemoteLock
+    from streamload.storage.retry import RetryPolicy
+    from streamload.storage.transport import RemoteFiles
+
+    monkeypatch.setattr(RemoteLock, "settle_s", 0.0)
+    bucket = s3_server.make_bucket()
+    options = s3_server.storage_options()
+    for round_ in range(5):
+        url = f"s3://{bucket}/race-{round_}"
+        locks = [RemoteLock(url, RemoteFiles(url, options, RetryPolicy())) for _ in range(6)]
+        for lock in locks:
+            lock.files.fs  # noqa: B018 - connect before the race
+        barrier = threading.Barrier(len(locks))
+        outcome: list[str] = [""] * len(locks)
+
+        def take(i: int, locks: list[RemoteLock] = locks, outcome: list[str] = outcome, barrier: Any = barrier) -> None:
+            barrier.wait()
+            try:
+                locks[i].acquire()
+                outcome[i] = "held"
+            except DestinationBusyError:
+                outcome[i] = "busy"
+
+        threads = [threading.Thread(target=take, args=(i,)) for i in range(len(locks))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(outcome) == ["busy"] * (len(locks) - 1) + ["held"], outcome
+        holder = locks[outcome.index("held")]
+        holder.check()  # still ours
+        holder.release()
+
+
 # -- case 5: --resume of a conversion that already completed ---------------------------
 
 

@@ -205,15 +205,20 @@ def _read_holder(fd: int) -> dict[str, Any] | None:
 class RemoteLock(DestinationLock):
     """A lock object, :data:`REMOTE_LOCK_NAME`, under a remote destination prefix.
 
-    The protocol (plain S3 has no atomic create-if-absent, so it is write, wait, read back):
+    The protocol:
 
     1. Read the lock object. If it exists and is not stale, the destination is busy:
        fail, naming the holder (host, pid, start time).
-    2. Write our own lock object: host, pid, a random token, start time, and an expiry
-       ``ttl_s`` seconds ahead.
-    3. Wait ``settle_s`` seconds, then read it back. Two writers that both saw no lock
-       both wrote one; the object holds the last write, so only that writer reads back its
-       own token and goes on; the other fails, naming it.
+    2. Write our own lock object (host, pid, a random token, start time, and an expiry
+       ``ttl_s`` seconds ahead) by an **exclusive create** where the store has one
+       (S3's ``If-None-Match: *``, checked atomically by AWS S3 and SeaweedFS): of two
+       writers that both saw no lock, only one creates it; the other is busy. A stale
+       lock is deleted first (if it is still the stale one read in step 1), then
+       created over the same way. A store without exclusive create gets a plain write.
+    3. Wait ``settle_s`` seconds, then read it back: only a writer that reads back its
+       own token goes on; the other fails, naming it. (Without exclusive create the
+       object holds the last of two racing writes, so this alone decides; with it, it
+       also catches a stale-lock takeover raced by another taker.)
     4. While working, the holder refreshes the object (new expiry) every ``refresh_s``
        seconds, after reading it back: if the token there is no longer its own, the lock
        was taken over and :meth:`check` (called before ``index.json`` is published) fails,
@@ -294,7 +299,19 @@ class RemoteLock(DestinationLock):
         holder = self._read()
         if holder is not None and holder.get("token") != self.owner["token"] and not self._stale(holder):
             raise _busy(self.url, holder)
-        self._write()
+        if holder is not None:  # stale: delete it, unless someone replaced it meanwhile
+            now = self._read()
+            if now is not None and now.get("token") != holder.get("token"):
+                raise _busy(self.url, now, " (it took over the stale lock at the same moment)")
+            self.files.remove(REMOTE_LOCK_NAME)
+        self.owner["expires"] = time.time() + self.ttl_s
+        created = self.files.create(REMOTE_LOCK_NAME, json.dumps(self.owner, sort_keys=True).encode())
+        if created is False:
+            now = self._read()
+            if now is None or now.get("token") != self.owner["token"]:  # not our own retried create
+                raise _busy(self.url, now, " (it took the lock at the same moment)")
+        elif created is None:
+            self._write()
         try:
             time.sleep(self.settle_s)
             holder = self._read()

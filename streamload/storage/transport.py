@@ -251,6 +251,43 @@ class RemoteFiles:
                 f"cannot write {self.url_of(name)}: the bucket (or container) does not exist or is not writable"
             ) from exc
 
+    def create(self, name: str, data: bytes) -> bool | None:
+        """Write ``name`` only if no object of that name exists (an exclusive create).
+
+        On S3 this is a ``PutObject`` with ``If-None-Match: *`` (AWS S3, SeaweedFS and
+        others check it atomically); a filesystem that has no exclusive create answers
+        ``None`` and nothing is written. A retried request whose first attempt did
+        write finds its own object: the caller reads it back to tell.
+
+        Returns:
+            True if written, False if the object already existed, None if this
+            filesystem cannot create exclusively.
+        """
+        path = self.path(name)
+        fs = self.fs
+
+        def attempt() -> bool | None:
+            try:
+                fs.pipe_file(path, data, mode="create")
+            except FileExistsError:
+                return False
+            except (TypeError, NotImplementedError):  # no ``mode`` here
+                return None
+            except OSError as exc:
+                text = str(exc).lower()
+                if "pre-condition" in text or "precondition" in text or "412" in text:
+                    return False
+                raise
+            return True
+
+        try:
+            created: bool | None = self.call("create", name, attempt)
+        except ShardNotFoundError as exc:
+            raise StorageError(
+                f"cannot write {self.url_of(name)}: the bucket (or container) does not exist or is not writable"
+            ) from exc
+        return created
+
     def remove(self, name: str) -> None:
         """Delete ``name`` if it exists."""
         path = self.path(name)
