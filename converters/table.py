@@ -571,7 +571,7 @@ class TableSource(Source):
         while True:
             cut = buf.find(b"\n", size - 1) if len(buf) >= size else -1
             while cut < 0 and not eof:
-                chunk = f.read(max(size, 1 << 16))
+                chunk = f.read(size)
                 if not chunk:
                     eof = True
                     break
