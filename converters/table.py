@@ -92,7 +92,7 @@ NOMINAL_IMAGE_BYTES = 100_000
 #: Bytes of CSV or JSONL read per block (a block ends at the first line end after this many).
 TEXT_BLOCK_BYTES = 1 << 20
 #: Rows decoded at a time from a Parquet row group.
-PARQUET_BATCH_ROWS = 65536
+PARQUET_BATCH_ROWS = 16384
 
 _IMAGE_PATH = r"\.(?:" + "|".join(sorted(IMAGE_EXTENSIONS)) + r")/*$"
 _INT = re.compile(r"-?[0-9]+")
@@ -373,8 +373,13 @@ def _arrow(col: Any) -> Any:
     """``col`` as one Arrow array (chunks combined, dictionaries decoded), or ``None`` for a Python list."""
     import pyarrow as pa
 
-    if isinstance(col, list):
-        return None
+    if isinstance(col, list):  # JSONL values: as Arrow only if all strings or all integers (or None)
+        try:
+            arr = pa.array(col)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            return None
+        t = arr.type
+        return arr if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t) else None
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
     if pa.types.is_dictionary(col.type):
@@ -606,20 +611,25 @@ class TableSource(Source):
         return {c: table.column(c) for c in columns}
 
     def _parse_jsonl(self, data: bytes, columns: Sequence[str], first_row: int) -> dict[str, Any]:
+        lines = [line for line in data.split(b"\n") if line.strip()]
+        try:  # one call for the block; row by row only to name a broken row
+            objs = json.loads(b"[" + b",".join(lines) + b"]") if lines else []
+            if len(objs) != len(lines):
+                raise ValueError("a line holds more than one value")
+        except (ValueError, RecursionError):
+            objs = []
+            for i, line in enumerate(lines):
+                try:
+                    objs.append(json.loads(line))
+                except ValueError as exc:
+                    row = first_row + i
+                    raise SourceError(f"{self.url}: row {row} is not valid JSON: {printable(str(exc))}") from exc
         block: dict[str, list[Any]] = {c: [] for c in columns}
-        row = first_row
-        for line in data.split(b"\n"):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as exc:
-                raise SourceError(f"{self.url}: row {row} is not valid JSON: {printable(str(exc))}") from exc
+        for i, obj in enumerate(objs):
             if not isinstance(obj, dict):
-                raise SourceError(f"{self.url}: row {row} is not a JSON object")
+                raise SourceError(f"{self.url}: row {first_row + i} is not a JSON object")
             for c in columns:
                 block[c].append(obj.get(c))
-            row += 1
         return block
 
     def _read(

@@ -439,3 +439,14 @@ def test_dask_and_ray_write_the_local_pools_bytes_from_a_table(
     finally:
         ray.shutdown()
     assert files(tmp_path / "ray") == expected
+
+
+def test_a_broken_jsonl_line_is_named_by_its_row(images: list[tuple[str, str, bytes]], tmp_path: Path) -> None:
+    table = tmp_path / "broken.jsonl"
+    good = json.dumps({"path": images[0][0], "label": 1})
+    table.write_text(f"{good}\n\n{good}\n{{not json\n{good}\n")
+    with pytest.raises(SourceError, match=r"broken.jsonl: row 2 is not valid JSON"):
+        TableSource(str(table)).plan(None, 2)
+    table.write_text(f"{good}\n[1, 2]\n")
+    with pytest.raises(SourceError, match=r"broken.jsonl: row 1 is not a JSON object"):
+        TableSource(str(table)).plan(None, 2)
