@@ -318,7 +318,7 @@ def _convert_locked(
     base, offset = _append_base(dest, dst, fmt, options) if options.append else (None, 0)
     appending = None
     if base is not None:
-        appending = (lambda: _check_appendable(source, base, dst, options), lambda: _keys_of(dst, options))
+        appending = (lambda items: _check_appendable(source, base, dst, options), lambda: _keys_of(dst, options))
     scan, planned, clashes = _scan_and_plan(source, options, dst, appending)
     problems = [*scan.problems, *clashes]
     if problems and options.on_error == "raise":
@@ -598,7 +598,7 @@ def _scan_and_plan(
     source: Source,
     options: ConvertOptions,
     dst: str,
-    appending: tuple[Callable[[], None], Callable[[], set[str]]] | None = None,
+    appending: tuple[Callable[[Sequence[Item]], None], Callable[[], set[str]]] | None = None,
 ) -> tuple[ScanResult, list[tuple[int, Sequence[Item]]], list[SkippedInput]]:
     """Scan ``source`` and plan its shards; return the scan, the numbered shards and the clashing inputs.
 
@@ -606,8 +606,9 @@ def _scan_and_plan(
     each shard is a compact row span and the driver holds O(shards), not O(rows) (a
     shuffled table keeps one array of its rows). Any other source is listed, checked for
     unique keys and cut by :func:`_plan`. ``appending`` is ``(check, keys)``: the check
-    that the source may be appended, and the keys already in the destination, whose items
-    are left out as clashes.
+    that the source may be appended (called after the scan with the first inputs: a
+    table's first planned shard, or every listed item), and the keys already in the
+    destination, whose items are left out as clashes.
     """
     check, keys = appending if appending is not None else (None, None)
     if isinstance(source, TableSource):
@@ -617,12 +618,12 @@ def _scan_and_plan(
             limit, options.samples_per_shard, shuffle=options.shuffle, seed=options.seed, present=present, dst=dst
         )
         if check is not None:
-            check()
+            check(plan.shards[0] if plan.shards else [])
         return ScanResult([], [], plan.problems), list(enumerate(plan.shards)), plan.present
     scan = source.scan()
     items, clashes = _unique_keys(source, scan.items)
     if check is not None and keys is not None:
-        check()
+        check(items)
         items, present_items = _drop_present(source, items, keys(), dst)
         clashes += present_items
     return scan, _plan(items, options), clashes

@@ -135,7 +135,7 @@ class _Rows(Sequence[Item]):
 
     def __getitem__(self, index: int | slice) -> Item | Sequence[Item]:
         if isinstance(index, slice):
-            return [self._item(r) for r in list(self.rows())[index]]
+            return [self._item(self._row_at(i)) for i in range(len(self))[index]]
         n = len(self)
         if not -n <= index < n:
             raise IndexError(index)
