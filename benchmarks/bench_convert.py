@@ -5,8 +5,10 @@ Three figures (each can be run alone):
     throughput   images/s and MB/s converting a synthetic folder, from local disk and from a
                  bucket (SeaweedFS on loopback, started here), with the local, dask and ray
                  executors at 1 and 2 processes (tar shards to local disk)
-    planning     driver memory (peak RSS growth) and time to scan and plan a Parquet listing
-                 of N rows of paths (no image is read: the plan only)
+    planning     driver memory (peak RSS growth of a fresh process) and time to scan and plan
+                 a Parquet listing of N rows of paths (no image is read: the plan only), the
+                 number of shards and the size of the pickled plan; --shuffle plans a
+                 seeded permutation instead (O(rows) by nature)
     listing      time and driver memory of the one recursive listing (``list_tree``) of a bucket
                  prefix of M empty objects (made through the SeaweedFS filer, see below)
 
@@ -89,11 +91,53 @@ def throughput(images: int, work: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def planning(rows: int, work: Path) -> dict[str, Any]:
+#: Scans and plans a table in a fresh process; its RSS is sampled every 2 ms while it plans.
+_PLAN_CHILD = """
+import json, os, pickle, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from streamload.converters import ConvertOptions, TableSource
+from streamload.converters.engine import _scan_and_plan
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+def rss_mb():  # the current resident set (ru_maxrss would keep the imports' transient peak)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE / 2**20
+
+source = TableSource(sys.argv[2])
+options = ConvertOptions(samples_per_shard=int(sys.argv[3]), shuffle=sys.argv[4] == "1")
+before = peak = rss_mb()
+done = threading.Event()
+
+def watch():
+    global peak
+    while not done.wait(0.002):
+        peak = max(peak, rss_mb())
+
+watcher = threading.Thread(target=watch, daemon=True)
+watcher.start()
+started = time.perf_counter()
+scan, planned, clashes = _scan_and_plan(source, options, "")
+seconds = time.perf_counter() - started
+done.set()
+watcher.join()
+peak = max(peak, rss_mb())
+print(json.dumps({
+    "shards": len(planned),
+    "samples": sum(len(shard) for _, shard in planned),
+    "scan_plan_s": round(seconds, 2),
+    "peak_rss_growth_MB": round(peak - before, 1),
+    "plan_pickle_KB": round(len(pickle.dumps(planned)) / 1024, 1),
+}))
+"""
+
+
+def planning(rows: int, work: Path, samples_per_shard: int = 1000, shuffle: bool = False) -> dict[str, Any]:
+    """Scan and plan a generated Parquet listing of ``rows`` paths in a fresh process (the engine's own call)."""
+    import subprocess
+
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from streamload.converters import TableSource
-    from streamload.converters.engine import _plan
 
     path = work / "listing.parquet"
     writer = pq.ParquetWriter(path, pa.schema([("path", pa.string()), ("label", pa.int64())]))
@@ -103,21 +147,13 @@ def planning(rows: int, work: Path) -> dict[str, Any]:
         paths = pa.array([f"images/{i // 1000:05d}/{i:09d}.jpg" for i in range(start, start + n)])
         writer.write_table(pa.table({"path": paths, "label": pa.array([i % 1000 for i in range(start, start + n)])}))
     writer.close()
-    before = _rss_mb()
-    started = time.perf_counter()
-    source = TableSource(str(path))
-    scan = source.scan()
-    scanned = time.perf_counter()
-    tasks = _plan(scan.items, ConvertOptions(samples_per_shard=1000))
-    planned = time.perf_counter()
-    result = {
-        "rows": rows,
-        "shards": len(tasks),
-        "scan_s": round(scanned - started, 1),
-        "plan_s": round(planned - scanned, 2),
-        "peak_rss_growth_MB": round(_rss_mb() - before),
-        "bytes_per_row_kept": 24,
-    }
+    out = subprocess.run(
+        [sys.executable, "-c", _PLAN_CHILD, str(ROOT), str(path), str(samples_per_shard), "1" if shuffle else "0"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    result = {"rows": rows, "samples_per_shard": samples_per_shard, "shuffle": shuffle, **json.loads(out.stdout)}
     print(result, flush=True)
     return result
 
@@ -239,6 +275,8 @@ def main() -> None:
     parser.add_argument("figure", choices=("throughput", "planning", "listing"))
     parser.add_argument("--images", type=int, default=2000)
     parser.add_argument("--rows", type=int, default=10_000_000)
+    parser.add_argument("--samples-per-shard", type=int, default=1000, help="planning: rows per shard")
+    parser.add_argument("--shuffle", action="store_true", help="planning: plan a seeded permutation")
     parser.add_argument("--objects", type=int, default=100_000)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
@@ -247,7 +285,7 @@ def main() -> None:
         if args.figure == "throughput":
             result: Any = throughput(args.images, work)
         elif args.figure == "planning":
-            result = planning(args.rows, work)
+            result = planning(args.rows, work, args.samples_per_shard, args.shuffle)
         else:
             result = listing(args.objects, work)
     finally:

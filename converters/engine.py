@@ -48,8 +48,9 @@ from .dataset_source import DatasetSource, SampleItem
 from .executors import Failed, open_executor, parse_executor
 from .imagefolder import ImageFolderSource
 from .journal import JOB_NAME, Journal, plan_fingerprint, plan_of
-from .source import Item, Source, printable
-from .table import RowItems
+from .planning import plan_shards
+from .source import Item, ScanResult, Source, printable
+from .table import TableSource
 
 __all__ = ["ConvertOptions", "ConvertReport", "convert", "plan_shards"]
 
@@ -178,33 +179,6 @@ class ConvertReport:
         )
 
 
-def plan_shards(items: Sequence[Item], max_bytes: int | None, max_samples: int | None) -> list[list[Item]]:
-    """Cut ``items`` into consecutive shards by sample count or payload bytes.
-
-    A shard holds at most ``max_samples`` items (if given), else at most ``max_bytes``
-    payload bytes; an item larger than ``max_bytes`` gets a shard alone.
-    """
-    cuts = _cuts([item.nbytes for item in items], max_bytes, max_samples)
-    return [list(items[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
-
-
-def _cuts(sizes: Sequence[int] | np.ndarray[Any, Any], max_bytes: int | None, max_samples: int | None) -> list[int]:
-    """Return the shard boundaries (``0``, ..., ``len(sizes)``) of :func:`plan_shards`."""
-    n = len(sizes)
-    if max_samples is not None:
-        return [*range(0, n, max_samples), n] if n else [0]
-    cuts = [0]
-    size = 0
-    for i, nbytes in enumerate(sizes):
-        if max_bytes is not None and i > cuts[-1] and size + nbytes > max_bytes:
-            cuts.append(i)
-            size = 0
-        size += nbytes
-    if n:
-        cuts.append(n)
-    return cuts
-
-
 # -- the worker side -------------------------------------------------------------
 
 _STATE: dict[str, Any] = {}
@@ -260,7 +234,7 @@ def _write(
     skipped: list[SkippedInput] = []
 
     def samples() -> Iterator[dict[str, Any]]:
-        for item in items:
+        for item in source.iter_items(items):  # a table reads its part here (an error there is no row's)
             try:
                 sample = source.load(item)
                 check_sample(sample)  # a sample the writer would refuse is a broken input, named
@@ -342,19 +316,21 @@ def _convert_locked(
 ) -> ConvertReport:
     """The conversion proper, with the destination locked."""
     base, offset = _append_base(dest, dst, fmt, options) if options.append else (None, 0)
-    scan = source.scan()
-    items, clashes = _unique_keys(source, scan.items)
+    appending = None
     if base is not None:
-        _check_appendable(source, base, dst, options, items)
-        items, present = _drop_present(source, items, _keys_of(dst, options, len(base.shards)), dst)
-        clashes += present
+        appending = (
+            lambda items: _check_appendable(source, base, dst, options, items),
+            lambda: _keys_of(dst, options, len(base.shards)),
+        )
+    scan, planned, clashes = _scan_and_plan(source, options, dst, appending)
     problems = [*scan.problems, *clashes]
     if problems and options.on_error == "raise":
         first = problems[0]
         raise SourceError(f"{printable(source.describe())}/{first.path}: {first.error} (use on_error='skip' to go on)")
-    if not items:
+    total = sum(len(shard) for _, shard in planned)
+    if not total:
         raise SourceError(f"{printable(source.describe())}: nothing to convert: no readable input was found")
-    tasks = [(offset + index, shard) for index, shard in _plan(items, options)]
+    tasks = [(offset + index, shard) for index, shard in planned]
     names = [fmt.shard_name(index) for index, _ in tasks]
     sidecars = [fmt.sidecar_name(name) or name + ".idx" for name in names]
     job = _job(source, options)
@@ -370,7 +346,7 @@ def _convert_locked(
     done = state.reusable
     results: dict[str, ShardResult] = dict(done)
     todo = [task for task in tasks if fmt.shard_name(task[0]) not in done]
-    bar = _Progress(len(items), options.progress)
+    bar = _Progress(total, options.progress)
     bar.update(sum(r.entry.num_samples + len(r.skipped) for r in done.values()), 0)
     running = _run_tasks(todo, source, fmt, dest, options, dst)
     try:
@@ -575,8 +551,6 @@ def _drop_present(
     ]
     if all(keep):
         return items, problems
-    if isinstance(items, RowItems):
-        return items.take(np.flatnonzero(np.array(keep, dtype=bool))), problems
     return [item for item, k in zip(items, keep, strict=True) if k], problems
 
 
@@ -638,8 +612,6 @@ def _stop(running: Iterator[ShardResult], dest: Destination) -> None:
 
 def _unique_keys(source: Source, items: Sequence[Item]) -> tuple[Sequence[Item], list[SkippedInput]]:
     """Keep the items whose keys are valid and unique; the others are problems naming both inputs."""
-    if isinstance(items, RowItems):  # keys made from distinct row numbers: valid and unique by construction
-        return items, []
     first: dict[str, Item] = {}
     out: list[Item] = []
     problems: list[SkippedInput] = []
@@ -736,16 +708,43 @@ def _within(path: str, root: str) -> bool:
         current = parent
 
 
+def _scan_and_plan(
+    source: Source,
+    options: ConvertOptions,
+    dst: str,
+    appending: tuple[Callable[[Sequence[Item]], None], Callable[[], set[str]]] | None = None,
+) -> tuple[ScanResult, list[tuple[int, Sequence[Item]]], list[SkippedInput]]:
+    """Scan ``source`` and plan its shards; return the scan, the numbered shards and the clashing inputs.
+
+    A listing table is scanned and cut in one streamed pass (:meth:`.TableSource.plan`):
+    each shard is a compact row span and the driver holds O(shards), not O(rows) (a
+    shuffled table keeps one array of its rows). Any other source is listed, checked for
+    unique keys and cut by :func:`_plan`. ``appending`` is ``(check, keys)``: the check
+    that the source may be appended (called after the scan with the first inputs: a
+    table's first planned shard, or every listed item), and the keys already in the
+    destination, whose items are left out as clashes.
+    """
+    check, keys = appending if appending is not None else (None, None)
+    if isinstance(source, TableSource):
+        present = keys() if keys is not None else None  # the scan leaves these rows out as it cuts
+        limit = None if options.samples_per_shard is not None else options.max_shard_bytes()
+        plan = source.plan(
+            limit, options.samples_per_shard, shuffle=options.shuffle, seed=options.seed, present=present, dst=dst
+        )
+        if check is not None:
+            check(plan.shards[0] if plan.shards else [])
+        return ScanResult([], [], plan.problems), list(enumerate(plan.shards)), plan.present
+    scan = source.scan()
+    items, clashes = _unique_keys(source, scan.items)
+    if check is not None and keys is not None:
+        check(items)
+        items, present_items = _drop_present(source, items, keys(), dst)
+        clashes += present_items
+    return scan, _plan(items, options), clashes
+
+
 def _plan(scanned: Sequence[Item], options: ConvertOptions) -> list[tuple[int, Sequence[Item]]]:
     """Order the items (seeded shuffle) and cut them into numbered shards."""
-    if isinstance(scanned, RowItems):  # a table's rows: arrays all along, never one object per row
-        rows = scanned
-        if options.shuffle:
-            rows = rows.take(np.random.default_rng(options.seed).permutation(len(rows)))
-        limit = None if options.samples_per_shard is not None else options.max_shard_bytes()
-        sizes = rows.nbytes.tolist() if options.samples_per_shard is None else rows.rows  # only its length counts
-        cuts = _cuts(sizes, limit, options.samples_per_shard)
-        return [(i, rows[a:b]) for i, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False))]
     items = list(scanned)
     if options.shuffle:
         order = np.random.default_rng(options.seed).permutation(len(items))
@@ -765,6 +764,10 @@ def _job(source: Source, options: ConvertOptions) -> dict[str, Any]:
     settings = source.settings()
     if settings:  # only when there are some: fingerprints of other sources stay as they were
         job["source_settings"] = settings
+    content = getattr(source, "content_digest", None)
+    digest = content() if content is not None else None
+    if digest is not None:  # a table's content as its scan read it: a changed table is another plan
+        job["source_content"] = digest
     return job
 
 

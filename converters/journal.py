@@ -53,12 +53,17 @@ _SHOWN = 8
 
 
 def plan_fingerprint(job: dict[str, Any], tasks: Sequence[tuple[int, Sequence[Item]]]) -> str:
-    """Return a digest of the job options and the exact shard plan (every item, in order)."""
+    """Return a digest of the job options and the exact shard plan (every item, in order).
+
+    A shard that describes itself compactly (``fingerprint_bytes``, a listing table's row
+    span) is hashed as those bytes; the table's content is in ``job`` (``source_content``),
+    so the digest costs O(shards) for a table, whatever its number of rows.
+    """
     h = hashlib.sha256(json.dumps(job, sort_keys=True).encode())
     for index, items in tasks:
         h.update(f"\n#{index}".encode())
         compact = getattr(items, "fingerprint_bytes", None)
-        if compact is not None:  # a table's rows (RowItems): their arrays, not one JSON per row
+        if compact is not None:  # a table's shard (a row span or a row array): compact bytes, not one JSON per row
             h.update(compact())
             continue
         for item in items:

@@ -8,6 +8,7 @@ records; loading reads the bytes and checks them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,14 @@ class Source(ABC):
     @abstractmethod
     def describe(self) -> str:
         """Return a short description (a path or URL) for messages and the manifest."""
+
+    def iter_items(self, items: Sequence[Item]) -> Iterator[Item]:
+        """Yield the items of one planned shard, in order, ready for :meth:`load`.
+
+        A source whose shards are described compactly (a listing table's row spans) reads
+        its part here; the default yields ``items`` as they are.
+        """
+        return iter(items)
 
     def origin(self, item: Item) -> str:
         """Return where ``item`` comes from (a relative path), for error listings."""
