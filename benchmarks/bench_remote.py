@@ -1,0 +1,792 @@
+"""Far bucket: streamload, MosaicML Streaming and LitData reading the same shards from one shaped S3 endpoint.
+
+    bash benchmarks/setup_peers.sh                 # once: the peers, in benchmarks/out/peers-venv
+    python benchmarks/bench_remote.py              # the whole comparison, a few minutes
+    python benchmarks/bench_remote.py --smoke --no-peers   # streamload only, tiny, < 1 minute
+
+What one run does:
+
+1. Starts a real S3 server on loopback (SeaweedFS, ``tests/s3server.py``) and, in front of
+   it, the shaping proxy of the tests (``tests/shaping.py``): every response waits
+   ``--latency`` (default 50 ms) for its first byte, each connection gets ``--conn-mbps``
+   (40 MB/s) and all of them together ``--node-mbps`` (400 MB/s), paced by deadlines.
+2. Makes ``--images`` synthetic JPEGs of ImageNet-like sizes (~65 KB, cached under
+   benchmarks/out/) and writes them three ways with ``--shard-mb`` (64 MiB) shards:
+   streamload tar shards, MosaicML MDS shards (``MDSWriter``) and LitData chunks
+   (``litdata.optimize``; both in the peers venv), then uploads all three to one bucket
+   (straight to the server, not through the proxy).
+3. Measures the machine's limits in the same run: the raw local read rate of the tar
+   shards, the single-core rate of the per-sample decode, and what the shaped link
+   really gives: time to first byte, one connection, and parallel ranged GETs.
+4. Runs every row in its own subprocess under a hard timeout (a stalled loader is
+   reported as "stalled after N s", never hangs the run): for each loader x mode x
+   DataLoader workers x cache state, one epoch, timed from the dataset's construction:
+   samples/s over the whole epoch (first batch included), MB/s of JPEG payload, time to
+   the first batch, and GET requests per shard (the S3 server's GET counter, and every
+   request the proxy saw, over the loader's number of shards/chunks). Every row must
+   deliver every sample once with its label (count and label histogram).
+
+Loaders: ``streamload local`` (the tar shards on local disk, page cache warm: the
+reference of the ``x local`` column), ``streamload`` (from the bucket through its shard
+cache), ``streamload stream`` (only when ``StreamingDataset`` takes ``cache=``: no shard
+cache), ``mosaicml`` and ``litdata`` (run by the peers venv's Python; MosaicML finds the
+endpoint in ``S3_ENDPOINT_URL``, LitData in ``storage_options``; LitData 0.2's obstore
+path needs ``allow_http`` for a plain-HTTP endpoint, set in its process).
+
+Modes, the same per-sample work for every loader: ``bytes`` hands the JPEG bytes and
+the label to the training loop (streamload as ``RawCollate`` batches, and as per-sample
+dicts collated to a list like the peers do); ``decode`` decodes, resizes the shorter side
+to 256 and center-crops 224 with ``streamload.decode.ImageDecoder`` (backend
+``--backend``, Pillow by default) -- streamload through ``DecodeBatch``, the peers in
+their ``__getitem__`` -- and collates ``uint8 [B, 3, 224, 224]``.
+
+Cache states: ``cold`` starts from an empty cache directory; ``warm`` is a new process
+reading the same cache directory again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+OUT = HERE / "out"
+PEERS_PYTHON = OUT / "peers-venv" / "bin" / "python"
+RESIZE, CROP = 256, 224
+PEERS = ("mosaicml", "litdata")
+
+
+# -- per-sample work, the same for every loader (module level: used in DataLoader workers) ----
+
+
+class Work:
+    """What a loader does with one sample: keep its JPEG bytes, or decode + resize 256 + crop 224."""
+
+    def __init__(self, mode: str, backend: str) -> None:
+        self.mode = mode
+        self.backend = backend
+        self._decoder: Any = None
+
+    def __call__(self, jpg: Any) -> Any:
+        if self.mode == "bytes":
+            return bytes(jpg)
+        if self._decoder is None:
+            from streamload.decode import ImageDecoder
+
+            self._decoder = ImageDecoder(CROP, resize=RESIZE, backend=self.backend)  # type: ignore[arg-type]
+        import torch
+
+        return torch.from_numpy(self._decoder.decode(jpg)).permute(2, 0, 1)
+
+
+def pair_collate(items: list[tuple[Any, int]]) -> tuple[Any, Any]:
+    """``[(payload, label)]`` to ``(list of bytes | uint8 [B, 3, H, W], int64 [B])``."""
+    import torch
+
+    payload = [p for p, _ in items]
+    labels = torch.tensor([int(label) for _, label in items], dtype=torch.int64)
+    if payload and not isinstance(payload[0], bytes):
+        return torch.stack(payload), labels
+    return payload, labels
+
+
+class SampleCollate:
+    """streamload's per-sample dicts to the peers' batch shape."""
+
+    def __init__(self, work: Work) -> None:
+        self.work = work
+
+    def __call__(self, samples: list[dict[str, Any]]) -> tuple[Any, Any]:
+        from streamload.sample import label_of
+
+        return pair_collate([(self.work(s["jpg"]), label_of(s)) for s in samples])
+
+
+# -- one row, inside its subprocess -------------------------------------------------------
+
+
+def _streamload_loader(spec: dict[str, Any]) -> tuple[Iterable[Any], str]:
+    from torch.utils.data import DataLoader
+
+    from streamload import StreamingDataset
+    from streamload.batch import RawCollate
+    from streamload.decode import DecodeBatch
+
+    kwargs: dict[str, Any] = {}
+    if spec["source"] != "local":
+        kwargs.update(storage_options=spec["storage_options"], cache_dir=spec["cache_dir"])
+        if spec["variant"].startswith("stream"):
+            kwargs["cache"] = "none"
+    batch, workers = spec["batch"], spec["workers"]
+    common: dict[str, Any] = {"num_workers": workers}
+    if workers:
+        common["multiprocessing_context"] = "fork"
+    if spec["mode"] == "decode":
+        ds = StreamingDataset(
+            spec["url"],
+            batch_size=batch,
+            collate=DecodeBatch(CROP, resize=RESIZE, backend=spec["backend"]),
+            **kwargs,
+        )
+        return DataLoader(ds, batch_size=None, **common), "images"
+    if spec["variant"].endswith("raw"):
+        ds = StreamingDataset(spec["url"], batch_size=batch, collate=RawCollate(), **kwargs)
+        return DataLoader(ds, batch_size=None, **common), "raw"
+    ds = StreamingDataset(spec["url"], **kwargs)
+    collate = SampleCollate(Work("bytes", spec["backend"]))
+    return DataLoader(ds, batch_size=batch, collate_fn=collate, **common), "pair"
+
+
+def _mosaicml_loader(spec: dict[str, Any]) -> tuple[Iterable[Any], str]:
+    from streaming import StreamingDataset as MDSDataset
+    from streaming.base.util import clean_stale_shared_memory
+    from torch.utils.data import DataLoader
+
+    clean_stale_shared_memory()
+    work = Work(spec["mode"], spec["backend"])
+
+    class Mapped(MDSDataset):  # type: ignore[misc]
+        def __getitem__(self, index: int) -> Any:
+            item = super().__getitem__(index)
+            return work(item["jpg"]), int(item["cls"])
+
+    ds = Mapped(remote=spec["url"], local=spec["cache_dir"], batch_size=spec["batch"], shuffle=False)
+    common: dict[str, Any] = {"num_workers": spec["workers"]}
+    if spec["workers"]:
+        common["multiprocessing_context"] = "fork"
+    return DataLoader(ds, batch_size=spec["batch"], collate_fn=pair_collate, **common), "pair"
+
+
+def _litdata_loader(spec: dict[str, Any]) -> tuple[Iterable[Any], str]:
+    import litdata
+    from litdata.streaming import downloader
+
+    # obstore (LitData's chunk path) refuses plain-HTTP endpoints unless told otherwise.
+    downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True  # type: ignore[index]
+    work = Work(spec["mode"], spec["backend"])
+
+    class Mapped(litdata.StreamingDataset):  # type: ignore[misc]
+        def __getitem__(self, index: Any) -> Any:
+            item = super().__getitem__(index)
+            return work(item["jpg"]), int(item["cls"])
+
+    options = spec["storage_options"]
+    ds = Mapped(
+        input_dir=spec["url"],
+        cache_dir=spec["cache_dir"],
+        storage_options={
+            "endpoint_url": options["client_kwargs"]["endpoint_url"],
+            "aws_access_key_id": options["key"],
+            "aws_secret_access_key": options["secret"],
+            "region_name": "us-east-1",
+        },
+    )
+    loader = litdata.StreamingDataLoader(
+        ds, batch_size=spec["batch"], collate_fn=pair_collate, num_workers=spec["workers"]
+    )
+    return loader, "pair"
+
+
+def run_row(spec: dict[str, Any]) -> dict[str, Any]:
+    """Read one epoch as ``spec`` says; time it from the dataset's construction; check count and labels."""
+    expected = np.asarray(spec["histogram"], dtype=np.int64)
+    makers: dict[str, Callable[[dict[str, Any]], tuple[Iterable[Any], str]]] = {
+        "streamload": _streamload_loader,
+        "mosaicml": _mosaicml_loader,
+        "litdata": _litdata_loader,
+    }
+    start = time.perf_counter()
+    loader, kind = makers[spec["loader"]](spec)
+    hist = np.zeros(len(expected), dtype=np.int64)
+    samples = 0
+    first = 0.0
+    shape_ok = True
+    for batch in loader:
+        if kind == "raw":
+            n, labels = batch.batch_size, batch.labels
+            shape_ok = shape_ok and int(batch.data.numel()) > 0
+        elif kind == "images":
+            images, labels = batch
+            n = len(labels)
+            shape_ok = shape_ok and tuple(images.shape) == (n, 3, CROP, CROP)
+        else:
+            payload, labels = batch
+            n = len(labels)
+            if spec["mode"] == "decode":
+                shape_ok = shape_ok and tuple(payload.shape) == (n, 3, CROP, CROP)
+            else:
+                shape_ok = shape_ok and all(len(p) > 0 for p in payload)
+        hist += np.bincount(np.asarray(labels), minlength=len(expected))[: len(expected)]
+        samples += n
+        if not first:
+            first = time.perf_counter() - start
+    wall = time.perf_counter() - start
+    ok = shape_ok and samples == int(expected.sum()) and bool(np.array_equal(hist, expected))
+    return {"ok": ok, "samples": samples, "first_batch_s": first, "wall_s": wall}
+
+
+# -- the driver's parts -------------------------------------------------------------------
+
+
+def make_images(root: Path, count: int, seed: int = 0) -> Path:
+    """``count`` ImageNet-sized synthetic JPEGs in 10 class folders under ``root`` (kept if complete)."""
+    sys.path.insert(0, str(HERE))
+    import _data
+
+    done = root / ".done"
+    if not done.exists():
+        from concurrent.futures import ProcessPoolExecutor
+
+        per_class = -(-count // 10)
+        jobs = [(str(root), c, min(per_class, count - c * per_class), seed) for c in range(10)]
+        with ProcessPoolExecutor(2) as pool:
+            list(pool.map(_data._write_class, [job for job in jobs if job[2] > 0]))
+        done.touch()
+    return root
+
+
+def folder_items(folder: Path) -> list[tuple[str, int]]:
+    """``(path, label)`` of every JPEG, labels by sorted class folder."""
+    classes = sorted(d.name for d in folder.iterdir() if d.is_dir())
+    return [(str(p), label) for label, c in enumerate(classes) for p in sorted((folder / c).glob("*.jpg"))]
+
+
+def write_peer_datasets(spec: dict[str, Any]) -> None:
+    """In the peers venv: the image folder as MDS shards and LitData chunks of ``shard_bytes``."""
+    items = [tuple(x) for x in spec["items"]]
+    mds, lit = Path(spec["mds"]), Path(spec["litdata"])
+    if "mosaicml" in spec["peers"] and not (mds / ".done").exists():
+        from streaming import MDSWriter
+
+        shutil.rmtree(mds, ignore_errors=True)
+        with MDSWriter(out=str(mds), columns={"jpg": "bytes", "cls": "int"}, size_limit=spec["shard_bytes"]) as w:
+            for path, label in items:
+                w.write({"jpg": Path(path).read_bytes(), "cls": label})
+        (mds / ".done").touch()
+    if "litdata" in spec["peers"] and not (lit.parent / f".{lit.name}.done").exists():
+        import litdata
+
+        shutil.rmtree(lit, ignore_errors=True)
+        litdata.optimize(
+            fn=_lit_item, inputs=items, output_dir=str(lit), chunk_bytes=spec["shard_bytes"], num_workers=1
+        )
+        (lit.parent / f".{lit.name}.done").touch()
+
+
+def _lit_item(item: tuple[str, int]) -> dict[str, Any]:
+    return {"jpg": Path(item[0]).read_bytes(), "cls": item[1]}
+
+
+def link_rate(spec: dict[str, Any]) -> dict[str, float]:
+    """In a subprocess: what the shaped link gives (time to first byte, one stream, parallel ranged GETs)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import botocore.config
+    import botocore.session
+
+    client = botocore.session.get_session().create_client(
+        "s3",
+        endpoint_url=spec["endpoint"],
+        aws_access_key_id=spec["key"],
+        aws_secret_access_key=spec["secret"],
+        region_name="us-east-1",
+        config=botocore.config.Config(max_pool_connections=64, retries={"max_attempts": 1}),
+    )
+    bucket, key, size = spec["bucket"], spec["object"], spec["size"]
+
+    def get(lo: int, hi: int) -> int:
+        body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={lo}-{hi - 1}")["Body"]
+        return len(body.read())
+
+    ttfb = []
+    for _ in range(5):
+        t = time.perf_counter()
+        get(0, 1)
+        ttfb.append(time.perf_counter() - t)
+    one = min(size, 16 << 20)
+    t = time.perf_counter()
+    get(0, one)
+    single = one / (time.perf_counter() - t)
+    parts, per = spec["parallel"], max(1, size // spec["parallel"])
+    ranges = [(i * per, size if i == parts - 1 else (i + 1) * per) for i in range(parts)]
+    t = time.perf_counter()
+    with ThreadPoolExecutor(parts) as pool:
+        got = sum(pool.map(lambda r: get(*r), ranges))
+    parallel = got / (time.perf_counter() - t)
+    return {"ttfb_s": min(ttfb), "one_conn_bytes_per_s": single, "parallel_bytes_per_s": parallel, "parallel": parts}
+
+
+def decode_rate(folder: Path, backend: str, count: int = 150, repeats: int = 3) -> float:
+    """Single-core samples/s of the per-sample decode work on in-memory JPEGs (best pass)."""
+    items = folder_items(folder)
+    blobs = [Path(p).read_bytes() for p, _ in items[:: max(1, len(items) // count)][:count]]
+    work = Work("decode", backend)
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for b in blobs:
+            work(b)
+        best = max(best, len(blobs) / (time.perf_counter() - t))
+    return best
+
+
+def raw_read_rate(folder: Path, repeats: int = 3) -> float:
+    """Bytes/s of a sequential read of every tar shard (1 MiB reads, page cache warm; best pass)."""
+    files = sorted(folder.glob("*.tar"))
+    buf = bytearray(1 << 20)
+    best = 0.0
+    for _ in range(repeats + 1):
+        t, total = time.perf_counter(), 0
+        for path in files:
+            with open(path, "rb", buffering=0) as f:
+                while n := f.readinto(buf):
+                    total += n
+        best = max(best, total / (time.perf_counter() - t))
+    return best
+
+
+def stream_mode_available() -> bool:
+    """True when ``StreamingDataset`` has the no-shard-cache mode (a ``cache=`` argument)."""
+    from streamload import StreamingDataset
+
+    return "cache" in inspect.signature(StreamingDataset).parameters
+
+
+def gets_of(metrics: dict[str, float]) -> float:
+    """GET requests the S3 server counted (its Prometheus counter, summed over buckets)."""
+    return sum(
+        v for k, v in metrics.items() if k.startswith("SeaweedFS_s3_request_total{") and 'type="GET' in k.split("}")[0]
+    )
+
+
+class Child:
+    """A row's subprocess in its own session, killed with every DataLoader worker on timeout."""
+
+    def __init__(self, python: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [python, str(Path(__file__).resolve()), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env=env,
+            cwd=str(ROOT),
+        )
+
+    def result(self, timeout: float) -> dict[str, Any]:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.communicate()
+            return {"ok": False, "error": f"stalled after {timeout:.0f} s", "stalled": True}
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        if self.proc.returncode != 0 or not lines:
+            tail = " | ".join((err or out).strip().splitlines()[-3:])
+            return {"ok": False, "error": tail or f"exit {self.proc.returncode}"}
+        result: dict[str, Any] = json.loads(lines[-1])
+        return result
+
+
+def child_json(python: str, role: str, spec: dict[str, Any], timeout: float, env: dict[str, str] | None = None) -> Any:
+    return Child(python, [role, json.dumps(spec)], env).result(timeout)
+
+
+class Bench:
+    """The server, the proxy, the data sets and the rows of one run."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-remote-"))
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.rows: list[dict[str, Any]] = []
+        self.server: Any = None
+        self.proxy: Any = None
+
+    # setup
+
+    def start(self) -> None:
+        sys.path.insert(0, str(ROOT))
+        from tests.s3server import SeaweedS3
+        from tests.shaping import ShapingProxy, upstream_of
+
+        self.server = SeaweedS3(self.work / "seaweedfs")
+        self.server.start()
+        a = self.args
+        self.proxy = ShapingProxy(
+            upstream_of(self.server),
+            latency=a.latency_ms / 1000,
+            bandwidth=a.conn_mbps * 1e6 or None,
+            node_bandwidth=a.node_mbps * 1e6 or None,
+            max_lifetime=24 * 3600,
+        )
+        self.bucket = self.server.make_bucket("far")
+        self.shaped_options = self.server.storage_options()
+        self.shaped_options["client_kwargs"] = {
+            **self.shaped_options["client_kwargs"],
+            "endpoint_url": self.proxy.endpoint_url,
+        }
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+        if self.server is not None:
+            self.server.stop()
+
+    def make_data(self) -> None:
+        from streamload.converters import ConvertOptions, ImageFolderSource, convert
+
+        a = self.args
+        images = Path(a.data) / f"images-{a.images}"
+        self.folder = make_images(images, a.images)
+        self.items = folder_items(self.folder)
+        labels = [label for _, label in self.items]
+        self.histogram = np.bincount(labels).tolist()
+        self.payload = sum(Path(p).stat().st_size for p, _ in self.items)
+        shard_bytes = a.shard_mb << 20
+        base = Path(a.data) / f"sets-{a.images}-{a.shard_mb}mb"
+        self.tar = base / "tar"
+        if not (self.tar / "index.json").exists():
+            src = ImageFolderSource(str(self.folder))
+            src.check = "none"
+            convert(
+                src, str(self.tar), ConvertOptions(shard_bytes=shard_bytes, workers=2, progress=False, overwrite=True)
+            )
+        self.paths = {"streamload": self.tar, "mosaicml": base / "mds", "litdata": base / "litdata"}
+        if self.peers:
+            spec = {
+                "items": self.items,
+                "mds": str(self.paths["mosaicml"]),
+                "litdata": str(self.paths["litdata"]),
+                "shard_bytes": shard_bytes,
+                "peers": self.peers,
+            }
+            result = child_json(str(PEERS_PYTHON), "--write-peers", spec, timeout=1800)
+            if not result.get("ok"):
+                raise SystemExit(f"writing the peers' data sets failed: {result.get('error')}")
+        fs = self.server.filesystem()
+        self.urls: dict[str, str] = {}
+        self.objects: dict[str, int] = {}
+        for name in ("streamload", *self.peers):
+            local = self.paths[name]
+            files = sorted(p for p in local.rglob("*") if p.is_file() and not p.name.startswith("."))
+            for p in files:
+                fs.put_file(str(p), f"{self.bucket}/{name}/{p.relative_to(local)}")
+            self.urls[name] = f"s3://{self.bucket}/{name}"
+            data_files = [p for p in files if p.suffix in (".tar", ".mds", ".bin")]
+            self.objects[name] = len(data_files)
+            if name == "streamload":
+                self.big_object = (f"streamload/{data_files[0].name}", data_files[0].stat().st_size)
+
+    @property
+    def peers(self) -> list[str]:
+        return [] if self.args.no_peers else [p for p in PEERS if p in self.args.peers.split(",")]
+
+    def limits(self) -> dict[str, Any]:
+        raw = raw_read_rate(self.tar)
+        dec = decode_rate(self.folder, self.args.backend)
+        name, size = self.big_object
+        spec = {
+            "endpoint": self.proxy.endpoint_url,
+            "key": self.server.key,
+            "secret": self.server.secret,
+            "bucket": self.bucket,
+            "object": name,
+            "size": size,
+            "parallel": self.args.link_parallel,
+        }
+        link = child_json(sys.executable, "--link", spec, timeout=300)
+        return {"raw_read_bytes_per_s": raw, "decode_per_core": dec, "link": link}
+
+    # rows
+
+    def plan(self) -> list[dict[str, Any]]:
+        a = self.args
+        variants = {"bytes": ["raw", "samples"], "decode": ["batch"]}
+        rows: list[dict[str, Any]] = []
+        stream = stream_mode_available()
+        for workers in a.workers:
+            for batch in a.batch:
+                for mode in a.modes:
+                    at = {"mode": mode, "workers": workers, "batch": batch}
+                    for v in variants[mode]:
+                        rows.append({"loader": "streamload", "variant": v, "source": "local", "cache": "-", **at})
+                        for cache in ("cold", "warm"):
+                            rows.append(
+                                {"loader": "streamload", "variant": v, "source": "bucket", "cache": cache, **at}
+                            )
+                        if stream:
+                            rows.append(
+                                {
+                                    "loader": "streamload",
+                                    "variant": f"stream-{v}",
+                                    "source": "bucket",
+                                    "cache": "none",
+                                    **at,
+                                }
+                            )
+                    for peer in self.peers:
+                        for cache in ("cold", "warm"):
+                            rows.append(
+                                {"loader": peer, "variant": "samples", "source": "bucket", "cache": cache, **at}
+                            )
+        return rows
+
+    def run(self, row: dict[str, Any]) -> dict[str, Any]:
+        a = self.args
+        loader, source = row["loader"], row["source"]
+        key = f"{loader}-{row['variant']}-{row['mode']}-w{row['workers']}-b{row['batch']}"
+        cache_dir = self.work / "cache" / key
+        if row["cache"] in ("cold", "none"):
+            shutil.rmtree(cache_dir, ignore_errors=True)
+        spec = dict(
+            row,
+            url=str(self.paths[loader]) if source == "local" else self.urls[loader],
+            storage_options=self.shaped_options,
+            cache_dir=str(cache_dir),
+            histogram=self.histogram,
+            backend=a.backend,
+        )
+        env = dict(os.environ)
+        env.update(
+            S3_ENDPOINT_URL=self.proxy.endpoint_url,
+            AWS_ACCESS_KEY_ID=self.server.key,
+            AWS_SECRET_ACCESS_KEY=self.server.secret,
+            AWS_DEFAULT_REGION="us-east-1",
+            PYTHONPATH=str(ROOT),
+        )
+        python = sys.executable if loader == "streamload" else str(PEERS_PYTHON)
+        requests0, gets0 = self.proxy.stats.requests, gets_of(self.server.metrics())
+        if a.inline:
+            try:
+                result = run_row(json.loads(json.dumps(spec)))
+            except Exception as exc:  # noqa: BLE001 - reported in the row
+                result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        else:
+            result = child_json(python, "--row", spec, a.timeout, env)
+        gets = gets_of(self.server.metrics()) - gets0
+        requests = self.proxy.stats.requests - requests0
+        out = dict(row, **result)
+        if source != "local":
+            out["gets_per_shard"] = gets / self.objects[loader]
+            out["requests_per_shard"] = requests / self.objects[loader]
+        if result.get("wall_s"):
+            out["samples_per_s"] = result["samples"] / result["wall_s"]
+            out["mb_per_s"] = self.payload * result["samples"] / len(self.items) / result["wall_s"] / 1e6
+        return out
+
+    def reference(self, row: dict[str, Any]) -> dict[str, Any] | None:
+        """The ``streamload local`` row this row is compared with."""
+        variant = row["variant"].removeprefix("stream-")
+        if row["loader"] != "streamload":
+            variant = "samples" if row["mode"] == "bytes" else "batch"
+        for r in self.rows:
+            if (r["loader"], r["source"], r["variant"], r["mode"], r["workers"], r["batch"]) == (
+                "streamload",
+                "local",
+                variant,
+                row["mode"],
+                row["workers"],
+                row["batch"],
+            ):
+                return r
+        return None
+
+
+# -- output -------------------------------------------------------------------------------
+
+
+def _name(r: dict[str, Any]) -> str:
+    if r["loader"] != "streamload":
+        return r["loader"]
+    v = r["variant"]
+    label = {"raw": "RawCollate", "samples": "per-sample", "batch": "DecodeBatch"}
+    if v.startswith("stream-"):
+        return f"streamload stream {label[v[7:]]}"
+    return f"streamload {label[v]}" + (" local" if r["source"] == "local" else "")
+
+
+def line(r: dict[str, Any]) -> str:
+    head = f"{r['mode']:6} w={r['workers']} b={r['batch']:<4} {_name(r):34} {r['cache']:5}"
+    if not r.get("samples_per_s"):
+        return f"{head} FAILED: {r.get('error', 'wrong count or labels')}"
+    gets = f"{r['gets_per_shard']:6.1f}" if "gets_per_shard" in r else "     -"
+    req = f"{r['requests_per_shard']:6.1f}" if "requests_per_shard" in r else "     -"
+    ratio = f"{r['x_local']:5.2f}" if r.get("x_local") else "    -"
+    flag = "" if r["ok"] else "  WRONG COUNT/LABELS"
+    return f"{head} {r['samples_per_s']:8.0f} {r['mb_per_s']:7.1f} {r['first_batch_s']:7.2f} {gets} {req} {ratio}{flag}"
+
+
+HEADER = (
+    f"{'mode':6} {'w':3} {'batch':6} {'loader':34} {'cache':5} {'samp/s':>8} {'MB/s':>7} {'1st(s)':>7} "
+    f"{'GET/sh':>6} {'req/sh':>6} {'xlocal':>5}"
+)
+
+
+def targets(rows: list[dict[str, Any]]) -> list[str]:
+    """The issue's targets, checked on this run's rows."""
+    out = []
+
+    def find(**kw: Any) -> list[dict[str, Any]]:
+        return [r for r in rows if all(r.get(k) == v for k, v in kw.items()) and r.get("samples_per_s")]
+
+    for r in find(loader="streamload", source="bucket"):
+        if r["cache"] == "warm" or not r.get("x_local"):
+            continue
+        goal = 0.9 if r["mode"] == "decode" else 0.7
+        verdict = "met" if r["x_local"] >= goal else "MISSED"
+        out.append(
+            f"{_name(r)} {r['mode']} w={r['workers']} {r['cache']}: x{r['x_local']:.2f} of local (>= {goal}) {verdict}"
+        )
+        if r["cache"] in ("cold", "none"):
+            verdict = "met" if r["first_batch_s"] <= 1.0 else "MISSED"
+            out.append(
+                f"{_name(r)} {r['mode']} w={r['workers']} {r['cache']}: first batch "
+                f"{r['first_batch_s']:.2f} s (<= 1 s) {verdict}"
+            )
+    for peer in PEERS:
+        for p in find(loader=peer):
+            ours = [
+                r
+                for r in find(
+                    loader="streamload", source="bucket", mode=p["mode"], workers=p["workers"], batch=p["batch"]
+                )
+                if r["cache"] == p["cache"]
+            ]
+            if not ours:
+                continue
+            best = max(ours, key=lambda r: r["samples_per_s"])
+            verdict = "ahead" if best["samples_per_s"] > p["samples_per_s"] else "BEHIND"
+            out.append(
+                f"vs {peer} {p['mode']} w={p['workers']} {p['cache']}: streamload {best['samples_per_s']:.0f} "
+                f"({_name(best)}) vs {p['samples_per_s']:.0f} samples/s: {verdict}"
+            )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--row", help=argparse.SUPPRESS)
+    parser.add_argument("--link", help=argparse.SUPPRESS)
+    parser.add_argument("--write-peers", help=argparse.SUPPRESS)
+    parser.add_argument("--images", type=int, default=4000, help="synthetic JPEGs, ~65 KB each (default 4000)")
+    parser.add_argument("--shard-mb", type=int, default=64, help="MiB per shard/chunk, every loader (default 64)")
+    parser.add_argument("--batch", default="64", help="batch sizes, comma-separated (default 64)")
+    parser.add_argument("--workers", default="0,2", help="DataLoader workers, comma-separated (default 0,2)")
+    parser.add_argument("--modes", default="bytes,decode")
+    parser.add_argument("--backend", default="pillow", help="ImageDecoder backend of the decode work (default pillow)")
+    parser.add_argument("--latency-ms", type=float, default=50.0, help="proxy: time to first byte (default 50)")
+    parser.add_argument(
+        "--conn-mbps", type=float, default=40.0, help="proxy: MB/s per connection (default 40; 0: none)"
+    )
+    parser.add_argument("--node-mbps", type=float, default=400.0, help="proxy: MB/s in all (default 400; 0: none)")
+    parser.add_argument("--link-parallel", type=int, default=8, help="parallel ranged GETs of the link measurement")
+    parser.add_argument("--peers", default=",".join(PEERS), help="peers to run (default mosaicml,litdata)")
+    parser.add_argument("--no-peers", action="store_true", help="streamload rows only (no peers venv needed)")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per row before it counts as stalled")
+    parser.add_argument("--inline", action="store_true", help="run rows in this process (quick; for --smoke)")
+    parser.add_argument("--smoke", action="store_true", help="tiny and quick: 120 images, 1 MiB shards, 0 workers")
+    parser.add_argument("--data", default=str(OUT / "remote"), help="where the images and shards are kept")
+    parser.add_argument("--work", help="server data and caches (default: a fresh temporary directory)")
+    parser.add_argument("--json", default=str(OUT / "bench_remote.json"), help="write the results here")
+    args = parser.parse_args(argv)
+    for role, fn in (("row", run_row), ("link", link_rate), ("write_peers", write_peer_datasets)):
+        spec = getattr(args, role)
+        if spec:
+            if role == "write_peers":
+                fn(json.loads(spec))
+                print(json.dumps({"ok": True}))
+            else:
+                print(json.dumps(fn(json.loads(spec))))
+            return 0
+    if args.smoke:
+        args.images, args.shard_mb, args.batch, args.workers = 120, 1, "16", "0"
+        args.inline, args.no_peers = True, True
+    args.batch = [int(b) for b in args.batch.split(",")]
+    args.workers = [int(w) for w in args.workers.split(",")]
+    args.modes = args.modes.split(",")
+    if not args.no_peers and not PEERS_PYTHON.exists():
+        raise SystemExit(f"no peers venv at {PEERS_PYTHON}: run bash benchmarks/setup_peers.sh, or pass --no-peers")
+    load_start = os.getloadavg()
+    print(f"load average at start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}; {os.cpu_count()} CPUs")
+    bench = Bench(args)
+    try:
+        bench.start()
+        bench.make_data()
+        n = len(bench.items)
+        print(
+            f"data: {n} JPEGs, {bench.payload / 1e6:.0f} MB (mean {bench.payload / n / 1e3:.1f} KB), "
+            f"{args.shard_mb} MiB shards: streamload {bench.objects['streamload']}"
+            + "".join(f", {p} {bench.objects[p]}" for p in bench.peers)
+        )
+        print(
+            f"link: proxy {args.latency_ms:.0f} ms to first byte, {args.conn_mbps:.0f} MB/s per connection, "
+            f"{args.node_mbps:.0f} MB/s in all"
+        )
+        limits = bench.limits()
+        link = limits["link"]
+        print(
+            f"limit: raw local read of the tar shards {limits['raw_read_bytes_per_s'] / 1e6:.0f} MB/s "
+            f"({limits['raw_read_bytes_per_s'] / (bench.payload / n):.0f} samples/s), one core"
+        )
+        print(
+            f"limit: decode work ({args.backend}, resize {RESIZE}, crop {CROP}) "
+            f"{limits['decode_per_core']:.0f} samples/s per core"
+        )
+        if link.get("ttfb_s"):
+            print(
+                f"limit: shaped link: first byte {link['ttfb_s'] * 1000:.0f} ms, one connection "
+                f"{link['one_conn_bytes_per_s'] / 1e6:.0f} MB/s, {link['parallel']} parallel ranged GETs "
+                f"{link['parallel_bytes_per_s'] / 1e6:.0f} MB/s"
+            )
+        print()
+        print(HEADER)
+        for row in bench.plan():
+            result = bench.run(row)
+            ref = bench.reference(result)
+            if ref is not None and ref is not result and ref.get("samples_per_s") and result.get("samples_per_s"):
+                result["x_local"] = result["samples_per_s"] / ref["samples_per_s"]
+            bench.rows.append(result)
+            print(line(result), flush=True)
+        verdicts = targets(bench.rows)
+        print()
+        for v in verdicts:
+            print(v)
+        load_end = os.getloadavg()
+        print(f"load average at end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")
+        report = {
+            "args": {k: v for k, v in vars(args).items() if k not in ("row", "link", "write_peers")},
+            "data": {"images": n, "payload_bytes": bench.payload, "objects": bench.objects},
+            "limits": limits,
+            "rows": bench.rows,
+            "targets": verdicts,
+            "load_start": load_start,
+            "load_end": load_end,
+            "stream_mode": stream_mode_available(),
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    finally:
+        bench.stop()
+        if not args.work:
+            shutil.rmtree(bench.work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
