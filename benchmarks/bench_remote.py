@@ -201,6 +201,18 @@ def _litdata_loader(spec: dict[str, Any]) -> tuple[Iterable[Any], str]:
     return loader, "pair"
 
 
+def _preimport(loader: str) -> None:
+    import torch.utils.data  # noqa: F401
+
+    import streamload.batch  # noqa: F401
+    import streamload.decode  # noqa: F401
+
+    if loader == "mosaicml":
+        import streaming  # noqa: F401
+    elif loader == "litdata":
+        import litdata  # noqa: F401
+
+
 def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     """Read one epoch as ``spec`` says; time it from the dataset's construction; check count and labels."""
     expected = np.asarray(spec["histogram"], dtype=np.int64)
@@ -209,6 +221,7 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
         "mosaicml": _mosaicml_loader,
         "litdata": _litdata_loader,
     }
+    _preimport(spec["loader"])  # imports are not the loader's time to first batch
     start = time.perf_counter()
     loader, kind = makers[spec["loader"]](spec)
     hist = np.zeros(len(expected), dtype=np.int64)
@@ -253,8 +266,13 @@ def make_images(root: Path, count: int, seed: int = 0) -> Path:
 
         per_class = -(-count // 10)
         jobs = [(str(root), c, min(per_class, count - c * per_class), seed) for c in range(10)]
-        with ProcessPoolExecutor(2) as pool:
-            list(pool.map(_data._write_class, [job for job in jobs if job[2] > 0]))
+        jobs = [job for job in jobs if job[2] > 0]
+        if count < 1000:  # a pool costs more than it saves
+            for job in jobs:
+                _data._write_class(job)
+        else:
+            with ProcessPoolExecutor(2) as pool:
+                list(pool.map(_data._write_class, jobs))
         done.touch()
     return root
 
@@ -409,12 +427,13 @@ def child_json(python: str, role: str, spec: dict[str, Any], timeout: float, env
 class Bench:
     """The server, the proxy, the data sets and the rows of one run."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, server: Any = None) -> None:
         self.args = args
+        self.own_server = server is None
         self.work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench-remote-"))
         self.work.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict[str, Any]] = []
-        self.server: Any = None
+        self.server: Any = server
         self.proxy: Any = None
 
     # setup
@@ -424,8 +443,9 @@ class Bench:
         from tests.s3server import SeaweedS3
         from tests.shaping import ShapingProxy, upstream_of
 
-        self.server = SeaweedS3(self.work / "seaweedfs")
-        self.server.start()
+        if self.server is None:
+            self.server = SeaweedS3(self.work / "seaweedfs")
+            self.server.start()
         a = self.args
         self.proxy = ShapingProxy(
             upstream_of(self.server),
@@ -434,7 +454,7 @@ class Bench:
             node_bandwidth=a.node_mbps * 1e6 or None,
             max_lifetime=24 * 3600,
         )
-        self.bucket = self.server.make_bucket("far")
+        self.bucket = self.server.make_bucket(None if not self.own_server else "far")
         self.shaped_options = self.server.storage_options()
         self.shaped_options["client_kwargs"] = {
             **self.shaped_options["client_kwargs"],
@@ -444,7 +464,7 @@ class Bench:
     def stop(self) -> None:
         if self.proxy is not None:
             self.proxy.stop()
-        if self.server is not None:
+        if self.server is not None and self.own_server:
             self.server.stop()
 
     def make_data(self) -> None:
@@ -463,9 +483,9 @@ class Bench:
         if not (self.tar / "index.json").exists():
             src = ImageFolderSource(str(self.folder))
             src.check = "none"
-            convert(
-                src, str(self.tar), ConvertOptions(shard_bytes=shard_bytes, workers=2, progress=False, overwrite=True)
-            )
+            workers = 1 if a.smoke else 2
+            options = ConvertOptions(shard_bytes=shard_bytes, workers=workers, progress=False, overwrite=True)
+            convert(src, str(self.tar), options)
         self.paths = {"streamload": self.tar, "mosaicml": base / "mds", "litdata": base / "litdata"}
         if self.peers:
             spec = {
@@ -498,7 +518,7 @@ class Bench:
 
     def limits(self) -> dict[str, Any]:
         raw = raw_read_rate(self.tar)
-        dec = decode_rate(self.folder, self.args.backend)
+        dec = decode_rate(self.folder, self.args.backend, repeats=1 if self.args.smoke else 3)
         name, size = self.big_object
         spec = {
             "endpoint": self.proxy.endpoint_url,
@@ -678,7 +698,8 @@ def targets(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, server: Any = None) -> int:
+    """Run the benchmark; ``server``: a running ``tests.s3server.SeaweedS3`` to use instead of a new one."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--row", help=argparse.SUPPRESS)
     parser.add_argument("--link", help=argparse.SUPPRESS)
@@ -699,7 +720,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peers", action="store_true", help="streamload rows only (no peers venv needed)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per row before it counts as stalled")
     parser.add_argument("--inline", action="store_true", help="run rows in this process (quick; for --smoke)")
-    parser.add_argument("--smoke", action="store_true", help="tiny and quick: 120 images, 1 MiB shards, 0 workers")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny and quick: at most 120 images, 1 MiB shards, 0 workers, rows in-process",
+    )
     parser.add_argument("--data", default=str(OUT / "remote"), help="where the images and shards are kept")
     parser.add_argument("--work", help="server data and caches (default: a fresh temporary directory)")
     parser.add_argument("--json", default=str(OUT / "bench_remote.json"), help="write the results here")
@@ -714,7 +739,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(fn(json.loads(spec))))
             return 0
     if args.smoke:
-        args.images, args.shard_mb, args.batch, args.workers = 120, 1, "16", "0"
+        args.shard_mb, args.batch, args.workers = 1, "16", "0"
+        args.images = min(args.images, 120)
         args.inline, args.no_peers = True, True
     args.batch = [int(b) for b in args.batch.split(",")]
     args.workers = [int(w) for w in args.workers.split(",")]
@@ -723,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no peers venv at {PEERS_PYTHON}: run bash benchmarks/setup_peers.sh, or pass --no-peers")
     load_start = os.getloadavg()
     print(f"load average at start: {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}; {os.cpu_count()} CPUs")
-    bench = Bench(args)
+    bench = Bench(args, server)
     try:
         bench.start()
         bench.make_data()

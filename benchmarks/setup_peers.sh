@@ -7,6 +7,8 @@
 # imports the peers need at run time, installed with --no-deps.
 #
 #   bash benchmarks/setup_peers.sh          # then: benchmarks/out/peers-venv/bin/python benchmarks/run.py
+#                                           #   or: python benchmarks/bench_remote.py (runs the peers with it)
+# It never installs torch (every install is --no-deps); re-running it is safe.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 main_venv="${STREAMLOAD_VENV:-$here/.venv}"
@@ -24,7 +26,11 @@ pip=("$peers/bin/python" -m pip install -q --no-deps)
 # The peers themselves (no torchvision, no torch from their requirements).
 "${pip[@]}" mosaicml-streaming litdata
 # What they import at run time (pure-python or small wheels); torch/numpy come from the main venv.
-"${pip[@]}" boto3 botocore s3transfer jmespath python-dateutil six urllib3 \
+# boto3 must match the main venv's botocore (the one s3fs/aiobotocore pin, seen through the .pth
+# file): boto3 X.Y.Z requires botocore >= X.Y.Z of the same minor, so take the same version.
+botocore_version="$("$main_venv/bin/python" -c 'import botocore; print(botocore.__version__)')"
+"${pip[@]}" "boto3==$botocore_version" || "${pip[@]}" "boto3<=$botocore_version"
+"${pip[@]}" s3transfer jmespath python-dateutil six urllib3 \
     lightning-utilities filelock requests idna certifi charset-normalizer \
     tifffile obstore Brotli python-snappy zstd catalogue packaging typing-extensions \
     tqdm xxhash || true

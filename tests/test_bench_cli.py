@@ -157,3 +157,34 @@ def test_bench_on_s3_dataset(
     assert main(args) == 0
     results = json.loads(capsys.readouterr().out)["results"]
     assert [r["workers"] for r in results] == [0, 1] and all(r["samples"] > 0 for r in results)
+
+
+def test_bench_remote_smoke(s3_server: SeaweedS3, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/bench_remote.py --smoke --no-peers: a real server, proxy and rows; every row reads every sample."""
+    import sys
+
+    bench_dir = Path(__file__).resolve().parent.parent / "benchmarks"
+    sys.path.insert(0, str(bench_dir))
+    try:
+        import bench_remote
+    finally:
+        sys.path.remove(str(bench_dir))
+    out = tmp_path / "remote.json"
+    argv = ["--smoke", "--no-peers", "--images", "60", "--data", str(tmp_path / "data"), "--work", str(tmp_path / "w")]
+    assert bench_remote.main([*argv, "--json", str(out)], server=s3_server) == 0
+    text = capsys.readouterr().out
+    assert "load average at start" in text and "load average at end" in text and "shaped link" in text
+    report = json.loads(out.read_text())
+    rows, shards = report["rows"], report["data"]["objects"]["streamload"]
+    assert shards >= 3 and report["data"]["images"] == 60
+    assert {(r["mode"], r["source"], r["cache"]) for r in rows} >= {
+        (mode, source, cache) for mode in ("bytes", "decode") for source, cache in (("local", "-"), ("bucket", "cold"))
+    }
+    for r in rows:
+        assert r["ok"] and r["samples"] == 60 and r["samples_per_s"] > 0 and r["first_batch_s"] > 0, r
+        if r["cache"] == "cold":  # every shard and its sidecar fetched (ranged GETs: maybe more than one each)
+            assert r["gets_per_shard"] >= 2, r
+        if r["cache"] == "warm":  # only index.json: the shards come from the cache
+            assert r["gets_per_shard"] * shards <= 1, r
+        if r["source"] == "bucket":
+            assert r["x_local"] > 0
