@@ -421,7 +421,13 @@ class Child:
 
 
 def child_json(python: str, role: str, spec: dict[str, Any], timeout: float, env: dict[str, str] | None = None) -> Any:
-    return Child(python, [role, json.dumps(spec)], env).result(timeout)
+    """Run ``role`` in a child; its spec goes through a file (it may be larger than a command line)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="bench-remote-spec-", delete=False) as f:
+        json.dump(spec, f)
+    try:
+        return Child(python, [role, f.name], env).result(timeout)
+    finally:
+        os.unlink(f.name)
 
 
 class Bench:
@@ -730,8 +736,9 @@ def main(argv: list[str] | None = None, server: Any = None) -> int:
     parser.add_argument("--json", default=str(OUT / "bench_remote.json"), help="write the results here")
     args = parser.parse_args(argv)
     for role, fn in (("row", run_row), ("link", link_rate), ("write_peers", write_peer_datasets)):
-        spec = getattr(args, role)
-        if spec:
+        spec_file = getattr(args, role)
+        if spec_file:
+            spec = Path(spec_file).read_text()
             if role == "write_peers":
                 fn(json.loads(spec))
                 print(json.dumps({"ok": True}))
