@@ -201,16 +201,22 @@ def _litdata_loader(spec: dict[str, Any]) -> tuple[Iterable[Any], str]:
     return loader, "pair"
 
 
-def _preimport(loader: str) -> None:
+def _preimport(loader: str, source: str) -> None:
+    """Import what the row needs, its S3 client included, so that imports are not timed."""
     import torch.utils.data  # noqa: F401
 
     import streamload.batch  # noqa: F401
     import streamload.decode  # noqa: F401
 
-    if loader == "mosaicml":
+    if loader == "streamload" and source != "local":
+        import s3fs  # noqa: F401
+    elif loader == "mosaicml":
+        import boto3  # noqa: F401
         import streaming  # noqa: F401
     elif loader == "litdata":
+        import boto3  # noqa: F401, F811
         import litdata  # noqa: F401
+        import obstore  # noqa: F401
 
 
 def run_row(spec: dict[str, Any]) -> dict[str, Any]:
@@ -221,7 +227,7 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
         "mosaicml": _mosaicml_loader,
         "litdata": _litdata_loader,
     }
-    _preimport(spec["loader"])  # imports are not the loader's time to first batch
+    _preimport(spec["loader"], spec["source"])  # imports are not the loader's time to first batch
     start = time.perf_counter()
     loader, kind = makers[spec["loader"]](spec)
     hist = np.zeros(len(expected), dtype=np.int64)
