@@ -131,6 +131,8 @@ def _streamload_loader(spec: dict[str, Any]) -> tuple[Iterable[Any], str]:
         kwargs.update(storage_options=spec["storage_options"], cache_dir=spec["cache_dir"])
         if spec["variant"].startswith("stream"):
             kwargs["cache"] = "none"
+        elif stream_mode_available():
+            kwargs["cache"] = "shards"  # the cached rows cache whole shards, whatever "auto" would pick
     batch, workers = spec["batch"], spec["workers"]
     common: dict[str, Any] = {"num_workers": workers}
     if workers:
