@@ -24,13 +24,13 @@ import pyarrow.parquet as pq
 import pytest
 from streamload.converters import ConvertOptions, DatasetSource, ImageFolderSource, TableSource, convert
 from streamload.converters.journal import JOB_NAME
-from streamload.converters.source import Item
 
 from streamload import StreamingDataset
 from streamload._errors import ConfigError, SourceError
 from streamload.cli import main
 from streamload.synthetic import make_image_folder, synthetic_jpeg
 from tests.s3server import SeaweedS3
+from tests.test_cluster import KillOnce
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,21 +90,6 @@ def ray_local() -> Iterator[str]:
 
 
 # -- 1. a Ray worker killed mid-task -------------------------------------------------------
-
-
-class KillOnce(ImageFolderSource):
-    """Records the pid of the process loading ``victim`` in ``marker``, then SIGKILLs it; once only."""
-
-    def __init__(self, root: str, victim: str, marker: str) -> None:
-        super().__init__(root)
-        self.victim, self.marker = victim, marker
-
-    def load(self, item: Item) -> dict[str, Any]:
-        if item.key == self.victim and not os.path.exists(self.marker):
-            with open(self.marker, "w") as f:
-                f.write(str(os.getpid()))
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().load(item)
 
 
 def test_a_ray_worker_killed_mid_shard_is_retried_and_the_output_is_identical(tmp_path: Path, ray_local: str) -> None:
