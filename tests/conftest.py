@@ -14,8 +14,9 @@ from streamload.converters import ConvertOptions, ImageFolderSource, convert
 from streamload.synthetic import make_image_folder, synthetic_jpeg
 
 # One SeaweedFS server per test session, shared by every module that asks for `s3_server`;
-# `shaped_s3` puts it behind a proxy that makes it a far bucket (latency, bandwidth).
-pytest_plugins = ["tests.s3server", "tests.shaping"]
+# `shaped_s3` puts it behind a proxy that makes it a far bucket (latency, bandwidth);
+# `dask_address` and `ray_local` are real conversion engines (one per module that asks).
+pytest_plugins = ["tests.s3server", "tests.shaping", "tests.engines"]
 
 
 def add_tricky_files(root: Path) -> None:

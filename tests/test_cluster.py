@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,32 +34,6 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("cluster-images")
     make_image_folder(str(root), num_classes=3, per_class=8, size=(24, 20), seed=9)
     return root
-
-
-@pytest.fixture(scope="module")
-def dask_address() -> Iterator[str]:
-    distributed = pytest.importorskip("distributed")
-    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None)
-    try:
-        yield "dask://" + cluster.scheduler_address.removeprefix("tcp://")
-    finally:
-        cluster.close()
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[str]:
-    ray = pytest.importorskip("ray")
-    ray.init(
-        num_cpus=2,
-        object_store_memory=100 * 2**20,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
-    )
-    try:
-        yield "ray"
-    finally:
-        ray.shutdown()
 
 
 def _files(path: Path) -> dict[str, bytes]:

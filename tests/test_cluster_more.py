@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,22 +70,6 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     for path in second.rglob("*.jpg"):
         path.rename(path.with_name("new-" + path.name))
     return first, second
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[str]:
-    ray = pytest.importorskip("ray")
-    ray.init(
-        num_cpus=2,
-        object_store_memory=100 * 2**20,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},  # the workers import this module's KillOnce
-    )
-    try:
-        yield "ray"
-    finally:
-        ray.shutdown()
 
 
 # -- 1. a Ray worker killed mid-task -------------------------------------------------------

@@ -404,10 +404,12 @@ def test_appending_a_grown_table_adds_only_its_new_rows(images: list[tuple[str, 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dask_and_ray_write_the_local_pools_bytes_from_a_table(
-    images: list[tuple[str, str, bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    images: list[tuple[str, str, bytes]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    dask_address: str,
+    ray_local: str,
 ) -> None:
-    distributed = pytest.importorskip("distributed")
-    ray = pytest.importorskip("ray")
     monkeypatch.setattr(table_module, "TEXT_BLOCK_BYTES", 100)  # the source carries it to the workers
     table = tmp_path / "x.csv"
     _write("csv", table, _rows(50, images, {7: "no label"}))
@@ -420,24 +422,9 @@ def test_dask_and_ray_write_the_local_pools_bytes_from_a_table(
     convert(TableSource(str(table)), str(tmp_path / "two"), ConvertOptions(workers=2, **options))
     expected = files(tmp_path / "one")
     assert files(tmp_path / "two") == expected
-    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None)
-    try:
-        address = "dask://" + cluster.scheduler_address.removeprefix("tcp://")
-        convert(TableSource(str(table)), str(tmp_path / "dask"), ConvertOptions(executor=address, **options))
-    finally:
-        cluster.close()
+    convert(TableSource(str(table)), str(tmp_path / "dask"), ConvertOptions(executor=dask_address, **options))
     assert files(tmp_path / "dask") == expected
-    ray.init(
-        num_cpus=2,
-        object_store_memory=100 * 2**20,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
-    )
-    try:
-        convert(TableSource(str(table)), str(tmp_path / "ray"), ConvertOptions(executor="ray", **options))
-    finally:
-        ray.shutdown()
+    convert(TableSource(str(table)), str(tmp_path / "ray"), ConvertOptions(executor=ray_local, **options))
     assert files(tmp_path / "ray") == expected
 
 
