@@ -537,8 +537,10 @@ class ShardSource:
         """Drop the corrupt cached copies of ``shards`` (``error`` was met reading them); return the shards dropped.
 
         Each shard is fetched again at most once per source; open readers are left alone
-        (the next acquire of a dropped file downloads it). Returns ``[]`` for a local
-        dataset or an error that is no corruption.
+        (the next acquire of a dropped file downloads it). In streaming mode the shard's
+        fetched ranges are dropped instead (and its cached sidecar, if that copy went
+        bad), so the next read goes to the bucket. Returns ``[]`` for a local dataset or
+        an error that is no corruption.
 
         Raises:
             CorruptShardError: If none was dropped because they are bad at their source:
@@ -548,57 +550,40 @@ class ShardSource:
         """
         if self._copies is None or not isinstance(error, CorruptShardError):
             return []
-        if self.fetcher is not None:
-            return self._reread(shards, error)
+        again = (
+            "read again from the bucket after the first read failed"
+            if self.fetcher is not None
+            else "in a copy downloaded again after the cached one was corrupt"
+        )
         dropped: list[int] = []
         bad: list[str] = []
         for shard in shards:
             entry = self.ref.manifest.shards[shard]
             if shard in self.recovered:
-                bad.append(
-                    f"{self.ref.where(entry)}: {error} (in a copy downloaded again after the cached one was "
-                    "corrupt: the shard is bad at its source)"
-                )
+                bad.append(f"{self.ref.where(entry)}: {error} ({again}: the shard is bad at its source)")
                 continue
-            files = [f.name for f in entry.files if self._copies.discard(f)]
-            if not files:
-                bad.append(
-                    f"{self.ref.where(entry)}: {error} (its cached copy, {self.storage.describe()}, matches "
-                    "the manifest's hash: the shard is bad at its source; not downloaded again)"
+            if self.fetcher is not None:  # streaming: drop the fetched ranges (and a sidecar copy gone bad)
+                self.fetcher.drop(entry.name)
+                if entry.sidecar is not None:
+                    self._copies.discard(entry.sidecar)  # only if its copy no longer hashes to its entry
+                log.warning("%s: %s; reading its bytes from the bucket again", self.ref.where(entry), error)
+            else:
+                files = [f.name for f in entry.files if self._copies.discard(f)]
+                if not files:
+                    bad.append(
+                        f"{self.ref.where(entry)}: {error} (its cached copy, {self.storage.describe()}, matches "
+                        "the manifest's hash: the shard is bad at its source; not downloaded again)"
+                    )
+                    continue
+                log.warning(
+                    "%s: a cached copy is corrupt (%s); deleted %s from %s, downloading again",
+                    self.ref.where(entry),
+                    error,
+                    ", ".join(files),
+                    self.storage.describe(),
                 )
-                continue
             self.recovered.add(shard)
             dropped.append(shard)
-            log.warning(
-                "%s: a cached copy is corrupt (%s); deleted %s from %s, downloading again",
-                self.ref.where(entry),
-                error,
-                ", ".join(files),
-                self.storage.describe(),
-            )
-        if not dropped and bad:
-            raise CorruptShardError("; ".join(bad)) from error
-        return dropped
-
-    def _reread(self, shards: Iterable[int], error: CorruptShardError) -> list[int]:
-        """Streaming: drop the fetched ranges (and a corrupt cached sidecar) of ``shards``, once per shard."""
-        assert self.fetcher is not None and self._copies is not None
-        dropped: list[int] = []
-        bad: list[str] = []
-        for shard in shards:
-            entry = self.ref.manifest.shards[shard]
-            if shard in self.recovered:
-                bad.append(
-                    f"{self.ref.where(entry)}: {error} (read again from the bucket after the first read failed: "
-                    "the shard is bad at its source)"
-                )
-                continue
-            self.recovered.add(shard)
-            self.fetcher.drop(entry.name)
-            if entry.sidecar is not None:
-                self._copies.discard(entry.sidecar)  # only if its copy no longer hashes to its entry
-            dropped.append(shard)
-            log.warning("%s: %s; reading its bytes from the bucket again", self.ref.where(entry), error)
         if not dropped and bad:
             raise CorruptShardError("; ".join(bad)) from error
         return dropped
