@@ -27,6 +27,7 @@ from .access import SampleView, ShardedDataset
 from .dataset import StreamingDataset
 from .decode import ImageLabel, decode_sample
 from .manifest import Manifest, ShardEntry
+from .randomness import sample_generator, sample_seed
 from .streams import Stream
 from .writer import DatasetWriter
 
@@ -59,4 +60,6 @@ __all__ = [
     "UnsafeShardError",
     "__version__",
     "decode_sample",
+    "sample_generator",
+    "sample_seed",
 ]

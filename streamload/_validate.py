@@ -225,24 +225,28 @@ def check_epoch(epoch: object) -> int:
     return check_int("epoch", epoch, low=0, high=MAX_EPOCH)
 
 
-def check_samples_seen(
-    samples_seen: int, stage_start: int, stage_total: int, world_size: int, batch_size: int | None
-) -> None:
+def check_partitions(partitions: object) -> int | None:
+    """Return ``partitions`` (``None`` or an int in ``[1, 65536]``).
+
+    Raises:
+        ConfigError: If it is not an integer or out of range.
+    """
+    return None if partitions is None else check_int("partitions", partitions, low=1, high=1 << 16)
+
+
+def check_samples_seen(samples_seen: int, epoch_total: int, world_size: int, global_batch: int) -> None:
     """Refuse a ``samples_seen`` past the end of its epoch (for ``state_dict`` and ``load_state_dict``).
 
-    ``stage_total`` items (over all ranks) follow ``stage_start`` in the epoch. The count of
-    a plain loop is ``steps * global_batch``, so it may pass the end by less than one global
-    batch (a short last batch); anything further is a wrong count, not a finished epoch.
+    The epoch holds ``epoch_total`` items over all ranks, whole global batches of
+    ``global_batch``; the count of a plain loop is ``steps * global_batch``, so it reaches
+    the end exactly. Anything further is a wrong count, not a finished epoch.
 
     Raises:
         PlanError: If ``samples_seen`` is beyond that (a :class:`PlanError`, like the other
             checks of a state's ``samples_seen``).
     """
-    global_batch = world_size * (batch_size or 1)
-    most = stage_start + -(-stage_total // global_batch) * global_batch
-    if samples_seen > most:
-        whole = f", {most} counting whole global batches of {global_batch}" if most != stage_start + stage_total else ""
+    if samples_seen > epoch_total:
         raise PlanError(
-            f"samples_seen={samples_seen} is past the end of the epoch: it ends at "
-            f"{stage_start + stage_total} samples over world_size={world_size}{whole}"
+            f"samples_seen={samples_seen} is past the end of the epoch: it ends at {epoch_total} samples "
+            f"(whole global batches of {global_batch} over world_size={world_size})"
         )

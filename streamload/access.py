@@ -306,7 +306,8 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
         hashes = np.empty(n, dtype=np.uint64)
         counts = self.manifest.shard_counts
         shards = [s for s, count in enumerate(counts) if count]
-        touch = (Run(s, np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)) for s in shards)
+        zero = np.zeros(1, dtype=np.int64)
+        touch = (Run(s, zero, zero, zero) for s in shards)
         for run in readers.read_ahead(touch, iter(shards)):  # remote: downloads ahead of the reads
             start, count = int(self.starts[run.shard]), counts[run.shard]
             keys = readers.get(run.shard).keys_of(np.arange(count, dtype=np.int64))

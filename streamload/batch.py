@@ -445,6 +445,6 @@ def group_runs(runs: Iterable[Run], chunk: int) -> Iterator[list[Run]]:
                 yield parts
                 parts = []
             current = batch
-            parts.append(Run(run.shard, run.locals[a:b], run.positions[a:b]))
+            parts.append(Run(run.shard, run.locals[a:b], run.positions[a:b], run.items[a:b]))
     if parts:
         yield parts

@@ -7,11 +7,13 @@ each DataLoader worker opens the shards it needs itself, after fork or spawn.
 One epoch in one worker, as a stream::
 
     detect world (rank, world_size, worker, num_workers)      -- at iteration time
+    claim the epoch (shared by all workers of the iteration)   -- at the first sample
     EpochPlan(shard_counts, world, Split(epoch, seed, ...))   -- pure, O(shards)
-    resume point (stages, start item)                          -- load_state_dict, if any
+    resume point (start item)                                  -- load_state_dict, if any
     runs: (shard, [local indices])                             -- plan.runs(world, start)
       -> ShardSource.get(shard): storage.acquire -> reader     -- cache/read-ahead if remote
-      -> format reader .iter_range / .get -> sample dicts      -- {"__key__", field: bytes}
+      -> format reader .iter_range / .get -> sample dicts      -- {"__key__", field: bytes,
+                                                                     "__epoch__", "__position__"}
       -> transform(sample)                                     -- optional, e.g. decode
 
 A mixture of datasets (:class:`~streamload.streams.Stream`) or an ``epoch_size`` changes
@@ -23,8 +25,9 @@ counts, interleaved) and the readers (:class:`~streamload.streams.MixedSource`: 
 from __future__ import annotations
 
 import logging
-import math
 import os
+import secrets
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -34,21 +37,29 @@ import torch
 from torch.utils.data import IterableDataset
 
 from ._errors import ConfigError, CorruptShardError, PlanError, SampleError, StreamloadError
-from ._validate import check_epoch, check_samples_seen, dataset_args, parse_cache_mode, parse_stream_buffer
+from ._validate import (
+    check_epoch,
+    check_partitions,
+    check_samples_seen,
+    dataset_args,
+    parse_cache_mode,
+    parse_stream_buffer,
+)
 from .formats import Format, Sample, ShardReader
 from .manifest import Manifest, ShardEntry
 from .plan import (
     EpochPlan,
     Run,
     Split,
-    Stage,
     World,
-    default_window,
     detect_rank_world,
     detect_world,
     distributed_world,
+    global_batch,
+    locality_warning,
     samples_per_rank,
 )
+from .plan.planner import partition_count, partition_window
 from .plan.state import EpochState, WorkerPosition
 from .shards import CacheMode, StorageConfig
 from .storage import Storage
@@ -59,11 +70,15 @@ __all__ = ["StreamingDataset"]
 
 log = logging.getLogger("streamload")
 
-#: Slots of the shared epoch counter: [base epoch, offset, iterations started by worker 0, 1, ...].
-#: A worker's next epoch is base + offset + its slot: ``set_epoch`` sets base and clears the
-#: rest; a worker restoring a saved state sets the offset; each iteration bumps its slot.
+#: The shared epoch table: ``[base epoch, iterations claimed, (key, epoch) * _CLAIMS]``.
+#: Every iteration has a key that all of its readers share (the DataLoader iterator's base
+#: seed and the worker process's iteration count; a fresh random key in the main process);
+#: the first reader of an iteration to ask for a sample claims the next epoch for its key,
+#: the others find it there. ``set_epoch`` sets the base and clears the claims.
 _MAX_WORKERS = 1024
-_BASE, _OFFSET, _SLOTS = 0, 1, 2
+_BASE, _CLAIMED, _TABLE = 0, 1, 2
+_CLAIMS = 64
+_KEY_MASK = (1 << 62) - 1
 #: Shard readers a worker keeps open at once, at least (a shuffle window spans a few shards).
 _OPEN_READERS = 8
 #: ... and at most (file descriptors).
@@ -96,8 +111,16 @@ class StreamingDataset(IterableDataset[Any]):
         seed: Seed of the shuffle; the same (seed, epoch, world) gives the same order.
         drop_last: Drop the tail instead of padding so ranks get ``floor(N / world)``.
         shuffle_window: Shuffle window in samples (default: four times the largest shard).
-        batch_size: The DataLoader's batch size, if any. Workers then take batch-sized
-            chunks in turn, so batches leave the DataLoader in the planned order.
+        batch_size: The DataLoader's batch size (per rank), if any. Workers then take
+            batch-sized chunks in turn, so batches leave the DataLoader in the planned
+            order; with ``shuffle=True`` the global batches (``batch_size * world_size``
+            samples a step) are then the same on any number of ranks and workers (see
+            *Reproducibility*).
+        partitions: Canonical partitions of a shuffled, batched epoch (default 8): each
+            global batch takes an equal slice of each, and each rank reads a contiguous
+            group of them. Part of the order: keep it fixed to reproduce a run. World
+            sizes that divide it or are multiples of it keep each rank on its own
+            partitions; others get the same batches with less read locality (warned).
         transform: Function applied to each sample dict in the worker (e.g. a decoder from
             :mod:`streamload.decode`).
         collate: Make whole batches in the worker: called with each planned batch's
@@ -156,16 +179,30 @@ class StreamingDataset(IterableDataset[Any]):
     Epochs:
         ``set_epoch(n)`` makes the next iteration epoch ``n`` (it reaches persistent
         workers through shared memory); each further iteration without ``set_epoch``
-        advances the epoch by one. An iteration counts once its first sample is asked for.
+        advances the epoch by one. An iteration counts once its first sample is asked for,
+        and all readers of one iteration (every DataLoader worker of one ``iter(loader)``,
+        persistent or not) agree on its epoch, whatever iterated the dataset before.
+
+    Reproducibility:
+        With ``shuffle=True`` and ``batch_size=b``, the samples of global step ``k`` (all
+        ranks' ``k``-th batches, in rank order) depend only on the dataset, ``seed``, the
+        epoch, the global batch ``b * world_size`` and ``partitions``: 1 GPU with
+        ``batch_size=256`` and 8 GPUs with ``batch_size=32`` see the same steps, with any
+        ``num_workers``, and so does a run resumed on another world. Every sample dict
+        carries ``"__epoch__"`` and ``"__position__"`` (its place in the epoch, the same on
+        every world), the key of :func:`streamload.sample_generator`, which
+        :class:`~streamload.decode.DecodeBatch` uses for its random crops and flips. See
+        ``docs/reproducibility.md``.
 
     Stop and resume:
         ``state_dict()`` returns a small plain dict (JSON- and ``torch.save``-safe): the
         epoch, the seed and the global number of samples consumed, independent of the
         number of ranks and workers. ``load_state_dict(state)`` makes the next iteration
         continue that epoch at the first unseen sample, without reading the seen ones;
-        the following epoch is unchanged. With the same number of ranks the order is
-        exactly the uninterrupted one; with a different number (same global batch) the
-        unseen rest is re-split evenly over the new ranks. Two ways to use it:
+        the following epoch is unchanged. The rest of the epoch is exactly the
+        uninterrupted run's, on the same world or, for a count of whole global batches,
+        on any world with the same global batch and ``partitions`` (another one is a
+        :class:`~streamload.PlanError` naming both values). Two ways to use it:
 
         * ``torchdata.stateful_dataloader.StatefulDataLoader`` calls ``state_dict`` and
           ``load_state_dict`` in its workers; save and load the loader's state (same
@@ -189,6 +226,7 @@ class StreamingDataset(IterableDataset[Any]):
         drop_last: bool = False,
         shuffle_window: int | None = None,
         batch_size: int | None = None,
+        partitions: int | None = None,
         transform: Callable[[Sample], Any] | None = None,
         collate: Callable[[list[Any]], Any] | None = None,
         rank: int | None = None,
@@ -211,6 +249,7 @@ class StreamingDataset(IterableDataset[Any]):
         self.drop_last = drop_last
         self.shuffle_window = shuffle_window
         self.batch_size = batch_size
+        self.partitions = partitions
         self.transform = transform
         self.collate = collate
         if collate is not None and batch_size is None:
@@ -224,7 +263,7 @@ class StreamingDataset(IterableDataset[Any]):
         self.read_ahead = read_ahead
         self.cache: CacheMode = parse_cache_mode(cache)  # type: ignore[assignment]
         self.stream_buffer = parse_stream_buffer(stream_buffer)
-        Split(seed=seed, window=shuffle_window, chunk=batch_size)  # validate early
+        Split(seed=seed, window=shuffle_window, chunk=batch_size, partitions=check_partitions(partitions))
         config = StorageConfig(self.storage_options, cache_dir, cache_limit, read_ahead, self.cache, self.stream_buffer)
         #: The datasets read and each one's samples per epoch (one for a plain URL).
         self.streams: Mixture = Mixture.open(source, epoch_size, config)
@@ -234,8 +273,12 @@ class StreamingDataset(IterableDataset[Any]):
         self.manifest: Manifest = self._ref.manifest
         self.format: Format = self._ref.format
         # Shared across fork/spawn so set_epoch() reaches persistent workers.
-        self._epochs = torch.zeros(_SLOTS + _MAX_WORKERS, dtype=torch.int64)
+        self._epochs = torch.zeros(_TABLE + 2 * _CLAIMS, dtype=torch.int64)
         self._epochs.share_memory_()  # type: ignore[no-untyped-call]
+        #: (pid, iterations started) of this process: part of a DataLoader worker's key.
+        self._iterations: tuple[int, int] = (os.getpid(), 0)
+        #: Locality warnings already given by this process (once per world size).
+        self._warned: set[int] = set()
         #: The state given to load_state_dict (applies to iterations of its epoch).
         self._resume: EpochState | None = None
         #: This process's current (or last) iteration: where it stands.
@@ -263,7 +306,7 @@ class StreamingDataset(IterableDataset[Any]):
         only its unseen rest.
         """
         _, world_size = detect_rank_world(self.rank, self.world_size, self._inherited_world)
-        per_rank = samples_per_rank(self.num_samples, world_size, self.drop_last)
+        per_rank = samples_per_rank(self.num_samples, world_size, self.drop_last, self.batch_size)
         if self.collate is not None and self.batch_size is not None:
             return -(-per_rank // self.batch_size)  # the planner's chunks are the batches
         return per_rank
@@ -275,43 +318,89 @@ class StreamingDataset(IterableDataset[Any]):
         """
         epoch = check_epoch(epoch)
         self._epochs[_BASE] = epoch
-        self._epochs[_OFFSET:] = 0
+        self._epochs[_CLAIMED] = 0
 
-    def _peek_epoch(self, worker: int) -> int:
-        if worker >= _MAX_WORKERS:
-            raise ConfigError(f"num_workers must be <= {_MAX_WORKERS}, got worker id {worker}")
-        return int(self._epochs[_BASE]) + int(self._epochs[_OFFSET]) + int(self._epochs[_SLOTS + worker])
+    def _iteration_key(self) -> int:
+        """The key shared by every reader of this iteration (see ``_TABLE``); counts the iteration."""
+        from torch.utils.data import get_worker_info
 
-    def _commit_epoch(self, worker: int) -> None:
-        self._epochs[_SLOTS + worker] += 1
+        pid, started = self._iterations
+        if pid != os.getpid():  # a fresh worker process (fork copies the parent's count)
+            started = 0
+        self._iterations = (os.getpid(), started + 1)
+        info = get_worker_info()
+        if info is None:
+            return secrets.randbits(62) | 1
+        # Every worker of one DataLoader iterator has the same base seed (seed - id), and
+        # persistent workers all start their k-th iteration together.
+        base = (info.seed - info.id) & 0xFFFFFFFFFFFFFFFF
+        return _mix(base, started) & _KEY_MASK | 1
+
+    def _lookup(self, key: int) -> tuple[int | None, int]:
+        """Return the epoch claimed for ``key`` (``None`` if none) and the number of claims."""
+        table = self._epochs
+        claimed = int(table[_CLAIMED])
+        # Up to claim ``claimed`` itself: a sibling may have written it and not yet counted it.
+        for i in range(max(0, claimed - _CLAIMS), claimed + 1):
+            slot = _TABLE + 2 * (i % _CLAIMS)
+            if int(table[slot]) == key:
+                return int(table[slot + 1]), claimed
+        return None, claimed
+
+    def _find_epoch(self, key: int) -> int:
+        """Return the epoch claimed for ``key``, else the epoch the next claim would get."""
+        epoch, claimed = self._lookup(key)
+        return self._next_epoch(claimed) if epoch is None else epoch
+
+    def _claim_epoch(self, key: int) -> int:
+        """Return the epoch of the iteration ``key``, claiming the next one if it has none yet.
+
+        Readers of one iteration that race here compute the same claim from the same table
+        (the previous claim's epoch + 1, or the base) and write the same values.
+        """
+        epoch, claimed = self._lookup(key)
+        if epoch is not None:
+            return epoch
+        epoch = self._next_epoch(claimed)
+        table, slot = self._epochs, _TABLE + 2 * (claimed % _CLAIMS)
+        table[slot + 1] = epoch
+        table[slot] = key
+        table[_CLAIMED] = claimed + 1
+        return epoch
+
+    def _next_epoch(self, claimed: int) -> int:
+        if claimed == 0:
+            return int(self._epochs[_BASE])
+        return int(self._epochs[_TABLE + 2 * ((claimed - 1) % _CLAIMS) + 1]) + 1
 
     @property
     def epoch(self) -> int:
-        """The epoch of this process's current or last iteration, else the next one to run."""
+        """The epoch of this process's current or last iteration, else the last one claimed, else the next."""
         if self._progress is not None:
             return self._progress.epoch
-        started = int(self._epochs[_SLOTS:].max())
-        return int(self._epochs[_BASE]) + int(self._epochs[_OFFSET]) + max(started - 1, 0)
+        claimed = int(self._epochs[_CLAIMED])
+        return self._next_epoch(claimed) - 1 if claimed else int(self._epochs[_BASE])
 
-    @property
-    def window(self) -> int:
-        """The shuffle window in items (see :mod:`streamload.plan.planner`)."""
-        return self.shuffle_window or default_window(self.streams.shard_counts)
+    def window_for(self, world_size: int) -> int:
+        """The shuffle window of each partition in items on ``world_size`` ranks (see :mod:`streamload.plan`)."""
+        parts = partition_count(self._split(0), world_size)
+        return self.shuffle_window or partition_window(self.streams.shard_counts, parts)
 
-    def plan(self, epoch: int, world_size: int, stages: tuple[Stage, ...] = ()) -> EpochPlan:
-        """Return the :class:`EpochPlan` this dataset follows for ``epoch`` in a world of ``world_size``.
-
-        ``stages`` are the earlier worlds of a resumed epoch (see :meth:`load_state_dict`).
-        """
-        split = Split(
+    def _split(self, epoch: int) -> Split:
+        return Split(
             epoch=epoch,
             seed=self.seed,
             shuffle=self.shuffle,
             drop_last=self.drop_last,
             window=self.shuffle_window,
             chunk=self.batch_size,
+            partitions=self.partitions,
         )
-        return EpochPlan(self.streams.shard_counts, world_size, split, stages, self.streams.layout(split))
+
+    def plan(self, epoch: int, world_size: int) -> EpochPlan:
+        """Return the :class:`EpochPlan` this dataset follows for ``epoch`` in a world of ``world_size``."""
+        split = self._split(epoch)
+        return EpochPlan(self.streams.shard_counts, world_size, split, self.streams.layout(split))
 
     # -- stop and resume -----------------------------------------------------------
 
@@ -330,11 +419,10 @@ class StreamingDataset(IterableDataset[Any]):
         """
         world = detect_world(self.rank, self.world_size, self._inherited_world)
         progress = self._progress
-        stages = progress.stages if progress is not None else self._stages_for(self.epoch)
         worker = None
         if samples_seen is None:
             if progress is None:
-                if int(self._epochs[_SLOTS:].max()) > 0:
+                if int(self._epochs[_CLAIMED]) > 0:
                     raise PlanError(
                         "this process has not read the dataset (DataLoader workers did): "
                         "pass samples_seen=steps * global_batch to state_dict()"
@@ -350,30 +438,31 @@ class StreamingDataset(IterableDataset[Any]):
                     progress.next_item,
                     progress.first,
                 )
-                stage_start = stages[-1].samples_seen if stages else 0
-                single = world.num_workers == 1
-                samples_seen = stage_start + world.world_size * progress.next_item if single else None
+                samples_seen = world.world_size * progress.next_item if world.num_workers == 1 else None
         state = EpochState(
             self.epoch,
             self.seed,
             self.shuffle,
             self.drop_last,
-            self.window,
+            self.window_for(world.world_size),
             self.num_samples,
             world.world_size,
             samples_seen,
-            stages,
+            global_batch(world.world_size, self.batch_size),
+            partition_count(self._split(0), world.world_size),
             worker,
             self.streams.fingerprint,
         )
         self._check_samples_seen(state)
-        return state.normalized([self.num_samples]).to_dict()
+        return state.normalized().to_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue from ``state_dict`` (from :meth:`state_dict`) at the next iteration.
 
         Sets the epoch to the saved one (the next one if it had finished); the iteration
-        of that epoch starts at the first unseen sample. Call it before iterating.
+        of that epoch starts at the first unseen sample. Call it before iterating. The
+        world that continues must have the saved global batch and partition count
+        (checked when it iterates, where the world is known).
 
         Raises:
             PlanError: If the state is malformed or belongs to a differently configured dataset.
@@ -383,54 +472,69 @@ class StreamingDataset(IterableDataset[Any]):
             seed=self.seed,
             shuffle=self.shuffle,
             drop_last=self.drop_last,
-            window=self.window,
+            window=self.shuffle_window or state.window,
             num_samples=self.num_samples,
             mixture=self.streams.fingerprint,
         )
         self._check_samples_seen(state)
-        state = state.normalized([self.num_samples])
+        state = state.normalized()
         self._resume = state
         self._progress = None
-        from torch.utils.data import get_worker_info
-
-        info = get_worker_info()
-        if info is None:
-            self.set_epoch(state.epoch)
-        else:  # a worker restored by StatefulDataLoader: shift this worker's epoch count
-            base = int(self._epochs[_BASE]) + int(self._epochs[_SLOTS + info.id])
-            self._epochs[_OFFSET] = state.epoch - base
+        # Every reader of the next iteration (this process, or each worker restored by
+        # StatefulDataLoader before it iterates) gets the saved epoch.
+        self.set_epoch(state.epoch)
 
     def _check_samples_seen(self, state: EpochState) -> None:
         """Refuse a global ``samples_seen`` past the end of its epoch (a wrong count, not a finished epoch)."""
         if state.samples_seen is not None:
-            stage_total = self.plan(state.epoch, state.world_size, state.stages).stage_total
-            check_samples_seen(state.samples_seen, state.stage_start, stage_total, state.world_size, self.batch_size)
+            check_samples_seen(state.samples_seen, state.padded, state.world_size, state.global_batch)
 
-    def _stages_for(self, epoch: int) -> tuple[Stage, ...]:
+    def _resume_point(self, world: World, plan: EpochPlan) -> tuple[int, int]:
+        """Return the start item and first dealt chunk of ``plan`` for ``world`` (fresh: 0, 0)."""
         resume = self._resume
-        return resume.stages if resume is not None and resume.epoch == epoch else ()
-
-    def _resume_point(self, world: World, epoch: int) -> tuple[tuple[Stage, ...], int, int]:
-        """Return the stages, start item and first dealt chunk of ``epoch`` for ``world`` (fresh: none, 0, 0)."""
-        resume = self._resume
-        if resume is None or resume.epoch != epoch:
-            return (), 0, 0
-        saved_chunk = self.plan(epoch, world.world_size, resume.stages).chunk_size(world.num_workers)
-        return resume.resume(world, saved_chunk)
+        if resume is None or resume.epoch != plan.split.epoch:
+            return 0, 0
+        resume.check_world(world, plan.global_batch, plan.partitions)
+        if self.shuffle and resume.window != plan.window:
+            raise PlanError(
+                f"state saved with window={resume.window} cannot resume with window={plan.window}: "
+                "pass the saving run's shuffle_window="
+            )
+        return resume.resume(world, plan.chunk_size(world.num_workers))
 
     # -- iteration -----------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
         world = detect_world(self.rank, self.world_size, self._inherited_world)
-        epoch = self._peek_epoch(world.worker)  # committed when the first sample is asked for
-        stages, start, first = self._resume_point(world, epoch)
-        plan = self.plan(epoch, world.world_size, stages)
-        progress = _Progress(epoch, stages, plan.chunk_size(world.num_workers), start, first)
+        key = self._iteration_key()
+        plan, progress = self._start(world, self._find_epoch(key))  # state_dict() may ask before the first sample
+        return self._iterate(world, key, plan, progress)
+
+    def _start(self, world: World, epoch: int) -> tuple[EpochPlan, _Progress]:
+        plan = self.plan(epoch, world.world_size)
+        start, first = self._resume_point(world, plan)
+        progress = _Progress(epoch, plan.chunk_size(world.num_workers), start, first)
         self._progress = progress
-        return self._iter_plan(plan, world, progress)
+        return plan, progress
+
+    def _iterate(self, world: World, key: int, plan: EpochPlan, progress: _Progress) -> Iterator[Any]:
+        """One iteration: its epoch is claimed when its first sample is asked for."""
+        epoch = self._claim_epoch(key)
+        if epoch != progress.epoch:  # another iteration claimed in between
+            plan, progress = self._start(world, epoch)
+        self._warn_locality(plan, world)
+        yield from self._iter_plan(plan, world, progress)
+
+    def _warn_locality(self, plan: EpochPlan, world: World) -> None:
+        """Warn once per world size (in the first reader of rank 0) if its ranks straddle partitions."""
+        if world.rank or world.worker or world.world_size in self._warned:
+            return
+        self._warned.add(world.world_size)
+        message = locality_warning(plan.split, world.world_size)
+        if message is not None:
+            warnings.warn(message, UserWarning, stacklevel=3)
 
     def _iter_plan(self, plan: EpochPlan, world: World, progress: _Progress) -> Iterator[Any]:
-        self._commit_epoch(world.worker)
         storages = self._get_storages()
         readers = self.streams.source(storages, self._readers_needed(plan), self._streaming(plan, world, storages))
         start, first = progress.next_item, progress.first
@@ -459,16 +563,27 @@ class StreamingDataset(IterableDataset[Any]):
         DataLoader workers and the ranks of the node (``LOCAL_WORLD_SIZE``).
         """
         readers = max(1, world.num_workers) * _local_ranks()
+        spans = self._window_shards(plan)
+        return [
+            ref.streams(storage, readers * n)
+            for ref, storage, n in zip(self.streams.refs, storages, spans, strict=True)
+        ]
+
+    def _window_shards(self, plan: EpochPlan) -> list[int]:
+        """Per stream: the shards a reader of ``plan`` has open at once (its partitions' windows).
+
+        A mixture's window holds each stream's share of it; without shuffling each stream
+        is read shard after shard.
+        """
         mix = self.streams
         out = []
-        for ref, storage, count in zip(mix.refs, storages, mix.counts, strict=True):
+        for ref, count in zip(mix.refs, mix.counts, strict=True):
             shards = ref.manifest.shards
-            window = 1
-            if self.shuffle and shards and mix.total:
-                mean = max(1.0, ref.manifest.num_samples / len(shards))
-                share = plan.window * count / mix.total
-                window = min(_MAX_OPEN_READERS, math.ceil(share / mean) + 1)
-            out.append(ref.streams(storage, readers * window))
+            if not shards or not mix.total:
+                out.append(1)
+                continue
+            mean = max(1.0, ref.manifest.num_samples / len(shards))
+            out.append(min(_MAX_OPEN_READERS, plan.open_shards(mean, count / mix.total)))
         return out
 
     def _fetch_ahead(self, readers: MixedSource, batches: Iterator[list[Run]]) -> Iterator[list[Run]]:
@@ -546,22 +661,8 @@ class StreamingDataset(IterableDataset[Any]):
         A mixture's window holds each stream's share of it; without shuffling each stream
         is read shard after shard.
         """
-        mix = self.streams
-        if mix.plain:
-            if not self.shuffle or not self.manifest.shards:
-                return [_OPEN_READERS]
-            mean = max(1.0, self.num_samples / len(self.manifest.shards))
-            return [min(_MAX_OPEN_READERS, max(_OPEN_READERS, math.ceil(plan.window / mean) + 2))]
-        out = []
-        for ref, count in zip(mix.refs, mix.counts, strict=True):
-            shards = ref.manifest.shards
-            if not self.shuffle or not shards or not mix.total:
-                out.append(_STREAM_READERS)
-                continue
-            mean = max(1.0, ref.manifest.num_samples / len(shards))
-            share = plan.window * count / mix.total
-            out.append(min(_MAX_OPEN_READERS, max(_STREAM_READERS, math.ceil(share / mean) + 2)))
-        return out
+        least = _OPEN_READERS if self.streams.plain else _STREAM_READERS
+        return [min(_MAX_OPEN_READERS, max(least, n + 1)) for n in self._window_shards(plan)]
 
     def _read_run(self, readers: MixedSource, run: Run, progress: _Progress) -> Iterator[Any]:
         """Yield the run's samples (transformed).
@@ -585,12 +686,15 @@ class StreamingDataset(IterableDataset[Any]):
             return
         transform = self.transform
         samples = self._samples(readers, reader, run, entry, url)
-        for position, sample in zip(run.positions.tolist(), samples, strict=True):
+        epoch = progress.epoch
+        for position, item, sample in zip(run.positions.tolist(), run.items.tolist(), samples, strict=True):
             progress.next_item = position + 1
             if isinstance(sample, _Failed):
                 self._skip(entry, sample.key, sample.error, source=where)
                 yield from substitute.fail(1)
                 continue
+            sample["__epoch__"] = epoch
+            sample["__position__"] = item
             if label is not None:
                 sample["__source__"] = label
             if transform is None:
@@ -636,7 +740,7 @@ class StreamingDataset(IterableDataset[Any]):
             except StreamloadError as again:  # no fresh copy could be had
                 fresh, exc = None, again
             if fresh is not None:
-                rest = Run(run.shard, run.locals[done:], run.positions[done:])
+                rest = run.part(done)
                 yield from self._samples(readers, fresh, rest, entry, url)
                 return
             if self.on_error == "raise":
@@ -733,7 +837,6 @@ class _Progress:
     """Where this process's iteration stands (read by :meth:`StreamingDataset.state_dict`)."""
 
     epoch: int
-    stages: tuple[Stage, ...]
     chunk: int
     #: Rank-order index of this worker's next item.
     next_item: int
@@ -782,3 +885,13 @@ class _Substitute:
                 f"every one of the {self.owed} samples this worker had to read failed; nothing to substitute"
             )
         yield from ()
+
+
+def _mix(*words: int) -> int:
+    """Hash 64-bit words into one (splitmix64 steps): keys that differ in any word differ."""
+    h = 0x9E3779B97F4A7C15
+    for word in words:
+        h = (h ^ (word & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h

@@ -409,7 +409,7 @@ class MixedSource:
             for run in runs:
                 s, local = self.locate(run.shard)
                 if s in feeds:
-                    feeds[s].items.append(Run(local, run.locals, run.positions))
+                    feeds[s].items.append(Run(local, run.locals, run.positions, run.items))
                     next(passes[s])
                 yield run
         finally:

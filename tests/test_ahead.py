@@ -138,7 +138,7 @@ def far_dataset(shaped_s3: ShapedS3) -> Iterator[str]:
 def _read_shards(ref: DatasetRef, storage: RemoteStorage, per_shard: float) -> tuple[list[int], dict[str, bytes]]:
     """Read every shard in order, spending ``per_shard`` s on each; return the depths seen and the samples."""
     order = list(range(len(ref.manifest.shards)))
-    runs = [Run(s, np.arange(PER_SHARD), np.arange(PER_SHARD)) for s in order]
+    runs = [Run(s, np.arange(PER_SHARD), np.arange(PER_SHARD), np.arange(PER_SHARD)) for s in order]
     depths: list[int] = []
     samples: dict[str, bytes] = {}
     with ShardSource(ref, storage, own_storage=True) as source:

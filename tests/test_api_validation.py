@@ -186,19 +186,16 @@ def test_parse_cache_limit() -> None:
 # -- samples_seen past the end of the epoch ---------------------------------------------
 
 
-def test_check_samples_seen_allows_one_short_last_batch_and_no_more() -> None:
-    # 23 samples on 2 ranks, padded: 24 items; global batch 2 x 4 = 8: three steps = 24.
-    check_samples_seen(24, 0, 24, 2, 4)
-    check_samples_seen(0, 0, 24, 2, None)
-    # 22 items (drop_last), batches of 8: a loop counts 3 x 8 = 24 at the end; fine.
-    check_samples_seen(24, 0, 22, 2, 4)
-    with pytest.raises(PlanError, match="samples_seen=32 is past the end of the epoch"):
-        check_samples_seen(32, 0, 22, 2, 4)
-    with pytest.raises(PlanError, match="samples_seen=26 is past the end"):
-        check_samples_seen(26, 0, 24, 2, None)
-    check_samples_seen(40, 16, 24, 2, None)  # a resumed stage: its items follow its start
-    with pytest.raises(PlanError, match="samples_seen=42 is past the end of the epoch: it ends at 40"):
-        check_samples_seen(42, 16, 24, 2, None)
+def test_check_samples_seen_ends_at_the_last_whole_global_batch() -> None:
+    # 23 samples, global batch 2 x 4 = 8: padded to three whole steps = 24 items.
+    check_samples_seen(24, 24, 2, 8)
+    check_samples_seen(0, 24, 2, 8)
+    # drop_last: 16 items (two steps); a loop's count ends there exactly
+    check_samples_seen(16, 16, 2, 8)
+    with pytest.raises(PlanError, match="samples_seen=24 is past the end of the epoch: it ends at 16"):
+        check_samples_seen(24, 16, 2, 8)
+    with pytest.raises(PlanError, match="samples_seen=26 is past the end.*global batches of 8"):
+        check_samples_seen(26, 24, 2, 8)
 
 
 def test_a_samples_seen_past_the_epoch_is_refused(local: str) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from streamload._errors import PlanError
-from streamload.plan import EpochPlan, Split, Stage, World, detect_rank_world, detect_world
+from streamload.plan import EpochPlan, Split, World, detect_rank_world, detect_world
 from streamload.plan.state import EpochState
 
 
@@ -51,7 +51,8 @@ def test_dataset_smaller_than_world(n: int, world_size: int, per_rank: int) -> N
 def test_chunks_go_round_robin_to_workers() -> None:
     plan = EpochPlan([10, 10], 1, Split(chunk=3))
     positions = [[int(p) for run in plan.runs(World(0, 1, w, 2)) for p in run.positions] for w in range(2)]
-    assert positions == [[0, 1, 2, 6, 7, 8, 12, 13, 14, 18, 19], [3, 4, 5, 9, 10, 11, 15, 16, 17]]
+    # 20 samples padded to 7 whole batches of 3 (one repeat)
+    assert positions == [[0, 1, 2, 6, 7, 8, 12, 13, 14, 18, 19, 20], [3, 4, 5, 9, 10, 11, 15, 16, 17]]
 
 
 def test_invalid_inputs_raise_plan_error() -> None:
@@ -61,10 +62,8 @@ def test_invalid_inputs_raise_plan_error() -> None:
         EpochPlan([3, -1], 2, Split())
     with pytest.raises(PlanError, match="window"):
         Split(window=0)
-    with pytest.raises(PlanError, match="multiple of its world_size"):
-        EpochPlan([10], 2, Split(), [Stage(3, 4)])
-    with pytest.raises(PlanError, match="past the end"):
-        EpochPlan([10], 2, Split(), [Stage(2, 14)])
+    with pytest.raises(PlanError, match="partitions"):
+        Split(partitions=0)
 
 
 # -- shuffle -----------------------------------------------------------------------
@@ -100,6 +99,11 @@ def test_default_window_is_wider_than_a_shard_and_bounded() -> None:
     assert EpochPlan([10] * 5, 1, Split(shuffle=True)).window == 320  # 32 shards at most
     assert EpochPlan([0, 0], 1, Split(shuffle=True)).window == 1
     assert EpochPlan([10**7], 1, Split(shuffle=True)).window == 2**20
+    # partitioned (shuffled and batched): the whole window shared, never below the largest shard
+    assert EpochPlan([1000] * 50, 1, Split(shuffle=True, chunk=64)).window == 1000
+    assert EpochPlan([10] * 1000, 4, Split(shuffle=True, chunk=64)).window == 40  # 32 shards / 8
+    assert EpochPlan([10] * 1000, 4, Split(shuffle=True, chunk=64, partitions=2)).window == 160
+    assert EpochPlan([10] * 1000, 4, Split(shuffle=True, chunk=1, partitions=2)).window == 160  # min(P, B) = 2
 
 
 # -- world detection ---------------------------------------------------------------
@@ -128,7 +132,7 @@ def test_world_detection_order(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def good_state() -> dict[str, object]:
     return {
-        "version": 1,
+        "version": 2,
         "epoch": 2,
         "seed": 5,
         "shuffle": True,
@@ -136,8 +140,9 @@ def good_state() -> dict[str, object]:
         "window": 40,
         "num_samples": 30,
         "world_size": 2,
+        "global_batch": 4,
+        "partitions": 4,
         "samples_seen": 12,
-        "stages": [[3, 6]],
         "worker": None,
     }
 
@@ -145,18 +150,20 @@ def good_state() -> dict[str, object]:
 def test_state_round_trips_through_json() -> None:
     state = EpochState.from_dict(json.loads(json.dumps(good_state())))
     assert state.to_dict() == good_state()
-    assert state.stages == (Stage(3, 6),)
+    assert (state.global_batch, state.partitions) == (4, 4)
 
 
 @pytest.mark.parametrize(
     ("field", "value", "match"),
     [
         ("version", 9, "version"),
+        ("version", 1, "earlier streamload"),
         ("epoch", -1, "epoch"),
         ("samples_seen", "12", "samples_seen"),
         ("shuffle", 1, "shuffle"),
-        ("stages", [[0, 3]], "stage"),
-        ("stages", [[2, 8], [2, 4]], "non-decreasing"),
+        ("global_batch", 0, "global_batch"),
+        ("global_batch", 5, "multiple of its world_size"),
+        ("partitions", None, "partitions"),
         ("worker", {"rank": 0}, "world_size"),
     ],
 )
@@ -168,20 +175,28 @@ def test_state_validation_names_the_field(field: str, value: object, match: str)
 
 
 def test_state_at_the_end_of_an_epoch_is_the_next_epoch() -> None:
-    state = EpochState.from_dict({**good_state(), "stages": [], "samples_seen": 30})
-    assert state.normalized([30]).to_dict()["epoch"] == 3
-    assert state.normalized([30]).samples_seen == 0
-    odd = EpochState.from_dict({**good_state(), "stages": [], "samples_seen": 7})
+    state = EpochState.from_dict({**good_state(), "samples_seen": 32})  # 30 samples padded to 8 batches of 4
+    assert state.normalized().to_dict()["epoch"] == 3
+    assert state.normalized().samples_seen == 0
+    assert EpochState.from_dict({**good_state(), "samples_seen": 28}).normalized().epoch == 2
+    odd = EpochState.from_dict({**good_state(), "samples_seen": 7})
     with pytest.raises(PlanError, match="multiple of world_size=2"):
-        odd.normalized([30])
+        odd.normalized()
 
 
-def test_resume_point_same_world_and_elastic() -> None:
-    state = EpochState.from_dict({**good_state(), "stages": []})
-    assert state.resume_point(World(1, 2, 0, 3), chunk=4) == ((), 6)
-    assert state.resume_point(World(0, 3, 0, 1), chunk=4) == ((Stage(2, 12),), 0)
-    fresh = EpochState.from_dict({**good_state(), "stages": [], "samples_seen": 0})
-    assert fresh.resume_point(World(0, 3, 0, 1), chunk=4) == ((), 0)  # nothing read: plan anew
+def test_resume_same_world_and_another() -> None:
+    state = EpochState.from_dict(good_state())  # 12 = 3 global batches of 4
+    assert state.resume(World(1, 2, 0, 3), chunk=2) == (6, 3)
+    assert state.resume(World(0, 4, 0, 1), chunk=1) == (3, 3)
+    assert state.resume(World(0, 1, 0, 2), chunk=4) == (12, 3)
+    mid = EpochState.from_dict({**good_state(), "samples_seen": 10})  # not a whole global batch
+    assert mid.resume(World(1, 2, 0, 1), chunk=2) == (5, 2)
+    with pytest.raises(PlanError, match="whole number of global batches of 4"):
+        mid.resume(World(0, 1, 0, 1), chunk=4)
+    with pytest.raises(PlanError, match="global_batch=4.*global_batch=8"):
+        state.check_world(World(0, 4, 0, 1), 8, 4)
+    with pytest.raises(PlanError, match="partitions=4.*partitions=8"):
+        state.check_world(World(0, 4, 0, 1), 4, 8)
     worker_only = EpochState.from_dict(
         {
             **good_state(),
@@ -189,9 +204,9 @@ def test_resume_point_same_world_and_elastic() -> None:
             "worker": {"rank": 0, "world_size": 2, "worker": 1, "num_workers": 2, "chunk": 4, "next_item": 8},
         }
     )
-    assert worker_only.resume_point(World(0, 2, 1, 2), chunk=4) == ((Stage(3, 6),), 8)
+    assert worker_only.resume(World(0, 2, 1, 2), chunk=4) == (8, 0)
     with pytest.raises(PlanError, match="num_workers=2"):
-        worker_only.resume_point(World(0, 2, 1, 3), chunk=4)
+        worker_only.resume(World(0, 2, 1, 3), chunk=4)
 
 
 def test_padding_repeats_the_start_of_the_epoch() -> None:

@@ -1,7 +1,7 @@
 """Property tests of the pure split planner: exactly once, equal per rank, deterministic.
 
-Expected values are computed here from the arithmetic of docs/design.md ("Epochs and the split": ceil / floor of
-N / world_size), never taken from the planner.
+Expected values are computed here from the arithmetic of docs/design.md ("Epochs and the split": whole global
+batches of ``B = world_size * batch``, ``ceil`` / ``floor`` of ``N / B``), never taken from the planner.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamload.plan import EpochPlan, Split, Stage, World
+from streamload.plan import EpochPlan, Split, World
+from streamload.plan.state import EpochState
 
 Item = tuple[int, int]  # (shard, index within shard)
 
@@ -60,7 +61,8 @@ split_st = st.builds(
 def test_exactly_once_equal_per_rank(counts: list[int], world_size: int, num_workers: int, split: Split) -> None:
     plan = EpochPlan(counts, world_size, split)
     n = sum(counts)
-    per_rank = n // world_size if split.drop_last else -(-n // world_size)
+    batch = world_size * (split.chunk or 1)
+    per_rank = (n // batch if split.drop_last else -(-n // batch)) * batch // world_size
     seqs = rank_sequences(plan, num_workers)
     assert [len(s) for s in seqs] == [per_rank] * world_size
     assert plan.per_rank == per_rank
@@ -103,38 +105,112 @@ def test_resume_same_world_continues_each_rank_order(
     assert resumed == [seq[start:] for seq in full]
 
 
+def global_steps(counts: list[int], world_size: int, num_workers: int, split: Split) -> list[list[Item]]:
+    """The samples of each global step: every rank's k-th batch of ``split.chunk``, in rank order."""
+    chunk = split.chunk
+    assert chunk is not None
+    seqs = rank_sequences(EpochPlan(counts, world_size, split), num_workers)
+    steps = len(seqs[0]) // chunk if seqs else 0
+    return [[item for seq in seqs for item in seq[k * chunk : (k + 1) * chunk]] for k in range(steps)]
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+world_split_st = st.builds(
+    Split,
+    epoch=st.integers(0, 5),
+    seed=st.integers(0, 2**40),
+    shuffle=st.just(True),
+    drop_last=st.booleans(),
+    window=st.none() | st.integers(1, 40),
+    partitions=st.none() | st.integers(1, 12),
+)
+
+
+@SETTINGS
+@given(counts=counts_st, batch=st.sampled_from([1, 2, 4, 6, 8, 12]), split=world_split_st, data=st.data())
+def test_global_batches_do_not_depend_on_the_world(
+    counts: list[int], batch: int, split: Split, data: st.DataObject
+) -> None:
+    """The same global batch on any world (ranks x workers): the same sequence of global steps."""
+    worlds = divisors(batch)
+    reference = global_steps(counts, 1, 1, Split(**{**split.__dict__, "chunk": batch}))
+    assert sum(len(step) for step in reference) == (
+        (sum(counts) // batch if split.drop_last else -(-sum(counts) // batch)) * batch
+    )
+    for world_size in data.draw(st.lists(st.sampled_from(worlds), min_size=1, max_size=3)):
+        workers = data.draw(st.integers(1, 4))
+        chunk = batch // world_size
+        assert global_steps(counts, world_size, workers, Split(**{**split.__dict__, "chunk": chunk})) == reference
+
+
 @SETTINGS
 @given(
-    counts=counts_st,
-    worlds=st.lists(st.integers(1, 6), min_size=2, max_size=4),
-    split=split_st,
-    num_workers=st.integers(1, 3),
+    counts=st.lists(st.integers(1, 25), min_size=1, max_size=8),
+    batch=st.sampled_from([2, 4, 8, 16]),
+    split=world_split_st,
     data=st.data(),
 )
-def test_elastic_resume_reads_every_unseen_sample_once(
-    counts: list[int], worlds: list[int], split: Split, num_workers: int, data: st.DataObject
+def test_resume_on_another_world_continues_the_same_global_batches(
+    counts: list[int], batch: int, split: Split, data: st.DataObject
 ) -> None:
-    """Interrupt an epoch on worlds[0], resume on worlds[1], maybe again on worlds[2]..."""
-    stages: list[Stage] = []
-    seen: Counter[Item] = Counter()
-    expected_total = 0
-    padding = 0  # samples repeated by the resumed stages to keep ranks equal
-    plan = EpochPlan(counts, worlds[0], split)
-    epoch_items = Counter(item for seq in rank_sequences(plan, 1) for item in seq)
-    global_seen = 0
-    for world_size in worlds[1:]:
-        done = data.draw(st.integers(0, plan.per_rank))  # items each rank consumed
-        for seq in rank_sequences(plan, 1):
-            seen.update(seq[:done])
-        global_seen += done * plan.world_size
-        remaining = (plan.per_rank - done) * plan.world_size
-        expected_total = -(-remaining // world_size)  # the resumed stage always pads
-        padding += expected_total * world_size - remaining
-        stages.append(Stage(plan.world_size, global_seen))
-        plan = EpochPlan(counts, world_size, split, stages)
-        assert plan.per_rank == expected_total
-    rest = rank_sequences(plan, num_workers)
-    assert [len(seq) for seq in rest] == [expected_total] * plan.world_size
-    union = seen + Counter(item for seq in rest for item in seq)
-    assert not epoch_items - union  # every sample of the epoch: seen, or read after resuming
-    assert sum((union - epoch_items).values()) == padding
+    """Stop after k global batches on one world, continue on another: the rest is the uninterrupted run's."""
+    saved_world, resumed_world = (
+        data.draw(st.sampled_from(divisors(batch))),
+        data.draw(st.sampled_from(divisors(batch))),
+    )
+    workers = data.draw(st.integers(1, 3))
+    reference = global_steps(counts, 1, 1, Split(**{**split.__dict__, "chunk": batch}))
+    k = data.draw(st.integers(0, len(reference)))
+    chunk = batch // resumed_world
+    plan = EpochPlan(counts, resumed_world, Split(**{**split.__dict__, "chunk": chunk}))
+    state = EpochState(
+        split.epoch,
+        split.seed,
+        True,
+        split.drop_last,
+        plan.window,
+        sum(counts),
+        saved_world,
+        k * batch,
+        batch,
+        plan.partitions,
+    )
+    rests = []
+    for rank in range(resumed_world):
+        pairs = []
+        for worker in range(workers):
+            world = World(rank, resumed_world, worker, workers)
+            state.check_world(world, plan.global_batch, plan.partitions)
+            start, first = state.resume(world, chunk)
+            for run in plan.runs(world, start, first):
+                pairs += [(int(p), (run.shard, int(i))) for p, i in zip(run.positions, run.locals, strict=True)]
+        rests.append([item for _, item in sorted(pairs)])
+    steps = [[item for seq in rests for item in seq[j * chunk : (j + 1) * chunk]] for j in range(len(reference) - k)]
+    assert steps == reference[k:]
+
+
+@SETTINGS
+@given(
+    counts=st.lists(st.integers(1, 30), min_size=1, max_size=10),
+    parts=st.sampled_from([1, 2, 4, 8]),
+    chunk=st.integers(1, 6),
+    seed=st.integers(0, 99),
+    data=st.data(),
+)
+def test_ranks_that_divide_the_partitions_read_only_their_own(
+    counts: list[int], parts: int, chunk: int, seed: int, data: st.DataObject
+) -> None:
+    """Locality: with R dividing P, rank r reads only a contiguous run of the padded sequence (its partitions)."""
+    world_size = data.draw(st.sampled_from(divisors(parts)))
+    split = Split(seed=seed, shuffle=True, chunk=chunk, partitions=parts)
+    plan = EpochPlan(counts, world_size, split)
+    spans = []
+    for rank in range(world_size):
+        items = plan.rank_items(rank, 0, plan.per_rank)
+        spans.append((int(items.min()), int(items.max())) if len(items) else None)
+    used = [s for s in spans if s is not None]
+    for (_, high), (low, _) in zip(used, used[1:], strict=False):
+        assert high < low, f"ranks' item spans overlap: {spans}"

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .._errors import SampleError
+from ..randomness import sample_generator
 from ..sample import IMAGE_FIELDS, image_field, label_of, parse_label
 from .image import DEFAULT_MAX_PIXELS, Backend, Crop, ImageDecoder, open_image
 
@@ -153,7 +154,12 @@ class DecodeBatch:
         field: Image field, or fields of which each sample's first present one is used.
         label_field: ASCII-decimal label field, or ``None``.
         layout: ``"CHW"`` (a channels-last ``[B, 3, H, W]`` view) or ``"HWC"``.
-        seed: Seed of the random crops and flips (default: from the worker's torch seed).
+        seed: Seed of the random crops and flips (default 0). Each sample's crop and flip
+            come from :func:`streamload.sample_generator` keyed by (seed, epoch, the
+            sample's position in the epoch): bit-identical whichever rank or worker
+            decodes it, and after a resume. Samples read elsewhere (no
+            ``__epoch__``/``__position__``) draw from a per-process generator
+            (seed, worker id; the worker's torch seed when ``seed`` is ``None``).
         max_pixels: Largest image decoded (see :class:`ImageDecoder`); ``None``: no limit.
 
     Example:
@@ -198,7 +204,7 @@ class DecodeBatch:
         return state
 
     def rng(self) -> np.random.Generator:
-        """This process's generator of random crops and flips."""
+        """This process's generator, for samples that carry no ``__epoch__``/``__position__``."""
         import os
 
         if self._rng is None or self._rng[0] != os.getpid():
@@ -210,6 +216,12 @@ class DecodeBatch:
             self._rng = (os.getpid(), np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, worker]))
         return self._rng[1]
 
+    def sample_rng(self, sample: Mapping[str, Any]) -> np.random.Generator:
+        """The generator of ``sample``'s crop and flip: keyed by (seed, epoch, position) when it has them."""
+        if "__position__" in sample and "__epoch__" in sample:
+            return sample_generator(sample, self.seed or 0)
+        return self.rng()
+
     def __call__(self, samples: list[Any]) -> Any:
         """Decode the samples into one :class:`~streamload.batch.ImageBatch`."""
         from ..batch import ImageBatch, batch_tensors
@@ -220,12 +232,12 @@ class DecodeBatch:
         tensors, lease = batch_tensors(parts)
         buffer = tensors[0]
         slots = buffer.numpy()
-        decode_into, rng = self.decoder.decode_into, self.rng()
+        decode_into = self.decoder.decode_into
         random = self.decoder.crop == "random" or self.decoder.flip
         for i, sample in enumerate(samples):
             name = self._field_of(sample)
             try:
-                decode_into(sample[name], slots[i], rng if random else None)
+                decode_into(sample[name], slots[i], self.sample_rng(sample) if random else None)
             except Exception as exc:
                 key = sample.get("__key__")
                 raise SampleError(f"sample {key!r} field {name!r}: cannot decode image: {exc}") from exc

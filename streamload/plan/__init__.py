@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 from .mixture import MixLayout, apportion, epoch_counts, mixture_fingerprint
-from .planner import EpochPlan, Layout, Run, ShardLayout, Split, Stage, default_window, samples_per_rank
+from .planner import (
+    DEFAULT_PARTITIONS,
+    EpochPlan,
+    Layout,
+    Run,
+    ShardLayout,
+    Split,
+    default_window,
+    global_batch,
+    locality_warning,
+    samples_per_rank,
+)
 from .world import World, detect_rank_world, detect_world, distributed_world
 
 __all__ = [
+    "DEFAULT_PARTITIONS",
     "EpochPlan",
     "Layout",
     "MixLayout",
     "Run",
     "ShardLayout",
     "Split",
-    "Stage",
     "World",
     "apportion",
     "default_window",
@@ -21,6 +32,8 @@ __all__ = [
     "detect_world",
     "distributed_world",
     "epoch_counts",
+    "global_batch",
+    "locality_warning",
     "mixture_fingerprint",
     "samples_per_rank",
 ]

@@ -3,51 +3,59 @@
 Pure functions of the manifest's per-shard sample counts and a small description of the
 epoch and the world; nothing here reads a shard or launches a process.
 
-The epoch, step by step (N samples, R ranks, W workers per rank)::
+The epoch, step by step (N samples, R ranks of ``b`` items per batch, W workers per rank,
+global batch ``B = b * R``; without a batch, ``b = 1``)::
 
     shards            s0 s1 s2 s3 ...                 (manifest order)
     shard order       s2 s0 s3 s1 ...                 (permuted when shuffling; seed, epoch)
     epoch sequence    positions 0..N-1 over the shards in that order
-    padded sequence   items 0..P*R-1, item q reads epoch position (q mod N)
-                      P = ceil(N/R), or floor(N/R) with drop_last (the per-rank count)
-    rank r            the contiguous block [r*P, (r+1)*P) of the padded sequence
-    rank order        identity, or when shuffling a permutation inside each window of
-                      `window` consecutive items of the block (seed, epoch, rank, window)
-    worker w          items of the rank order cut into chunks of `chunk` items; chunk c
+    padded sequence   items 0..T-1, item x reads epoch position (x mod N);
+                      T = ceil(N/B)*B, or floor(N/B)*B with drop_last: K = T/B steps
+    partitions        P contiguous runs of the padded sequence; partition p holds
+                      K * s_p items, s_p = floor((p+1)B/P) - floor(pB/P)
+    partition order   identity, or when shuffling a permutation inside each window of
+                      ``window`` consecutive items (seed, epoch, partition, window)
+    global batch k    s_0 items of partition 0 (its items k*s_0 ..), then s_1 of
+                      partition 1, ...: B items, concatenated in partition order
+    rank r            items r*b .. (r+1)*b - 1 of every global batch (its rank order)
+    worker w          items of the rank order cut into chunks of ``chunk`` items; chunk c
                       goes to worker c mod W (so with chunk = the DataLoader's batch size,
                       the rank's batches come out of the workers in rank order; an
                       iteration resumed at chunk f deals from there: (c - f) mod W)
 
-The epoch sequence comes from a :class:`Layout`: by default :class:`ShardLayout` (the
-shards above, concatenated); a mixture of datasets, or one dataset with an epoch size,
-uses :class:`~streamload.plan.mixture.MixLayout` (exact per-stream counts, interleaved).
-Everything below works on positions ``0..N-1`` and applies to any layout.
+**The same training on any cluster shape.** With ``shuffle`` and a batch size
+(``Split.chunk``) the partitions are the *canonical* ones: ``P = min(partitions, B)``
+(default :data:`DEFAULT_PARTITIONS`), a number that depends on the global batch only. So
+the padded sequence, its partitions and their orders, and therefore every global batch,
+are functions of (dataset, seed, epoch, global batch size, partitions, window): the same
+for 1, 2, 4 or 64 ranks and any number of workers, as long as ``b * R`` is the same. The
+world only decides which rank reads which slice of each global batch. Read locality comes
+from the partitions: when ``R`` divides ``P``, rank r reads only its ``P/R`` partitions
+(contiguous runs of the shard order, each a window at a time); when ``P`` divides ``R``,
+``R/P`` ranks share a partition, each reading a contiguous part of its slices; any other
+world keeps the same global batches but its ranks straddle partitions and open more shards
+(a warning says so, :func:`locality_warning`). Without shuffling, or without a batch
+size, there is one partition per rank (``P = R``, ``b = 1`` without a batch): each rank
+reads one contiguous block of the padded sequence, as sequential as the data allows.
 
-Every sample of the epoch sequence lies in exactly one rank block (exactly once), every
-rank gets P items (equal per rank), padding repeats the first P*R-N positions of the
-epoch sequence (the fewest repeats possible: no sample is repeated twice before every
-sample is repeated once), and the split is at sample granularity so a single shard is
-shared by any number of ranks and workers. Without shuffling, a worker's items are
-contiguous runs of the epoch sequence, so reads stay sequential.
+**Exactly once, equal per rank.** The padded sequence holds every epoch position once
+(plus the ``T - N`` first ones again as padding: the fewest repeats that fill whole
+global batches, the same for every world; or without its tail, with ``drop_last``); the
+partitions cut it without overlap and the global batches take every partition item once;
+every rank takes ``b`` items of every global batch, ``T / R`` in all.
 
-**The shuffle window.** With ``shuffle=True`` the shard order changes every epoch and,
-inside each rank's block, items are permuted within consecutive windows of ``window``
-items. The default window (:func:`default_window`) is four times the largest shard,
-raised towards 4096 items for small shards (but to no more than 32 average shards, the
-files a worker then keeps open) and capped at 2**20 items (8 MB of permutation), so a
-batch mixes samples of four or more shards while a worker keeps only the shards of one
-window open. Samples never move between windows, so the
-order is "locally uniform": two samples more than one window apart keep their order.
+**The shuffle window.** ``window`` is the span inside which a partition's items are
+permuted (samples never move between windows, so the order is "locally uniform"). The
+default (:func:`default_window`) is four times the largest shard, raised towards 4096
+items for small shards (but to no more than 32 average shards) and capped at 2**20 items,
+divided among the partitions but never below the largest shard: each partition reads one
+or two shards at a time, while every global batch draws from all ``P`` partitions, so a
+batch mixes samples of ``P`` to ``2P`` shards.
 
-**Resumed epochs (stages).** An epoch interrupted after ``G`` samples (global count, all
-ranks; each rank had consumed ``G / R`` items of its rank order) and continued on a world
-of ``R'`` ranks is planned as a second *stage*: the unread suffixes of the old rank
-orders, concatenated in rank order, form a sequence of ``M = R * (P - G/R)`` items that is
-split into ``R'`` contiguous blocks of ``ceil(M / R')`` items, padded like the first stage
-(resumed stages always pad, never drop, so no unseen sample is lost). Stages chain, so an
-epoch can be interrupted and resumed on a new world any number of times; a stage costs
-O(1) memory and nothing is O(N). With the same world no stage is added: the rank orders
-simply continue, which reproduces the uninterrupted order exactly.
+**Resume.** Because the global batches do not depend on the world, an epoch stopped after
+``G`` samples (global count, all ranks) continues on any world with the same global batch
+at global batch ``G / B``: rank r' of the new world starts at its item ``G / R'``. On the
+same world any ``G`` that is a multiple of ``R`` continues each rank where it stopped.
 
 Cost per worker: O(number of shards) to set up, then O(chunk) or O(window) memory while
 iterating; nothing is O(N).
@@ -67,14 +75,16 @@ from .._errors import PlanError
 from .world import World
 
 __all__ = [
+    "DEFAULT_PARTITIONS",
     "DEFAULT_WINDOW_RANGE",
     "EpochPlan",
     "Layout",
     "Run",
     "ShardLayout",
     "Split",
-    "Stage",
     "default_window",
+    "global_batch",
+    "locality_warning",
     "samples_per_rank",
 ]
 
@@ -82,10 +92,12 @@ __all__ = [
 _SLICE = 1 << 16
 #: Bounds of the default shuffle window, in items.
 DEFAULT_WINDOW_RANGE = (4096, 1 << 20)
+#: Canonical partitions of a shuffled, batched epoch (ranks 1, 2, 4, 8 each read their own).
+DEFAULT_PARTITIONS = 8
 #: Most average-sized shards the raised minimum window may span (shards open per worker).
 _MAX_WINDOW_SHARDS = 32
-#: Window permutations kept per stage (a worker's chunks touch one or two windows at a time).
-_PERM_CACHE = 4
+#: Window permutations kept per partition (a worker's chunks touch one or two windows of each).
+_PERM_CACHE = 2
 
 
 @dataclass(frozen=True)
@@ -96,12 +108,16 @@ class Split:
         epoch: Epoch number (changes the shuffle).
         seed: Shuffle seed.
         shuffle: Permute shard order and shuffle samples within windows.
-        drop_last: Drop the tail so each rank gets ``floor(N / world_size)`` samples,
-            instead of padding to ``ceil(N / world_size)`` by repeating samples.
-        window: Shuffle window in items; ``None`` picks :func:`default_window`.
-        chunk: Items of a rank's order handed to a worker at a time; ``None`` gives each
-            worker one contiguous block. Set it to the DataLoader batch size so batches
-            leave the workers in the rank's order (needed to resume from a sample count).
+        drop_last: Drop the tail so the epoch holds whole global batches only, instead of
+            padding to whole global batches by repeating the fewest samples.
+        window: Shuffle window of each partition in items; ``None`` picks the default
+            (see the module docstring).
+        chunk: The per-rank batch size ``b``: items of a rank's order handed to a worker
+            at a time (``None``: each worker gets one contiguous block). Set it to the
+            DataLoader batch size so batches leave the workers in the rank's order, and
+            so that a shuffled epoch follows the world-independent order.
+        partitions: Canonical partitions of a shuffled, batched epoch (default
+            :data:`DEFAULT_PARTITIONS`; at most the global batch is used).
     """
 
     epoch: int = 0
@@ -110,6 +126,7 @@ class Split:
     drop_last: bool = False
     window: int | None = None
     chunk: int | None = None
+    partitions: int | None = None
 
     def __post_init__(self) -> None:
         if self.epoch < 0:
@@ -118,32 +135,28 @@ class Split:
             raise PlanError(f"window={self.window} must be >= 1")
         if self.chunk is not None and self.chunk < 1:
             raise PlanError(f"chunk={self.chunk} must be >= 1")
+        if self.partitions is not None and self.partitions < 1:
+            raise PlanError(f"partitions={self.partitions} must be >= 1")
 
-
-@dataclass(frozen=True)
-class Stage:
-    """An earlier world of an interrupted epoch.
-
-    Attributes:
-        world_size: Ranks that read this stage.
-        samples_seen: Global samples of the epoch consumed when the stage stopped (all
-            stages so far, all ranks); a multiple of ``world_size`` past the stage start.
-    """
-
-    world_size: int
-    samples_seen: int
+    @property
+    def canonical(self) -> bool:
+        """True if the epoch follows the world-independent order (shuffled and batched)."""
+        return self.shuffle and self.chunk is not None
 
 
 @dataclass(frozen=True)
 class Run:
     """Samples a worker reads in one go: ``locals`` of shard ``shard``, in this order.
 
-    ``positions`` are the matching rank-order item indices (for progress and resume).
+    ``positions`` are the matching rank-order item indices (for progress and resume);
+    ``items`` their indices in the epoch's padded sequence (the same on every world: the
+    key of per-sample randomness, :func:`streamload.sample_generator`).
     """
 
     shard: int
     locals: np.ndarray
     positions: np.ndarray
+    items: np.ndarray
 
     @property
     def contiguous(self) -> bool:
@@ -155,16 +168,30 @@ class Run:
             and (n < 3 or bool(np.all(np.diff(self.locals) == 1)))
         )
 
+    def part(self, begin: int) -> Run:
+        """Return the run from its ``begin``-th sample on."""
+        return Run(self.shard, self.locals[begin:], self.positions[begin:], self.items[begin:])
 
-def samples_per_rank(total: int, world_size: int, drop_last: bool) -> int:
-    """Return the number of samples every rank yields per epoch."""
+
+def global_batch(world_size: int, chunk: int | None) -> int:
+    """Return the global batch ``B``: the per-rank batch (1 without one) times the ranks."""
     if world_size < 1:
         raise PlanError(f"{world_size=} must be >= 1")
-    return total // world_size if drop_last else -(-total // world_size)
+    return world_size * (chunk or 1)
+
+
+def padded_total(total: int, batch: int, drop_last: bool) -> int:
+    """Return the items of an epoch of ``total`` samples in whole global batches of ``batch``."""
+    return (total // batch if drop_last else -(-total // batch)) * batch
+
+
+def samples_per_rank(total: int, world_size: int, drop_last: bool, chunk: int | None = None) -> int:
+    """Return the number of samples every rank yields per epoch (whole global batches)."""
+    return padded_total(total, global_batch(world_size, chunk), drop_last) // world_size
 
 
 def default_window(shard_counts: Sequence[int]) -> int:
-    """Return the default shuffle window in items.
+    """Return the default shuffle window of the whole epoch in items (before partitioning).
 
     Four times the largest shard; for small shards at least ``DEFAULT_WINDOW_RANGE[0]``
     items or 32 average shards, whichever is smaller; at most ``DEFAULT_WINDOW_RANGE[1]``.
@@ -175,6 +202,45 @@ def default_window(shard_counts: Sequence[int]) -> int:
     low, high = DEFAULT_WINDOW_RANGE
     raised = min(low, math.ceil(_MAX_WINDOW_SHARDS * mean))
     return max(1, min(max(4 * biggest, raised), high))
+
+
+def partition_window(shard_counts: Sequence[int], partitions: int) -> int:
+    """Return the default window of each of ``partitions`` partitions.
+
+    The whole epoch's :func:`default_window` shared among them, but at least the largest
+    shard (a partition then reads one or two shards at a time).
+    """
+    whole = default_window(shard_counts)
+    biggest = max((int(c) for c in shard_counts), default=1)
+    return max(1, min(whole, max(biggest, -(-whole // partitions))))
+
+
+def partition_count(split: Split, world_size: int) -> int:
+    """Return the partitions ``P`` of the epoch (see the module docstring)."""
+    if not split.canonical:
+        return world_size
+    return min(split.partitions or DEFAULT_PARTITIONS, global_batch(world_size, split.chunk))
+
+
+def locality_warning(split: Split, world_size: int) -> str | None:
+    """Return why ``world_size`` ranks read the canonical order with less locality, or ``None``.
+
+    The global batches are the same on every world; a world whose size neither divides nor
+    is a multiple of the partition count makes ranks share partitions mid-slice (each
+    opens the shards of more partitions).
+    """
+    if not split.canonical:
+        return None
+    parts = partition_count(split, world_size)
+    if parts % world_size == 0 or world_size % parts == 0:
+        return None
+    good = [r for r in range(1, 2 * parts + 1) if parts % r == 0 or r % parts == 0]
+    return (
+        f"world_size={world_size} neither divides nor is a multiple of partitions={parts}: the global "
+        f"batches are the same as on any other world, but each rank reads parts of several partitions "
+        f"(more shards open per rank); world sizes {', '.join(map(str, good))}, ... keep each rank on its "
+        f"own partitions (or choose partitions= a multiple of the world sizes you will use)"
+    )
 
 
 def _rng(*words: int) -> np.random.Generator:
@@ -227,62 +293,61 @@ class ShardLayout:
         return self.shard_order[j], positions - self._cum[j]
 
 
-class _RankSplit:
-    """One world's split of a parent sequence of ``parent_len`` items into rank orders."""
+class _Partitions:
+    """The padded sequence of ``padded`` items cut into partitions, read in global batches.
 
-    def __init__(
-        self,
-        parent_len: int,
-        world_size: int,
-        per_rank: int,
-        window: int | None,
-        seed_words: tuple[int, ...],
-        consumed_below: int = 0,
-    ) -> None:
-        self.parent_len = parent_len
-        #: Items per rank of the stage below consumed before this stage began; the parent
-        #: sequence is the concatenation of the stage below's rank orders from there on.
-        self.consumed_below = consumed_below
-        self.world_size = world_size
-        self.per_rank = per_rank
+    ``bounds[p]`` is partition p's first offset inside a global batch (``bounds[P] = B``);
+    partition p holds the padded items ``[steps * bounds[p], steps * bounds[p + 1])``.
+    """
+
+    def __init__(self, padded: int, batch: int, parts: int, window: int | None, seed_words: tuple[int, ...]) -> None:
+        self.batch = batch
+        self.steps = padded // batch if batch else 0
+        self.bounds = np.array([p * batch // parts for p in range(parts + 1)], dtype=np.int64)
         self.window = window  # None: no shuffle
         self.seed_words = seed_words
         self._perms: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._perm_cache = _PERM_CACHE * parts + 2
 
-    def to_parent(self, ranks: np.ndarray, items: np.ndarray) -> np.ndarray:
-        """Map rank-order ``items`` of ``ranks`` to indices of the parent sequence."""
-        inner = items if self.window is None else self._permute(ranks, items)
-        idx: np.ndarray = ranks * self.per_rank + inner
-        if self.parent_len and self.world_size * self.per_rank > self.parent_len:
-            idx %= self.parent_len  # padding wraps to the start of the parent sequence
-        return idx
+    def to_padded(self, g: np.ndarray) -> np.ndarray:
+        """Map global-sequence indices (``k * B + offset``) to padded-sequence items."""
+        k, offset = np.divmod(g, self.batch)
+        p = np.searchsorted(self.bounds, offset, side="right") - 1
+        low = self.bounds[p]
+        width = self.bounds[p + 1] - low
+        j = k * width + (offset - low)
+        if self.window is not None:
+            j = self._permute(p, j, self.steps * width)
+        out: np.ndarray = self.steps * low + j
+        return out
 
-    def _permute(self, ranks: np.ndarray, items: np.ndarray) -> np.ndarray:
+    def _permute(self, parts: np.ndarray, items: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         assert self.window is not None
         if len(items) == 0:
             return items
         size = self.window
         windows = items // size
-        keys = ranks * (self.per_rank // size + 1) + windows
+        keys = parts * (self.steps * self.batch // size + 1) + windows
         out = np.empty_like(items)
         first, last = int(keys[0]), int(keys[-1])
-        groups = [first] if first == last and (len(keys) < 3 or bool(np.all(keys == first))) else np.unique(keys)
+        single = first == last and (len(keys) < 3 or bool(np.all(keys == first)))
+        groups = [first] if single else np.unique(keys).tolist()
         for key in groups:
-            mask = slice(None) if len(groups) == 1 else keys == key
-            rank, w = int(ranks[mask][0]), int(windows[mask][0])
-            perm = self._perm(rank, w)
+            mask = slice(None) if single else keys == key
+            part, w = int(parts[mask][0]), int(windows[mask][0])
+            perm = self._perm(part, w, int(lengths[mask][0]))
             out[mask] = w * size + perm[items[mask] - w * size]
         return out
 
-    def _perm(self, rank: int, window: int) -> np.ndarray:
-        key = (rank, window)
+    def _perm(self, part: int, window: int, length: int) -> np.ndarray:
+        key = (part, window)
         perm = self._perms.get(key)
         if perm is None:
             assert self.window is not None
-            length = min(self.window, self.per_rank - window * self.window)
-            perm = _rng(*self.seed_words, rank, window, 0x57494E).permutation(length)
+            size = min(self.window, length - window * self.window)
+            perm = _rng(*self.seed_words, part, window, 0x57494E).permutation(size)
             self._perms[key] = perm
-            while len(self._perms) > _PERM_CACHE:
+            while len(self._perms) > self._perm_cache:
                 self._perms.popitem(last=False)
         else:
             self._perms.move_to_end(key)
@@ -296,9 +361,7 @@ class EpochPlan:
         shard_counts: Samples per shard, in manifest order (with a ``layout``: the shards
             the layout reads, which set the default window).
         world_size: Ranks reading the epoch now.
-        split: Epoch, seed, shuffle, drop_last, window and chunk.
-        stages: Earlier worlds of this epoch when it was interrupted and resumed on a
-            different number of ranks (oldest first); empty for a fresh epoch.
+        split: Epoch, seed, shuffle, drop_last, window, chunk and partitions.
         layout: The epoch sequence (default: :class:`ShardLayout` of ``shard_counts``),
             e.g. a :class:`~streamload.plan.mixture.MixLayout` of several datasets.
     """
@@ -308,7 +371,6 @@ class EpochPlan:
         shard_counts: Sequence[int],
         world_size: int,
         split: Split,
-        stages: Sequence[Stage] = (),
         layout: Layout | None = None,
     ) -> None:
         counts = np.asarray(shard_counts, dtype=np.int64).reshape(-1)
@@ -316,61 +378,27 @@ class EpochPlan:
             raise PlanError(f"shard_counts must be non-negative, got min {int(counts.min())}")
         self.split = split
         self.world_size = world_size
+        #: The global batch ``B`` (the per-rank batch, or 1, times the ranks).
+        self.global_batch = global_batch(world_size, split.chunk)
+        #: Partitions of the padded sequence (canonical, or one per rank).
+        self.partitions = partition_count(split, world_size)
         self.layout: Layout = ShardLayout(counts, split) if layout is None else layout
         self.total = self.layout.total
-        self.stages = tuple(stages)
-        self.window = split.window or default_window(counts.tolist())
-        self._levels = self._build_levels()
-        top = self._levels[-1]
-        #: Items every rank yields in this (stage of the) epoch.
-        self.per_rank = top.per_rank
-
-    def _build_levels(self) -> list[_RankSplit]:
-        split = self.split
-        worlds = [s.world_size for s in self.stages] + [self.world_size]
-        first = worlds[0]
-        window = self.window if split.shuffle else None
-        levels = [
-            _RankSplit(
-                self.total,
-                first,
-                samples_per_rank(self.total, first, split.drop_last),
-                window,
-                (split.seed, split.epoch),
-            )
-        ]
-        previous_seen = 0
-        for stage, world_size in zip(self.stages, worlds[1:], strict=True):
-            prev = levels[-1]
-            done, rest = self._stage_progress(prev, stage, previous_seen)
-            remaining = prev.world_size * rest
-            per_rank = samples_per_rank(remaining, world_size, False)
-            levels.append(_RankSplit(remaining, world_size, per_rank, None, (), consumed_below=done))
-            previous_seen = stage.samples_seen
-        return levels
-
-    @staticmethod
-    def _stage_progress(prev: _RankSplit, stage: Stage, previous_seen: int) -> tuple[int, int]:
-        seen = stage.samples_seen - previous_seen
-        if seen < 0 or seen % prev.world_size:
-            raise PlanError(
-                f"stage samples_seen={stage.samples_seen} minus the earlier {previous_seen} must be a "
-                f"non-negative multiple of its world_size={prev.world_size}"
-            )
-        done = seen // prev.world_size
-        if done > prev.per_rank:
-            raise PlanError(
-                f"stage samples_seen={stage.samples_seen} is past the end of its stage "
-                f"({previous_seen + prev.world_size * prev.per_rank})"
-            )
-        return done, prev.per_rank - done
+        #: Items of the padded sequence: whole global batches.
+        self.padded = padded_total(self.total, self.global_batch, split.drop_last)
+        self.window = split.window or partition_window(counts.tolist(), self.partitions)
+        #: Items every rank yields in this epoch.
+        self.per_rank = self.padded // world_size
+        self._rank_batch = split.chunk or 1
+        self._parts = _Partitions(
+            self.padded,
+            self.global_batch,
+            self.partitions,
+            self.window if split.shuffle else None,
+            (split.seed, split.epoch),
+        )
 
     # -- positions -----------------------------------------------------------------
-
-    @property
-    def stage_total(self) -> int:
-        """Items of all ranks in this stage: ``per_rank * world_size``."""
-        return self.per_rank * self.world_size
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Map epoch-sequence positions to ``(shard index, index within shard)`` arrays."""
@@ -378,20 +406,32 @@ class EpochPlan:
             raise PlanError("cannot locate samples of an empty dataset")
         return self.layout.locate(positions)
 
-    def rank_positions(self, rank: int, begin: int, end: int) -> np.ndarray:
-        """Epoch-sequence positions of rank ``rank``'s items ``begin..end-1`` (rank order)."""
+    def global_items(self, begin: int, end: int) -> np.ndarray:
+        """Padded-sequence items of the global sequence's ``begin..end-1`` (global batch order)."""
+        if not 0 <= begin <= end <= self.padded:
+            raise PlanError(f"items [{begin}, {end}) outside the epoch's {self.padded}")
+        return self._parts.to_padded(np.arange(begin, end, dtype=np.int64))
+
+    def rank_items(self, rank: int, begin: int, end: int) -> np.ndarray:
+        """Padded-sequence items of rank ``rank``'s items ``begin..end-1`` (rank order)."""
         if not 0 <= begin <= end <= self.per_rank:
-            raise PlanError(f"items [{begin}, {end}) outside the rank block of per_rank={self.per_rank}")
+            raise PlanError(f"items [{begin}, {end}) outside the rank's per_rank={self.per_rank}")
         if not 0 <= rank < self.world_size:
             raise PlanError(f"{rank=} outside world_size={self.world_size}")
-        items = np.arange(begin, end, dtype=np.int64)
-        ranks = np.full_like(items, rank)
-        for k in range(len(self._levels) - 1, 0, -1):
-            level, below = self._levels[k], self._levels[k - 1]
-            idx = level.to_parent(ranks, items)
-            rest = below.per_rank - level.consumed_below
-            ranks, items = idx // rest, level.consumed_below + idx % rest
-        return self._levels[0].to_parent(ranks, items)
+        b = self._rank_batch
+        i = np.arange(begin, end, dtype=np.int64)
+        g = (i // b) * self.global_batch + rank * b + i % b
+        return self._parts.to_padded(g)
+
+    def to_epoch(self, items: np.ndarray) -> np.ndarray:
+        """Map padded-sequence items to epoch-sequence positions (padding wraps to the start)."""
+        if self.padded > self.total and self.total:
+            return items % self.total
+        return items
+
+    def rank_positions(self, rank: int, begin: int, end: int) -> np.ndarray:
+        """Epoch-sequence positions of rank ``rank``'s items ``begin..end-1`` (rank order)."""
+        return self.to_epoch(self.rank_items(rank, begin, end))
 
     # -- the worker's view ---------------------------------------------------------
 
@@ -421,10 +461,6 @@ class EpochPlan:
                 yield begin, end
             c += n
 
-    def worker_len(self, world: World, start: int = 0, first: int = 0) -> int:
-        """Number of items ``world``'s worker yields from rank item ``start`` on."""
-        return sum(end - begin for begin, end in self.worker_items(world, start, first))
-
     def runs(self, world: World, start: int = 0, first: int = 0) -> Iterator[Run]:
         """Yield the worker's reads as runs within one shard, in reading order (see :meth:`worker_items`)."""
         if world.world_size != self.world_size:
@@ -432,7 +468,8 @@ class EpochPlan:
         for begin, end in self.worker_items(world, start, first):
             for lo in range(begin, end, _SLICE):
                 hi = min(lo + _SLICE, end)
-                shards, locals_ = self.locate(self.rank_positions(world.rank, lo, hi))
+                items = self.rank_items(world.rank, lo, hi)
+                shards, locals_ = self.locate(self.to_epoch(items))
                 breaks = shards[1:] != shards[:-1]
                 if not self.split.shuffle:  # also where padding wraps around: runs stay ascending
                     breaks |= locals_[1:] <= locals_[:-1]
@@ -441,7 +478,7 @@ class EpochPlan:
                 positions = np.arange(lo, hi, dtype=np.int64)
                 heads: list[int] = shards[bounds[:-1]].tolist()
                 for shard, a, b in zip(heads, bounds[:-1], bounds[1:], strict=True):
-                    yield Run(shard, locals_[a:b], positions[a:b])
+                    yield Run(shard, locals_[a:b], positions[a:b], items[a:b])
 
     def worker_shards(self, world: World, start: int = 0, first: int = 0) -> Iterator[int]:
         """Yield the shards the worker will open, in order of use (consecutive repeats merged)."""
@@ -450,3 +487,14 @@ class EpochPlan:
             if run.shard != last:
                 yield run.shard
                 last = run.shard
+
+    def open_shards(self, mean_shard: float, share: float = 1.0) -> int:
+        """Shards a rank reads at once, about: the shards each of its partitions' windows spans.
+
+        ``share``: the fraction of the epoch sequence that the shards of ``mean_shard``
+        samples hold (a mixture's stream); 1 for a plain dataset.
+        """
+        mine = max(1, math.ceil(self.partitions / self.world_size))
+        if not self.split.shuffle:
+            return mine
+        return mine * (math.ceil(self.window * share / max(1.0, mean_shard)) + 1)

@@ -3,11 +3,11 @@
 The state says which epoch is running and how far it has gone, in a form that does not
 depend on the number of ranks or DataLoader workers that will continue it::
 
-    {"version": 1, "epoch": 3, "seed": 0, "shuffle": true, "drop_last": false,
+    {"version": 2, "epoch": 3, "seed": 0, "shuffle": true, "drop_last": false,
      "window": 4096, "num_samples": 100000,      # must match the dataset on load
+     "global_batch": 256, "partitions": 8,       # the order's shape: must match the world's
      "world_size": 8,                            # ranks that produced the progress
      "samples_seen": 40960,                      # global count, all ranks, this epoch
-     "stages": [[16, 8192]],                     # earlier worlds of this epoch, if any
      "worker": null}                             # one worker's own position, see below
 
 A mixture of streams, or one dataset with an ``epoch_size``, adds ``"mixture"``: a digest
@@ -16,11 +16,14 @@ of every stream's size, shard count and per-epoch count
 (which is then the epoch's sample count, all streams).
 
 ``samples_seen`` counts items of the epoch consumed over all ranks: ``world_size`` times
-the items each rank consumed of its rank order (a multiple of ``world_size`` past the
-current stage's start). With a fixed per-rank batch ``B`` it is ``steps * world_size * B``.
-Resuming on the same number of ranks continues every rank order where it stopped (the
-uninterrupted order exactly); on a different number, the unread suffixes are re-split
-(:class:`~streamload.plan.planner.Stage`).
+the items each rank consumed of its rank order. With a per-rank batch ``b`` it is
+``steps * world_size * b = steps * global_batch``. The global batches of a shuffled,
+batched epoch do not depend on the world (:mod:`streamload.plan.planner`), so a state
+whose ``samples_seen`` is a whole number of global batches resumes on any world with the
+same ``global_batch`` and ``partitions``, continuing the uninterrupted sequence of global
+batches exactly; on the same world any multiple of ``world_size`` resumes each rank
+where it stopped. Another global batch size or partition count is a :class:`PlanError`
+naming both values.
 
 ``worker`` is set in states saved inside a DataLoader worker (the
 ``torchdata.stateful_dataloader.StatefulDataLoader`` protocol): that worker's next rank
@@ -34,17 +37,17 @@ Everything is ints, bools, lists and ``None``: JSON- and ``torch.save``-safe, no
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from .._errors import PlanError
-from .planner import EpochPlan, Split, Stage
+from .planner import Split, padded_total
 from .world import World
 
 __all__ = ["STATE_VERSION", "EpochState", "WorkerPosition"]
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -92,14 +95,15 @@ class EpochState:
     num_samples: int
     world_size: int
     samples_seen: int | None
-    stages: tuple[Stage, ...] = ()
+    global_batch: int
+    partitions: int
     worker: WorkerPosition | None = None
     mixture: str | None = None
 
     @property
-    def stage_start(self) -> int:
-        """Global samples seen when the current stage began."""
-        return self.stages[-1].samples_seen if self.stages else 0
+    def padded(self) -> int:
+        """Items of the whole epoch, all ranks (whole global batches)."""
+        return padded_total(self.num_samples, self.global_batch, self.drop_last)
 
     def split(self) -> Split:
         """Return the :class:`Split` of this epoch (without chunking)."""
@@ -131,8 +135,9 @@ class EpochState:
             "window": self.window,
             "num_samples": self.num_samples,
             "world_size": self.world_size,
+            "global_batch": self.global_batch,
+            "partitions": self.partitions,
             "samples_seen": self.samples_seen,
-            "stages": [[s.world_size, s.samples_seen] for s in self.stages],
             "worker": worker,
         }
         if self.mixture is not None:
@@ -150,11 +155,8 @@ class EpochState:
             raise PlanError(f"state must be a dict, got {type(state).__name__}")
         version = _int(state, "version")
         if version != STATE_VERSION:
-            raise PlanError(f"state {version=} is not supported (expected {STATE_VERSION})")
-        stages_raw = state.get("stages", [])
-        if not isinstance(stages_raw, Sequence) or isinstance(stages_raw, (str, bytes)):
-            raise PlanError(f"state stages={stages_raw!r} must be a list of [world_size, samples_seen]")
-        stages = tuple(_stage(item) for item in stages_raw)
+            older = " (saved by an earlier streamload, whose order differs)" if version == 1 else ""
+            raise PlanError(f"state {version=} is not supported{older}: expected version {STATE_VERSION}")
         seen = state.get("samples_seen")
         worker_raw = state.get("worker")
         mixture = state.get("mixture")
@@ -169,17 +171,17 @@ class EpochState:
             num_samples=_int(state, "num_samples"),
             world_size=_int(state, "world_size", low=1),
             samples_seen=None if seen is None else _int(state, "samples_seen"),
-            stages=stages,
+            global_batch=_int(state, "global_batch", low=1),
+            partitions=_int(state, "partitions", low=1),
             worker=None if worker_raw is None else _worker(worker_raw),
             mixture=mixture,
         )
         if out.samples_seen is None and out.worker is None:
             raise PlanError("state has neither samples_seen nor a worker position")
-        previous = 0
-        for stage in stages:
-            if stage.samples_seen < previous:
-                raise PlanError(f"state stages={stages_raw!r} must have non-decreasing samples_seen")
-            previous = stage.samples_seen
+        if out.global_batch % out.world_size:
+            raise PlanError(
+                f"state global_batch={out.global_batch} is not a multiple of its world_size={out.world_size}"
+            )
         return out
 
     def check_dataset(
@@ -206,25 +208,20 @@ class EpochState:
         if wrong:
             raise PlanError("state does not match the dataset: " + ", ".join(wrong))
 
-    def normalized(self, shard_counts: Sequence[int]) -> EpochState:
+    def normalized(self) -> EpochState:
         """Return the state with a finished epoch turned into the start of the next one.
 
-        Only the sum of ``shard_counts`` matters (the epoch's sample count).
-
         Raises:
-            PlanError: If ``samples_seen`` is not a multiple of ``world_size`` past the
-                stage start, or the stages are inconsistent.
+            PlanError: If ``samples_seen`` is not a multiple of ``world_size``.
         """
         if self.samples_seen is None:
             return self
-        plan = EpochPlan(shard_counts, self.world_size, self.split(), self.stages)
-        done = self.samples_seen - self.stage_start
-        if done < 0 or done % self.world_size:
+        if self.samples_seen % self.world_size:
             raise PlanError(
-                f"samples_seen={self.samples_seen} minus the stage start {self.stage_start} must be a "
-                f"non-negative multiple of world_size={self.world_size} (use a fixed global batch)"
+                f"samples_seen={self.samples_seen} must be a multiple of world_size={self.world_size} "
+                "(use a fixed global batch: steps * global_batch)"
             )
-        if done < plan.stage_total:
+        if self.samples_seen < self.padded:
             return self
         return EpochState(
             self.epoch + 1,
@@ -235,34 +232,45 @@ class EpochState:
             self.num_samples,
             self.world_size,
             0,
+            self.global_batch,
+            self.partitions,
             mixture=self.mixture,
         )
 
-    def resume_point(self, world: World, chunk: int) -> tuple[tuple[Stage, ...], int]:
-        """Return the stages and the start item with which ``world``'s worker continues.
+    def check_world(self, world: World, batch: int, partitions: int) -> None:
+        """Raise :class:`PlanError` unless ``world`` (global ``batch``, ``partitions``) continues this state.
+
+        The sequence of global batches is a function of the global batch size and the
+        partition count: another value of either gives other batches, so the rest of the
+        epoch could not be the uninterrupted run's.
+        """
+        if batch != self.global_batch:
+            raise PlanError(
+                f"state saved with global_batch={self.global_batch} (world_size={self.world_size}) cannot resume "
+                f"with global_batch={batch} (world_size={world.world_size}): keep batch_size * world_size "
+                f"equal to {self.global_batch}"
+            )
+        if partitions != self.partitions:
+            raise PlanError(
+                f"state saved with partitions={self.partitions} cannot resume with partitions={partitions}: "
+                "pass the same partitions= as the saving run"
+            )
+
+    def resume(self, world: World, chunk: int) -> tuple[int, int]:
+        """Return the start item and the first dealt chunk of ``world``'s worker.
 
         The start is a rank-order item index (:meth:`EpochPlan.worker_items` skips the
-        worker's items before it).
-
-        Raises:
-            PlanError: If the state holds only a worker position of another world.
-        """
-        stages, start, _ = self.resume(world, chunk)
-        return stages, start
-
-    def resume(self, world: World, chunk: int) -> tuple[tuple[Stage, ...], int, int]:
-        """Return the stages, the start item and the first dealt chunk of ``world``'s worker.
-
-        Like :meth:`resume_point`, plus the ``first`` argument of
+        worker's items before it); the first dealt chunk is the ``first`` argument of
         :meth:`EpochPlan.worker_items`: a resume from a sample count deals chunks from the
         chunk of the start item (the DataLoader asks worker 0 first), a worker's own
         position keeps its iteration's.
 
         Raises:
-            PlanError: If the state holds only a worker position of another world.
+            PlanError: If the state holds only a worker position of another world, or its
+                ``samples_seen`` is not a whole number of global batches on a new world.
         """
         if self.worker is not None and self.worker.matches(world, chunk):
-            return self.stages, self.worker.next_item, self.worker.first_chunk
+            return self.worker.next_item, self.worker.first_chunk
         if self.samples_seen is None:
             w = self.worker
             assert w is not None
@@ -272,13 +280,14 @@ class EpochState:
                 f"num_workers={world.num_workers} on rank {world.rank} of world_size={world.world_size} "
                 f"({chunk=}); save the state with state_dict(samples_seen=...) to change the world"
             )
-        done = self.samples_seen - self.stage_start
-        if world.world_size == self.world_size:
-            start = done // self.world_size
-            return self.stages, start, start // chunk
-        if done == 0:  # the current stage read nothing: the new world simply replaces it
-            return self.stages, 0, 0
-        return (*self.stages, Stage(self.world_size, self.samples_seen)), 0, 0
+        if world.world_size != self.world_size and self.samples_seen % self.global_batch:
+            raise PlanError(
+                f"samples_seen={self.samples_seen} is not a whole number of global batches of "
+                f"{self.global_batch}: it resumes only on its own world_size={self.world_size}, "
+                f"not on world_size={world.world_size}"
+            )
+        start = self.samples_seen // world.world_size
+        return start, start // chunk
 
 
 def _int(state: Mapping[str, Any], name: str, low: int = 0, signed: bool = False) -> int:
@@ -293,18 +302,6 @@ def _bool(state: Mapping[str, Any], name: str) -> bool:
     if not isinstance(value, bool):
         raise PlanError(f"state {name}={value!r} must be a bool")
     return value
-
-
-def _stage(item: Any) -> Stage:
-    if (
-        not isinstance(item, Sequence)
-        or len(item) != 2
-        or not all(isinstance(v, int) and not isinstance(v, bool) for v in item)
-        or item[0] < 1
-        or item[1] < 0
-    ):
-        raise PlanError(f"state stage {item!r} must be [world_size >= 1, samples_seen >= 0]")
-    return Stage(int(item[0]), int(item[1]))
 
 
 def _worker(raw: Any) -> WorkerPosition:
