@@ -30,7 +30,7 @@ import secrets
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NoReturn
 
 import torch
@@ -55,11 +55,9 @@ from .plan import (
     detect_rank_world,
     detect_world,
     distributed_world,
-    global_batch,
     locality_warning,
     samples_per_rank,
 )
-from .plan.planner import partition_count, partition_window
 from .plan.state import EpochState, WorkerPosition
 from .shards import CacheMode, StorageConfig
 from .storage import Storage
@@ -189,8 +187,9 @@ class StreamingDataset(IterableDataset[Any]):
         epoch, the global batch ``b * world_size`` and ``partitions``: 1 GPU with
         ``batch_size=256`` and 8 GPUs with ``batch_size=32`` see the same steps, with any
         ``num_workers``, and so does a run resumed on another world. Every sample dict
-        carries ``"__epoch__"`` and ``"__position__"`` (its place in the epoch, the same on
-        every world), the key of :func:`streamload.sample_generator`, which
+        that ``transform`` or ``collate`` receives carries ``"__epoch__"`` and
+        ``"__position__"`` (its place in the epoch, the same on every world), the key of
+        :func:`streamload.sample_generator`, which
         :class:`~streamload.decode.DecodeBatch` uses for its random crops and flips. See
         ``docs/reproducibility.md``.
 
@@ -381,11 +380,6 @@ class StreamingDataset(IterableDataset[Any]):
         claimed = int(self._epochs[_CLAIMED])
         return self._next_epoch(claimed) - 1 if claimed else int(self._epochs[_BASE])
 
-    def window_for(self, world_size: int) -> int:
-        """The shuffle window of each partition in items on ``world_size`` ranks (see :mod:`streamload.plan`)."""
-        parts = partition_count(self._split(0), world_size)
-        return self.shuffle_window or partition_window(self.streams.shard_counts, parts)
-
     def _split(self, epoch: int) -> Split:
         return Split(
             epoch=epoch,
@@ -398,8 +392,16 @@ class StreamingDataset(IterableDataset[Any]):
         )
 
     def plan(self, epoch: int, world_size: int) -> EpochPlan:
-        """Return the :class:`EpochPlan` this dataset follows for ``epoch`` in a world of ``world_size``."""
+        """Return the :class:`EpochPlan` this dataset follows for ``epoch`` in a world of ``world_size``.
+
+        An epoch resumed from a state whose partitions were one per rank (unshuffled, or
+        without a batch size) keeps the saving world's partitions, so its remaining global
+        batches are those of the uninterrupted run on any world.
+        """
         split = self._split(epoch)
+        resume = self._resume
+        if resume is not None and resume.epoch == epoch and not split.canonical:
+            split = replace(split, partitions=resume.partitions)
         return EpochPlan(self.streams.shard_counts, world_size, split, self.streams.layout(split))
 
     # -- stop and resume -----------------------------------------------------------
@@ -439,17 +441,18 @@ class StreamingDataset(IterableDataset[Any]):
                     progress.first,
                 )
                 samples_seen = world.world_size * progress.next_item if world.num_workers == 1 else None
+        plan = self.plan(self.epoch, world.world_size)
         state = EpochState(
-            self.epoch,
+            plan.split.epoch,
             self.seed,
             self.shuffle,
             self.drop_last,
-            self.window_for(world.world_size),
+            plan.window,
             self.num_samples,
             world.world_size,
             samples_seen,
-            global_batch(world.world_size, self.batch_size),
-            partition_count(self._split(0), world.world_size),
+            plan.global_batch,
+            plan.partitions,
             worker,
             self.streams.fingerprint,
         )
@@ -687,14 +690,18 @@ class StreamingDataset(IterableDataset[Any]):
         transform = self.transform
         samples = self._samples(readers, reader, run, entry, url)
         epoch = progress.epoch
+        # What a transform or collate sees carries its place in the epoch (the key of
+        # per-sample randomness); dicts yielded as they are stay the stored sample.
+        placed = transform is not None or self.collate is not None
         for position, item, sample in zip(run.positions.tolist(), run.items.tolist(), samples, strict=True):
             progress.next_item = position + 1
             if isinstance(sample, _Failed):
                 self._skip(entry, sample.key, sample.error, source=where)
                 yield from substitute.fail(1)
                 continue
-            sample["__epoch__"] = epoch
-            sample["__position__"] = item
+            if placed:
+                sample["__epoch__"] = epoch
+                sample["__position__"] = item
             if label is not None:
                 sample["__source__"] = label
             if transform is None:

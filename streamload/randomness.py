@@ -1,7 +1,8 @@
 """Per-sample randomness: augmentations that depend on the sample, not on who decodes it.
 
-Every sample that :class:`~streamload.StreamingDataset` yields carries ``"__epoch__"``
-and ``"__position__"``: its epoch and its place in that epoch's padded sequence (see
+Every sample that :class:`~streamload.StreamingDataset` hands to its ``transform`` or
+``collate`` carries ``"__epoch__"`` and ``"__position__"``: its epoch and its place in that
+epoch's padded sequence (see
 :mod:`streamload.plan.planner`), which are the same whichever rank or DataLoader worker
 reads it, on any number of them, and after a resume. A generator keyed by
 ``(seed, epoch, position)`` therefore draws the same random crop for the same sample on

@@ -117,7 +117,9 @@ class Split:
             DataLoader batch size so batches leave the workers in the rank's order, and
             so that a shuffled epoch follows the world-independent order.
         partitions: Canonical partitions of a shuffled, batched epoch (default
-            :data:`DEFAULT_PARTITIONS`; at most the global batch is used).
+            :data:`DEFAULT_PARTITIONS`; at most the global batch is used). In any other
+            epoch: the partitions instead of one per rank (a resumed epoch keeps those it
+            started with).
     """
 
     epoch: int = 0
@@ -216,10 +218,16 @@ def partition_window(shard_counts: Sequence[int], partitions: int) -> int:
 
 
 def partition_count(split: Split, world_size: int) -> int:
-    """Return the partitions ``P`` of the epoch (see the module docstring)."""
-    if not split.canonical:
-        return world_size
-    return min(split.partitions or DEFAULT_PARTITIONS, global_batch(world_size, split.chunk))
+    """Return the partitions ``P`` of the epoch (see the module docstring).
+
+    Canonical (shuffled and batched): ``min(partitions, B)``. Otherwise one per rank, unless
+    ``split.partitions`` names the count (an epoch resumed on another world keeps the
+    partitions it started with, so its remaining global batches are the uninterrupted ones).
+    """
+    batch = global_batch(world_size, split.chunk)
+    if split.canonical:
+        return min(split.partitions or DEFAULT_PARTITIONS, batch)
+    return min(split.partitions or world_size, batch)
 
 
 def locality_warning(split: Split, world_size: int) -> str | None:
