@@ -4,7 +4,8 @@ One worker (rank 311 of 512, worker 2 of 16) builds the :class:`EpochPlan` of an
 10^6 or 10^8 samples in 10^4 shards, then walks its whole run list. Time is wall clock
 (best of ``--repeat``); memory is the peak of Python + numpy allocations (tracemalloc)
 above the baseline, for the worker's whole walk. Also shown: an elastic resume (the same
-epoch stopped half way on 512 ranks and continued on 384, a second stage).
+epoch stopped half way on 512 ranks of 256 and continued on 256 ranks of 512: the same
+global batch, so the worker starts at its rank's half-way item).
 
     python benchmarks/bench_planner.py [--repeat 3]
 """
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from streamload.plan import EpochPlan, Split, Stage, World
+from streamload.plan import EpochPlan, Split, World
 
 RANKS, WORKERS = 512, 16
 RANK, WORKER = 311, 2
@@ -35,12 +36,13 @@ def shard_counts(total: int) -> list[int]:
 
 
 def walk(
-    counts: Sequence[int], split: Split, stages: Sequence[Stage] = (), world_size: int = RANKS
+    counts: Sequence[int], split: Split, resumed: bool = False, world_size: int = RANKS
 ) -> tuple[float, float, int, int]:
     """Return (seconds to first run, seconds for all runs, runs, samples) for one worker."""
     t0 = time.perf_counter()
-    plan = EpochPlan(counts, world_size, split, stages)
-    runs = plan.runs(World(RANK % world_size, world_size, WORKER, WORKERS))
+    plan = EpochPlan(counts, world_size, split)
+    start = plan.per_rank // 2 if resumed else 0
+    runs = plan.runs(World(RANK % world_size, world_size, WORKER, WORKERS), start, start // plan.chunk_size(WORKERS))
     first = next(runs)
     t_first = time.perf_counter() - t0
     n_runs, n_samples = 1, len(first.locals)
@@ -50,17 +52,15 @@ def walk(
     return t_first, time.perf_counter() - t0, n_runs, n_samples
 
 
-def measure(
-    counts: Sequence[int], split: Split, stages: Sequence[Stage], world_size: int, repeat: int
-) -> dict[str, float]:
+def measure(counts: Sequence[int], split: Split, resumed: bool, world_size: int, repeat: int) -> dict[str, float]:
     best_first, best_all = float("inf"), float("inf")
     for _ in range(repeat):
-        t_first, t_all, n_runs, n_samples = walk(counts, split, stages, world_size)
+        t_first, t_all, n_runs, n_samples = walk(counts, split, resumed, world_size)
         best_first, best_all = min(best_first, t_first), min(best_all, t_all)
     tracemalloc.start()
     tracemalloc.reset_peak()
     base = tracemalloc.get_traced_memory()[0]
-    walk(counts, split, stages, world_size)
+    walk(counts, split, resumed, world_size)
     peak = tracemalloc.get_traced_memory()[1] - base
     tracemalloc.stop()
     return {
@@ -80,20 +80,14 @@ def main() -> None:
     print(f"{'samples':>11} {'case':<36} {'first run':>10} {'all runs':>10} {'peak MB':>8} {'runs':>7} {'samples':>8}")
     for total in (10**6, 10**8):
         counts = shard_counts(total)
-        per_rank = -(-total // RANKS)
-        cases: list[tuple[str, Split, list[Stage], int]] = [
-            ("sequential, chunk=None", Split(), [], RANKS),
-            ("sequential, chunk=256 (batch)", Split(chunk=256), [], RANKS),
-            ("shuffle, chunk=256", Split(shuffle=True, seed=1, chunk=256), [], RANKS),
-            (
-                "shuffle, chunk=256, resumed 512->384",
-                Split(shuffle=True, seed=1, chunk=256),
-                [Stage(RANKS, RANKS * (per_rank // 2))],
-                384,
-            ),
+        cases: list[tuple[str, Split, bool, int]] = [
+            ("sequential, chunk=None", Split(), False, RANKS),
+            ("sequential, chunk=256 (batch)", Split(chunk=256), False, RANKS),
+            ("shuffle, chunk=256", Split(shuffle=True, seed=1, chunk=256), False, RANKS),
+            ("shuffle, resumed half-way on 256 x 512", Split(shuffle=True, seed=1, chunk=512), True, 256),
         ]
-        for name, split, stages, world_size in cases:
-            r = measure(counts, split, stages, world_size, args.repeat)
+        for name, split, resumed, world_size in cases:
+            r = measure(counts, split, resumed, world_size, args.repeat)
             print(
                 f"{total:>11,} {name:<36} {r['first_ms']:>8.2f}ms {r['all_ms']:>8.1f}ms "
                 f"{r['peak_mb']:>8.2f} {r['runs']:>7} {r['samples']:>8}"

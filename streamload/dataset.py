@@ -68,14 +68,16 @@ __all__ = ["StreamingDataset"]
 
 log = logging.getLogger("streamload")
 
-#: The shared epoch table: ``[base epoch, iterations claimed, (key, epoch) * _CLAIMS]``.
+#: The shared epoch table: ``[base epoch, iterations claimed, (key, epoch, pid) * _CLAIMS]``.
 #: Every iteration has a key that all of its readers share (the DataLoader iterator's base
 #: seed and the worker process's iteration count; a fresh random key in the main process);
 #: the first reader of an iteration to ask for a sample claims the next epoch for its key,
-#: the others find it there. ``set_epoch`` sets the base and clears the claims.
+#: the others find it there. A claim counts only while its claimer lives: a new DataLoader
+#: whose generator repeats an earlier one's seed has the same keys, but the earlier
+#: iteration's workers are gone. ``set_epoch`` sets the base and clears the claims.
 _MAX_WORKERS = 1024
 _BASE, _CLAIMED, _TABLE = 0, 1, 2
-_CLAIMS = 64
+_CLAIMS, _CLAIM = 64, 3
 _KEY_MASK = (1 << 62) - 1
 #: Shard readers a worker keeps open at once, at least (a shuffle window spans a few shards).
 _OPEN_READERS = 8
@@ -272,7 +274,7 @@ class StreamingDataset(IterableDataset[Any]):
         self.manifest: Manifest = self._ref.manifest
         self.format: Format = self._ref.format
         # Shared across fork/spawn so set_epoch() reaches persistent workers.
-        self._epochs = torch.zeros(_TABLE + 2 * _CLAIMS, dtype=torch.int64)
+        self._epochs = torch.zeros(_TABLE + _CLAIM * _CLAIMS, dtype=torch.int64)
         self._epochs.share_memory_()  # type: ignore[no-untyped-call]
         #: (pid, iterations started) of this process: part of a DataLoader worker's key.
         self._iterations: tuple[int, int] = (os.getpid(), 0)
@@ -341,8 +343,8 @@ class StreamingDataset(IterableDataset[Any]):
         claimed = int(table[_CLAIMED])
         # Up to claim ``claimed`` itself: a sibling may have written it and not yet counted it.
         for i in range(max(0, claimed - _CLAIMS), claimed + 1):
-            slot = _TABLE + 2 * (i % _CLAIMS)
-            if int(table[slot]) == key:
+            slot = _TABLE + _CLAIM * (i % _CLAIMS)
+            if int(table[slot]) == key and _alive(int(table[slot + 2])):
                 return int(table[slot + 1]), claimed
         return None, claimed
 
@@ -361,8 +363,9 @@ class StreamingDataset(IterableDataset[Any]):
         if epoch is not None:
             return epoch
         epoch = self._next_epoch(claimed)
-        table, slot = self._epochs, _TABLE + 2 * (claimed % _CLAIMS)
+        table, slot = self._epochs, _TABLE + _CLAIM * (claimed % _CLAIMS)
         table[slot + 1] = epoch
+        table[slot + 2] = os.getpid()
         table[slot] = key
         table[_CLAIMED] = claimed + 1
         return epoch
@@ -370,7 +373,7 @@ class StreamingDataset(IterableDataset[Any]):
     def _next_epoch(self, claimed: int) -> int:
         if claimed == 0:
             return int(self._epochs[_BASE])
-        return int(self._epochs[_TABLE + 2 * ((claimed - 1) % _CLAIMS) + 1]) + 1
+        return int(self._epochs[_TABLE + _CLAIM * ((claimed - 1) % _CLAIMS) + 1]) + 1
 
     @property
     def epoch(self) -> int:
@@ -902,3 +905,16 @@ def _mix(*words: int) -> int:
         h = (h ^ (h >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
         h ^= h >> 31
     return h
+
+
+def _alive(pid: int) -> bool:
+    """True if process ``pid`` exists (a claim of a process that has exited no longer counts)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    return True

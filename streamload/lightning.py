@@ -102,7 +102,7 @@ class StreamingDataModule(pl.LightningDataModule):
             size the training streams' weights share.
         dataset_options: Further :class:`StreamingDataset` keyword arguments for every
             split, e.g. ``storage_options``, ``cache_dir``, ``cache_limit``, ``drop_last``,
-            ``shuffle_window``, ``on_error``.
+            ``shuffle_window``, ``partitions``, ``on_error``.
 
     Example:
         >>> dm = StreamingDataModule("shards/train", "shards/val", batch_size=64,

@@ -145,8 +145,14 @@ class TestFormat:
         ds = StreamingDataset(
             str(root), batch_size=6, collate=RawCollate(field=("txt", "bin"), label_field=None, keys=True)
         )
-        got = [(k, b.tobytes(i)) for b in DataLoader(ds, batch_size=None, num_workers=2) for i, k in enumerate(b.keys)]
-        assert sorted(got) == sorted((s["__key__"], s.get("txt", s["bin"])) for s in samples)
+        batches = list(DataLoader(ds, batch_size=None, num_workers=2))
+        got = [(k, b.tobytes(i)) for b in batches for i, k in enumerate(b.keys)]
+        # The epoch is padded to whole batches: T = ceil(40/6)*6 = 42 items, the 2 extra ones
+        # repeating the first 2 samples of the (unshuffled) epoch in manifest order.
+        total = -(-len(samples) // 6) * 6
+        assert [len(b.keys) for b in batches] == [6] * (total // 6)
+        padded = samples + samples[: total - len(samples)]
+        assert sorted(got) == sorted((s["__key__"], s.get("txt", s["bin"])) for s in padded)
 
     def test_empty_field_and_missing_field_differ(self, tmp_path: Path, fmt: str) -> None:
         samples = [

@@ -101,9 +101,10 @@ def test_default_window_is_wider_than_a_shard_and_bounded() -> None:
     assert EpochPlan([10**7], 1, Split(shuffle=True)).window == 2**20
     # partitioned (shuffled and batched): the whole window shared, never below the largest shard
     assert EpochPlan([1000] * 50, 1, Split(shuffle=True, chunk=64)).window == 1000
-    assert EpochPlan([10] * 1000, 4, Split(shuffle=True, chunk=64)).window == 40  # 32 shards / 8
-    assert EpochPlan([10] * 1000, 4, Split(shuffle=True, chunk=64, partitions=2)).window == 160
-    assert EpochPlan([10] * 1000, 4, Split(shuffle=True, chunk=1, partitions=2)).window == 160  # min(P, B) = 2
+    # 32 shards of 10 shared by 8 windows, less the 7 extra boundaries: (320 - 7 * 10) // 8
+    assert EpochPlan([10] * 1000, 4, Split(shuffle=True, chunk=64)).window == 31
+    assert EpochPlan([10] * 1000, 4, Split(shuffle=True, chunk=64, partitions=2)).window == 155
+    assert EpochPlan([10] * 1000, 4, Split(shuffle=True, chunk=1, partitions=2)).window == 155  # min(P, B) = 2
 
 
 # -- world detection ---------------------------------------------------------------

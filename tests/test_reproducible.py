@@ -234,3 +234,18 @@ def test_sample_generator_is_keyed_by_seed_epoch_and_position() -> None:
     assert 0 <= sample_seed(a) < 2**63
     with pytest.raises(Exception, match="__epoch__"):
         sample_generator({"__key__": "y"})
+
+
+def test_loaders_with_the_same_seeded_generator_still_advance_the_epoch(tar_dataset: Path) -> None:
+    """A DataLoader re-created each epoch with the same seeded generator: its workers share keys with the last one's."""
+    import torch
+
+    ds = StreamingDataset(str(tar_dataset), shuffle=True, seed=2, transform=key_and_epoch)
+    every = Counter(k for k, _ in StreamingDataset(str(tar_dataset), transform=key_and_epoch))
+    seen = []
+    for _ in range(3):
+        loader = DataLoader(ds, batch_size=10, num_workers=2, generator=torch.Generator().manual_seed(0))
+        keys, epochs = epoch_of(loader)
+        assert keys == every and len(epochs) == 1
+        seen.append(epochs.pop())
+    assert seen == [0, 1, 2]

@@ -48,9 +48,10 @@ every rank takes ``b`` items of every global batch, ``T / R`` in all.
 permuted (samples never move between windows, so the order is "locally uniform"). The
 default (:func:`default_window`) is four times the largest shard, raised towards 4096
 items for small shards (but to no more than 32 average shards) and capped at 2**20 items,
-divided among the partitions but never below the largest shard: each partition reads one
-or two shards at a time, while every global batch draws from all ``P`` partitions, so a
-batch mixes samples of ``P`` to ``2P`` shards.
+divided among the partitions so that together they span no more shards than that window
+(:func:`partition_window`), but never below the largest shard: each partition reads a few
+shards at a time, while every global batch draws from all ``P`` partitions, so a batch
+mixes samples of at least ``P`` shards.
 
 **Resume.** Because the global batches do not depend on the world, an epoch stopped after
 ``G`` samples (global count, all ranks) continues on any world with the same global batch
@@ -209,12 +210,17 @@ def default_window(shard_counts: Sequence[int]) -> int:
 def partition_window(shard_counts: Sequence[int], partitions: int) -> int:
     """Return the default window of each of ``partitions`` partitions.
 
-    The whole epoch's :func:`default_window` shared among them, but at least the largest
-    shard (a partition then reads one or two shards at a time).
+    The whole epoch's :func:`default_window` shared among them so that together they span
+    no more shards than it does (each window spans about ``window / mean + 1`` shards: the
+    ``P - 1`` extra boundaries are taken off), but at least the largest shard (a
+    partition then reads one or two shards at a time).
     """
     whole = default_window(shard_counts)
-    biggest = max((int(c) for c in shard_counts), default=1)
-    return max(1, min(whole, max(biggest, -(-whole // partitions))))
+    counts = [int(c) for c in shard_counts]
+    biggest = max(counts, default=1)
+    mean = sum(counts) / len(counts) if counts else 1.0
+    shared = int((whole - (partitions - 1) * mean) // partitions)
+    return max(1, min(whole, max(biggest, shared)))
 
 
 def partition_count(split: Split, world_size: int) -> int:
