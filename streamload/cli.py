@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="decode",
         help="how image inputs are checked (default: decode at reduced size)",
     )
+    p.add_argument(
+        "--labels",
+        choices=("auto", "folders", "none"),
+        default="auto",
+        help="image folders: labels from class sub-folders (folders), none (every image below SRC, no cls field), "
+        "or auto: none for a flat folder of images, folders otherwise (default: auto)",
+    )
     table = p.add_argument_group("listing tables (SRC is .parquet, .csv or .jsonl)")
     table.add_argument("--path-column", default="path", help="column of image paths or URLs (default: path)")
     table.add_argument(
@@ -194,6 +201,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             args.src,
             options.storage_options,
             check=args.check,
+            labels=args.labels,
             path_column=args.path_column,
             label_column=args.label_column,
             image_column=args.image_column,
@@ -207,6 +215,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     print(report.summary())
     for skipped in report.skipped:
         print(f"  skipped {skipped.path}: {skipped.error}", file=sys.stderr)
+    for warned in report.warnings:
+        print(f"  warning {warned.path}: {warned.error}", file=sys.stderr)
     return 0
 
 
