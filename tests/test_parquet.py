@@ -16,6 +16,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from streamload import CorruptShardError, ShardedDataset, Stream, StreamingDataset
+from streamload.batch import RawCollate
 from streamload.cli import main
 from streamload.decode import DecodeBatch, ImageLabel
 from streamload.indexing import index_directory
@@ -96,6 +97,31 @@ def test_hugging_face_files_read_in_place(hf_dir: Path) -> None:
     images, labels = next(iter(DataLoader(ds, batch_size=None, num_workers=0)))
     assert tuple(images.shape) == (10, 3, 8, 8)
     assert labels is not None and labels.tolist() == [i % 3 for i in range(10)]
+    raw = next(iter(StreamingDataset(str(hf_dir), batch_size=10, collate=RawCollate())))
+    assert raw.labels is not None and raw.labels.tolist() == [i % 3 for i in range(10)]
+    offsets = raw.offsets.tolist()
+    assert raw.data[offsets[3] : offsets[4]].numpy().tobytes() == expected["train-00000-of-00002/0000000003"][0]
+
+
+def test_exact_and_elastic_resume(hf_dir: Path) -> None:
+    def keys(ds: StreamingDataset) -> list[str]:
+        return [s["__key__"] for s in ds]
+
+    whole = [
+        keys(StreamingDataset(str(hf_dir), rank=r, world_size=2, shuffle=True, seed=9, batch_size=5)) for r in range(2)
+    ]
+    state = StreamingDataset(str(hf_dir), rank=0, world_size=2, shuffle=True, seed=9, batch_size=5).state_dict(
+        samples_seen=20
+    )
+    resumed = []
+    for r in range(2):
+        ds = StreamingDataset(str(hf_dir), rank=r, world_size=2, shuffle=True, seed=9, batch_size=5)
+        ds.load_state_dict(state)
+        resumed.append(keys(ds))
+    assert resumed == [whole[0][10:], whole[1][10:]]  # exactly the unseen rest, in order
+    one = StreamingDataset(str(hf_dir), shuffle=True, seed=9, batch_size=5)
+    one.load_state_dict(state)  # elastic: 2 ranks -> 1
+    assert Counter(keys(one)) == Counter(whole[0][10:] + whole[1][10:])
 
 
 def test_exactly_once_over_two_ranks_of_two_workers(hf_dir: Path) -> None:
@@ -265,17 +291,26 @@ def test_hostile_files_name_the_file(tmp_path: Path) -> None:
         "no-magic": raw[:-4] + b"PAR0",
         "short": raw[:100] + raw[-(footer + 8) :],  # the row groups' chunks now lie past the end
         "huge-footer": raw[:-8] + (2**31).to_bytes(4, "little") + b"PAR1",
+        "bomb": None,
     }
     expected = {
         "bad-footer": "not a readable Parquet file",
         "no-magic": "no PAR1 magic",
         "short": "outside the file",
         "huge-footer": "its footer claims 2147483648 bytes",
+        "bomb": "a decompression bomb",
     }
     for name, data in cases.items():
         root = tmp_path / name
         root.mkdir()
-        (root / f"{name}.parquet").write_bytes(data)
+        if data is None:  # 8 MB of zeros in a column the samples' json needs, a few hundred bytes stored
+            bomb = pa.table({"image": pa.array(blobs[:1], pa.binary()), "notes": pa.array([b"\0" * (8 << 20)])})
+            pq.write_table(bomb, root / f"{name}.parquet", compression="zstd")
+            with pytest.raises(CorruptShardError, match=rf"{name}\.parquet: .*{expected[name]}"):
+                index_directory(str(root), "parquet", image_column="image")
+            continue
+        else:
+            (root / f"{name}.parquet").write_bytes(data)
         with pytest.raises(CorruptShardError, match=rf"{name}\.parquet: .*{expected[name]}"):
             index_directory(str(root), "parquet")
         assert os.listdir(root) == [f"{name}.parquet"]
