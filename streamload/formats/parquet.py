@@ -65,12 +65,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import xxhash
 
-from .._errors import ConfigError, CorruptShardError
+from .._errors import ConfigError, CorruptShardError, SampleError
 from ..manifest import ShardEntry, algorithm_of, new_hasher
 from ..sample import IMAGE_EXTENSIONS, image_field_for
 from ._bytes import ShardBytes
 from ._record import open_regular_file
-from .base import Format, Sample, ShardReader, ShardWriter
+from .base import FieldGroup, Format, Sample, ShardReader, ShardWriter
 
 __all__ = [
     "FORMAT",
@@ -133,7 +133,7 @@ def _bad(name: str, detail: str) -> CorruptShardError:
     return CorruptShardError(f"{name}: {detail}")
 
 
-def _open_parquet(source: Any, name: str, metadata: Any = None) -> Any:
+def _open_parquet(source: Any, name: str, metadata: Any = None, pre_buffer: bool = True) -> Any:
     """A pyarrow ``ParquetFile`` over ``source``, its footer bounded; errors name ``name``."""
     try:
         return pq.ParquetFile(
@@ -141,7 +141,7 @@ def _open_parquet(source: Any, name: str, metadata: Any = None) -> Any:
             metadata=metadata,
             thrift_string_size_limit=_THRIFT_STRING_LIMIT,
             thrift_container_size_limit=_THRIFT_CONTAINER_LIMIT,
-            pre_buffer=True,
+            pre_buffer=pre_buffer,
         )
     except Exception as exc:  # ArrowInvalid, OSError...: a damaged footer or not Parquet at all
         raise _bad(name, f"not a readable Parquet file ({type(exc).__name__}: {exc})") from exc
@@ -288,11 +288,35 @@ def _read_columns(plan: _Plan) -> list[str]:
     return [f"{plan.image}.bytes" if plan.struct else plan.image, *plan.json_columns]
 
 
-def _image_values(table: Any, plan: _Plan, column: str = "") -> list[Any]:
-    col = table.column(plan.image).combine_chunks()
-    if plan.struct:
-        col = col.field("bytes")
-    return list(col.to_pylist())
+def _image_array(table: Any, plan: _Plan) -> Any:
+    column = table.column(plan.image)
+    col = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    return col.field("bytes") if plan.struct else col
+
+
+def _image_values(table: Any, plan: _Plan) -> list[Any]:
+    return list(_image_array(table, plan).to_pylist())
+
+
+def _flat(array: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A binary arrow array's values as ``(uint8 data, int64 offsets[len + 1])``, views without a copy.
+
+    A null value has an empty extent (and so fails its digest).
+    """
+    validity, offsets_buf, data_buf = array.buffers()[:3]
+    wide = pa.types.is_large_binary(array.type)
+    offsets = np.frombuffer(offsets_buf, dtype=np.int64 if wide else np.int32)[
+        array.offset : array.offset + len(array) + 1
+    ]
+    offsets = offsets.astype(np.int64)
+    if validity is not None and array.null_count:
+        nulls = np.flatnonzero(np.asarray(array.is_null()))
+        offsets = offsets.copy()
+        offsets[nulls + 1] = offsets[nulls]  # an empty extent: the row's digest check fails
+    data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, dtype=np.uint8)
+    if len(offsets) and (offsets[0] < 0 or offsets[-1] > len(data) or np.any(offsets[1:] < offsets[:-1])):
+        raise ValueError("binary offsets are inconsistent")
+    return data, offsets
 
 
 def _json_texts(table: Any, plan: _Plan) -> list[bytes] | None:
@@ -485,7 +509,7 @@ class ParquetShardReader(ShardReader):
         self._load_sidecar(sidecar_path)
         self._pid = -1
         self._file: Any = None
-        self._groups: OrderedDict[int, tuple[list[Any], list[bytes] | None]] = OrderedDict()
+        self._groups: OrderedDict[int, tuple[np.ndarray, np.ndarray, list[bytes] | None]] = OrderedDict()
 
     # -- the sidecar ------------------------------------------------------------------
 
@@ -577,20 +601,22 @@ class ParquetShardReader(ShardReader):
                 size = os.fstat(fd).st_size
             finally:
                 os.close(fd)
-            handle = pa.OSFile(self.path)
+            handle = pa.memory_map(self.path)  # uncompressed pages are then read without a copy
         if size != self.entry.num_bytes:
             raise CorruptShardError(
                 f"{self.path}: shard {name} is {size} bytes, the manifest says {self.entry.num_bytes}"
             )
         _check_footer(md, size, name, [self._plan.image, *self._plan.json_columns])
-        self._file = _open_parquet(handle, name, metadata=md)
+        # Ranged reads: pyarrow coalesces the row group's column chunks into few requests.
+        self._file = _open_parquet(handle, name, metadata=md, pre_buffer=self._source is not None)
         self._pid = os.getpid()
         return self._file
 
     def _group_of(self, index: int) -> int:
         return int(np.searchsorted(self._starts, index, side="right")) - 1
 
-    def _group(self, g: int) -> tuple[list[Any], list[bytes] | None]:
+    def _group(self, g: int) -> tuple[np.ndarray, np.ndarray, list[bytes] | None]:
+        """Row group ``g`` decoded: its images' bytes and offsets (arrow buffers), its json texts."""
         kept = self._groups.get(g)
         if kept is not None and self._pid == os.getpid():
             self._groups.move_to_end(g)
@@ -599,43 +625,98 @@ class ParquetShardReader(ShardReader):
         expected = int(self._starts[g + 1] - self._starts[g])
         try:
             table = pf.read_row_group(g, columns=_read_columns(self._plan), use_threads=False)
-            images = _image_values(table, self._plan)
+            data, offsets = _flat(_image_array(table, self._plan))
             texts = _json_texts(table, self._plan)
         except Exception as exc:  # a damaged page: decompression or decoding fails
             raise CorruptShardError(
                 f"{self.path}: shard {self.entry.name}, row group {g} cannot be read ({type(exc).__name__}: {exc})"
             ) from exc
-        if len(images) != expected:
+        if len(offsets) != expected + 1:
             raise CorruptShardError(
-                f"{self.path}: shard {self.entry.name}, row group {g} holds {len(images)} rows, expected {expected}"
+                f"{self.path}: shard {self.entry.name}, row group {g} holds {len(offsets) - 1} rows, "
+                f"expected {expected}"
             )
-        self._groups[g] = (images, texts)
+        self._groups[g] = (data, offsets, texts)
         while len(self._groups) > _KEPT_GROUPS:
             self._groups.popitem(last=False)
-        return images, texts
+        return data, offsets, texts
 
     # -- samples ------------------------------------------------------------------------
 
     def _key(self, index: int) -> str:
         return f"{self._meta['prefix']}/{index:010d}"
 
+    def _image(self, index: int) -> tuple[int, np.ndarray]:
+        """Row ``index``'s image bytes (a view into its row group), checked; and its row group."""
+        g = self._group_of(index)
+        data, offsets, _ = self._group(g)
+        r = index - int(self._starts[g])
+        view = data[int(offsets[r]) : int(offsets[r + 1])]
+        self._check(
+            g, index, self._fields[int(self._codes[index])], view, self._digests[index], int(self._sizes[index])
+        )
+        return g, view
+
     def get(self, index: int) -> Sample:
         """Return row ``index`` as a sample, its bytes checked against the sidecar."""
         self._check_index(index)
-        g = self._group_of(index)
-        images, texts = self._group(g)
-        r = index - int(self._starts[g])
-        data = images[r]
-        field = self._fields[int(self._codes[index])]
-        self._check(g, index, field, data, self._digests[index], int(self._sizes[index]))
-        sample: Sample = {"__key__": self._key(index), field: data}
+        g, view = self._image(index)
+        sample: Sample = {"__key__": self._key(index), self._fields[int(self._codes[index])]: view.tobytes()}
         if self._labels is not None:
             sample["cls"] = str(int(self._labels[index])).encode()
+        texts = self._group(g)[2]
         if texts is not None and self._json_digests is not None:
-            text = texts[r]
+            text = texts[index - int(self._starts[g])]
             self._check(g, index, "json", text, self._json_digests[index], len(text))
             sample["json"] = text
         return sample
+
+    # -- batch reads (streamload.batch, BatchReads): sizes from the sidecar, bytes copied from the row groups --
+
+    def _present(self, index: int, name: str) -> bool:
+        if name == "cls":
+            return self._labels is not None
+        if name == "json":
+            return self._json_digests is not None
+        return name == self._fields[int(self._codes[index])]
+
+    def _choice(self, index: int, fields: Sequence[str]) -> str:
+        for name in fields:
+            if self._present(index, name):
+                return name
+        raise SampleError(f"{self.entry.name}: sample {self._key(index)!r} has none of the fields {tuple(fields)}")
+
+    def _value(self, index: int, name: str) -> Any:
+        if name == "cls":
+            assert self._labels is not None
+            return str(int(self._labels[index])).encode()
+        if name == "json":
+            return self.get(index)["json"]
+        return self._image(index)[1]
+
+    def field_sizes(self, indices: np.ndarray, fields: Sequence[str]) -> np.ndarray:
+        """Return the sizes of each sample's first present field of ``fields`` (images: from the sidecar)."""
+        out = np.empty(len(indices), dtype=np.int64)
+        for k, i in enumerate(np.asarray(indices).tolist()):
+            self._check_index(i)
+            name = self._choice(i, fields)
+            if name == "cls" or name == "json":
+                out[k] = len(self._value(i, name))
+            else:
+                out[k] = int(self._sizes[i])
+        return out
+
+    def read_groups_into(self, indices: np.ndarray, groups: Sequence[FieldGroup]) -> None:
+        """Copy each group's fields of samples ``indices`` into the group's ``out``, each row checked."""
+        rows = np.asarray(indices).tolist()
+        for fields, out, sizes in groups:
+            pos = 0
+            for i, n in zip(rows, np.asarray(sizes).tolist(), strict=True):
+                value = self._value(i, self._choice(i, fields))
+                if len(value) != n:
+                    raise CorruptShardError(f"{self.entry.name}: sample {self._key(i)!r} changed size while read")
+                out[pos : pos + n] = np.frombuffer(value, dtype=np.uint8) if isinstance(value, bytes) else value
+                pos += n
 
     def _check(self, group: int, index: int, field: str, data: Any, digest: int, size: int) -> None:
         if data is None or len(data) != size or xxhash.xxh3_64_intdigest(data) != digest:
