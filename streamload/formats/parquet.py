@@ -299,22 +299,17 @@ def _image_values(table: Any, plan: _Plan) -> list[Any]:
 
 
 def _flat(array: Any) -> tuple[np.ndarray, np.ndarray]:
-    """A binary arrow array's values as ``(uint8 data, int64 offsets[len + 1])``, views without a copy.
+    """A binary arrow array's values as ``(uint8 data, int64 offsets[len + 1])``, the data a view without a copy.
 
-    A null value has an empty extent (and so fails its digest).
+    A null value's extent is whatever its offsets say (empty when written by pyarrow): the
+    row's digest check fails on it, since indexing refused null images.
     """
-    validity, offsets_buf, data_buf = array.buffers()[:3]
+    offsets_buf, data_buf = array.buffers()[1:3]
     wide = pa.types.is_large_binary(array.type)
-    offsets = np.frombuffer(offsets_buf, dtype=np.int64 if wide else np.int32)[
-        array.offset : array.offset + len(array) + 1
-    ]
-    offsets = offsets.astype(np.int64)
-    if validity is not None and array.null_count:
-        nulls = np.flatnonzero(np.asarray(array.is_null()))
-        offsets = offsets.copy()
-        offsets[nulls + 1] = offsets[nulls]  # an empty extent: the row's digest check fails
+    raw: np.ndarray[Any, Any] = np.frombuffer(offsets_buf, dtype=np.int64 if wide else np.int32)
+    offsets: np.ndarray[Any, Any] = raw[array.offset : array.offset + len(array) + 1].astype(np.int64)
     data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, dtype=np.uint8)
-    if len(offsets) and (offsets[0] < 0 or offsets[-1] > len(data) or np.any(offsets[1:] < offsets[:-1])):
+    if len(offsets) and (offsets[0] < 0 or offsets[-1] > len(data) or bool(np.any(offsets[1:] < offsets[:-1]))):
         raise ValueError("binary offsets are inconsistent")
     return data, offsets
 
