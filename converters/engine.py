@@ -293,6 +293,11 @@ def convert(
     options.validate()
     started = time.perf_counter()
     fmt = get_format(options.format)
+    if getattr(fmt.writer, "read_only", False):  # parquet: read in place, never written
+        raise ConfigError(
+            f"format {fmt.name!r} is read in place (streamload index DIR --format {fmt.name}); "
+            "convert writes tar, lmdb or hdf5 shards"
+        )
     _check_paths(source, dst)
     try:
         dest = open_destination(dst, options.storage_options)

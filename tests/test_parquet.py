@@ -364,3 +364,12 @@ def test_from_seaweedfs_cached_and_streamed(s3_server: SeaweedS3, tmp_path: Path
     ds = StreamingDataset(url, storage_options=options, cache="none", cache_dir=str(tmp_path / "cache-x"))
     with pytest.raises(CorruptShardError, match=r"train-00001\.parquet, row group 0, row 5 "):
         list(ds)
+
+
+def test_convert_refuses_to_write_parquet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "images" / "a"
+    folder.mkdir(parents=True)
+    (folder / "x.png").write_bytes(encode(0, "PNG"))
+    assert main(["convert", str(tmp_path / "images"), str(tmp_path / "out"), "--format", "parquet"]) == 2
+    assert "read in place" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

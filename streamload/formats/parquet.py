@@ -752,6 +752,9 @@ class ParquetShardReader(ShardReader):
 class _NoWriter(ShardWriter):
     """Parquet files are read in place, never written by streamload (convert writes tar, lmdb or hdf5)."""
 
+    #: ``convert`` refuses a read-only format before it writes anything.
+    read_only = True
+
     def __init__(self, path: str | os.PathLike[str]) -> None:
         raise ConfigError(
             "the parquet format is read in place (streamload index DIR --format parquet); "
