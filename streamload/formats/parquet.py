@@ -38,7 +38,8 @@ no longer decompresses: the same error). Labels come from the sidecar.
 
 **Reads.** Only the columns the sample model needs (``image.bytes`` of a struct, the json
 columns; never the label column nor the struct's ``path``), one row group at a time (the
-last two decoded row groups are kept): pyarrow reads just those column chunks, coalescing
+decoded row groups kept per process up to :data:`ROW_GROUP_CACHE_BYTES`): pyarrow reads
+just those column chunks, coalescing
 close ones into one ranged read. Through ``cache="shards"`` the reader opens the cached
 file; through ``cache="none"`` it reads by ranged GETs (:class:`~._bytes.ShardBytes`), the
 row groups' extents fetched ahead like tar samples'.
@@ -53,6 +54,7 @@ group must hold exactly the rows the footer declared.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 from collections import OrderedDict
@@ -66,6 +68,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from .._errors import ConfigError, CorruptShardError, SampleError
+from .._units import parse_bytes
 from ..manifest import ShardEntry, algorithm_of, new_hasher
 from ..sample import IMAGE_EXTENSIONS, image_field_for
 from ._bytes import ShardBytes
@@ -96,8 +99,58 @@ _THRIFT_STRING_LIMIT = 16 << 20
 _THRIFT_CONTAINER_LIMIT = 1 << 20
 #: Largest sidecar read.
 MAX_SIDECAR_BYTES = 1 << 31
-#: Row groups a reader keeps decoded.
-_KEPT_GROUPS = 2
+#: Bytes of decoded row groups one process keeps, over all its readers (least recently
+#: used dropped first; ``STREAMLOAD_PARQUET_CACHE`` overrides it, e.g. ``"2GB"``). A shuffle
+#: window reads its files' row groups in random order: when they fit here each is decoded
+#: once per window, otherwise again for most samples.
+ROW_GROUP_CACHE_BYTES = 1 << 30
+
+
+_Group = tuple[np.ndarray, np.ndarray, "list[bytes] | None"]
+
+
+class _GroupCache:
+    """Decoded row groups of one process, keyed by reader and row group, bounded in bytes."""
+
+    def __init__(self) -> None:
+        self.pid = -1
+        self.items: OrderedDict[tuple[int, int], tuple[_Group, int]] = OrderedDict()
+        self.total = 0
+        self.budget = ROW_GROUP_CACHE_BYTES
+
+    def _here(self) -> None:
+        if self.pid != os.getpid():  # a forked child starts empty (its readers are new)
+            self.items.clear()
+            self.total, self.pid = 0, os.getpid()
+            raw = os.environ.get("STREAMLOAD_PARQUET_CACHE")
+            if raw:
+                self.budget = parse_bytes(raw, name="STREAMLOAD_PARQUET_CACHE")
+
+    def get(self, key: tuple[int, int]) -> _Group | None:
+        self._here()
+        kept = self.items.get(key)
+        if kept is None:
+            return None
+        self.items.move_to_end(key)
+        return kept[0]
+
+    def put(self, key: tuple[int, int], group: _Group) -> None:
+        self._here()
+        texts = group[2]
+        nbytes = int(group[0].nbytes + group[1].nbytes) + (sum(map(len, texts)) if texts else 0)
+        self.items[key] = (group, nbytes)
+        self.total += nbytes
+        while self.total > self.budget and len(self.items) > 1:
+            _, (_, dropped) = self.items.popitem(last=False)
+            self.total -= dropped
+
+    def drop(self, reader: int) -> None:
+        for key in [k for k in self.items if k[0] == reader]:
+            self.total -= self.items.pop(key)[1]
+
+
+_CACHE = _GroupCache()
+_READERS = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -504,7 +557,7 @@ class ParquetShardReader(ShardReader):
         self._load_sidecar(sidecar_path)
         self._pid = -1
         self._file: Any = None
-        self._groups: OrderedDict[int, tuple[np.ndarray, np.ndarray, list[bytes] | None]] = OrderedDict()
+        self._token = next(_READERS)  # this reader's row groups in the process's cache
 
     # -- the sidecar ------------------------------------------------------------------
 
@@ -612,9 +665,8 @@ class ParquetShardReader(ShardReader):
 
     def _group(self, g: int) -> tuple[np.ndarray, np.ndarray, list[bytes] | None]:
         """Row group ``g`` decoded: its images' bytes and offsets (arrow buffers), its json texts."""
-        kept = self._groups.get(g)
-        if kept is not None and self._pid == os.getpid():
-            self._groups.move_to_end(g)
+        kept = _CACHE.get((self._token, g)) if self._pid == os.getpid() else None
+        if kept is not None:
             return kept
         pf = self._ensure_open()
         expected = int(self._starts[g + 1] - self._starts[g])
@@ -631,9 +683,7 @@ class ParquetShardReader(ShardReader):
                 f"{self.path}: shard {self.entry.name}, row group {g} holds {len(offsets) - 1} rows, "
                 f"expected {expected}"
             )
-        self._groups[g] = (data, offsets, texts)
-        while len(self._groups) > _KEPT_GROUPS:
-            self._groups.popitem(last=False)
+        _CACHE.put((self._token, g), (data, offsets, texts))
         return data, offsets, texts
 
     # -- samples ------------------------------------------------------------------------
@@ -745,8 +795,9 @@ class ParquetShardReader(ShardReader):
 
     def close(self) -> None:
         """Drop the open file and the decoded row groups."""
+        if self._pid == os.getpid():
+            _CACHE.drop(self._token)
         self._file, self._pid = None, -1
-        self._groups.clear()
 
 
 class _NoWriter(ShardWriter):
