@@ -15,7 +15,7 @@ workers, and the time from creating the loader's iterator to its first batch; me
 ``--repeat`` epochs, local disk, page cache warm. LitData's Parquet streaming and the shaped
 bucket are not measured here (see the docs for what was run).
 
-    python benchmarks/bench_parquet.py [--images 1000] [--repeat 3] [--json out.json]
+    python benchmarks/bench_parquet.py [--images 1000] [--repeat 3] [--shuffle] [--json out.json]
 """
 
 from __future__ import annotations
@@ -78,9 +78,13 @@ def converted(parquet: str) -> str:
     return root
 
 
+#: Shuffle as in training (streamload: its shuffle window; ``datasets``: a 1000-sample buffer).
+SHUFFLE = False
+
+
 def streamload_loader(url: str, mode: str, workers: int) -> DataLoader[Any]:
     collate: Any = RawCollate() if mode == "bytes" else DecodeBatch(224)
-    ds = StreamingDataset(url, batch_size=BATCH, collate=collate)
+    ds = StreamingDataset(url, batch_size=BATCH, collate=collate, shuffle=SHUFFLE, seed=0)
     return DataLoader(ds, batch_size=None, num_workers=workers)
 
 
@@ -107,6 +111,8 @@ def hf_loader(parquet: str, mode: str, workers: int) -> DataLoader[Any]:
     files = sorted(glob.glob(os.path.join(parquet, "train-*.parquet")))
     ds = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True)
     ds = ds.cast_column("image", datasets.Image(decode=False))
+    if SHUFFLE:
+        ds = ds.shuffle(seed=0, buffer_size=1000)
     return DataLoader(ds, batch_size=BATCH, num_workers=workers, collate_fn=_Decoded(mode))
 
 
@@ -128,8 +134,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--modes", default="bytes,decode")
     parser.add_argument("--workers", default="0,2")
+    parser.add_argument("--shuffle", action="store_true", help="shuffle (as in training)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    global SHUFFLE
+    SHUFFLE = args.shuffle
     import datasets  # noqa: F401 - imported before any timing (pyarrow with it), for every reader alike
 
     parquet = hf_split(args.images)
@@ -159,7 +168,8 @@ def main() -> None:
                 )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"images": args.images, "load": os.getloadavg(), "results": results}, f, indent=1)
+            record = {"images": args.images, "shuffle": args.shuffle, "load": os.getloadavg(), "results": results}
+            json.dump(record, f, indent=1)
 
 
 if __name__ == "__main__":
