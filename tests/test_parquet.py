@@ -373,3 +373,25 @@ def test_convert_refuses_to_write_parquet(tmp_path: Path, capsys: pytest.Capture
     assert main(["convert", str(tmp_path / "images"), str(tmp_path / "out"), "--format", "parquet"]) == 2
     assert "read in place" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_shuffled_reads_decode_each_row_group_once(hf_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shuffle window jumps between row groups; the process's row-group cache decodes each once."""
+    reads: list[int] = []
+    original = pq.ParquetFile.read_row_group
+
+    def counted(self: Any, i: int, *args: Any, **kwargs: Any) -> Any:
+        reads.append(i)
+        return original(self, i, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counted)
+    keys = [s["__key__"] for s in StreamingDataset(str(hf_dir), shuffle=True, seed=2, shuffle_window=100)]
+    assert Counter(keys) == Counter(expected_hf().keys())
+    assert len(reads) == 4 + 3  # 60 and 40 rows in row groups of 16
+    monkeypatch.setenv("STREAMLOAD_PARQUET_CACHE", "1")  # (a new process) a cache that holds one group
+    from streamload.formats import parquet
+
+    monkeypatch.setattr(parquet, "_CACHE", parquet._GroupCache())
+    reads.clear()
+    list(StreamingDataset(str(hf_dir), shuffle=True, seed=2, shuffle_window=100))
+    assert len(reads) > 30  # decoded again for most samples
