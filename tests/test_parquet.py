@@ -232,6 +232,13 @@ def bad_lines(err: str) -> list[str]:
             "column 'image': row 0 holds bytes that are not an image",
         ),
         (
+            lambda: pa.table(
+                {"image": pa.array([{"bytes": encode(0, "PNG"), "path": "a.png"}, {"bytes": b"t", "path": "b.jpg"}])}
+            ),
+            [],
+            "column 'image': row 1 holds bytes that are not an image",
+        ),
+        (
             lambda: pa.table({"image": pa.array([encode(0, "PNG")] * 2, pa.binary()), "label": [0, -3]}),
             [],
             "column 'label': row 1 has label -3",

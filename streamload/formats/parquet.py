@@ -70,7 +70,7 @@ import xxhash
 from .._errors import ConfigError, CorruptShardError, SampleError
 from .._units import parse_bytes
 from ..manifest import ShardEntry, algorithm_of, new_hasher
-from ..sample import IMAGE_EXTENSIONS, image_field_for
+from ..sample import IMAGE_EXTENSIONS, image_field_for, sniff_image
 from ._bytes import ShardBytes
 from ._record import open_regular_file
 from .base import FieldGroup, Format, Sample, ShardReader, ShardWriter
@@ -416,6 +416,8 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
         except Exception as exc:
             raise _bad(name, f"row group {g} cannot be read ({type(exc).__name__}: {exc})") from exc
         images = _image_values(table, plan)
+        if len(images) != md.row_group(g).num_rows:
+            raise _bad(name, f"row group {g} holds {len(images)} rows, its footer says {md.row_group(g).num_rows}")
         paths = table.column(plan.image).combine_chunks().field("path").to_pylist() if plan.has_path else None
         texts = _json_texts(table, plan)
         if plan.label:
@@ -438,7 +440,7 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
             if not data:
                 raise ConfigError(f"{name}: column {plan.image!r}: row {i} has no image bytes")
             field = image_field_for(data, str(paths[r] or "") if paths is not None else "")
-            if field not in IMAGE_EXTENSIONS:
+            if field not in IMAGE_EXTENSIONS or sniff_image(data) is None:
                 raise ConfigError(f"{name}: column {plan.image!r}: row {i} holds bytes that are not an image")
             if field not in field_names:
                 if len(field_names) == 255:
@@ -450,8 +452,6 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
             if texts is not None:
                 json_digests[i] = digest(texts[r])
         row += len(images)
-        if len(images) != md.row_group(g).num_rows:
-            raise _bad(name, f"row group {g} holds {len(images)} rows, its footer says {md.row_group(g).num_rows}")
     sink = pa.BufferOutputStream()
     md.write_metadata_file(sink)
     meta = {
