@@ -21,6 +21,7 @@ bucket are not measured here (see the docs for what was run).
 from __future__ import annotations
 
 import argparse
+import copy
 import glob
 import json
 import os
@@ -191,7 +192,9 @@ def main() -> None:
             "streamload parquet, cold cache": lambda m, w: streamload_loader(pq_url, m, w, cache="shards", **so),
             "streamload tar, cache=none": lambda m, w: streamload_loader(tar_url, m, w, cache="none", **so),
             "streamload tar, cold cache": lambda m, w: streamload_loader(tar_url, m, w, cache="shards", **so),
-            "HF datasets streaming": lambda m, w: hf_loader("", m, w, files=remote_files, storage_options=shaped),
+            "HF datasets streaming": lambda m, w: hf_loader(
+                "", m, w, files=remote_files, storage_options=copy.deepcopy(shaped)
+            ),
         }
     files = len(glob.glob(parquet + "/*.parquet"))
     print(f"{args.images} JPEGs (~65 KB) in {files} Parquet files; load {os.getloadavg()}")
