@@ -402,3 +402,16 @@ def test_shuffled_reads_decode_each_row_group_once(hf_dir: Path, monkeypatch: py
     reads.clear()
     list(StreamingDataset(str(hf_dir), shuffle=True, seed=2, shuffle_window=100))
     assert len(reads) > 30  # decoded again for most samples
+
+
+def test_a_file_truncated_while_read_is_an_error_naming_it(tmp_path: Path) -> None:
+    root = tmp_path / "trunc"
+    root.mkdir()
+    blobs = [encode(i, "PNG") for i in range(40)]
+    pq.write_table(pa.table({"image": pa.array(blobs, pa.binary())}), root / "t.parquet", row_group_size=10)
+    index_directory(str(root), "parquet")
+    it = iter(StreamingDataset(str(root)))
+    assert next(it)["png"] == blobs[0]
+    os.truncate(root / "t.parquet", 600)  # positioned reads, no memory map: an error, not SIGBUS
+    with pytest.raises(CorruptShardError, match=r"t\.parquet, row group 1 cannot be read"):
+        list(it)

@@ -649,7 +649,9 @@ class ParquetShardReader(ShardReader):
                 size = os.fstat(fd).st_size
             finally:
                 os.close(fd)
-            handle = pa.memory_map(self.path)  # uncompressed pages are then read without a copy
+            # Positioned reads, not a memory map: a file truncated while mapped would kill the
+            # process with SIGBUS, where a short read is an error naming the file.
+            handle = pa.OSFile(self.path)
         if size != self.entry.num_bytes:
             raise CorruptShardError(
                 f"{self.path}: shard {name} is {size} bytes, the manifest says {self.entry.num_bytes}"
