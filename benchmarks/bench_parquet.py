@@ -12,7 +12,7 @@ real ``datasets`` library as a Hub split (``data/train-0000N-of-0000M.parquet``:
 
 Each row: samples/s over one epoch through a ``DataLoader`` (batch 64) with 0 and 2
 workers, and the time from creating the loader's iterator to its first batch; median of
-``--repeat`` epochs, local disk, page cache warm. LitData's Parquet streaming and the shaped
+``--repeat`` epochs after an untimed one, local disk, page cache warm. LitData's Parquet streaming and the shaped
 bucket are not measured here (see the docs for what was run).
 
     python benchmarks/bench_parquet.py [--images 1000] [--repeat 3] [--shuffle] [--json out.json]
@@ -202,6 +202,7 @@ def main() -> None:
     for mode in args.modes.split(","):
         for workers in map(int, args.workers.split(",")):
             for name, make in readers.items():
+                epoch(lambda make=make, mode=mode, workers=workers: make(mode, workers))  # warm-up, not timed
                 runs = [
                     epoch(lambda make=make, mode=mode, workers=workers: make(mode, workers)) for _ in range(args.repeat)
                 ]
