@@ -37,6 +37,7 @@ def open_source(
     storage_options: dict[str, object] | None = None,
     *,
     check: str = "decode",
+    labels: str = "auto",
     path_column: str = "path",
     label_column: str = "label",
     image_column: str | None = None,
@@ -46,7 +47,8 @@ def open_source(
 
     A Parquet, CSV or JSONL file (by extension) is a listing table (:class:`TableSource`);
     a directory or URL holding ``index.json`` is an existing dataset; any other directory
-    or URL is an image folder (local, or listed in one pass at the URL).
+    or URL is an image folder (local, or listed in one pass at the URL); ``labels`` says how
+    a local image folder is labelled (see :class:`ImageFolderSource`).
 
     Raises:
         ConfigError: If ``src`` is empty.
@@ -67,7 +69,7 @@ def open_source(
     if is_local(src):
         if os.path.isfile(os.path.join(local_path_of(src), "index.json")):
             return DatasetSource(src, options)
-        return ImageFolderSource(local_path_of(src), check)
+        return ImageFolderSource(local_path_of(src), check, labels)
     try:
         fs, root = open_filesystem(src, options)
         has_manifest = fs.exists(f"{str(root).rstrip('/')}/index.json")
@@ -75,4 +77,6 @@ def open_source(
         has_manifest = True  # the dataset reader names what is wrong
     if has_manifest:
         return DatasetSource(src, options)
+    if labels == "none":
+        raise ConfigError(f"{src}: labels='none' is for local image folders; a bucket folder needs class folders")
     return RemoteImageFolderSource(src, options, check)

@@ -46,7 +46,7 @@ from streamload.writer import ShardResult, publish_manifest, write_shard
 
 from .dataset_source import DatasetSource, SampleItem
 from .executors import Failed, open_executor, parse_executor
-from .imagefolder import ImageFolderSource
+from .imagefolder import WARNINGS_KEY, ImageFolderSource
 from .journal import JOB_NAME, Journal, plan_fingerprint, plan_of
 from .planning import plan_shards
 from .source import Item, ScanResult, Source, printable
@@ -147,6 +147,8 @@ class ConvertReport:
         ignored: Files of the source that are not inputs.
         resumed: Shards reused from an interrupted run.
         already_complete: ``--resume`` found this very conversion complete: nothing was written.
+        warnings: Library warnings (Pillow's ``DecompressionBombWarning``, truncated or
+            malformed files...) raised while checking inputs that were kept, each with its input.
     """
 
     manifest: Manifest
@@ -155,6 +157,7 @@ class ConvertReport:
     ignored: list[SkippedInput]
     resumed: int = 0
     already_complete: bool = False
+    warnings: list[SkippedInput] = field(default_factory=list)
 
     @property
     def skipped(self) -> tuple[SkippedInput, ...]:
@@ -175,6 +178,7 @@ class ConvertReport:
             f"({m.num_bytes / 1e6:.1f} MB) in {self.seconds:.2f} s: "
             f"{m.num_samples / max(self.seconds, 1e-9):.0f} samples/s, {rate:.1f} MB/s; "
             f"{len(self.skipped)} broken inputs skipped, {len(self.ignored)} non-input files ignored"
+            + (f", {len(self.warnings)} library warnings" if self.warnings else "")
             + (f"; {self.resumed} shards reused from the interrupted run" if self.resumed else "")
         )
 
@@ -232,11 +236,14 @@ def _write(
 ) -> ShardResult:
     index, items = task
     skipped: list[SkippedInput] = []
+    warned: list[SkippedInput] = []
 
     def samples() -> Iterator[dict[str, Any]]:
         for item in source.iter_items(items):  # a table reads its part here (an error there is no row's)
             try:
                 sample = source.load(item)
+                for text in sample.pop(WARNINGS_KEY, None) or ():
+                    warned.append(SkippedInput(printable(source.origin(item)), printable(str(text))))
                 check_sample(sample)  # a sample the writer would refuse is a broken input, named
             except (SourceError, SampleError, UnicodeError) as exc:
                 if options.on_error == "raise":
@@ -249,6 +256,7 @@ def _write(
 
     result = write_shard(fmt, dest, fmt.shard_name(index), samples(), options.hash_algorithm)
     result.skipped = skipped
+    result.warnings = warned
     return result
 
 
@@ -285,6 +293,11 @@ def convert(
     options.validate()
     started = time.perf_counter()
     fmt = get_format(options.format)
+    if getattr(fmt.writer, "read_only", False):  # parquet: read in place, never written
+        raise ConfigError(
+            f"format {fmt.name!r} is read in place (streamload index DIR --format {fmt.name}); "
+            "convert writes tar, lmdb or hdf5 shards"
+        )
     _check_paths(source, dst)
     try:
         dest = open_destination(dst, options.storage_options)
@@ -382,7 +395,8 @@ def _convert_locked(
     publish_manifest(dest, manifest)
     journal.finish()
     payload = sum(r.payload_bytes for r in ordered)
-    return ConvertReport(manifest, 0.0, payload, scan.ignored, resumed=len(done))
+    warned = [w for r in ordered for w in r.warnings]
+    return ConvertReport(manifest, 0.0, payload, scan.ignored, resumed=len(done), warnings=warned)
 
 
 # -- appending ---------------------------------------------------------------------------
@@ -501,7 +515,7 @@ def _check_appendable(
             sample = source.load(item)
         except (StreamloadError, UnicodeError):
             continue  # a broken input: its task reports it under --on-error
-        fields = sorted(k for k in sample if k != "__key__")
+        fields = sorted(k for k in sample if not k.startswith("__"))
         if set(fields) != set(base.fields):
             raise ConfigError(
                 f"{dst} has fields {_fields(base.fields)}; the appended samples have {_fields(fields)} "

@@ -6,6 +6,18 @@ file's original bytes under its lower-cased extension and the label as ``cls`` (
 decimal). Keys are derived from the relative path only, so they are deterministic, and
 unique by construction (:func:`path_to_key`).
 
+Images are the files whose extension is one of :data:`streamload.sample.IMAGE_EXTENSIONS`
+(JPEG, PNG, WebP, GIF, BMP, TIFF, PPM/PGM/PBM: the one list the readers share).
+
+Folders without classes: with ``labels="none"`` every image below ROOT, at any depth, is a
+sample without a ``cls`` field (sub-folders are only part of the key), and the dataset has
+no classes. ``labels="auto"`` (the default) does that for a flat folder (images and no
+sub-folder), and reads class folders otherwise.
+
+Library warnings raised while an image is checked (Pillow's ``DecompressionBombWarning``,
+truncated or malformed files, TIFF tags) are not printed: each is listed with the file it
+came from in the conversion report (:attr:`~.engine.ConvertReport.warnings`).
+
 What the scan does with unusual entries:
 
 * Symbolic links are followed, to files and to folders, class folders included (a
@@ -32,13 +44,17 @@ from typing import Any
 
 from streamload._errors import SourceError
 from streamload.manifest import SkippedInput
+from streamload.sample import IMAGE_EXTENSIONS, image_warnings
 
 from .source import Item, ScanResult, Source, printable
 
-__all__ = ["IMAGE_EXTENSIONS", "ImageFolderSource", "path_to_key"]
+__all__ = ["IMAGE_EXTENSIONS", "LABEL_MODES", "WARNINGS_KEY", "ImageFolderSource", "path_to_key"]
 
-#: Extensions (lower case, without the dot) taken as images.
-IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp", "bmp", "gif"})
+#: How an image folder's labels are found: ``"auto"``, ``"folders"`` or ``"none"``.
+LABEL_MODES = ("auto", "folders", "none")
+#: Key of a loaded sample under which a source hands the engine the library warnings its
+#: check raised (a list of strings; never written: the writers skip ``__`` names).
+WARNINGS_KEY = "__warnings__"
 
 
 def _undecodable(text: str) -> bool:
@@ -93,7 +109,7 @@ class ImageItem(Item):
     """One image file: its path relative to the root and its label."""
 
     relpath: str = ""
-    label: int = 0
+    label: int | None = 0
 
 
 def _reason(exc: OSError) -> str:
@@ -112,14 +128,20 @@ class ImageFolderSource(Source):
         check: How to check images while converting: ``"decode"`` (decode at reduced size,
             catches truncated and corrupt files), ``"header"`` (Pillow's ``verify()``),
             or ``"none"``.
+        labels: ``"folders"``: one sub-folder per class; ``"none"``: no labels, every
+            image below ``root``; ``"auto"``: ``"none"`` for a flat folder (no
+            sub-folder), else ``"folders"``.
 
     Raises:
-        SourceError: If ``root`` is not a readable folder or holds no class folder.
+        SourceError: If ``root`` is not a readable folder or holds no class folder
+            (``labels="folders"``).
     """
 
-    def __init__(self, root: str, check: str = "decode") -> None:
+    def __init__(self, root: str, check: str = "decode", labels: str = "auto") -> None:
         if check not in ("decode", "header", "none"):
             raise SourceError(f"check={check!r} must be 'decode', 'header' or 'none'")
+        if labels not in LABEL_MODES:
+            raise SourceError(f"labels={labels!r} must be one of {', '.join(map(repr, LABEL_MODES))}")
         if not root:
             raise SourceError("the image folder is an empty string (expected ROOT/<class>/<image>)")
         self.root = os.path.abspath(root)
@@ -131,10 +153,15 @@ class ImageFolderSource(Source):
                 entries = sorted(it, key=lambda e: e.name)
         except OSError as exc:
             raise SourceError(f"{printable(root)}: cannot list the folder: {_reason(exc)}") from exc
-        self._class_names = [e.name for e in entries if not e.name.startswith(".") and _is_dir(e.path)]
+        folders = [e.name for e in entries if not e.name.startswith(".") and _is_dir(e.path)]
+        self.labelled = labels == "folders" or (labels == "auto" and bool(folders))
+        self._class_names = folders if self.labelled else []
         self.classes = [_escape_folder(name) for name in self._class_names]
-        if not self.classes:
-            raise SourceError(f"{printable(root)}: no class sub-folders (expected ROOT/<class>/<image>)")
+        if self.labelled and not self.classes:
+            raise SourceError(
+                f"{printable(root)}: no class sub-folders (expected ROOT/<class>/<image>; "
+                "for images without labels use --labels none)"
+            )
 
     def describe(self) -> str:
         """Return the root path."""
@@ -145,8 +172,8 @@ class ImageFolderSource(Source):
         return {"source": printable(self.root)}
 
     def settings(self) -> dict[str, Any]:
-        """Return how images are checked: a resume must check them the same way."""
-        return {"check": self.check}
+        """Return how images are checked and labelled: a resume must do the same."""
+        return {"check": self.check} if self.labelled else {"check": self.check, "labels": "none"}
 
     def class_dirs(self) -> list[str]:
         """Return the paths of the class folders (symbolic links as they are)."""
@@ -161,6 +188,8 @@ class ImageFolderSource(Source):
         not a regular file are problems (an error unless skipping; a class's label is
         kept either way so labels stay stable).
         """
+        if not self.labelled:
+            return self._scan_unlabelled()
         items: list[ImageItem] = []
         ignored: list[SkippedInput] = []
         problems: list[SkippedInput] = []
@@ -206,6 +235,25 @@ class ImageFolderSource(Source):
                 problems.append(SkippedInput(printable(cls) + "/", f"class folder {printable(cls)!r} holds no image"))
         return ScanResult(_assign_keys(items), ignored, problems)
 
+    def _scan_unlabelled(self) -> ScanResult:
+        """Every image below the root, at any depth, without a label."""
+        items: list[ImageItem] = []
+        ignored: list[SkippedInput] = []
+        problems: list[SkippedInput] = []
+        for kind, relpath, info in _walk(self.root, ""):
+            ext = _extension(relpath.rstrip("/").rpartition("/")[2])
+            if kind == "file":
+                if ext not in IMAGE_EXTENSIONS:
+                    ignored.append(SkippedInput(printable(relpath), "not an image file extension"))
+                    continue
+                assert isinstance(info, int)
+                items.append(ImageItem(key="", nbytes=info, relpath=relpath, label=None))
+            elif kind in ("special", "unreadable") and ext not in IMAGE_EXTENSIONS:
+                ignored.append(SkippedInput(printable(relpath), str(info)))
+            else:
+                problems.append(SkippedInput(printable(relpath), str(info)))
+        return ScanResult(_assign_keys(items), ignored, problems)
+
     def origin(self, item: Item) -> str:
         """Return the image's path relative to the root (printable)."""
         assert isinstance(item, ImageItem)
@@ -232,10 +280,14 @@ class ImageFolderSource(Source):
                 data = f.read()
             except OSError as exc:
                 raise SourceError(f"{printable(path)}: cannot read: {_reason(exc)}") from exc
+        sample: dict[str, Any] = {"__key__": item.key, item.relpath.rpartition(".")[2].lower(): data}
+        if item.label is not None:
+            sample["cls"] = str(item.label).encode()
         if self.check != "none":
-            _check_image(data, printable(path), self.check)
-        ext = item.relpath.rpartition(".")[2].lower()
-        return {"__key__": item.key, ext: data, "cls": str(item.label).encode()}
+            found = _check_image(data, printable(path), self.check)
+            if found:
+                sample[WARNINGS_KEY] = found
+        return sample
 
 
 def _is_dir(path: str) -> bool:
@@ -260,7 +312,7 @@ def _walk(root: str, cls: str) -> Iterator[tuple[str, str, int | str]]:
     except OSError as exc:
         yield "problem", cls + "/", f"cannot read: {_reason(exc)}"
         return
-    if top in ancestors:
+    if cls and top in ancestors:
         yield "problem", cls + "/", "link loop: this class folder leads back to the image folder or above it"
         return
     ancestors |= {top}
@@ -275,7 +327,7 @@ def _walk(root: str, cls: str) -> Iterator[tuple[str, str, int | str]]:
             continue
         folders: list[tuple[str, frozenset[tuple[int, int]]]] = []
         for entry in entries:
-            relpath = f"{rel}/{entry.name}"
+            relpath = f"{rel}/{entry.name}" if rel else entry.name
             try:
                 st = os.stat(entry.path)
             except OSError as exc:
@@ -329,16 +381,23 @@ def _assign_keys(items: Sequence[ImageItem]) -> list[Item]:
     return out
 
 
-def _check_image(data: bytes, path: str, how: str) -> None:
+def _check_image(data: bytes, path: str, how: str) -> list[str]:
+    """Check ``data`` decodes as an image; return the library warnings raised (not printed).
+
+    Raises:
+        SourceError: Naming ``path``, if it is not a valid image.
+    """
     from PIL import Image
 
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            if how == "header":
-                img.verify()
-                return
-            if img.format == "JPEG":
-                img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
-            img.load()
-    except Exception as exc:
-        raise SourceError(f"{path}: not a valid image: {exc}") from exc
+    with image_warnings() as found:
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                if how == "header":
+                    img.verify()
+                else:
+                    if img.format == "JPEG":
+                        img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
+                    img.load()
+        except Exception as exc:
+            raise SourceError(f"{path}: not a valid image: {exc}") from exc
+    return list(dict.fromkeys(found))

@@ -121,6 +121,7 @@ def _result_to_json(result: ShardResult) -> dict[str, Any]:
         "fields": sorted(result.fields),
         "skipped": [s.to_json() for s in result.skipped],
         "payload_bytes": result.payload_bytes,
+        "warnings": [s.to_json() for s in result.warnings],
     }
 
 
@@ -132,6 +133,7 @@ def _result_from_json(obj: Any, where: str) -> ShardResult:
             fields=set(obj["fields"]),
             skipped=[SkippedInput(str(s["path"]), str(s["error"])) for s in obj["skipped"]],
             payload_bytes=int(obj["payload_bytes"]),
+            warnings=[SkippedInput(str(s["path"]), str(s["error"])) for s in obj.get("warnings", ())],
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ManifestError(f"{where}: malformed conversion marker ({exc})") from exc

@@ -25,7 +25,7 @@ from streamload.storage.filesystems import open_filesystem
 from streamload.storage.retry import RetryPolicy, retry_call
 from streamload.storage.transport import translate_error
 
-from .imagefolder import IMAGE_EXTENSIONS, ImageItem, _assign_keys, _check_image, _escape_folder
+from .imagefolder import IMAGE_EXTENSIONS, WARNINGS_KEY, ImageItem, _assign_keys, _check_image, _escape_folder
 from .source import Item, ScanResult, Source, printable
 
 __all__ = ["RemoteImageFolderSource", "RemoteImageItem", "read_url"]
@@ -197,10 +197,13 @@ class RemoteImageFolderSource(Source):
             data = read_url(url, self.storage_options)
         except StreamloadError as exc:
             raise SourceError(printable(str(exc))) from exc
-        if self.check != "none":
-            _check_image(data, printable(url), self.check)
         ext = item.relpath.rpartition(".")[2].lower()
-        return {"__key__": item.key, ext: data, "cls": str(item.label).encode()}
+        sample: dict[str, Any] = {"__key__": item.key, ext: data, "cls": str(item.label).encode()}
+        if self.check != "none":
+            found = _check_image(data, printable(url), self.check)
+            if found:
+                sample[WARNINGS_KEY] = found
+        return sample
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

@@ -64,10 +64,11 @@ import xxhash
 
 from streamload._errors import ConfigError, SourceError, StreamloadError
 from streamload.manifest import SkippedInput
+from streamload.sample import IMAGE_EXTENSIONS, image_field_for
 from streamload.storage import is_local, local_path_of
 from streamload.storage.filesystems import open_filesystem
 
-from .imagefolder import IMAGE_EXTENSIONS, _check_image, _escape
+from .imagefolder import WARNINGS_KEY, _check_image, _escape
 from .planning import ShardCutter, cuts
 from .remote import read_url
 from .source import Item, ScanResult, Source, printable
@@ -319,21 +320,6 @@ def _is_image_type(t: Any) -> bool:
             inner = t.field("bytes").type
             return bool(pa.types.is_binary(inner) or pa.types.is_large_binary(inner))
     return False
-
-
-def _sniff(data: bytes) -> str:
-    """The image extension of ``data`` by its magic bytes (``img`` if unknown)."""
-    if data[:3] == b"\xff\xd8\xff":
-        return "jpg"
-    if data[:8] == b"\x89PNG\r\n\x1a\n":
-        return "png"
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "webp"
-    if data[:6] in (b"GIF87a", b"GIF89a"):
-        return "gif"
-    if data[:2] == b"BM":
-        return "bmp"
-    return "img"
 
 
 def _ext_of(path: str) -> str:
@@ -1092,15 +1078,17 @@ class TableSource(Source):
             if not value:
                 raise SourceError(f"{where}: no image bytes")
             data = bytes(value)
-            ext = _ext_of(name) if _ext_of(name) in IMAGE_EXTENSIONS else _sniff(data)
+            ext = image_field_for(data, name)
         else:
             path = self.resolve(str(values[self.path_column]))
             where = f"{where} ({printable(path)})"
             data = self._read_image(path, where)
             ext = _ext_of(path)
-        if self.check != "none":
-            _check_image(data, where, self.check)
         sample: dict[str, Any] = {"__key__": item.key, ext: data}
+        if self.check != "none":
+            found = _check_image(data, where, self.check)
+            if found:
+                sample[WARNINGS_KEY] = found
         if self.label_column:
             sample["cls"] = self._label_text(values[self.label_column], where).encode()
         if self.keep_columns:

@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="decode",
         help="how image inputs are checked (default: decode at reduced size)",
     )
+    p.add_argument(
+        "--labels",
+        choices=("auto", "folders", "none"),
+        default="auto",
+        help="image folders: labels from class sub-folders (folders), none (every image below SRC, no cls field), "
+        "or auto: none for a flat folder of images, folders otherwise (default: auto)",
+    )
     table = p.add_argument_group("listing tables (SRC is .parquet, .csv or .jsonl)")
     table.add_argument("--path-column", default="path", help="column of image paths or URLs (default: path)")
     table.add_argument(
@@ -132,10 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_storage_option(p)
     p.set_defaults(func=_cmd_verify)
 
-    p = sub.add_parser("index", help="write index.json for tar shards written by other tools")
-    p.add_argument("directory", help="directory (or URL) holding *.tar shards")
-    p.add_argument("--format", default="tar", help="shard format (default: tar)")
+    p = sub.add_parser("index", help="write index.json for tar shards or Parquet files written by other tools")
+    p.add_argument("directory", help="directory (or URL) holding *.tar shards (or *.parquet files)")
+    p.add_argument("--format", default="tar", help="shard format: tar or parquet (default: tar)")
     p.add_argument("--classes", help="comma-separated class names to record")
+    p.add_argument("--match", help="only the files whose names match this glob (e.g. 'train-*.parquet')")
+    p.add_argument("--image-column", help="parquet: the image column (default: found from the schema)")
+    p.add_argument(
+        "--label-column",
+        help="parquet: the integer label column (default: label, or the Hugging Face ClassLabel; '' for none)",
+    )
     p.add_argument("--hash", choices=("sha256", "xxh3_128"), default="sha256", help="shard hash")
     add_storage_option(p)
     p.set_defaults(func=_cmd_index)
@@ -194,6 +207,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             args.src,
             options.storage_options,
             check=args.check,
+            labels=args.labels,
             path_column=args.path_column,
             label_column=args.label_column,
             image_column=args.image_column,
@@ -207,6 +221,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     print(report.summary())
     for skipped in report.skipped:
         print(f"  skipped {skipped.path}: {skipped.error}", file=sys.stderr)
+    for warned in report.warnings:
+        print(f"  warning {warned.path}: {warned.error}", file=sys.stderr)
     return 0
 
 
@@ -354,7 +370,14 @@ def _cmd_index(args: argparse.Namespace) -> int:
 
     classes = tuple(c for c in (args.classes or "").split(",") if c)
     manifest = index_directory(
-        args.directory, args.format, args.hash, classes, storage_options=parse_storage_options(args.storage_option)
+        args.directory,
+        args.format,
+        args.hash,
+        classes,
+        storage_options=parse_storage_options(args.storage_option),
+        match=args.match,
+        image_column=args.image_column,
+        label_column=args.label_column,
     )
     print(f"indexed {len(manifest.shards)} shards, {manifest.num_samples} samples; wrote {args.directory}/index.json")
     return 0

@@ -5,10 +5,16 @@ dataset in place: each shard gets its sidecar (offsets, sizes, checksums), and
 ``index.json`` is written last. The shards themselves are never rewritten. A directory
 or any fsspec URL prefix (each remote shard is downloaded to a temporary file, one at a
 time, and its sidecar uploaded beside it).
+
+Parquet files (``format="parquet"``, e.g. a Hugging Face dataset's
+``data/train-*.parquet``) are indexed the same way (see :mod:`streamload.formats.parquet`):
+every file is checked whole first, and only when all of them fit the sample model are the
+sidecars and ``index.json`` published, so bad input leaves nothing written.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -28,14 +34,30 @@ def index_directory(
     hash_algorithm: str | None = "sha256",
     classes: tuple[str, ...] = (),
     storage_options: Mapping[str, Any] | None = None,
+    match: str | None = None,
+    image_column: str | None = None,
+    label_column: str | None = None,
 ) -> Manifest:
     """Write ``index.json`` (and sidecars) for shards written by another tool, in place.
 
-    Every ``*.tar`` file of the directory or URL prefix, in sorted name order, becomes a
-    shard. The shards themselves are not rewritten.
+    Every ``*.tar`` (``*.parquet``) file of the directory or URL prefix, in sorted name
+    order, becomes a shard. The shards themselves are not rewritten.
+
+    Args:
+        url: The directory or URL prefix holding the shards.
+        format: ``"tar"`` or ``"parquet"``.
+        hash_algorithm: Hash of the manifest entries.
+        classes: Class names to record (Parquet: taken from a Hugging Face ``ClassLabel``
+            when not given).
+        storage_options: fsspec options.
+        match: Only files whose names match this glob (e.g. ``"train-*.parquet"``).
+        image_column: Parquet: the image column (default: found from the schema).
+        label_column: Parquet: the label column (default: ``label`` or the
+            ``ClassLabel``; ``""``: none).
 
     Raises:
-        ConfigError: If the format cannot be indexed or the directory holds no shard.
+        ConfigError: If the format cannot be indexed, the directory holds no shard, or
+            (Parquet) a file does not fit the sample model (naming file and column).
         DestinationBusyError: If a conversion or another writer holds the directory.
     """
     fmt = get_format(format)
@@ -45,14 +67,91 @@ def index_directory(
     try:
         with dest.lock() as lock:  # one writer at a time, as for a conversion
             names = [n for n in dest.list_names() if n.endswith(fmt.extension) and not n.startswith(".")]
+            if match is not None:
+                names = [n for n in names if fnmatch.fnmatchcase(n, match)]
             if not names:
                 where = local_path_of(url) if is_local(url) else url
-                raise ConfigError(f"{where}: no *{fmt.extension} files to index")
+                pattern = match if match is not None else f"*{fmt.extension}"
+                raise ConfigError(f"{where}: no {pattern} files to index")
+            if fmt.name == "parquet":
+                return _index_parquet(dest, fmt, names, hash_algorithm, classes, image_column, label_column, lock)
             indexed = [_index_one(fmt, dest, name, hash_algorithm) for name in names]
             lock.check()
             return publish_index(dest, fmt, indexed, hash_algorithm, classes)
     finally:
         dest.close()
+
+
+def _index_parquet(
+    dest: Destination,
+    fmt: Format,
+    names: list[str],
+    hash_algorithm: str | None,
+    classes: tuple[str, ...],
+    image_column: str | None,
+    label_column: str | None,
+    lock: Any,
+) -> Manifest:
+    """Index Parquet files: every file checked and its sidecar staged before anything is published."""
+    from .formats.parquet import ParquetColumns, index_parquet
+
+    columns = ParquetColumns(image_column, label_column)
+    staged: list[tuple[str, str]] = []  # (staged sidecar, its name)
+    found: list[tuple[ShardEntry, list[str]]] = []
+    names_of_classes: tuple[str, ...] | None = None
+    first_with_classes = ""
+    try:
+        for name in sorted(names):
+            sidecar_name = fmt.sidecar_name(name)
+            assert sidecar_name is not None
+            out = dest.staging_path(sidecar_name)
+            staged.append((out, sidecar_name))
+            local, remote = _local_copy(dest, name)
+            try:
+                info = index_parquet(local, name, out, columns)
+                digest, size = hash_file(local, hash_algorithm)
+            finally:
+                if remote:
+                    dest.discard(local)
+            if info.classes is not None:
+                if names_of_classes is None:
+                    names_of_classes, first_with_classes = info.classes, name
+                elif info.classes != names_of_classes:
+                    raise ConfigError(
+                        f"{name}: its ClassLabel names differ from those of {first_with_classes}: "
+                        "the files are not one dataset (index them apart, or --match one split)"
+                    )
+            s_hash, s_size = hash_file(out, hash_algorithm)
+            sidecar = FileEntry(sidecar_name, s_size, s_hash)
+            entry = ShardEntry(name=name, num_bytes=size, hash=digest, num_samples=info.num_samples, sidecar=sidecar)
+            found.append((entry, info.fields))
+        kinds = {("cls" in f, "json" in f) for _, f in found}
+        if len(kinds) > 1:
+            raise ConfigError(
+                "the files do not share their columns (some have labels or other columns, some not); "
+                "index them apart with --match"
+            )
+        lock.check()
+        for out, sidecar_name in staged:
+            dest.commit(out, sidecar_name)
+        staged = []
+    finally:
+        for out, _ in staged:
+            dest.discard(out)
+    return publish_index(dest, fmt, found, hash_algorithm, classes or names_of_classes or ())
+
+
+def _local_copy(dest: Destination, name: str) -> tuple[str, bool]:
+    """A local path of file ``name`` of ``dest``, and whether it is a downloaded copy (to discard)."""
+    if not isinstance(dest, RemoteDestination):
+        return os.path.join(local_path_of(dest.url), name), False
+    local = dest.staging_path(name)
+    try:
+        dest.files.download(name, local, lambda: False)
+    except BaseException:
+        dest.discard(local)
+        raise
+    return local, True
 
 
 def _index_one(fmt: Format, dest: Destination, name: str, hash_algorithm: str | None) -> tuple[ShardEntry, list[str]]:

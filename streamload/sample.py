@@ -8,18 +8,148 @@ holds the few facts about fields that the formats, batches and decoders share.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from ._errors import SampleError
 
-__all__ = ["IMAGE_FIELDS", "Sample", "image_field", "label_of", "parse_label"]
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "IMAGE_FIELDS",
+    "Sample",
+    "image_field",
+    "image_field_for",
+    "image_warnings",
+    "label_of",
+    "parse_label",
+    "sniff_image",
+]
 
 #: A sample: ``{"__key__": str, field: bytes, ...}``.
 Sample = dict[str, Any]
 
-#: Field names (file extensions) holding encoded images, in order of preference.
-IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm")
+#: Field names (file extensions) holding encoded still images, in order of preference: every
+#: kind Pillow decodes that a dataset plausibly holds. The one list of image kinds: the
+#: converters take files with these extensions as images, the readers and decoders look
+#: for these fields.
+IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm", "pbm", "pnm")
+#: :data:`IMAGE_FIELDS` as a set (lower-case file extensions, without the dot).
+IMAGE_EXTENSIONS = frozenset(IMAGE_FIELDS)
+
+
+def sniff_image(data: bytes | bytearray | memoryview) -> str | None:
+    """Return the field name of an encoded image by its magic bytes, or ``None`` if unknown.
+
+    Knows every kind of :data:`IMAGE_FIELDS` (one name per kind: ``jpg``, ``png``,
+    ``webp``, ``gif``, ``bmp``, ``tif``, ``ppm``/``pgm``/``pbm``).
+    """
+    head = bytes(data[:12])
+    if head[:3] == b"\xff\xd8\xff":
+        return "jpg"
+    if head[:8] == b"\x89PNG\r\n\x1a\n":
+        return "png"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "webp"
+    if head[:6] in (b"GIF87a", b"GIF89a"):
+        return "gif"
+    if head[:2] == b"BM":
+        return "bmp"
+    if head[:4] in (b"II*\x00", b"MM\x00*"):
+        return "tif"
+    if len(head) > 2 and head[0:1] == b"P" and head[1:2] in b"123456" and head[2:3] in b" \t\r\n#":
+        return {b"1": "pbm", b"4": "pbm", b"2": "pgm", b"5": "pgm"}.get(head[1:2], "ppm")
+    return None
+
+
+def image_field_for(data: bytes | bytearray | memoryview, name: str = "") -> str:
+    """Return the field an image's bytes are stored under.
+
+    The extension of ``name``, if it is one of :data:`IMAGE_EXTENSIONS`, else the kind
+    sniffed from ``data``, else ``"img"``.
+
+    The rule every table-like input shares (``convert`` of a Parquet/CSV listing with image
+    bytes, and the ``parquet`` format read in place).
+    """
+    base = name.rstrip("/").rpartition("/")[2]
+    ext = base.rpartition(".")[2].lower() if "." in base else ""
+    if ext in IMAGE_EXTENSIONS:
+        return ext
+    return sniff_image(data) or "img"
+
+
+class _WarningRecorder:
+    """Records library warnings per thread while a :func:`image_warnings` block runs.
+
+    :func:`warnings.catch_warnings` swaps process-wide state and is not safe across
+    threads; this recorder is installed once while any thread is inside a block
+    (reference-counted under a lock), records into the calling thread's list, and hands
+    other threads' warnings to the hook it replaced.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.local = threading.local()
+        self.saved: Any = None
+        self.filter: tuple[Any, ...] | None = None
+
+    def show(self, message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        sink = getattr(self.local, "sink", None)
+        if sink is not None:
+            sink.append(f"{category.__name__}: {message}")
+        elif self.saved is not None:
+            self.saved(message, category, filename, lineno, file, line)
+
+    @contextmanager
+    def record(self) -> Iterator[list[str]]:
+        outer = getattr(self.local, "sink", None)
+        sink: list[str] = []
+        self.local.sink = sink
+        with self.lock:
+            if self.depth == 0:
+                self.saved = warnings.showwarning
+                warnings.showwarning = self.show
+                warnings.simplefilter("always")  # every file's warning, not the first per location
+                self.filter = warnings.filters[0]
+            self.depth += 1
+        try:
+            yield sink
+        finally:
+            self.local.sink = outer
+            if outer is not None:
+                outer.extend(sink)
+            with self.lock:
+                self.depth -= 1
+                if self.depth == 0:
+                    if warnings.showwarning == self.show:
+                        warnings.showwarning = self.saved
+                    filters: list[Any] = warnings.filters  # type: ignore[assignment]
+                    if self.filter in filters:
+                        filters.remove(self.filter)
+                        warnings._filters_mutated()  # type: ignore[attr-defined]
+                    self.saved = self.filter = None
+
+
+_RECORDER = _WarningRecorder()
+
+
+def image_warnings() -> Any:
+    """Context manager: the library warnings raised inside it, as ``"Category: message"`` strings.
+
+    Pillow warns (``DecompressionBombWarning``, truncated or malformed files, TIFF tags,
+    palette transparency) where we want a count and a line naming the file; inside the
+    block warnings are recorded, not printed. Safe to use from several threads at once.
+
+    Example:
+        >>> with image_warnings() as found:
+        ...     warnings.warn("odd TIFF tag")
+        >>> found
+        ['UserWarning: odd TIFF tag']
+    """
+    return _RECORDER.record()
 
 
 #: Labels must fit an ``int64`` tensor.
@@ -50,7 +180,9 @@ def label_of(sample: Mapping[str, Any], field: str = "cls") -> int:
     try:
         return parse_label(sample[field])
     except KeyError as exc:
-        raise SampleError(f"sample {sample.get('__key__')!r} has no {field!r} field") from exc
+        raise SampleError(
+            f"sample {sample.get('__key__')!r} has no {field!r} field (a dataset without labels: label_field=None)"
+        ) from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise SampleError(f"sample {sample.get('__key__')!r} field {field!r} is not an integer") from exc
 

@@ -84,8 +84,13 @@ _LOGGED_AUTO: set[str] = set()
 
 
 def can_stream(manifest: Manifest) -> bool:
-    """True if the dataset's shards can be read by ranges: tar, every shard with its sidecar."""
-    return manifest.format == "tar" and all(s.sidecar is not None for s in manifest.shards)
+    """True if the dataset's shards can be read by ranges: tar or parquet, every shard with its sidecar."""
+    return manifest.format in _RANGED_FORMATS and all(s.sidecar is not None for s in manifest.shards)
+
+
+#: Formats whose readers serve reads from ranged requests (``source=``) and say which byte
+#: extents a batch of samples needs (``sample_extents``).
+_RANGED_FORMATS = ("tar", "parquet")
 
 
 def _largest_sidecar(manifest: Manifest) -> int:
@@ -430,7 +435,8 @@ class ShardSource:
         if self.fetcher is not None:
             source = StreamedFile(self.fetcher, entry.name, entry.num_bytes)
             # No header reads at open (two round trips): the samples' checksums catch a mismatch.
-            reader: ShardReader = TarShardReader(path, entry, sidecar, source=source, check_headers=False)
+            ranged: Any = self._format.reader  # tar and parquet readers take ranged reads as source=
+            reader: ShardReader = ranged(path, entry, sidecar, source=source, check_headers=False)
         else:
             reader = self._format.reader(path, entry, sidecar)
         self.opens += 1
@@ -458,7 +464,7 @@ class ShardSource:
                 reader = self.get(shard)
             except StreamloadError:
                 continue
-            assert isinstance(reader, TarShardReader)
+            assert isinstance(reader, TarShardReader) or hasattr(reader, "sample_extents")
             extents = reader.sample_extents(np.concatenate(chunks) if len(chunks) > 1 else chunks[0])
             entry = self.ref.manifest.shards[shard]
             wanted.append((entry.name, entry.num_bytes, [(int(a), int(b)) for a, b in extents.tolist()]))

@@ -41,6 +41,8 @@ class ShardResult:
     fields: set[str] = field(default_factory=set)
     skipped: list[SkippedInput] = field(default_factory=list)
     payload_bytes: int = 0
+    #: Library warnings raised while the inputs were checked (kept inputs), each naming its input.
+    warnings: list[SkippedInput] = field(default_factory=list)
 
 
 def write_shard(

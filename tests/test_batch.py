@@ -154,7 +154,10 @@ def test_a_batch_crosses_to_workers_main_process_as_one_small_message(tar_datase
 
 
 def test_group_runs_cuts_at_batch_boundaries() -> None:
-    runs = [Run(0, np.arange(0, 5), np.arange(3, 8), np.arange(3, 8)), Run(1, np.arange(2, 9), np.arange(8, 15), np.arange(8, 15))]
+    runs = [
+        Run(0, np.arange(0, 5), np.arange(3, 8), np.arange(3, 8)),
+        Run(1, np.arange(2, 9), np.arange(8, 15), np.arange(8, 15)),
+    ]
     groups = list(group_runs(iter(runs), 4))
     assert [[(r.shard, r.positions.tolist()) for r in g] for g in groups] == [
         [(0, [3])],

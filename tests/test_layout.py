@@ -18,7 +18,14 @@ PACKAGES = {"streamload": ROOT / "streamload", "streamload.converters": ROOT / "
 #: Within a layer, the graph must still be acyclic (checked separately).
 LAYERS: list[tuple[str, ...]] = [
     ("streamload._errors", "streamload._units", "streamload._files", "streamload._batchmem", "streamload._validate"),
-    ("streamload.sample", "streamload.randomness", "streamload.manifest", "streamload.storage", "streamload.storage.ranges", "streamload.plan"),
+    (
+        "streamload.sample",
+        "streamload.randomness",
+        "streamload.manifest",
+        "streamload.storage",
+        "streamload.storage.ranges",
+        "streamload.plan",
+    ),
     ("streamload.formats",),
     ("streamload.shards", "streamload.batch", "streamload.writer"),
     (

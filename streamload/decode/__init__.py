@@ -7,6 +7,7 @@ read from a shard can select code to run (no pickle, no ``torch.load``, no eval)
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 
 from .._errors import SampleError
 from ..randomness import sample_generator
-from ..sample import IMAGE_FIELDS, image_field, label_of, parse_label
+from ..sample import IMAGE_FIELDS, image_field, image_warnings, label_of, parse_label
 from .image import DEFAULT_MAX_PIXELS, Backend, Crop, ImageDecoder, open_image
 
 __all__ = [
@@ -30,6 +31,16 @@ __all__ = [
     "image_field",
     "label_of",
 ]
+
+
+_log = logging.getLogger("streamload.decode")
+
+
+def _report(sample: Mapping[str, Any], field: str, found: list[str]) -> int:
+    """Log the library warnings one image's decode raised, one line each naming the sample."""
+    for text in dict.fromkeys(found):
+        _log.warning("sample %r field %r: %s", sample.get("__key__"), field, text)
+    return len(found)
 
 
 def _text(data: bytes) -> str:
@@ -100,10 +111,15 @@ class ImageLabel:
         size: If given, resize the shorter side to ``size`` and center-crop to
             ``size x size``; otherwise keep the original size (batching then needs a
             custom collate).
-        label_field: Field holding the label.
+        label_field: Field holding the label; ``None`` for a dataset without labels (the
+            transform then returns the image tensor alone).
         backend: See :class:`ImageDecoder`.
         max_pixels: Largest image decoded (width x height, from its header); a larger
             one raises :class:`~streamload.SampleError`. ``None``: no limit.
+
+    Library warnings raised by a decode (Pillow's, for a malformed or huge file) are logged
+    once each on the ``streamload.decode`` logger naming the sample, and counted in
+    :attr:`warnings` (per process), never printed raw.
 
     Example:
         >>> ds = StreamingDataset("shards/", transform=ImageLabel(size=224))  # doctest: +SKIP
@@ -113,26 +129,33 @@ class ImageLabel:
     def __init__(
         self,
         size: int | None = None,
-        label_field: str = "cls",
+        label_field: str | None = "cls",
         backend: Backend = "auto",
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
     ) -> None:
         self.size = size
         self.label_field = label_field
         self.max_pixels = max_pixels
+        self.warnings = 0
         self._decoder = None if size is None else ImageDecoder(size, backend=backend, max_pixels=max_pixels)
 
-    def __call__(self, sample: Mapping[str, Any]) -> tuple[torch.Tensor, int]:
-        """Decode one sample."""
+    def __call__(self, sample: Mapping[str, Any]) -> Any:
+        """Decode one sample: ``(image, label)``, or the image alone when ``label_field`` is ``None``."""
         name = image_field(sample)
-        try:
-            if self._decoder is not None:
-                array = self._decoder.decode(sample[name])
-            else:
-                array = np.asarray(decode_image(sample[name], max_pixels=self.max_pixels))
-        except Exception as exc:
-            raise SampleError(f"sample {sample.get('__key__')!r} field {name!r}: cannot decode image: {exc}") from exc
+        with image_warnings() as found:
+            try:
+                if self._decoder is not None:
+                    array = self._decoder.decode(sample[name])
+                else:
+                    array = np.asarray(decode_image(sample[name], max_pixels=self.max_pixels))
+            except Exception as exc:
+                key = sample.get("__key__")
+                raise SampleError(f"sample {key!r} field {name!r}: cannot decode image: {exc}") from exc
+        if found:
+            self.warnings += _report(sample, name, found)
         tensor = torch.from_numpy(np.ascontiguousarray(array)).permute(2, 0, 1)
+        if self.label_field is None:
+            return tensor
         return tensor, label_of(sample, self.label_field)
 
 
@@ -152,7 +175,8 @@ class DecodeBatch:
         ratio: Random crop's aspect-ratio range.
         backend: ``"auto"``, ``"simplejpeg"`` or ``"pillow"`` (see :class:`ImageDecoder`).
         field: Image field, or fields of which each sample's first present one is used.
-        label_field: ASCII-decimal label field, or ``None``.
+        label_field: ASCII-decimal label field, or ``None`` (a dataset without labels: the
+            batch's ``labels`` is ``None``).
         layout: ``"CHW"`` (a channels-last ``[B, 3, H, W]`` view) or ``"HWC"``.
         seed: Seed of the random crops and flips (default 0). Each sample's crop and flip
             come from :func:`streamload.sample_generator` keyed by (seed, epoch, the
@@ -193,6 +217,7 @@ class DecodeBatch:
         self.label_field = label_field
         self.layout = layout
         self.seed = seed
+        self.warnings = 0  # library warnings raised by decodes in this process (each logged naming its sample)
         self._rng: tuple[int, np.random.Generator] | None = None
 
     def __repr__(self) -> str:
@@ -236,11 +261,14 @@ class DecodeBatch:
         random = self.decoder.crop == "random" or self.decoder.flip
         for i, sample in enumerate(samples):
             name = self._field_of(sample)
-            try:
-                decode_into(sample[name], slots[i], self.sample_rng(sample) if random else None)
-            except Exception as exc:
-                key = sample.get("__key__")
-                raise SampleError(f"sample {key!r} field {name!r}: cannot decode image: {exc}") from exc
+            with image_warnings() as found:
+                try:
+                    decode_into(sample[name], slots[i], self.sample_rng(sample) if random else None)
+                except Exception as exc:
+                    key = sample.get("__key__")
+                    raise SampleError(f"sample {key!r} field {name!r}: cannot decode image: {exc}") from exc
+            if found:
+                self.warnings += _report(sample, name, found)
         labels = None
         if self.label_field is not None:
             labels = tensors[1]

@@ -27,6 +27,7 @@ _BUILTIN: dict[str, tuple[str, str]] = {
     "tar": ("streamload.formats.tar", ""),
     "lmdb": ("streamload.formats.lmdb", "pip install lmdb"),
     "hdf5": ("streamload.formats.hdf5", "pip install h5py"),
+    "parquet": ("streamload.formats.parquet", "pip install pyarrow"),
 }
 _LOADED: dict[str, Format] = {}
 

@@ -1,0 +1,839 @@
+"""Parquet image tables read in place: one file is one shard, a row group the read unit.
+
+Hugging Face datasets, Spark/Databricks exports and LAION-style sets keep images in Parquet:
+an image column (a Hugging Face ``Image`` struct ``{bytes, path}``, or a plain binary
+column), an optional integer label column (a Hugging Face ``ClassLabel``: its names become
+the dataset's classes) and other columns. ``streamload index DIR --format parquet`` reads
+every file once and writes, beside each, a sidecar ``<file>.slpq`` (see below) and then
+``index.json``; the files themselves are never rewritten.
+
+**Sample model** (the same mapping ``convert`` gives such a table): row ``r`` of
+``train-00000.parquet`` is ``{"__key__": "train-00000/0000000012", <img>: bytes, "cls":
+b"3", "json": b"{...}"}``, where ``<img>`` is the image's extension (from the struct's
+``path`` when it names an image file, else sniffed from the bytes: ``jpg``, ``png``,
+``webp``...), ``cls`` the label in ASCII decimal (only with a label column) and ``json``
+every other column of the row (``json.dumps(..., sort_keys=True, default=str)``; only if
+there are other columns).
+
+**Sidecar** (an uncompressed ``.npz`` read with ``allow_pickle=False``; its manifest hash
+is checked before use)::
+
+    meta       uint8[]      JSON: format, version, rows, row-group row counts, image
+                            column (and whether it is a struct), label column, json
+                            columns, field names, key prefix
+    footer     uint8[]      the file's Parquet footer as indexed (a metadata-only file):
+                            the reader never trusts the file's own footer
+    field      uint8[n]     per row, the index of its image field name
+    size       int64[n]     per row, its image's byte length
+    image_xxh3 uint64[n]    per row, xxh3_64 of its image bytes
+    label      int64[n]     per row, its label (only with a label column)
+    json_xxh3  uint64[n]    per row, xxh3_64 of its ``json`` bytes (only with json columns)
+    extent     int64[g, 2]  per row group, the byte span of the column chunks a read needs
+
+**Integrity as for our own shards.** The file's size and hash are in the manifest (checked
+on every cached copy); every row's image and ``json`` bytes are checked against their
+digests on every read, so a flipped byte in a data page is a
+:class:`~streamload.CorruptShardError` naming the file, row group and row (or a page that
+no longer decompresses: the same error). Labels come from the sidecar.
+
+**Reads.** Only the columns the sample model needs (``image.bytes`` of a struct, the json
+columns; never the label column nor the struct's ``path``), one row group at a time (the
+decoded row groups kept per process up to :data:`ROW_GROUP_CACHE_BYTES`): pyarrow reads
+just those column chunks, coalescing
+close ones into one ranged read. Through ``cache="shards"`` the reader opens the cached
+file; through ``cache="none"`` it reads by ranged GETs (:class:`~._bytes.ShardBytes`), the
+row groups' extents fetched ahead like tar samples'.
+
+**Bounds** (hostile or broken files): the footer's size and its Thrift containers are
+bounded; every column chunk must lie inside the file; the column chunks one row-group read
+decompresses are bounded (:data:`MAX_ROW_GROUP_BYTES`, at most :data:`MAX_EXPANSION` times
+their stored size: a decompression bomb is refused before it is read); the decoded row
+group must hold exactly the rows the footer declared.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import xxhash
+
+from .._errors import ConfigError, CorruptShardError, SampleError
+from .._units import parse_bytes
+from ..manifest import ShardEntry, algorithm_of, new_hasher
+from ..sample import IMAGE_EXTENSIONS, image_field_for, sniff_image
+from ._bytes import ShardBytes
+from ._record import open_regular_file
+from .base import FieldGroup, Format, Sample, ShardReader, ShardWriter
+
+__all__ = [
+    "FORMAT",
+    "MAX_EXPANSION",
+    "MAX_ROW_GROUP_BYTES",
+    "ParquetColumns",
+    "ParquetIndex",
+    "ParquetShardReader",
+    "index_parquet",
+]
+
+_MAGIC = "streamload-parquet"
+_VERSION = 1
+SIDECAR_SUFFIX = ".slpq"
+#: Decompressed bytes one row-group read may produce (the needed column chunks together).
+MAX_ROW_GROUP_BYTES = 1 << 30
+#: Largest ratio of decompressed to stored bytes of a row-group read (plus 1 MiB of slack).
+MAX_EXPANSION = 1000
+_SLACK = 1 << 20
+#: Largest Parquet footer read (bytes), and Thrift limits while parsing it.
+MAX_FOOTER_BYTES = 64 << 20
+_THRIFT_STRING_LIMIT = 16 << 20
+_THRIFT_CONTAINER_LIMIT = 1 << 20
+#: Largest sidecar read.
+MAX_SIDECAR_BYTES = 1 << 31
+#: Bytes of decoded row groups one process keeps, over all its readers (least recently
+#: used dropped first; ``STREAMLOAD_PARQUET_CACHE`` overrides it, e.g. ``"2GB"``). A shuffle
+#: window reads its files' row groups in random order: when they fit here each is decoded
+#: once per window, otherwise again for most samples.
+ROW_GROUP_CACHE_BYTES = 1 << 30
+
+
+_Group = tuple[np.ndarray, np.ndarray, "list[bytes] | None"]
+
+
+class _GroupCache:
+    """Decoded row groups of one process, keyed by reader and row group, bounded in bytes."""
+
+    def __init__(self) -> None:
+        self.pid = -1
+        self.items: OrderedDict[tuple[int, int], tuple[_Group, int]] = OrderedDict()
+        self.total = 0
+        self.budget = ROW_GROUP_CACHE_BYTES
+
+    def _here(self) -> None:
+        if self.pid != os.getpid():  # a forked child starts empty (its readers are new)
+            self.items.clear()
+            self.total, self.pid = 0, os.getpid()
+            raw = os.environ.get("STREAMLOAD_PARQUET_CACHE")
+            if raw:
+                self.budget = parse_bytes(raw, name="STREAMLOAD_PARQUET_CACHE")
+
+    def get(self, key: tuple[int, int]) -> _Group | None:
+        self._here()
+        kept = self.items.get(key)
+        if kept is None:
+            return None
+        self.items.move_to_end(key)
+        return kept[0]
+
+    def put(self, key: tuple[int, int], group: _Group) -> None:
+        self._here()
+        texts = group[2]
+        nbytes = int(group[0].nbytes + group[1].nbytes) + (sum(map(len, texts)) if texts else 0)
+        self.items[key] = (group, nbytes)
+        self.total += nbytes
+        while self.total > self.budget and len(self.items) > 1:
+            _, (_, dropped) = self.items.popitem(last=False)
+            self.total -= dropped
+
+    def drop(self, reader: int) -> None:
+        for key in [k for k in self.items if k[0] == reader]:
+            self.total -= self.items.pop(key)[1]
+
+
+_CACHE = _GroupCache()
+_READERS = itertools.count()
+
+
+@dataclass(frozen=True)
+class ParquetColumns:
+    """Which columns of a Parquet table make the sample.
+
+    Attributes:
+        image: The image column; ``None``: the Hugging Face ``Image`` feature, else the
+            only binary (or ``{bytes, path}`` struct) column.
+        label: The integer label column; ``None``: ``label`` if there is one, else the
+            Hugging Face ``ClassLabel`` feature, else no label; ``""``: no label.
+    """
+
+    image: str | None = None
+    label: str | None = None
+
+
+@dataclass
+class ParquetIndex:
+    """What indexing one file found: its rows, fields and class names (Hugging Face ``ClassLabel``)."""
+
+    num_samples: int
+    fields: list[str]
+    classes: tuple[str, ...] | None
+
+
+def _key_prefix(name: str) -> str:
+    stem = name[: -len(".parquet")] if name.endswith(".parquet") else name.rpartition(".")[0] or name
+    return stem.replace("%", "%25").replace(".", "%2E").replace("~", "%7E") or "row"
+
+
+def _bad(name: str, detail: str) -> CorruptShardError:
+    return CorruptShardError(f"{name}: {detail}")
+
+
+def _open_parquet(source: Any, name: str, metadata: Any = None, pre_buffer: bool = True) -> Any:
+    """A pyarrow ``ParquetFile`` over ``source``, its footer bounded; errors name ``name``."""
+    try:
+        return pq.ParquetFile(
+            source,
+            metadata=metadata,
+            thrift_string_size_limit=_THRIFT_STRING_LIMIT,
+            thrift_container_size_limit=_THRIFT_CONTAINER_LIMIT,
+            pre_buffer=pre_buffer,
+        )
+    except Exception as exc:  # ArrowInvalid, OSError...: a damaged footer or not Parquet at all
+        raise _bad(name, f"not a readable Parquet file ({type(exc).__name__}: {exc})") from exc
+
+
+def _hf_features(schema: Any) -> dict[str, Any]:
+    """The Hugging Face features recorded in the schema's ``huggingface`` metadata ({} if none)."""
+    raw = (schema.metadata or {}).get(b"huggingface")
+    if not raw or len(raw) > _THRIFT_STRING_LIMIT:
+        return {}
+    try:
+        info = json.loads(raw)
+        features = info.get("info", {}).get("features", {})
+    except (ValueError, AttributeError):
+        return {}
+    return features if isinstance(features, dict) else {}
+
+
+def _image_kind(t: Any) -> str | None:
+    """``"binary"`` or ``"struct"`` if an arrow type can hold image bytes, else ``None``."""
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return "binary"
+    if pa.types.is_struct(t):
+        names = [t.field(i).name for i in range(t.num_fields)]
+        if "bytes" in names:
+            inner = t.field("bytes").type
+            if pa.types.is_binary(inner) or pa.types.is_large_binary(inner):
+                return "struct"
+    return None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The columns of one file that make its samples."""
+
+    image: str
+    struct: bool
+    has_path: bool
+    label: str | None
+    json_columns: tuple[str, ...]
+    classes: tuple[str, ...] | None
+
+
+def _plan(schema: Any, name: str, columns: ParquetColumns) -> _Plan:
+    """Choose the image, label and json columns of a file (``ConfigError`` naming file and column)."""
+    names = list(schema.names)
+    features = _hf_features(schema)
+    if columns.image is not None:
+        if columns.image not in names:
+            raise ConfigError(f"{name}: no column {columns.image!r} (columns: {', '.join(names)})")
+        image = columns.image
+    else:
+        hf = [c for c in names if isinstance(features.get(c), dict) and features[c].get("_type") == "Image"]
+        found = hf or [c for c in names if _image_kind(schema.field(c).type)]
+        if len(found) != 1:
+            what = "no" if not found else f"{len(found)} ({', '.join(found)})"
+            raise ConfigError(
+                f"{name}: {what} image columns (binary or {{bytes, path}} struct); name it with --image-column"
+            )
+        image = found[0]
+    kind = _image_kind(schema.field(image).type)
+    if kind is None:
+        raise ConfigError(
+            f"{name}: column {image!r} of type {schema.field(image).type} cannot hold images "
+            "(expected binary or a {bytes, path} struct)"
+        )
+    label: str | None
+    if columns.label == "":
+        label = None
+    elif columns.label is not None:
+        if columns.label not in names:
+            raise ConfigError(f"{name}: no column {columns.label!r} (columns: {', '.join(names)})")
+        label = columns.label
+    else:
+        hf_labels = [c for c in names if isinstance(features.get(c), dict) and features[c].get("_type") == "ClassLabel"]
+        label = "label" if "label" in names else (hf_labels[0] if hf_labels else None)
+    classes: tuple[str, ...] | None = None
+    if label is not None:
+        if label == image:
+            raise ConfigError(f"{name}: column {label!r} cannot be both the image and the label")
+        t = schema.field(label).type
+        if not pa.types.is_integer(t):
+            raise ConfigError(
+                f"{name}: label column {label!r} is {t}, not integers "
+                "(class names: `streamload convert` the table; no labels: --label-column '')"
+            )
+        feature = features.get(label)
+        if isinstance(feature, dict) and feature.get("_type") == "ClassLabel":
+            found_names = feature.get("names")
+            if isinstance(found_names, list) and all(isinstance(n, str) for n in found_names):
+                classes = tuple(found_names)
+    struct_type = schema.field(image).type
+    has_path = kind == "struct" and "path" in [struct_type.field(i).name for i in range(struct_type.num_fields)]
+    rest = tuple(c for c in names if c not in (image, label))
+    return _Plan(image, kind == "struct", has_path, label, rest, classes)
+
+
+def _check_footer(md: Any, size: int, name: str, columns: Sequence[str]) -> np.ndarray:
+    """Check every row group's column chunks against the file and the bounds; return the needed extents.
+
+    Returns:
+        ``int64[row_groups, 2]``: per row group, the byte span of the chunks of ``columns``
+        (leaf paths, or their parents).
+    """
+    extents = np.zeros((md.num_row_groups, 2), dtype=np.int64)
+    rows = 0
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        if rg.num_rows < 0:
+            raise _bad(name, f"row group {g} declares {rg.num_rows} rows")
+        rows += rg.num_rows
+        lo, hi, stored, expanded = size, 0, 0, 0
+        for j in range(rg.num_columns):
+            col = rg.column(j)
+            start = col.data_page_offset
+            if col.has_dictionary_page and col.dictionary_page_offset is not None and col.dictionary_page_offset > 0:
+                start = min(start, col.dictionary_page_offset)
+            end = start + col.total_compressed_size
+            if start < 4 or col.total_compressed_size < 0 or end > size:
+                raise _bad(
+                    name,
+                    f"row group {g} column {col.path_in_schema!r} lies at bytes {start}..{end}, "
+                    f"outside the file of {size} bytes",
+                )
+            path = col.path_in_schema
+            if any(path == c or path.startswith(c + ".") for c in columns):
+                lo, hi = min(lo, start), max(hi, end)
+                stored += col.total_compressed_size
+                expanded += col.total_uncompressed_size
+        if expanded > MAX_ROW_GROUP_BYTES or expanded > MAX_EXPANSION * stored + _SLACK:
+            raise _bad(
+                name,
+                f"row group {g} declares {expanded} decompressed bytes for {stored} stored ones "
+                f"(a decompression bomb? at most {MAX_ROW_GROUP_BYTES} bytes and {MAX_EXPANSION}x)",
+            )
+        extents[g] = (lo, hi) if hi else (0, 0)
+    if rows != md.num_rows:
+        raise _bad(name, f"row groups hold {rows} rows but the footer declares {md.num_rows}")
+    return extents
+
+
+def _read_columns(plan: _Plan) -> list[str]:
+    """The columns a read needs (the struct's ``bytes`` leaf only)."""
+    return [f"{plan.image}.bytes" if plan.struct else plan.image, *plan.json_columns]
+
+
+def _image_array(table: Any, plan: _Plan) -> Any:
+    column = table.column(plan.image)
+    col = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    return col.field("bytes") if plan.struct else col
+
+
+def _image_values(table: Any, plan: _Plan) -> list[Any]:
+    return list(_image_array(table, plan).to_pylist())
+
+
+def _flat(array: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A binary arrow array's values as ``(uint8 data, int64 offsets[len + 1])``, the data a view without a copy.
+
+    A null value's extent is whatever its offsets say (empty when written by pyarrow): the
+    row's digest check fails on it, since indexing refused null images.
+    """
+    offsets_buf, data_buf = array.buffers()[1:3]
+    wide = pa.types.is_large_binary(array.type)
+    raw: np.ndarray[Any, Any] = np.frombuffer(offsets_buf, dtype=np.int64 if wide else np.int32)
+    offsets: np.ndarray[Any, Any] = raw[array.offset : array.offset + len(array) + 1].astype(np.int64)
+    data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, dtype=np.uint8)
+    if len(offsets) and (offsets[0] < 0 or offsets[-1] > len(data) or bool(np.any(offsets[1:] < offsets[:-1]))):
+        raise ValueError("binary offsets are inconsistent")
+    return data, offsets
+
+
+def _json_texts(table: Any, plan: _Plan) -> list[bytes] | None:
+    if not plan.json_columns:
+        return None
+    values = {c: table.column(c).to_pylist() for c in plan.json_columns}
+    return [
+        json.dumps(
+            {c: values[c][r] for c in plan.json_columns}, sort_keys=True, default=str, ensure_ascii=False
+        ).encode()
+        for r in range(table.num_rows)
+    ]
+
+
+def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumns = ParquetColumns()) -> ParquetIndex:
+    """Read one Parquet file whole and write its sidecar to ``sidecar_out``.
+
+    Every row is checked: image bytes present and of a known image kind, label present and
+    in range (``0 <= label < len(classes)`` with Hugging Face class names, else ``>= 0``).
+
+    Raises:
+        ConfigError: Naming the file and column, for a table that does not fit the sample
+            model (no such column, a column that holds no images, bad labels).
+        CorruptShardError: Naming the file, for a damaged or hostile file.
+    """
+    size = os.path.getsize(path)
+    _check_footer_size(path, size, name)
+    pf = _open_parquet(path, name)
+    md = pf.metadata
+    plan = _plan(pf.schema_arrow, name, columns)
+    extents = _check_footer(md, size, name, [plan.image, *plan.json_columns])
+    n = md.num_rows
+    field_names: list[str] = []
+    codes = np.zeros(n, dtype=np.uint8)
+    sizes = np.zeros(n, dtype=np.int64)
+    digests = np.zeros(n, dtype=np.uint64)
+    labels = np.zeros(n if plan.label else 0, dtype=np.int64)
+    json_digests = np.zeros(n if plan.json_columns else 0, dtype=np.uint64)
+    wanted = _read_columns(plan)
+    if plan.has_path:
+        wanted.append(f"{plan.image}.path")
+    if plan.label:
+        wanted.append(plan.label)
+    row = 0
+    digest = xxhash.xxh3_64_intdigest
+    for g in range(md.num_row_groups):
+        try:
+            table = pf.read_row_group(g, columns=wanted, use_threads=False)
+        except Exception as exc:
+            raise _bad(name, f"row group {g} cannot be read ({type(exc).__name__}: {exc})") from exc
+        images = _image_values(table, plan)
+        if len(images) != md.row_group(g).num_rows:
+            raise _bad(name, f"row group {g} holds {len(images)} rows, its footer says {md.row_group(g).num_rows}")
+        paths = table.column(plan.image).combine_chunks().field("path").to_pylist() if plan.has_path else None
+        texts = _json_texts(table, plan)
+        if plan.label:
+            label_col = table.column(plan.label)
+            if label_col.null_count:
+                first = row + int(np.flatnonzero(np.asarray(label_col.is_null()))[0])
+                raise ConfigError(f"{name}: column {plan.label!r}: row {first} has no label")
+            values = np.asarray(label_col.to_numpy(), dtype=np.int64)
+            high = len(plan.classes) if plan.classes is not None else None
+            bad = np.flatnonzero((values < 0) | (values >= high if high is not None else False))
+            if len(bad):
+                r = int(bad[0])
+                where = f"0..{high - 1}" if high is not None else ">= 0"
+                raise ConfigError(
+                    f"{name}: column {plan.label!r}: row {row + r} has label {int(values[r])} (expected {where})"
+                )
+            labels[row : row + len(values)] = values
+        for r, data in enumerate(images):
+            i = row + r
+            if not data:
+                raise ConfigError(f"{name}: column {plan.image!r}: row {i} has no image bytes")
+            field = image_field_for(data, str(paths[r] or "") if paths is not None else "")
+            if field not in IMAGE_EXTENSIONS or sniff_image(data) is None:
+                raise ConfigError(f"{name}: column {plan.image!r}: row {i} holds bytes that are not an image")
+            if field not in field_names:
+                if len(field_names) == 255:
+                    raise ConfigError(f"{name}: column {plan.image!r}: more than 255 image kinds")
+                field_names.append(field)
+            codes[i] = field_names.index(field)
+            sizes[i] = len(data)
+            digests[i] = digest(data)
+            if texts is not None:
+                json_digests[i] = digest(texts[r])
+        row += len(images)
+    sink = pa.BufferOutputStream()
+    md.write_metadata_file(sink)
+    meta = {
+        "format": _MAGIC,
+        "version": _VERSION,
+        "rows": n,
+        "row_groups": [md.row_group(g).num_rows for g in range(md.num_row_groups)],
+        "image": plan.image,
+        "struct": plan.struct,
+        "label": plan.label,
+        "json": list(plan.json_columns),
+        "fields": field_names,
+        "prefix": _key_prefix(name),
+    }
+    arrays: dict[str, np.ndarray] = {
+        "meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8),
+        "footer": np.frombuffer(sink.getvalue().to_pybytes(), dtype=np.uint8),
+        "field": codes,
+        "size": sizes,
+        "image_xxh3": digests,
+        "extent": extents,
+    }
+    if plan.label:
+        arrays["label"] = labels
+    if plan.json_columns:
+        arrays["json_xxh3"] = json_digests
+    with open(sidecar_out, "wb") as f:
+        np.savez(f, **arrays)  # type: ignore[arg-type]
+    fields = [*field_names, *(["cls"] if plan.label else []), *(["json"] if plan.json_columns else [])]
+    return ParquetIndex(n, sorted(fields), plan.classes)
+
+
+def _check_footer_size(path: str, size: int, name: str) -> None:
+    """Refuse a file too short for Parquet, without its magic, or whose footer claims too much."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+        if size < 12:
+            raise _bad(name, f"not a Parquet file ({size} bytes)")
+        f.seek(size - 8)
+        tail = f.read(8)
+    if head != b"PAR1" or tail[4:] != b"PAR1":
+        raise _bad(name, "not a Parquet file (no PAR1 magic at its start and end)")
+    footer = int.from_bytes(tail[:4], "little")
+    if footer > min(size - 12, MAX_FOOTER_BYTES):
+        raise _bad(name, f"its footer claims {footer} bytes (the file has {size}; at most {MAX_FOOTER_BYTES})")
+
+
+class _SourceFile(io.RawIOBase):
+    """A read-only, seekable file over :class:`ShardBytes` (ranged reads), for pyarrow."""
+
+    def __init__(self, source: ShardBytes) -> None:
+        super().__init__()
+        self.source = source
+        self.pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.source.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        want = max(0, min(len(view), self.source.size - self.pos))
+        if not want:
+            return 0
+        got = self.source.preadv([view[:want]], self.pos)
+        self.pos += got
+        return got
+
+
+class ParquetShardReader(ShardReader):
+    """Reads the rows of one Parquet file as samples, checked against its sidecar.
+
+    Args:
+        path: The local file (a cached copy), or its URL when ``source`` reads by ranges.
+        entry: Its manifest entry.
+        sidecar_path: The local sidecar.
+        source: Ranged reads of the file (streaming mode); ``None``: open ``path``.
+        check_headers: Unused (accepted for the streaming reader's signature).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        entry: ShardEntry,
+        sidecar_path: str | None = None,
+        source: ShardBytes | None = None,
+        check_headers: bool = True,
+    ) -> None:
+        super().__init__(path, entry, sidecar_path)
+        if sidecar_path is None:
+            raise CorruptShardError(f"{entry.name}: Parquet shard has no sidecar in the manifest")
+        self._source = source
+        self._load_sidecar(sidecar_path)
+        self._pid = -1
+        self._file: Any = None
+        self._token = next(_READERS)  # this reader's row groups in the process's cache
+
+    # -- the sidecar ------------------------------------------------------------------
+
+    def _load_sidecar(self, sidecar_path: str) -> None:
+        name, n = self.entry.name, self.entry.num_samples
+        fd = open_regular_file(sidecar_path, name)
+        try:
+            with open(fd, "rb", closefd=False) as f:
+                raw = f.read(MAX_SIDECAR_BYTES + 1)
+        finally:
+            os.close(fd)
+        sidecar = self.entry.sidecar
+        if sidecar is not None and sidecar.hash is not None:
+            hasher = new_hasher(sidecar.algorithm or algorithm_of(sidecar.hash))
+            hasher.update(raw)
+            if hasher.hexdigest() != sidecar.hash:
+                raise CorruptShardError(f"{name}: sidecar {sidecar.name} does not match its manifest hash")
+        try:
+            with np.load(io.BytesIO(raw), allow_pickle=False) as npz:
+                arrays = {k: npz[k] for k in npz.files}
+            meta = json.loads(arrays["meta"].tobytes())
+        except Exception as exc:  # a damaged zip, a missing array, bad JSON
+            raise CorruptShardError(f"{name}: Parquet sidecar is damaged ({type(exc).__name__}: {exc})") from exc
+        if not isinstance(meta, dict) or meta.get("format") != _MAGIC or meta.get("version") != _VERSION:
+            raise CorruptShardError(f"{name}: not a streamload Parquet sidecar (or another version)")
+        groups = meta.get("row_groups")
+        fields = meta.get("fields")
+        if (
+            meta.get("rows") != n
+            or not isinstance(groups, list)
+            or not all(isinstance(g, int) and g >= 0 for g in groups)
+            or sum(groups) != n
+            or not isinstance(fields, list)
+            or not all(isinstance(f, str) and f in IMAGE_EXTENSIONS for f in fields)
+        ):
+            raise CorruptShardError(f"{name}: Parquet sidecar does not describe {n} rows")
+        expect = {"field": (np.uint8, n), "size": (np.int64, n), "image_xxh3": (np.uint64, n)}
+        if meta.get("label"):
+            expect["label"] = (np.int64, n)
+        if meta.get("json"):
+            expect["json_xxh3"] = (np.uint64, n)
+        for key, (dtype, length) in expect.items():
+            arr = arrays.get(key)
+            if arr is None or arr.dtype != dtype or arr.shape != (length,):
+                raise CorruptShardError(f"{name}: Parquet sidecar table {key!r} is damaged")
+        extent = arrays.get("extent")
+        if extent is None or extent.dtype != np.int64 or extent.shape != (len(groups), 2):
+            raise CorruptShardError(f"{name}: Parquet sidecar table 'extent' is damaged")
+        if n and (int(arrays["field"].max()) >= len(fields) or int(arrays["size"].min()) < 0):
+            raise CorruptShardError(f"{name}: Parquet sidecar field table is damaged")
+        self._meta = meta
+        self._fields: list[str] = fields
+        self._codes = arrays["field"]
+        self._sizes = arrays["size"]
+        self._digests = arrays["image_xxh3"].tolist()
+        self._labels = arrays.get("label")
+        self._json_digests = arrays["json_xxh3"].tolist() if meta.get("json") else None
+        self._extent = extent
+        self._starts = np.concatenate([[0], np.cumsum(np.asarray(groups, dtype=np.int64))])
+        self._footer = arrays["footer"].tobytes()
+        self._plan = _Plan(
+            str(meta.get("image")),
+            bool(meta.get("struct")),
+            False,
+            meta.get("label"),
+            tuple(map(str, meta.get("json") or ())),
+            None,
+        )
+
+    # -- the file -----------------------------------------------------------------------
+
+    def _ensure_open(self) -> Any:
+        if self._pid == os.getpid() and self._file is not None:
+            return self._file
+        self.close()
+        name = self.entry.name
+        try:
+            md = pq.read_metadata(pa.BufferReader(self._footer))
+        except Exception as exc:
+            raise CorruptShardError(f"{name}: Parquet footer in the sidecar is damaged ({exc})") from exc
+        if md.num_rows != self.entry.num_samples or md.num_row_groups != len(self._meta["row_groups"]):
+            raise CorruptShardError(f"{name}: Parquet footer in the sidecar does not match the sidecar's rows")
+        if self._source is not None:
+            handle: Any = _SourceFile(self._source)
+            size = self._source.size
+        else:
+            fd = open_regular_file(self.path, name)  # a FIFO or device in its place is refused
+            try:
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            # Positioned reads, not a memory map: a file truncated while mapped would kill the
+            # process with SIGBUS, where a short read is an error naming the file.
+            handle = pa.OSFile(self.path)
+        if size != self.entry.num_bytes:
+            raise CorruptShardError(
+                f"{self.path}: shard {name} is {size} bytes, the manifest says {self.entry.num_bytes}"
+            )
+        _check_footer(md, size, name, [self._plan.image, *self._plan.json_columns])
+        # Ranged reads: pyarrow coalesces the row group's column chunks into few requests.
+        self._file = _open_parquet(handle, name, metadata=md, pre_buffer=self._source is not None)
+        self._pid = os.getpid()
+        return self._file
+
+    def _group_of(self, index: int) -> int:
+        return int(np.searchsorted(self._starts, index, side="right")) - 1
+
+    def _group(self, g: int) -> tuple[np.ndarray, np.ndarray, list[bytes] | None]:
+        """Row group ``g`` decoded: its images' bytes and offsets (arrow buffers), its json texts."""
+        kept = _CACHE.get((self._token, g)) if self._pid == os.getpid() else None
+        if kept is not None:
+            return kept
+        pf = self._ensure_open()
+        expected = int(self._starts[g + 1] - self._starts[g])
+        try:
+            table = pf.read_row_group(g, columns=_read_columns(self._plan), use_threads=False)
+            data, offsets = _flat(_image_array(table, self._plan))
+            texts = _json_texts(table, self._plan)
+        except Exception as exc:  # a damaged page: decompression or decoding fails
+            raise CorruptShardError(
+                f"{self.path}: shard {self.entry.name}, row group {g} cannot be read ({type(exc).__name__}: {exc})"
+            ) from exc
+        if len(offsets) != expected + 1:
+            raise CorruptShardError(
+                f"{self.path}: shard {self.entry.name}, row group {g} holds {len(offsets) - 1} rows, "
+                f"expected {expected}"
+            )
+        _CACHE.put((self._token, g), (data, offsets, texts))
+        return data, offsets, texts
+
+    # -- samples ------------------------------------------------------------------------
+
+    def _key(self, index: int) -> str:
+        return f"{self._meta['prefix']}/{index:010d}"
+
+    def _image(self, index: int) -> tuple[int, np.ndarray]:
+        """Row ``index``'s image bytes (a view into its row group), checked; and its row group."""
+        g = self._group_of(index)
+        data, offsets, _ = self._group(g)
+        r = index - int(self._starts[g])
+        view = data[int(offsets[r]) : int(offsets[r + 1])]
+        self._check(
+            g, index, self._fields[int(self._codes[index])], view, self._digests[index], int(self._sizes[index])
+        )
+        return g, view
+
+    def get(self, index: int) -> Sample:
+        """Return row ``index`` as a sample, its bytes checked against the sidecar."""
+        self._check_index(index)
+        g, view = self._image(index)
+        sample: Sample = {"__key__": self._key(index), self._fields[int(self._codes[index])]: view.tobytes()}
+        if self._labels is not None:
+            sample["cls"] = str(int(self._labels[index])).encode()
+        texts = self._group(g)[2]
+        if texts is not None and self._json_digests is not None:
+            text = texts[index - int(self._starts[g])]
+            self._check(g, index, "json", text, self._json_digests[index], len(text))
+            sample["json"] = text
+        return sample
+
+    # -- batch reads (streamload.batch, BatchReads): sizes from the sidecar, bytes copied from the row groups --
+
+    def _present(self, index: int, name: str) -> bool:
+        if name == "cls":
+            return self._labels is not None
+        if name == "json":
+            return self._json_digests is not None
+        return name == self._fields[int(self._codes[index])]
+
+    def _choice(self, index: int, fields: Sequence[str]) -> str:
+        for name in fields:
+            if self._present(index, name):
+                return name
+        raise SampleError(f"{self.entry.name}: sample {self._key(index)!r} has none of the fields {tuple(fields)}")
+
+    def _value(self, index: int, name: str) -> Any:
+        if name == "cls":
+            assert self._labels is not None
+            return str(int(self._labels[index])).encode()
+        if name == "json":
+            return self.get(index)["json"]
+        return self._image(index)[1]
+
+    def field_sizes(self, indices: np.ndarray, fields: Sequence[str]) -> np.ndarray:
+        """Return the sizes of each sample's first present field of ``fields`` (images: from the sidecar)."""
+        out = np.empty(len(indices), dtype=np.int64)
+        for k, i in enumerate(np.asarray(indices).tolist()):
+            self._check_index(i)
+            name = self._choice(i, fields)
+            if name == "cls" or name == "json":
+                out[k] = len(self._value(i, name))
+            else:
+                out[k] = int(self._sizes[i])
+        return out
+
+    def read_groups_into(self, indices: np.ndarray, groups: Sequence[FieldGroup]) -> None:
+        """Copy each group's fields of samples ``indices`` into the group's ``out``, each row checked."""
+        rows = np.asarray(indices).tolist()
+        for fields, out, sizes in groups:
+            pos = 0
+            for i, n in zip(rows, np.asarray(sizes).tolist(), strict=True):
+                value = self._value(i, self._choice(i, fields))
+                if len(value) != n:
+                    raise CorruptShardError(f"{self.entry.name}: sample {self._key(i)!r} changed size while read")
+                out[pos : pos + n] = np.frombuffer(value, dtype=np.uint8) if isinstance(value, bytes) else value
+                pos += n
+
+    def _check(self, group: int, index: int, field: str, data: Any, digest: int, size: int) -> None:
+        if data is None or len(data) != size or xxhash.xxh3_64_intdigest(data) != digest:
+            raise CorruptShardError(
+                f"{self.path}: shard {self.entry.name}, row group {group}, row {index} "
+                f"(sample {self._key(index)!r}), field {field!r} does not match its checksum (corrupt bytes)"
+            )
+
+    def sample_extents(self, indices: np.ndarray) -> np.ndarray:
+        """Return the ``[start, end)`` byte extents a read of samples ``indices`` needs (their row groups' chunks)."""
+        index = np.asarray(indices, dtype=np.int64)
+        if len(index) and (int(index.min()) < 0 or int(index.max()) >= self.entry.num_samples):
+            raise IndexError(f"{self.entry.name}: sample indices out of range [0, {self.entry.num_samples})")
+        groups = np.searchsorted(self._starts, index, side="right") - 1
+        out: np.ndarray = self._extent[groups]
+        return out
+
+    def keys_of(self, indices: np.ndarray) -> list[str]:
+        """Return the keys of samples ``indices`` (file stem and row; nothing is read)."""
+        return [self._key(int(i)) for i in np.asarray(indices).tolist()]
+
+    def catalog(self) -> tuple[list[str], list[int]]:
+        """Return keys and image sizes from the sidecar (nothing is read from the file)."""
+        n = self.entry.num_samples
+        return [self._key(i) for i in range(n)], self._sizes.tolist()
+
+    def iter_range(self, start: int, stop: int) -> Iterator[Sample]:
+        """Yield rows ``start..stop-1``, each row group decoded once."""
+        for i in range(start, stop):
+            yield self.get(i)
+
+    def close(self) -> None:
+        """Drop the open file and the decoded row groups."""
+        if self._pid == os.getpid():
+            _CACHE.drop(self._token)
+        self._file, self._pid = None, -1
+
+
+class _NoWriter(ShardWriter):
+    """Parquet files are read in place, never written by streamload (convert writes tar, lmdb or hdf5)."""
+
+    #: ``convert`` refuses a read-only format before it writes anything.
+    read_only = True
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        raise ConfigError(
+            "the parquet format is read in place (streamload index DIR --format parquet); "
+            "convert writes tar, lmdb or hdf5 shards"
+        )
+
+    def write(self, sample: Any) -> None:  # pragma: no cover - never constructed
+        raise NotImplementedError
+
+    def finish(self) -> str | None:  # pragma: no cover - never constructed
+        raise NotImplementedError
+
+
+def _indexer(path: str, name: str, sidecar_out: str) -> tuple[int, list[str]]:
+    found = index_parquet(path, name, sidecar_out)
+    return found.num_samples, found.fields
+
+
+#: For callers that index with chosen columns (``streamload index --image-column``...).
+Indexer = Callable[[str, str, str, ParquetColumns], ParquetIndex]
+
+FORMAT = Format(
+    name="parquet",
+    extension=".parquet",
+    writer=_NoWriter,
+    reader=ParquetShardReader,
+    sidecar_suffix=SIDECAR_SUFFIX,
+    indexer=_indexer,
+)
