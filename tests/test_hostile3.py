@@ -1,0 +1,206 @@
+"""Hostile inputs, third round: cache bookkeeping names, links planted in the cache, cut and
+stalled bodies, a full disk, terminal escapes, listing tables, and smaller weak points."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from streamload._errors import CacheError
+from streamload.manifest import FileEntry
+from streamload.storage.cache import ShardCache
+
+pytestmark = pytest.mark.timeout(120)
+
+SIZE = 1000
+
+
+@pytest.fixture(autouse=True)
+def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default cache directory (where a test passes none) is this test's own."""
+    monkeypatch.setenv("STREAMLOAD_CACHE", str(tmp_path / "default-cache"))
+    monkeypatch.delenv("STREAMLOAD_CACHE_SHARED", raising=False)
+
+
+def _entry(name: str, data: bytes) -> FileEntry:
+    return FileEntry(name, len(data), hashlib.sha256(data).hexdigest(), algorithm="sha256")
+
+
+def _writer(data: bytes) -> Callable[[str, Callable[[], bool]], None]:
+    def download(part: str, cancelled: Callable[[], bool]) -> None:
+        with open(part, "r+b") as f:
+            f.write(data)
+
+    return download
+
+
+def _fill(cache: ShardCache, name: str, data: bytes) -> str | None:
+    pin = cache.pin(name)
+    try:
+        return cache.fill(_entry(name, data), _writer(data))
+    finally:
+        pin.close()
+
+
+def _in_thread(fn: Callable[[], object], timeout: float = 20) -> object:
+    """Run ``fn`` in a thread; fail (instead of hanging the suite) if it does not end in ``timeout``."""
+    out: list[object] = []
+    thread = threading.Thread(target=lambda: out.append(_catch(fn)), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), "hung"
+    return out[0]
+
+
+def _catch(fn: Callable[[], object]) -> object:
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - handed back to the test
+        return exc
+
+
+# -- 1. bookkeeping names that collide with shard names --------------------------------
+
+
+def test_a_pinned_shard_named_like_another_shards_download_lock_does_not_hang(tmp_path: Path) -> None:
+    """``s.tar.dl`` open (pinned) while ``s.tar`` is downloaded: their locks were one file."""
+    cache = ShardCache(str(tmp_path / "c"), None)
+    first = b"a" * SIZE
+    assert _fill(cache, "s.tar.dl", first) is not None
+    pin = cache.pin("s.tar.dl")  # open, as a reader holds it
+    try:
+        second = b"b" * SIZE
+        path = _in_thread(lambda: _fill(cache, "s.tar", second))
+        assert isinstance(path, str) and Path(path).read_bytes() == second
+        assert Path(cache.data_path("s.tar.dl")).read_bytes() == first
+    finally:
+        pin.close()
+
+
+def test_a_shard_read_through_a_local_url_named_like_a_lock_reads(tar_dataset: Path, tmp_path: Path) -> None:
+    """The same through the reader: a ``local://`` dataset whose shards are ``s.tar`` and ``s.tar.dl``."""
+    import json
+    import shutil
+
+    from streamload import ShardedDataset
+
+    ds = tmp_path / "ds"
+    shutil.copytree(tar_dataset, ds)
+    manifest = json.loads((ds / "index.json").read_text())
+    shards = manifest["shards"][:2]
+    manifest["shards"] = shards
+    manifest["num_samples"] = sum(s["samples"] for s in shards)
+    for shard, new in zip(shards, ("s.tar.dl", "s.tar"), strict=True):
+        (ds / shard["name"]).rename(ds / new)
+        (ds / shard["sidecar"]["name"]).rename(ds / f"{new}.idx")
+        shard["name"], shard["sidecar"]["name"] = new, f"{new}.idx"
+    (ds / "index.json").write_text(json.dumps(manifest))
+    reader = ShardedDataset(f"local://{ds}", cache_dir=str(tmp_path / "cache"))
+    n = len(reader)
+
+    def read_interleaved() -> int:
+        first = reader[0]  # shard s.tar.dl stays open
+        last = reader[n - 1]
+        return len({first["__key__"], last["__key__"]})
+
+    assert _in_thread(read_interleaved) == 2
+
+
+def test_every_lock_wait_is_bounded_and_names_the_lock(tmp_path: Path) -> None:
+    cache = ShardCache(str(tmp_path / "c"), None, lock_timeout=1)
+    data = b"x" * SIZE
+    lock = tmp_path / "c" / "downloads" / "s.tar"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another process's download that never ends
+        err = _in_thread(lambda: _fill(cache, "s.tar", data))
+        assert isinstance(err, CacheError) and str(lock) in str(err) and "after 1 s" in str(err)
+    finally:
+        os.close(fd)
+    fd = os.open(tmp_path / "c" / ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        err = _in_thread(cache.usage)
+        assert isinstance(err, CacheError) and ".lock" in str(err)
+    finally:
+        os.close(fd)
+    assert _fill(cache, "s.tar", data) is not None
+
+
+# -- 3. links planted in the cache --------------------------------------------------------
+
+
+def _victim(tmp_path: Path) -> Path:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_bytes(b"keep me")
+    (victim / "s.tar").write_bytes(b"v" * SIZE)
+    return victim
+
+
+def _assert_untouched(victim: Path) -> None:
+    assert sorted(p.name for p in victim.iterdir()) == ["precious.txt", "s.tar"]
+    assert (victim / "precious.txt").read_bytes() == b"keep me"
+    assert (victim / "s.tar").read_bytes() == b"v" * SIZE
+
+
+@pytest.mark.parametrize("folder", ["tmp", "data", "pins", "downloads", "meta", "readers"])
+def test_a_cache_folder_replaced_by_a_link_is_refused_and_nothing_outside_is_touched(
+    tmp_path: Path, folder: str
+) -> None:
+    victim = _victim(tmp_path)
+    root = tmp_path / "c"
+    cache = ShardCache(str(root), 10 * SIZE)
+    os.rmdir(root / folder)
+    os.symlink(victim, root / folder)
+    for action in (lambda: _fill(cache, "s.tar", b"n" * SIZE), cache.usage, cache.readers):
+        try:
+            action()
+        except CacheError as exc:
+            assert "link" in str(exc)
+    with pytest.raises(CacheError, match="symbolic link"):
+        ShardCache(str(root), 10 * SIZE)
+    _assert_untouched(victim)
+
+
+@pytest.mark.parametrize("where", ["pins/s.tar", "downloads/s.tar", ".lock", "meta/s.tar", "data/s.tar"])
+def test_file_links_planted_in_the_cache_are_never_followed(tmp_path: Path, where: str) -> None:
+    victim = _victim(tmp_path)
+    root = tmp_path / "c"
+    cache = ShardCache(str(root), 10 * SIZE)
+    target = victim / "created-outside"
+    os.symlink(victim / "s.tar" if where.startswith("data") else target, root / where)
+    data = b"n" * SIZE
+    try:
+        path = _fill(cache, "s.tar", data)
+        assert path is not None and Path(path).read_bytes() == data and not Path(path).is_symlink()
+        cache.usage()
+    except CacheError as exc:
+        assert "symbolic link" in str(exc)
+    assert not target.exists()
+    _assert_untouched(victim)
+
+
+def test_a_cache_folder_others_can_write_is_refused_unless_shared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "c"
+    root.mkdir()
+    root.chmod(0o777)
+    with pytest.raises(CacheError, match="others can write"):
+        ShardCache(str(root), None)
+    root.chmod(0o775)
+    with pytest.raises(CacheError, match="STREAMLOAD_CACHE_SHARED"):
+        ShardCache(str(root), None)
+    monkeypatch.setenv("STREAMLOAD_CACHE_SHARED", "1")
+    assert _fill(ShardCache(str(root), None), "s.tar", b"n" * SIZE) is not None
+    root.chmod(0o777)
+    with pytest.raises(CacheError, match="every user"):
+        ShardCache(str(root), None)
+    root.chmod(0o755)
