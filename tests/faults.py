@@ -7,7 +7,8 @@ headers and half its body go through, then the connection is closed (``mode="cut
 kept open with nothing more sent (``mode="stall"``) until the proxy stops. A response the
 proxy cannot delimit (chunked, no length) turns the connection into a plain pipe.
 
-Loopback only; every socket is closed by :meth:`FaultProxy.stop`.
+For reads only (request bodies are not parsed beyond what one read brings). Loopback
+only; every socket is closed by :meth:`FaultProxy.stop`.
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ class FaultProxy:
         upstream: ``(host, port)`` of the real server (loopback).
         mode: ``"cut"`` (close after half the body) or ``"stall"`` (send nothing more).
         faults: How many responses to fault (``-1``: all).
-        match: Bytes that a faulted request's path contains.
+        match: A regular expression that a faulted request's path matches.
     """
 
     def __init__(self, upstream: tuple[str, int], mode: str, faults: int, match: bytes) -> None:
         self.upstream = upstream
         self.mode = mode
         self.faults = faults
-        self.match = match
+        self.match = re.compile(match)
         self.faulted = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -57,7 +58,7 @@ class FaultProxy:
 
     def _take_fault(self, path: bytes) -> bool:
         with self._lock:
-            if self.match not in path or self.faults == 0:
+            if not self.match.search(path) or self.faults == 0:
                 return False
             self.faults -= 1 if self.faults > 0 else 0
             self.faulted += 1

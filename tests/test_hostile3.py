@@ -7,14 +7,19 @@ import fcntl
 import hashlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from streamload._errors import CacheError
+from streamload import StreamingDataset
+from streamload._errors import CacheError, ConfigError, StorageError
 from streamload.manifest import FileEntry
 from streamload.storage.cache import ShardCache
+from streamload.storage.retry import RetryPolicy, is_permanent, is_transient
+from tests.faults import FaultProxy
+from tests.s3server import SeaweedS3
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -204,3 +209,84 @@ def test_a_cache_folder_others_can_write_is_refused_unless_shared(
     with pytest.raises(CacheError, match="every user"):
         ShardCache(str(root), None)
     root.chmod(0o755)
+
+
+# -- 4 and 5. bodies cut short, bodies that stall -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bucket_tar(s3_server: SeaweedS3, tar_dataset: Path) -> str:
+    """``tar_dataset`` copied into a bucket (directly, not through a proxy)."""
+    bucket = s3_server.make_bucket()
+    s3_server.filesystem().put(f"{tar_dataset}/", f"{bucket}/ds/", recursive=True)
+    return f"s3://{bucket}/ds"
+
+
+@pytest.fixture
+def faulty(s3_server: SeaweedS3, request: pytest.FixtureRequest) -> Iterator[FaultProxy]:
+    mode, faults = request.param
+    proxy = FaultProxy(("127.0.0.1", s3_server.gateway.port), mode, faults, rb"shard-000000\.tar($|\?)")
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+def _through(s3_server: SeaweedS3, proxy: FaultProxy) -> dict[str, Any]:
+    options = s3_server.storage_options()
+    options["client_kwargs"] = {**options["client_kwargs"], "endpoint_url": proxy.endpoint_url}
+    return options
+
+
+def test_a_cut_body_is_transient_whatever_code_it_carries() -> None:
+    import aiohttp
+
+    cut = aiohttp.http_exceptions.ContentLengthError("Not enough data to satisfy content length header.")
+    try:
+        raise aiohttp.ClientPayloadError("Response payload is not completed") from cut
+    except aiohttp.ClientPayloadError as exc:
+        assert is_transient(exc) and not is_permanent(exc)
+
+
+@pytest.mark.parametrize("faulty", [("cut", 5)], indirect=True)
+@pytest.mark.parametrize("cache", ["shards", "none"])
+def test_bodies_cut_short_several_times_are_retried(
+    s3_server: SeaweedS3, bucket_tar: str, faulty: FaultProxy, cache: str, tmp_path: Path
+) -> None:
+    ds = StreamingDataset(
+        bucket_tar, storage_options=_through(s3_server, faulty), cache=cache, cache_dir=str(tmp_path), shuffle=False
+    )
+    keys = [s["__key__"] for s in ds]
+    assert len(keys) == len(set(keys)) == ds.num_samples
+    assert faulty.faulted == 5
+
+
+@pytest.mark.parametrize("faulty", [("stall", -1)], indirect=True)
+@pytest.mark.parametrize("cache", ["shards", "none"])
+def test_a_body_that_stalls_for_ever_ends_in_an_error_naming_the_url(
+    s3_server: SeaweedS3,
+    bucket_tar: str,
+    faulty: FaultProxy,
+    cache: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("STREAMLOAD_READ_TIMEOUT", "1")
+    monkeypatch.setenv("STREAMLOAD_RETRY_TIMEOUT", "3")
+    ds = StreamingDataset(
+        bucket_tar, storage_options=_through(s3_server, faulty), cache=cache, cache_dir=str(tmp_path), shuffle=False
+    )
+    err = _in_thread(lambda: list(ds), timeout=60)
+    assert isinstance(err, StorageError), err
+    assert f"{bucket_tar}/shard-000000.tar" in str(err) and "unavailable" in str(err)
+    assert faulty.faulted >= 2  # retried, within the budget
+
+
+def test_the_timeouts_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert RetryPolicy().inactivity_timeout == 30 and RetryPolicy().timeout == 120
+    monkeypatch.setenv("STREAMLOAD_READ_TIMEOUT", "2.5")
+    monkeypatch.setenv("STREAMLOAD_RETRY_TIMEOUT", "7")
+    assert RetryPolicy().inactivity_timeout == 2.5 and RetryPolicy().timeout == 7
+    monkeypatch.setenv("STREAMLOAD_READ_TIMEOUT", "soon")
+    with pytest.raises(ConfigError, match="STREAMLOAD_READ_TIMEOUT"):
+        RetryPolicy()

@@ -79,7 +79,7 @@ class RemoteFiles:
             if self._fs is None or self._pid != os.getpid():
                 if self._fs is not None:
                     forget_inherited(self._fs)
-                self._fs, self._root = open_filesystem(self.url, self.storage_options)
+                self._fs, self._root = open_filesystem(self.url, self.storage_options, self.retry.inactivity_timeout)
                 self._pid = os.getpid()
                 self._finalizers_detached = False
             return self._fs
