@@ -33,7 +33,7 @@ from typing import Any, Literal, NoReturn
 import torch
 from torch.utils.data import IterableDataset
 
-from ._errors import ConfigError, CorruptShardError, PlanError, SampleError, StreamloadError
+from ._errors import CacheError, ConfigError, CorruptShardError, PlanError, SampleError, StreamloadError
 from ._validate import check_epoch, check_samples_seen, dataset_args, parse_cache_mode, parse_stream_buffer
 from .formats import Format, Sample, ShardReader
 from .manifest import Manifest, ShardEntry
@@ -577,7 +577,7 @@ class StreamingDataset(IterableDataset[Any]):
         try:
             reader = readers.get(run.shard)
         except StreamloadError as exc:
-            if self.on_error == "raise":
+            if self.on_error == "raise" or isinstance(exc, CacheError):  # the machine's fault: never a skip
                 _raise_located(exc, url, entry)
             progress.next_item = int(run.positions[-1]) + 1
             self._skip(entry, None, exc, count=len(run.locals), source=where)
@@ -639,7 +639,7 @@ class StreamingDataset(IterableDataset[Any]):
                 rest = Run(run.shard, run.locals[done:], run.positions[done:])
                 yield from self._samples(readers, fresh, rest, entry, url)
                 return
-            if self.on_error == "raise":
+            if self.on_error == "raise" or isinstance(exc, CacheError):  # the machine's fault: never a skip
                 _raise_located(exc, url, entry)
             yield _Failed(exc, None)
             for index in locals_[done + 1 :]:

@@ -3,6 +3,7 @@ stalled bodies, a full disk, terminal escapes, listing tables, and smaller weak 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
@@ -290,3 +291,40 @@ def test_the_timeouts_come_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("STREAMLOAD_READ_TIMEOUT", "soon")
     with pytest.raises(ConfigError, match="STREAMLOAD_READ_TIMEOUT"):
         RetryPolicy()
+
+
+# -- 6. a full cache disk -------------------------------------------------------------------
+
+
+class _NearlyFullDisk:
+    """``os.pwrite`` onto a disk with ``free`` bytes left: short writes, then ``ENOSPC`` (as the kernel does)."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+        self.real = os.pwrite
+
+    def __call__(self, fd: int, data: Any, offset: int) -> int:
+        if self.free <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        n = self.real(fd, bytes(data)[: self.free], offset)
+        self.free -= n
+        return n
+
+
+@pytest.mark.parametrize("free", [0, 32768])
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_full_cache_disk_is_a_cache_error_never_a_corrupt_shard_nor_a_skip(
+    tar_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, free: int, on_error: str
+) -> None:
+    cache_dir = tmp_path / "cache"
+    ds = StreamingDataset(
+        f"local://{tar_dataset}", cache="shards", cache_dir=str(cache_dir), on_error=on_error, shuffle=False
+    )
+    monkeypatch.setattr(os, "pwrite", _NearlyFullDisk(free))
+    with pytest.raises(CacheError) as caught:
+        list(ds)
+    message = str(caught.value)
+    assert "no space left" in message and str(cache_dir) in message and "needed" in message
+    assert "manifest says" not in message
+    monkeypatch.undo()
+    assert len(list(ds)) == ds.num_samples  # once there is room again

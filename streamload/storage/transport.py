@@ -51,6 +51,17 @@ def translate_error(exc: BaseException, url: str, action: str, *, not_found: str
     return StorageError(f"cannot {action} {url}: {type(exc).__name__}: {exc}")
 
 
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` at ``offset``: a short write (a nearly full disk) goes on until
+    the disk says why it stopped (``ENOSPC``, which the cache reports as a full disk)."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(28, "No space left on device (a write made no progress)")
+        view, offset = view[written:], offset + written
+
+
 class RemoteFiles:
     """The files under one fsspec URL prefix; the filesystem is re-created in each process.
 
@@ -191,7 +202,7 @@ class RemoteFiles:
                         f"{self.url_of(name)}: the object is {what} than the {size} bytes its entry says "
                         f"(bytes {start}-{end} came back as {len(data)})"
                     )
-                os.pwrite(fd, data, start)
+                _pwrite_all(fd, data, start)
 
             if len(parts) == 1:
                 fetch(*parts[0])
