@@ -52,8 +52,11 @@ def translate_error(exc: BaseException, url: str, action: str, *, not_found: str
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    """Write all of ``data`` at ``offset``: a short write (a nearly full disk) goes on until
-    the disk says why it stopped (``ENOSPC``, which the cache reports as a full disk)."""
+    """Write all of ``data`` at ``offset``.
+
+    A short write (a nearly full disk) goes on until the disk says why it stopped
+    (``ENOSPC``, which the cache reports as a full disk).
+    """
     view = memoryview(data)
     while view:
         written = os.pwrite(fd, view, offset)
