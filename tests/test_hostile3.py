@@ -7,6 +7,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -328,3 +329,68 @@ def test_a_full_cache_disk_is_a_cache_error_never_a_corrupt_shard_nor_a_skip(
     assert "manifest says" not in message
     monkeypatch.undo()
     assert len(list(ds)) == ds.num_samples  # once there is room again
+
+
+# -- 2. terminal escapes from an untrusted manifest ------------------------------------------
+
+_ESCAPES = ["\x1b]0;owned\x07", "\x1b[2J\x1b[H", "\x1b]52;c;cm0gLXJmIH4=\x07", "\x9b31m", "a\u202eb", "x\ny"]
+
+
+def _hostile_manifest_dataset(tar_dataset: Path, tmp_path: Path) -> Path:
+    import json
+    import shutil
+
+    ds = tmp_path / "ds"
+    shutil.copytree(tar_dataset, ds)
+    manifest = json.loads((ds / "index.json").read_text())
+    manifest["classes"] = [f"class{i}{e}" for i, e in enumerate(_ESCAPES)] + manifest["classes"][len(_ESCAPES) :]
+    manifest["meta"] = {**manifest.get("meta", {}), "appends": [{"source": "\x1b]52;c;Y2xpcA==\x07src"}]}
+    manifest["skipped"] = [{"path": "\x1b[2Jbad.png", "error": "\x1b]0;title\x07broken"}]
+    (ds / "index.json").write_text(json.dumps(manifest))
+    return ds
+
+
+def _assert_terminal_safe(text: str) -> None:
+    assert not re.search("[\x00-\x09\x0b-\x1f\x7f-\x9f\u202e]", text), repr(text)
+
+
+def test_info_and_show_escape_what_came_from_the_dataset(
+    tar_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from streamload.cli import main
+
+    ds = _hostile_manifest_dataset(tar_dataset, tmp_path)
+    assert main(["info", str(ds)]) == 0
+    out = capsys.readouterr()
+    _assert_terminal_safe(out.out + out.err)
+    assert "\\x1b]0;owned\\x07" in out.out and "\\x1b]52;c;Y2xpcA==" in out.out
+    assert "class5x\\x0ay" in out.out  # a newline cannot forge a line
+    assert main(["info", str(ds), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["classes"][:6] == [f"class{i}{e}" for i, e in enumerate(_ESCAPES)]
+    for index in range(0, 80, 16):  # samples of several classes: their labels are shown with the class name
+        assert main(["show", str(ds), str(index), "--cache-dir", str(tmp_path / "c")]) == 0
+        out = capsys.readouterr()
+        _assert_terminal_safe(out.out + out.err)
+
+
+def test_error_texts_from_a_dataset_stay_escaped(
+    tar_dataset: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    import json
+    import shutil
+
+    from streamload.cli import main
+
+    ds = tmp_path / "ds"
+    shutil.copytree(tar_dataset, ds)
+    manifest = json.loads((ds / "index.json").read_text())
+    manifest["format"] = "\x1b]0;owned\x07tar"
+    (ds / "index.json").write_text(json.dumps(manifest))
+    assert main(["info", str(ds)]) == 2
+    assert main(["verify", str(ds)]) != 0
+    assert main(["show", str(ds), "0"]) == 2
+    out = capfd.readouterr()
+    _assert_terminal_safe(out.out + out.err)
+    assert "\\x1b]0;owned" in out.err
