@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="column of embedded image bytes ({bytes, path} struct or binary; found automatically in Parquet)",
     )
     table.add_argument("--keep-columns", default="", help="comma-separated columns kept in each sample's json field")
+    table.add_argument(
+        "--root",
+        help="a directory or URL prefix that every path the table names must lie in (others are input problems)",
+    )
     again = p.add_mutually_exclusive_group()
     again.add_argument(
         "--resume",
@@ -232,6 +236,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             label_column=args.label_column,
             image_column=args.image_column,
             keep_columns=[c.strip() for c in args.keep_columns.split(",") if c.strip()],
+            root=args.root,
         )
         report = convert(source, args.dst, options)
     except StreamloadError:

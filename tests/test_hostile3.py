@@ -394,3 +394,79 @@ def test_error_texts_from_a_dataset_stay_escaped(
     out = capfd.readouterr()
     _assert_terminal_safe(out.out + out.err)
     assert "\\x1b]0;owned" in out.err
+
+
+# -- 7. listing tables that crashed convert; 8. --root ------------------------------------
+
+
+def _png(path: Path) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (4, 4), (200, 10, 10)).save(path)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "csv"])
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_a_nul_byte_in_a_listed_path_is_an_input_problem(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str, on_error: str
+) -> None:
+    import json
+
+    from streamload.cli import main
+
+    _png(tmp_path / "a.png")
+    _png(tmp_path / "b.png")
+    table = tmp_path / f"t.{kind}"
+    if kind == "jsonl":
+        table.write_text(json.dumps({"path": "a.png", "label": 0}) + "\n" + json.dumps({"path": "b\0.png", "label": 1}))
+    else:
+        table.write_text('path,label\na.png,0\n"b\0.png",1\n')
+    code = main(["convert", str(table), str(tmp_path / "out"), "--on-error", on_error, "--no-progress"])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "NUL byte" in err
+    assert err.count(str(table)) == 1  # named once, not "t.jsonl//tmp/.../t.jsonl"
+    assert code == (0 if on_error == "skip" else 2)
+
+
+@pytest.mark.parametrize("header", ["path,label,path", "path,label,label"])
+def test_a_csv_header_naming_a_column_twice_is_one_clear_line(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], header: str
+) -> None:
+    from streamload.cli import main
+
+    _png(tmp_path / "a.png")
+    table = tmp_path / "t.csv"
+    table.write_text(f"{header}\na.png,0,x\n")
+    assert main(["convert", str(table), str(tmp_path / "out"), "--on-error", "skip", "--no-progress"]) == 2
+    err = capfd.readouterr().err
+    assert "more than once" in err and "Traceback" not in err and "terminate" not in err
+
+
+def test_root_confines_the_paths_a_table_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from streamload import ShardedDataset
+    from streamload.cli import main
+
+    images = tmp_path / "images"
+    images.mkdir()
+    _png(images / "a.png")
+    _png(tmp_path / "secret.png")
+    (images / "link.png").symlink_to(tmp_path / "secret.png")
+    rows = [
+        "a.png",
+        "../secret.png",
+        str(tmp_path / "secret.png"),
+        f"file://{tmp_path / 'secret.png'}",
+        "link.png",
+        "s3://other-bucket/x.png",
+        f"file://{images / 'a.png'}",
+    ]
+    table = images / "t.jsonl"
+    table.write_text("\n".join(json.dumps({"path": p, "label": 0}) for p in rows))
+    out = tmp_path / "out"
+    args = ["convert", str(table), str(out), "--root", str(images), "--on-error", "skip", "--no-progress"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert err.count("outside --root") == 5, err
+    assert len(ShardedDataset(str(out))) == 2
