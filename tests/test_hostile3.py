@@ -470,3 +470,54 @@ def test_root_confines_the_paths_a_table_names(tmp_path: Path, capsys: pytest.Ca
     err = capsys.readouterr().err
     assert err.count("outside --root") == 5, err
     assert len(ShardedDataset(str(out))) == 2
+
+
+# -- 8. weaker points -----------------------------------------------------------------------
+
+
+def test_an_endpoint_from_the_environment_is_part_of_the_cache_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamload.storage.cachedir import dataset_cache_key
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    plain = dataset_cache_key("s3://b/x", {})
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://one:9000")
+    one = dataset_cache_key("s3://b/x", {})
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://two:9000")
+    two = dataset_cache_key("s3://b/x", {})
+    assert len({plain, one, two}) == 3
+    assert dataset_cache_key("s3://b/x", {"client_kwargs": {"endpoint_url": "http://one:9000"}}) == one
+
+
+def test_sharded_dataset_refuses_keys_and_indices_of_the_wrong_type(tar_dataset: Path) -> None:
+    from streamload import ShardedDataset
+
+    ds = ShardedDataset(str(tar_dataset))
+    for wrong in (5, None, b"key", 1.5):
+        with pytest.raises(TypeError, match="keys are strings"):
+            ds.get(wrong)  # type: ignore[arg-type]
+    for flag in (True, False):
+        with pytest.raises(TypeError, match="not bool"):
+            ds[flag]
+        with pytest.raises(TypeError, match="not bool"):
+            ds[0:4][flag]
+    assert ds.get(ds[1]["__key__"])["__key__"] == ds[1]["__key__"]
+
+
+@pytest.mark.parametrize("label", [2**70, 2**63])
+def test_a_label_that_does_not_fit_int64_is_refused_at_convert_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], label: int
+) -> None:
+    from streamload import ShardedDataset
+    from streamload.cli import main
+
+    _png(tmp_path / "a.png")
+    _png(tmp_path / "b.png")
+    table = tmp_path / "t.csv"
+    table.write_text(f"path,label\na.png,0\nb.png,{label}\n")
+    out = tmp_path / "out"
+    assert main(["convert", str(table), str(out), "--no-progress"]) == 2
+    assert "does not fit in 64 bits" in capsys.readouterr().err
+    assert main(["convert", str(table), str(tmp_path / "skip"), "--no-progress", "--on-error", "skip"]) == 0
+    ds = ShardedDataset(str(tmp_path / "skip"))
+    assert len(ds) == 1 and ds[0]["cls"] == b"0"
