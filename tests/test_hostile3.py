@@ -521,3 +521,28 @@ def test_a_label_that_does_not_fit_int64_is_refused_at_convert_time(
     assert main(["convert", str(table), str(tmp_path / "skip"), "--no-progress", "--on-error", "skip"]) == 0
     ds = ShardedDataset(str(tmp_path / "skip"))
     assert len(ds) == 1 and ds[0]["cls"] == b"0"
+
+
+def test_a_stand_in_for_a_skipped_sample_comes_from_its_own_stream(
+    tar_dataset: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import shutil
+    from collections import Counter
+
+    from streamload import Stream
+
+    broken = tmp_path / "b"
+    shutil.copytree(tar_dataset, broken)
+    for name in ("shard-000001.tar", "shard-000002.tar"):
+        shard = broken / name
+        data = bytearray(shard.read_bytes())
+        data[512] ^= 0x01  # the first sample's first field
+        shard.write_bytes(bytes(data))
+    sources = [Stream(str(tar_dataset), repeat=1, name="a"), Stream(str(broken), repeat=1, name="b")]
+    ds = StreamingDataset(sources, on_error="skip", shuffle=False)
+    with caplog.at_level("WARNING", logger="streamload"):
+        counts = Counter(s["__source__"] for s in ds)
+    n = StreamingDataset(str(tar_dataset)).num_samples
+    assert ds.skipped_samples == 2
+    assert counts == {"a": n, "b": n}
+    assert "first key None" not in caplog.text and "skipping" in caplog.text
