@@ -1163,7 +1163,9 @@ class TableSource(Source):
             try:
                 return read_url(path, self.storage_options)
             except StreamloadError as exc:
-                raise SourceError(f"{where}: {printable(str(exc))}") from exc
+                message = printable(str(exc))
+                message = message[len(path) :].lstrip(": ") if message.startswith(path) else message
+                raise SourceError(f"{where}: {message}") from exc
         try:
             with open(local_path_of(path), "rb") as f:
                 return f.read()

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from streamload import StreamingDataset
-from streamload._errors import CacheError, ConfigError, StorageError
+from streamload._errors import CacheError, ConfigError, StorageError, StreamloadError
 from streamload.manifest import FileEntry
 from streamload.storage.cache import ShardCache
 from streamload.storage.retry import RetryPolicy, is_permanent, is_transient
@@ -546,3 +546,22 @@ def test_a_stand_in_for_a_skipped_sample_comes_from_its_own_stream(
     assert ds.skipped_samples == 2
     assert counts == {"a": n, "b": n}
     assert "first key None" not in caplog.text and "skipping" in caplog.text
+
+
+def test_messages_name_a_url_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from streamload.converters.remote import read_url
+
+    from streamload.cli import main
+
+    with pytest.raises(StreamloadError) as caught:
+        read_url("nosuchproto://b/x.png")
+    assert str(caught.value).count("nosuchproto://b/x.png") == 1, caught.value
+    _png(tmp_path / "a.png")
+    table = tmp_path / "t.jsonl"
+    missing = f"memory://{tmp_path.name}/missing.png"
+    table.write_text(json.dumps({"path": "a.png", "label": 0}) + "\n" + json.dumps({"path": missing, "label": 0}))
+    assert main(["convert", str(table), str(tmp_path / "out"), "--on-error", "skip", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert err.count(missing) == 1 and err.count(str(table)) == 1, err
