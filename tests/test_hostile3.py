@@ -565,3 +565,39 @@ def test_messages_name_a_url_once(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["convert", str(table), str(tmp_path / "out"), "--on-error", "skip", "--no-progress"]) == 0
     err = capsys.readouterr().err
     assert err.count(missing) == 1 and err.count(str(table)) == 1, err
+
+
+def test_a_destination_lock_planted_as_a_link_is_refused_and_its_target_untouched(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from streamload.cli import main
+    from streamload.storage.locks import LOCAL_LOCK_NAME
+
+    images = tmp_path / "images" / "cat"
+    images.mkdir(parents=True)
+    _png(images / "a.png")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCAL_LOCK_NAME).symlink_to(victim)
+    assert main(["convert", str(tmp_path / "images"), str(out), "--no-progress"]) == 2
+    assert "symbolic link" in capsys.readouterr().err
+    assert victim.read_text() == "keep me"
+
+
+def test_file_names_from_an_image_folder_are_escaped_when_listed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from streamload.cli import main
+
+    images = tmp_path / "images" / "cat"
+    images.mkdir(parents=True)
+    _png(images / "a.png")
+    (images / "\x1b]0;owned\x07.png").write_bytes(b"not an image")
+    assert (
+        main(["convert", str(tmp_path / "images"), str(tmp_path / "out"), "--on-error", "skip", "--no-progress"]) == 0
+    )
+    out = capsys.readouterr()
+    _assert_terminal_safe(out.out + out.err)
+    assert "\\x1b]0;owned\\x07.png" in out.err
