@@ -601,3 +601,15 @@ def test_file_names_from_an_image_folder_are_escaped_when_listed(
     out = capsys.readouterr()
     _assert_terminal_safe(out.out + out.err)
     assert "\\x1b]0;owned\\x07.png" in out.err
+
+
+def test_a_group_writable_umask_makes_no_group_writable_cache(tmp_path: Path) -> None:
+    old = os.umask(0o002)
+    try:
+        cache = ShardCache(str(tmp_path / "c"), None)
+        assert _fill(cache, "s.tar", b"n" * SIZE) is not None
+    finally:
+        os.umask(old)
+    for folder in [tmp_path / "c", *(tmp_path / "c").iterdir()]:
+        if folder.is_dir():
+            assert not folder.stat().st_mode & 0o022, folder

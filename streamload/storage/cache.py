@@ -303,14 +303,15 @@ class ShardCache:
                 module docstring).
         """
         try:
-            os.makedirs(self.root, exist_ok=True)
+            # Explicit modes: a umask of 002 must not make the cache writable by a group.
+            os.makedirs(self.root, mode=0o755, exist_ok=True)
         except OSError as exc:
             raise CacheError(f"cannot create the cache directory {self.root}: {exc.strerror or exc}") from exc
         self._check_dir(self.root, owner=True)
         for sub in _SUBDIRS:
             path = os.path.join(self.root, sub)
             try:
-                os.mkdir(path)
+                os.mkdir(path, 0o755)
             except FileExistsError:
                 pass
             except OSError as exc:
@@ -330,6 +331,11 @@ class ShardCache:
                 "own folders (someone else can write the cache directory: use one only you can write)"
             )
         if not owner:
+            if not self.shared and st.st_uid != os.geteuid():
+                raise CacheError(
+                    f"{path}: a folder of the cache belongs to another user; use a cache directory of your own, "
+                    f"or set {SHARED_ENV}=1 if it is shared on purpose"
+                )
             return
         if self.shared:
             if st.st_mode & stat.S_IWOTH:
@@ -342,7 +348,8 @@ class ShardCache:
             raise CacheError(
                 f"{path}: the cache folder belongs to another user or others can write it (mode "
                 f"{stat.S_IMODE(st.st_mode):o}); another user could make the cache delete or overwrite your "
-                f"files. Use a cache directory of your own, or set {SHARED_ENV}=1 if it is shared on purpose"
+                f"files. Use a cache directory of your own (or chmod go-w {path}), or set {SHARED_ENV}=1 if it is "
+                "shared on purpose"
             )
 
     def _create(self, path: str, flags: int) -> int:
