@@ -613,3 +613,41 @@ def test_a_group_writable_umask_makes_no_group_writable_cache(tmp_path: Path) ->
     for folder in [tmp_path / "c", *(tmp_path / "c").iterdir()]:
         if folder.is_dir():
             assert not folder.stat().st_mode & 0o022, folder
+
+
+def test_a_dataset_without_hashes_rewritten_at_the_same_url_is_not_served_stale(
+    tar_dataset: Path, tmp_path: Path
+) -> None:
+    import json
+    import shutil
+
+    from streamload import ShardedDataset
+
+    ds = tmp_path / "ds"
+    shutil.copytree(tar_dataset, ds)
+    manifest = json.loads((ds / "index.json").read_text())
+    manifest["hash"] = None
+    for shard in manifest["shards"]:
+        shard["hash"] = None
+        shard["sidecar"]["hash"] = None
+    (ds / "index.json").write_text(json.dumps(manifest))
+    a, b = "shard-000005.tar", "shard-000006.tar"
+    assert (ds / a).stat().st_size == (ds / b).stat().st_size
+    assert (ds / f"{a}.idx").stat().st_size == (ds / f"{b}.idx").stat().st_size
+
+    def keys() -> list[str]:
+        reader = ShardedDataset(f"local://{ds}", cache_dir=str(tmp_path / "cache"))
+        try:
+            return [reader.key_of(i) for i in range(len(reader))] + [reader[i]["__key__"] for i in range(len(reader))]
+        finally:
+            reader.close()
+
+    before = keys()
+    for name in (a, f"{a}.idx"):  # the same names and sizes, other bytes: a rewrite
+        other = name.replace(a, b)
+        os.rename(ds / name, ds / "swap")
+        os.rename(ds / other, ds / name)
+        os.rename(ds / "swap", ds / other)
+    after = keys()
+    assert after != before
+    assert after == [ShardedDataset(str(ds)).key_of(i) for i in range(len(after) // 2)] * 2

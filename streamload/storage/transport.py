@@ -8,6 +8,8 @@ outage that outlived the retry budget.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import threading
 import time
@@ -25,6 +27,18 @@ __all__ = ["PartPlanner", "RangedFile", "RemoteFiles"]
 
 _CHUNK = 8 << 20
 _MIB = 1 << 20
+#: Metadata fields that change when an object is written again (S3, GCS, Azure, local files).
+_VERSION_FIELDS = (
+    "ETag",
+    "etag",
+    "VersionId",
+    "generation",
+    "md5Hash",
+    "LastModified",
+    "last_modified",
+    "mtime",
+    "ino",
+)
 
 
 def translate_error(exc: BaseException, url: str, action: str, *, not_found: str | None = None) -> StreamloadError:
@@ -159,6 +173,26 @@ class RemoteFiles:
             return None
         size = result.get("size")
         return int(size) if size is not None else None
+
+    def version(self, name: str) -> str | None:
+        """Return a short token of the version of file ``name`` (its ETag, generation or mtime and inode).
+
+        One metadata request. ``None`` if the filesystem tells none, or the file does not exist.
+        """
+        path = self.path(name)
+
+        def info() -> Any:
+            self.fs.invalidate_cache(path)
+            return self.fs.info(path)
+
+        try:
+            result = self.call("stat", name, info)
+        except ShardNotFoundError:
+            return None
+        found = {k: str(result[k]) for k in _VERSION_FIELDS if result.get(k) is not None}
+        if not found:
+            return None
+        return hashlib.sha256(json.dumps(found, sort_keys=True).encode()).hexdigest()[:32]
 
     def download(
         self,
