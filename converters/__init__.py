@@ -42,13 +42,15 @@ def open_source(
     label_column: str = "label",
     image_column: str | None = None,
     keep_columns: Sequence[str] = (),
+    root: str | None = None,
 ) -> Source:
     """Return the source for ``src``, chosen by what it is.
 
     A Parquet, CSV or JSONL file (by extension) is a listing table (:class:`TableSource`);
     a directory or URL holding ``index.json`` is an existing dataset; any other directory
     or URL is an image folder (local, or listed in one pass at the URL); ``labels`` says how
-    a local image folder is labelled (see :class:`ImageFolderSource`).
+    a local image folder is labelled (see :class:`ImageFolderSource`). ``root`` confines
+    the paths a listing table names (see :class:`TableSource`).
 
     Raises:
         ConfigError: If ``src`` is empty.
@@ -65,7 +67,7 @@ def open_source(
     options = dict(storage_options or {})
     if is_table(src):
         url = os.path.abspath(local_path_of(src)) if is_local(src) else src
-        return TableSource(url, path_column, label_column, image_column, keep_columns, options, check)
+        return TableSource(url, path_column, label_column, image_column, keep_columns, options, check, root)
     if is_local(src):
         if os.path.isfile(os.path.join(local_path_of(src), "index.json")):
             return DatasetSource(src, options)

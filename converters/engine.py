@@ -183,6 +183,13 @@ class ConvertReport:
         )
 
 
+def _without_prefix(message: str, origin: str) -> str:
+    """``message`` without a leading ``origin`` (a skipped input's path is recorded once)."""
+    if message.startswith(origin) and message != origin:
+        return message[len(origin) :].lstrip(": ") or message
+    return message
+
+
 # -- the worker side -------------------------------------------------------------
 
 _STATE: dict[str, Any] = {}
@@ -250,7 +257,8 @@ def _write(
                     if isinstance(exc, SourceError):
                         raise
                     raise SourceError(f"{printable(source.origin(item))}: {printable(str(exc))}") from exc
-                skipped.append(SkippedInput(printable(source.origin(item)), printable(str(exc))))
+                origin = printable(source.origin(item))
+                skipped.append(SkippedInput(origin, _without_prefix(printable(str(exc)), origin)))
                 continue
             yield sample
 
@@ -339,7 +347,9 @@ def _convert_locked(
     problems = [*scan.problems, *clashes]
     if problems and options.on_error == "raise":
         first = problems[0]
-        raise SourceError(f"{printable(source.describe())}/{first.path}: {first.error} (use on_error='skip' to go on)")
+        described = printable(source.describe())
+        where = first.path if first.path.startswith(described) else f"{described}/{first.path}"
+        raise SourceError(f"{where}: {first.error} (use on_error='skip' to go on)")
     total = sum(len(shard) for _, shard in planned)
     if not total:
         raise SourceError(f"{printable(source.describe())}: nothing to convert: no readable input was found")

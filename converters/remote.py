@@ -40,17 +40,22 @@ def read_url(url: str, storage_options: Mapping[str, Any] | None = None, retry: 
     try:
         fs, path = open_filesystem(url, storage_options)
     except ConfigError as exc:
-        raise SourceError(f"{url}: {exc}") from exc
+        raise SourceError(_named(url, str(exc))) from exc
     try:
         data = retry_call(lambda: fs.cat_file(path), retry or RetryPolicy(), f"GET {url}")
     except Exception as exc:
         err = translate_error(exc, url, "read")
         if isinstance(err, ShardNotFoundError):
             raise SourceError(f"{url}: does not exist (404)") from exc
-        raise SourceError(f"{url}: cannot read: {err}") from exc
+        raise SourceError(str(err) if url in str(err) else f"{url}: cannot read: {err}") from exc
     if not isinstance(data, bytes):
         raise SourceError(f"{url}: cannot read: the filesystem returned {type(data).__name__}")
     return data
+
+
+def _named(url: str, message: str) -> str:
+    """``message`` led by ``url``, unless it names it already (no ``url: url: ...``)."""
+    return message if url in message else f"{url}: {message}"
 
 
 def list_tree(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[str, dict[str, int]]:
@@ -62,14 +67,14 @@ def list_tree(url: str, storage_options: Mapping[str, Any] | None = None) -> tup
     try:
         fs, root = open_filesystem(url, storage_options)
     except ConfigError as exc:
-        raise SourceError(f"{url}: {exc}") from exc
+        raise SourceError(_named(url, str(exc))) from exc
     root = root.rstrip("/")
     stream = _s3_pages(fs, root)
     listing = stream if stream is not None else lambda: _found(fs, root)
     try:
         return root, retry_call(listing, RetryPolicy(), f"LIST {url}")
     except Exception as exc:
-        raise SourceError(f"{url}: cannot list: {translate_error(exc, url, 'list')}") from exc
+        raise SourceError(_named(url, str(translate_error(exc, url, "list")))) from exc
 
 
 def _found(fs: Any, root: str) -> dict[str, int]:

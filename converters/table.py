@@ -309,6 +309,26 @@ class _SpanBuilder:
         return self.spans
 
 
+def _root_of(root: str) -> str:
+    """``root`` as a resolved local directory (links resolved) or a URL prefix."""
+    if is_local(root):
+        return os.path.realpath(local_path_of(root))
+    return root.rstrip("/")
+
+
+def _inside(path: str, root: str) -> bool:
+    """True if ``path`` (resolved by :meth:`TableSource.resolve`) lies inside ``root`` (see :func:`_root_of`)."""
+    if "://" in root:
+        if not path.startswith(root + "/"):
+            return False
+        # "%2e%2e" and other escapes stay as they are: a store reads them as names, not as "..".
+        return all(part not in ("..", ".") for part in path[len(root) + 1 :].split("/"))
+    if "://" in path and not path.startswith("file://"):
+        return False
+    real = os.path.realpath(local_path_of(path))
+    return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
+
+
 def _is_image_type(t: Any) -> bool:
     import pyarrow as pa
 
@@ -390,6 +410,10 @@ class TableSource(Source):
         keep_columns: Other columns carried into each sample's ``json`` field.
         storage_options: fsspec options for the table and the objects it names.
         check: How images are checked (``"decode"``, ``"header"``, ``"none"``).
+        root: If given, every path the table names must resolve inside it (a local
+            directory or a URL prefix): a row naming ``../x``, an absolute path, another
+            bucket or another scheme is an input problem (skipped with ``on_error="skip"``),
+            and nothing outside is read. ``None``: paths may point anywhere.
 
     Raises:
         SourceError: If the table cannot be read.
@@ -405,9 +429,11 @@ class TableSource(Source):
         keep_columns: Sequence[str] = (),
         storage_options: Mapping[str, Any] | None = None,
         check: str = "decode",
+        root: str | None = None,
     ) -> None:
         if check not in ("decode", "header", "none"):
             raise SourceError(f"check={check!r} must be 'decode', 'header' or 'none'")
+        self.root = _root_of(root) if root else None
         try:
             import pyarrow  # noqa: F401
         except ImportError as exc:
@@ -501,6 +527,15 @@ class TableSource(Source):
             return SourceError(f"{self.url}: the table does not exist")
         return SourceError(f"{self.url}: cannot read the table: {printable(str(exc))}")
 
+    def _check_unique(self, names: Sequence[str]) -> None:
+        """Refuse a header naming a column twice (which of the two would a row's value be?)."""
+        twice = sorted({n for n in names if list(names).count(n) > 1})
+        if twice:
+            raise SourceError(
+                f"{self.url}: the header names column(s) {', '.join(map(repr, map(printable, twice)))} more than once; "
+                "give every column its own name"
+            )
+
     def _columns(self) -> dict[str, Any]:
         """The table's column names and (Arrow) types; for CSV, find the header line too."""
         import pyarrow as pa
@@ -511,6 +546,7 @@ class TableSource(Source):
 
                 with self._open() as f:
                     schema = pq.ParquetFile(f).schema_arrow
+                self._check_unique(schema.names)
                 return {name: schema.field(name).type for name in schema.names}
             if self.kind == "csv":
                 import pyarrow.csv as pcsv
@@ -525,7 +561,10 @@ class TableSource(Source):
                     self._data_start = offset
                     f.seek(0)
                     reader = pcsv.open_csv(f, read_options=pcsv.ReadOptions(block_size=1 << 20))
-                    return {name: reader.schema.field(name).type for name in reader.schema.names}
+                    schema = reader.schema
+                    reader.close()  # before the file closes: its reading thread must not outlive it
+                self._check_unique(schema.names)
+                return {name: schema.field(name).type for name in schema.names}
             with self._open() as f:
                 for line in f:
                     if line.strip():
@@ -686,9 +725,13 @@ class TableSource(Source):
             null = np.asarray(arr.is_null().to_numpy(zero_copy_only=False), dtype=bool)
             blank = _mask(pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(arr)), 0)) | null
             image = _mask(pc.match_substring_regex(arr, _IMAGE_PATH, ignore_case=True))
+            nul = _mask(pc.match_substring(arr, "\x00")) & ~blank
             for i in np.flatnonzero(blank).tolist():
                 problems.append((first_row + i, SkippedInput(self._where(first_row + i), "no path")))
-            wrong = np.flatnonzero(~blank & ~image)
+            for i in np.flatnonzero(nul).tolist():
+                problems.append((first_row + i, SkippedInput(self._where(first_row + i), "the path holds a NUL byte")))
+            image &= ~nul
+            wrong = np.flatnonzero(~blank & ~image & ~nul)
             if len(wrong):
                 for i, p in zip(wrong.tolist(), arr.take(pa.array(wrong)).to_pylist(), strict=True):
                     where = self._where(first_row + i, str(p))
@@ -698,6 +741,9 @@ class TableSource(Source):
         for i, p in enumerate(_pylist(col)):
             if p is None or not str(p).strip():
                 problems.append((first_row + i, SkippedInput(self._where(first_row + i), "no path")))
+                ok[i] = False
+            elif "\x00" in str(p):
+                problems.append((first_row + i, SkippedInput(self._where(first_row + i), "the path holds a NUL byte")))
                 ok[i] = False
             elif _ext_of(str(p)) not in IMAGE_EXTENSIONS:
                 where = self._where(first_row + i, str(p))
@@ -1082,6 +1128,10 @@ class TableSource(Source):
         else:
             path = self.resolve(str(values[self.path_column]))
             where = f"{where} ({printable(path)})"
+            if "\x00" in path:
+                raise SourceError(f"{where}: the path holds a NUL byte")
+            if self.root is not None and not _inside(path, self.root):
+                raise SourceError(f"{where}: outside --root {printable(self.root)}")
             data = self._read_image(path, where)
             ext = _ext_of(path)
         sample: dict[str, Any] = {"__key__": item.key, ext: data}
@@ -1101,7 +1151,9 @@ class TableSource(Source):
             try:
                 return read_url(path, self.storage_options)
             except StreamloadError as exc:
-                raise SourceError(f"{where}: {printable(str(exc))}") from exc
+                message = printable(str(exc))
+                message = message[len(path) :].lstrip(": ") if message.startswith(path) else message
+                raise SourceError(f"{where}: {message}") from exc
         try:
             with open(local_path_of(path), "rb") as f:
                 return f.read()

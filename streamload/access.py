@@ -194,6 +194,8 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
             IndexError: If ``index`` is out of range.
         """
         n = len(self)
+        if isinstance(index, (bool, np.bool_)):  # True is 1 to operator.index: never what was meant
+            raise TypeError(f"sample indices are integers, not {type(index).__name__} ({index!r})")
         i = operator.index(index)
         if i < 0:
             i += n
@@ -245,7 +247,10 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
 
         Raises:
             SampleNotFoundError: If no sample has that key (a :class:`KeyError`).
+            TypeError: If ``key`` is not a string.
         """
+        if not isinstance(key, str):
+            raise TypeError(f"sample keys are strings, not {type(key).__name__} ({key!r}); use ds[index] for an index")
         for position in self.key_index().candidates(key):
             shard, local = self.locate(position)
             if self._key_at(shard, local) == key:
@@ -257,6 +262,7 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
 
         Raises:
             SampleNotFoundError: If no sample has that key (a :class:`KeyError`).
+            TypeError: If ``key`` is not a string (an index is ``ds[index]``).
         """
         return self[self.index_of(key)]
 
@@ -393,6 +399,8 @@ class SampleView:
         """
         if isinstance(index, slice):
             return SampleView(self.dataset, self.indices[index])
+        if isinstance(index, (bool, np.bool_)):
+            raise TypeError(f"sample indices are integers, not {type(index).__name__} ({index!r})")
         try:
             position = self.indices[operator.index(index)]
         except IndexError:

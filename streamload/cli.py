@@ -2,12 +2,20 @@
 
 Every subcommand is a ``_cmd_<name>`` function and an entry of :func:`build_parser`;
 errors of the :class:`~streamload.StreamloadError` family print one line and exit 2.
+
+Everything printed for a person (not ``--json``, which stays exact JSON with its control
+characters escaped by JSON itself) goes through :func:`terminal_safe`: class names, keys,
+paths, ``meta`` and error texts come from datasets others wrote, and an escape sequence
+there must not reach the terminal (set its title, clear the screen, write the clipboard by
+OSC 52, or forge a line).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,7 +24,33 @@ from ._errors import ConversionInterrupted, StorageError, StreamloadError
 from ._options import add_storage_option, parse_storage_options
 from ._units import format_bytes
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "terminal_safe"]
+
+#: What a terminal may act on: C0 and C1 controls (ESC, CSI, OSC, BEL, CR, newline...), DEL,
+#: and the bidirectional overrides that reorder what is shown.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\u200e\u200f\u061c]")
+
+
+def terminal_safe(text: object) -> str:
+    """Return ``str(text)`` with every character a terminal would act on written as an escape (ESC as x1b)."""
+
+    def escape(match: re.Match[str]) -> str:
+        code = ord(match.group())
+        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+    return _UNSAFE.sub(escape, str(text))
+
+
+def _say(*parts: object, file: Any = None) -> None:
+    """``print`` for a person: each part made :func:`terminal_safe`."""
+    print(*(terminal_safe(p) for p in parts), file=file)
+
+
+class _SafeFormatter(logging.Formatter):
+    """Log lines of a command made :func:`terminal_safe` (keys and paths in them come from datasets)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return terminal_safe(super().format(record))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="column of embedded image bytes ({bytes, path} struct or binary; found automatically in Parquet)",
     )
     table.add_argument("--keep-columns", default="", help="comma-separated columns kept in each sample's json field")
+    table.add_argument(
+        "--root",
+        help="a directory or URL prefix that every path the table names must lie in (others are input problems)",
+    )
     again = p.add_mutually_exclusive_group()
     again.add_argument(
         "--resume",
@@ -212,17 +250,18 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             label_column=args.label_column,
             image_column=args.image_column,
             keep_columns=[c.strip() for c in args.keep_columns.split(",") if c.strip()],
+            root=args.root,
         )
         report = convert(source, args.dst, options)
     except StreamloadError:
         raise
     except OSError as exc:  # the environment (disk, permissions, process limits): one line, no traceback
         raise StorageError(str(exc)) from exc
-    print(report.summary())
+    _say(report.summary())
     for skipped in report.skipped:
-        print(f"  skipped {skipped.path}: {skipped.error}", file=sys.stderr)
+        _say(f"  skipped {skipped.path}: {skipped.error}", file=sys.stderr)
     for warned in report.warnings:
-        print(f"  warning {warned.path}: {warned.error}", file=sys.stderr)
+        _say(f"  warning {warned.path}: {warned.error}", file=sys.stderr)
     return 0
 
 
@@ -250,18 +289,18 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=1))
         return 0
     counts = manifest.shard_counts or [0]
-    print(f"dataset   {args.dataset}")
-    print(f"format    {manifest.format}")
-    print(f"samples   {manifest.num_samples}")
-    print(f"shards    {len(manifest.shards)} (samples per shard: min {min(counts)}, max {max(counts)})")
-    print(f"size      {format_bytes(manifest.num_bytes)}")
-    print(f"fields    {', '.join(manifest.fields) or '-'}")
+    _say(f"dataset   {args.dataset}")
+    _say(f"format    {manifest.format}")
+    _say(f"samples   {manifest.num_samples}")
+    _say(f"shards    {len(manifest.shards)} (samples per shard: min {min(counts)}, max {max(counts)})")
+    _say(f"size      {format_bytes(manifest.num_bytes)}")
+    _say(f"fields    {', '.join(manifest.fields) or '-'}")
     classes = ", ".join(manifest.classes[:10]) + (" ..." if len(manifest.classes) > 10 else "")
-    print(f"classes   {len(manifest.classes)}: {classes or '-'}")
-    print(f"hash      {manifest.hash_algorithm or 'none'}")
-    print(f"skipped   {len(manifest.skipped)} inputs at conversion")
+    _say(f"classes   {len(manifest.classes)}: {classes or '-'}")
+    _say(f"hash      {manifest.hash_algorithm or 'none'}")
+    _say(f"skipped   {len(manifest.skipped)} inputs at conversion")
     appends = manifest.meta.get("appends") or []
-    print(f"appends   {len(appends)}" + (f" (last: {appends[-1].get('source')})" if appends else ""))
+    _say(f"appends   {len(appends)}" + (f" (last: {appends[-1].get('source')})" if appends else ""))
     return 0
 
 
@@ -277,15 +316,13 @@ def _cmd_show(args: argparse.Namespace) -> int:
         shard, local = ds.locate(index)
         sample = ds[index]
     except IndexError as exc:
-        print(f"streamload show: error: {exc}", file=sys.stderr)
+        _say(f"streamload show: error: {exc}", file=sys.stderr)
         return 2
     finally:
         ds.close()
     index %= len(ds)
-    print(f"dataset   {args.dataset}")
-    print(
-        f"sample    {index} of {len(ds)}: key {sample['__key__']!r} ({ds.manifest.shards[shard].name}, index {local})"
-    )
+    _say(f"dataset   {args.dataset}")
+    _say(f"sample    {index} of {len(ds)}: key {sample['__key__']!r} ({ds.manifest.shards[shard].name}, index {local})")
     image = None
     for name in sorted(k for k in sample if not k.startswith("__")):
         value = bytes(sample[name])
@@ -303,14 +340,14 @@ def _cmd_show(args: argparse.Namespace) -> int:
         elif name in ("txt", "text", "json"):
             text = value[:60].decode("utf-8", "replace")
             detail = repr(text) + (" ..." if len(value) > 60 else "")
-        print(f"field     {name:<8} {len(value):>9} bytes  {detail}".rstrip())
+        _say(f"field     {name:<8} {len(value):>9} bytes  {detail}".rstrip())
     if args.out:
         if image is None:
-            print(f"streamload show: error: sample {sample['__key__']!r} has no image field", file=sys.stderr)
+            _say(f"streamload show: error: sample {sample['__key__']!r} has no image field", file=sys.stderr)
             return 2
         with open(args.out, "wb") as f:
             f.write(image)
-        print(f"wrote     {args.out} ({format_bytes(len(image))})")
+        _say(f"wrote     {args.out} ({format_bytes(len(image))})")
     return 0
 
 
@@ -345,13 +382,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
     )
     for _name, what in report.repaired:
-        print(f"REPAIRED {what}")
+        _say(f"REPAIRED {what}")
     for _name, problem in report.problems:
-        print(f"BAD  {problem}")
+        _say(f"BAD  {problem}")
     if report.unhashed:
         shown = ", ".join(report.unhashed[:3]) + (", ..." if len(report.unhashed) > 3 else "")
         samples = "" if args.no_read else " (and their samples by their own checksums)"
-        print(
+        _say(
             f"NOTE {len(report.unhashed)} file(s) have no hash in the manifest ({shown}): "
             f"only their sizes were checked{samples}"
         )
@@ -361,7 +398,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         status = f"NO HASH to check for {len(report.unhashed)} file(s), no other problem"
     else:
         status = "OK"
-    print(f"{status}: {report.shards_checked} shards, {report.samples_checked} samples checked in {args.dataset}")
+    _say(f"{status}: {report.shards_checked} shards, {report.samples_checked} samples checked in {args.dataset}")
     return 0 if report.ok else 1
 
 
@@ -379,7 +416,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
         image_column=args.image_column,
         label_column=args.label_column,
     )
-    print(f"indexed {len(manifest.shards)} shards, {manifest.num_samples} samples; wrote {args.directory}/index.json")
+    _say(f"indexed {len(manifest.shards)} shards, {manifest.num_samples} samples; wrote {args.directory}/index.json")
     return 0
 
 
@@ -395,17 +432,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
+    logger = logging.getLogger("streamload")
+    handler = None
+    if not logger.handlers and not logging.getLogger().handlers:
+        # Without one, Python's last-resort handler prints warnings raw.
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setLevel(logging.WARNING)
+        handler.setFormatter(_SafeFormatter("%(message)s"))
+        logger.addHandler(handler)
     try:
         return func(args)
     except ConversionInterrupted as exc:
-        print(f"streamload {args.command}: {exc}", file=sys.stderr)
+        _say(f"streamload {args.command}: {exc}", file=sys.stderr)
         return 130
     except StreamloadError as exc:
-        print(f"streamload {args.command}: error: {exc}", file=sys.stderr)
+        _say(f"streamload {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"streamload {args.command}: interrupted", file=sys.stderr)
+        _say(f"streamload {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if handler is not None:
+            logger.removeHandler(handler)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -36,7 +36,7 @@ from typing import Any, Literal, NoReturn
 import torch
 from torch.utils.data import IterableDataset
 
-from ._errors import ConfigError, CorruptShardError, PlanError, SampleError, StreamloadError
+from ._errors import CacheError, ConfigError, CorruptShardError, PlanError, SampleError, StreamloadError
 from ._validate import (
     check_epoch,
     check_partitions,
@@ -684,11 +684,11 @@ class StreamingDataset(IterableDataset[Any]):
         try:
             reader = readers.get(run.shard)
         except StreamloadError as exc:
-            if self.on_error == "raise":
+            if self.on_error == "raise" or isinstance(exc, CacheError):  # the machine's fault: never a skip
                 _raise_located(exc, url, entry)
             progress.next_item = int(run.positions[-1]) + 1
             self._skip(entry, None, exc, count=len(run.locals), source=where)
-            yield from substitute.fail(len(run.locals))
+            yield from substitute.fail(len(run.locals), where)
             return
         transform = self.transform
         samples = self._samples(readers, reader, run, entry, url)
@@ -700,7 +700,7 @@ class StreamingDataset(IterableDataset[Any]):
             progress.next_item = position + 1
             if isinstance(sample, _Failed):
                 self._skip(entry, sample.key, sample.error, source=where)
-                yield from substitute.fail(1)
+                yield from substitute.fail(1, where)
                 continue
             if placed:
                 sample["__epoch__"] = epoch
@@ -708,7 +708,7 @@ class StreamingDataset(IterableDataset[Any]):
             if label is not None:
                 sample["__source__"] = label
             if transform is None:
-                yield from substitute.good(sample)
+                yield from substitute.good(sample, where)
                 continue
             try:
                 out = transform(sample)
@@ -720,9 +720,9 @@ class StreamingDataset(IterableDataset[Any]):
                         f"{url}/{entry.name}: sample {sample.get('__key__')!r}: transform failed: {exc}"
                     ) from exc
                 self._skip(entry, sample.get("__key__"), exc, source=where)
-                yield from substitute.fail(1)
+                yield from substitute.fail(1, where)
                 continue
-            yield from substitute.good(out)
+            yield from substitute.good(out, where)
 
     def _samples(
         self, readers: MixedSource, reader: ShardReader, run: Run, entry: ShardEntry, url: str
@@ -753,7 +753,7 @@ class StreamingDataset(IterableDataset[Any]):
                 rest = run.part(done)
                 yield from self._samples(readers, fresh, rest, entry, url)
                 return
-            if self.on_error == "raise":
+            if self.on_error == "raise" or isinstance(exc, CacheError):  # the machine's fault: never a skip
                 _raise_located(exc, url, entry)
             yield _Failed(exc, None)
             for index in locals_[done + 1 :]:
@@ -776,11 +776,11 @@ class StreamingDataset(IterableDataset[Any]):
         self.errors[f"shard:{shard}"] = logged + count
         if not logged:
             log.warning(
-                "skipping %d sample(s) of %s/%s (first key %r): %s; later ones of this shard are counted",
+                "skipping %d sample(s) of %s/%s (%s): %s; later ones of this shard are counted",
                 count,
                 self.source if source is None else source,
                 entry.name,
-                key,
+                f"first key {key!r}" if key is not None else "their keys could not be read",
                 exc,
             )
 
@@ -867,34 +867,38 @@ class _Failed:
 class _Substitute:
     """Keeps the item count whole under ``on_error="skip"``.
 
-    Each skipped item is replaced by a repeat of the last good one (owed until one exists).
+    Each skipped item is replaced by a repeat of the last good one of the same stream (owed
+    until one exists), so a mixture's shares hold: a stand-in for stream B's bad sample
+    comes from stream B. An item still owed at the end comes from any stream.
     """
 
     def __init__(self) -> None:
-        self.last: Any = None
-        self.has_last = False
-        self.owed = 0
+        self.last: dict[object, Any] = {}
+        self.owed: dict[object, int] = {}
 
-    def good(self, item: Any) -> Iterator[Any]:
-        self.last, self.has_last = item, True
+    def good(self, item: Any, stream: object = None) -> Iterator[Any]:
+        self.last[stream] = item
         yield item
-        owed, self.owed = self.owed, 0
-        for _ in range(owed):
+        for _ in range(self.owed.pop(stream, 0)):
             yield item
 
-    def fail(self, count: int) -> Iterator[Any]:
-        if not self.has_last:
-            self.owed += count
+    def fail(self, count: int, stream: object = None) -> Iterator[Any]:
+        if stream not in self.last:
+            self.owed[stream] = self.owed.get(stream, 0) + count
             return
         for _ in range(count):
-            yield self.last
+            yield self.last[stream]
 
     def finish(self) -> Iterator[Any]:
-        if self.owed and not self.has_last:
+        owed = sum(self.owed.values())
+        if owed and not self.last:
             raise StreamloadError(
-                f"every one of the {self.owed} samples this worker had to read failed; nothing to substitute"
+                f"every one of the {owed} samples this worker had to read failed; nothing to substitute"
             )
-        yield from ()
+        self.owed.clear()
+        stand_in = next(reversed(self.last.values()), None)
+        for _ in range(owed):
+            yield stand_in
 
 
 def _mix(*words: int) -> int:

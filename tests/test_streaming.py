@@ -67,6 +67,11 @@ def _batches(loader: Any) -> list[tuple[tuple[str, ...], list[bytes], list[int]]
     return out
 
 
+def _padded(batch: int) -> int:
+    """The items of an epoch with a (single-rank) ``batch_size``: TOTAL padded to whole batches."""
+    return -(-TOTAL // batch) * batch
+
+
 def _cached_files(cache: Path) -> list[str]:
     return sorted(name for root in cache.iterdir() if root.is_dir() for name in os.listdir(root / "data"))
 
@@ -94,7 +99,17 @@ def test_streaming_yields_the_cached_samples_in_the_same_order(
     streamed = epoch("none")
     assert streamed == cached
     keys = [k for batch in streamed for k in batch[0]] if collate else [k for k, _ in streamed]
-    assert Counter(keys) == Counter(f"s{i:04d}" for i in range(TOTAL))
+    # The epoch is padded to whole batches of 16: every sample once, plus the first
+    # _padded(16) - TOTAL positions of the shuffled epoch sequence once more. That sequence
+    # runs through the (permuted) shards one after the other, so the repeats are the first
+    # samples of a single shard.
+    extra = _padded(16) - TOTAL
+    assert len(keys) == _padded(16) and extra > 0
+    counts = Counter(keys)
+    assert set(counts) == {f"s{i:04d}" for i in range(TOTAL)} and max(counts.values()) == 2
+    repeats = sorted(k for k, c in counts.items() if c == 2)
+    first = int(repeats[0][1:])
+    assert first % PER_SHARD == 0 and repeats == [f"s{first + i:04d}" for i in range(extra)]
     # Only sidecars were cached: no shard data reached the disk.
     assert _cached_files(tmp_path / "none") == sorted(f"shard-{i:06d}.tar.idx" for i in range(SHARDS))
     assert any(name.endswith(".tar") for name in _cached_files(tmp_path / "shards"))
@@ -160,8 +175,10 @@ def test_streaming_memory_stays_within_the_buffer(
     assert 0 < peak[0] <= budget + 2 * 2 * largest_batch
     # Each epoch's fetch threads end with it: more epochs leave no more threads behind.
     threads = threading.active_count()
+    # Unshuffled, padded to whole batches of 16: the first samples (labels i % 5) again at the end.
+    labels = Counter([i % 5 for i in range(TOTAL)] + [i % 5 for i in range(_padded(16) - TOTAL)])
     for _ in range(3):
-        assert sum(len(b) for b in ds) == TOTAL
+        assert Counter(label for b in ds for label in b.labels.tolist()) == labels
     time.sleep(0.5)
     assert threading.active_count() <= threads
 
@@ -179,7 +196,7 @@ def test_a_streaming_epoch_coalesces_its_requests(shaped_s3: ShapedS3, dataset: 
     before = _gets(shaped_s3)
     batches = list(ds)
     gets = _gets(shaped_s3) - before
-    assert sum(len(b) for b in batches) == TOTAL
+    assert [len(b) for b in batches] == [32] * (_padded(32) // 32)
     # Per shard: its sidecar, two tar headers checked at open, and about one span per batch part.
     assert gets <= TOTAL / 6, f"{gets} GETs for {TOTAL} samples"
     assert gets >= SHARDS  # at least a sidecar each (and nothing cached: every byte came by a GET)

@@ -13,6 +13,7 @@ The sample model (``docs/design.md#sample-model``): a ``dict`` with ``"__key__"`
 from __future__ import annotations
 
 import os
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,19 @@ Sample = dict[str, Any]
 MAX_KEY_BYTES = 4096
 
 
+#: Fields holding an integer label (ASCII decimal): readers parse them as 64-bit integers.
+_LABEL_FIELDS = ("cls", "cls2")
+_DECIMAL = re.compile(rb"\s*[+-]?[0-9]+\s*")
+
+
+def _check_label(key: str, name: str, value: bytes) -> None:
+    """Refuse an integer label that no reader can take (outside the 64-bit signed range)."""
+    if len(value) <= 64 and _DECIMAL.fullmatch(value) and not -(2**63) <= int(value) < 2**63:
+        raise SampleError(f"sample {key!r} field {name!r}: label {int(value)} does not fit in 64 bits")
+    if len(value) > 64 and _DECIMAL.fullmatch(value[:64]):
+        raise SampleError(f"sample {key!r} field {name!r}: a label of {len(value)} characters does not fit in 64 bits")
+
+
 def check_sample(sample: Mapping[str, Any]) -> tuple[str, list[tuple[str, bytes]]]:
     """Validate a sample for writing; return its key and its fields sorted by name.
 
@@ -65,6 +79,8 @@ def check_sample(sample: Mapping[str, Any]) -> tuple[str, list[tuple[str, bytes]
             raise SampleError(f"sample {key!r} field {name!r}: expected bytes, got {type(value).__name__}")
         if not name or "/" in name or "\0" in name:
             raise SampleError(f"sample {key!r}: invalid field name {name!r}")
+        if name in _LABEL_FIELDS:
+            _check_label(key, name, bytes(value))
         fields.append((name, bytes(value)))
     return key, fields
 

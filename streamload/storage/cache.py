@@ -10,7 +10,7 @@ Layout, one directory per dataset (``<cache_dir>/<hash of the dataset URL>/``)::
     .lock                 exclusive while a process counts bytes / reserves / evicts
     data/<name>           complete, verified files; mtime = last use (the LRU clock)
     pins/<name>           shared flock = "in use"; exclusive flock = "being evicted"
-    pins/<name>.dl        exclusive flock = "being downloaded" (one downloader per file)
+    downloads/<name>      exclusive flock = "being downloaded" (one downloader per file)
     tmp/<name>.<size>.<pid>.<random>.part
                           a download in progress, flocked by its writer; its name
                           carries the bytes it reserves against the limit
@@ -22,7 +22,25 @@ Layout, one directory per dataset (``<cache_dir>/<hash of the dataset URL>/``)::
                           flocked while it reads (see "Admission" below)
 
 Names are checked to be plain file names (see
-:func:`~streamload._files.check_file_name`), so no path built here leaves the cache.
+:func:`~streamload._files.check_file_name`), so no path built here leaves the cache. No
+bookkeeping name can be a shard's: each kind of lock has a folder of its own (a shard named
+``s.tar.dl`` and one named ``s.tar`` once shared ``pins/s.tar.dl``, and reading the second
+while the first was open waited for ever on its own lock), and the cache's own temporary
+names start with a dot, which no plain name does. Every lock wait is bounded
+(``lock_timeout``) and ends in a :class:`~streamload.CacheError` naming the lock file.
+
+Links. A cache directory may sit where others can write (a node-wide ``STREAMLOAD_CACHE``),
+so the cache never follows a link it did not make: its folders must be real directories
+(checked with ``lstat`` whenever one is listed), every file is opened with
+``O_NOFOLLOW``, a cached file is served only if it is a regular file, and sizes are counted
+without following links. Deleting a link deletes the link, never its target. The dataset's
+cache folder must belong to the user and not be writable by group or others (a
+:class:`~streamload.CacheError` says so), unless ``STREAMLOAD_CACHE_SHARED=1`` allows a
+folder shared by a group of users (then a link planted there is refused, never followed).
+
+A full disk. A download that meets ``ENOSPC`` (or a quota) ends in a
+:class:`~streamload.CacheError` naming the cache directory and the bytes it needed: it is
+not the shard's fault, so it is never a corrupt shard and never a skipped sample.
 
 Invariants:
 
@@ -67,10 +85,13 @@ for room that does happen (another process's download holds it) logs a line ever
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
 import secrets
+import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -89,12 +110,19 @@ log = logging.getLogger("streamload")
 DEFAULT_WAIT_TIMEOUT = 300.0
 #: Seconds between the log lines of an acquire waiting for room.
 DEFAULT_LOG_EVERY = 10.0
+#: Longest wait for one of the cache's locks (another process's download of the same file
+#: holds its lock for that download, which its retry policy bounds) before a CacheError.
+DEFAULT_LOCK_TIMEOUT = 600.0
+#: The environment variable that allows a cache folder writable by its group (and owned by
+#: another user of it): a cache shared by several users.
+SHARED_ENV = "STREAMLOAD_CACHE_SHARED"
 #: Longest sleep between two tries to make room (room is mostly freed by a download ending).
 _MAX_POLL = 0.25
 #: A registration being created (``readers/.<name>``) left by a crash is deleted after this long.
 _STALE_NEW_REGISTRATION = 60.0
 _CHUNK = 8 << 20
-_SUBDIRS = ("data", "pins", "tmp", "meta", "readers")
+_SUBDIRS = ("data", "pins", "downloads", "tmp", "meta", "readers")
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass
@@ -151,8 +179,17 @@ _FDS_LOCK = threading.Lock()
 
 
 def _open_fd(path: str, flags: int) -> int:
+    """Open ``path`` (never through a link: ``O_NOFOLLOW``) and record the descriptor."""
     with _FDS_LOCK:
-        fd = os.open(path, flags | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise CacheError(
+                    f"{path} is a symbolic link; the cache never follows a link it did not make "
+                    "(someone else can write the cache directory: use one only you can write)"
+                ) from exc
+            raise
         _FDS.add(fd)
     return fd
 
@@ -203,6 +240,24 @@ def _lock(fd: int, flags: int) -> bool:
         return False
 
 
+def _wait_lock(fd: int, flags: int, path: str, timeout: float, why: str) -> None:
+    """Take a flock, waiting at most ``timeout`` seconds; else a :class:`CacheError` naming ``path``."""
+    if _lock(fd, flags | fcntl.LOCK_NB):
+        return
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        time.sleep(delay)
+        if _lock(fd, flags | fcntl.LOCK_NB):
+            return
+        if time.monotonic() > deadline:
+            raise CacheError(
+                f"{path}: still locked by another process after {timeout:.0f} s ({why}); "
+                "if no other process of this machine is reading this dataset, delete the cache directory"
+            )
+        delay = min(delay * 2, 0.05)
+
+
 class ShardCache:
     """One dataset's cache directory (see the module docstring for its layout).
 
@@ -212,6 +267,9 @@ class ShardCache:
         verify_hash: Check downloads against the manifest hash (size is always checked).
         wait_timeout: Seconds an acquire waits for other readers to free room.
         log_every: Seconds between the log lines of an acquire waiting for room.
+        lock_timeout: Most seconds any wait for one of the cache's locks lasts.
+        shared: Accept a cache folder writable by its group or owned by another user
+            (default: ``STREAMLOAD_CACHE_SHARED=1`` in the environment).
     """
 
     def __init__(
@@ -222,23 +280,81 @@ class ShardCache:
         verify_hash: bool = True,
         wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
         log_every: float = DEFAULT_LOG_EVERY,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+        shared: bool | None = None,
     ) -> None:
         self.root = root
         self.limit = limit
         self.verify_hash = verify_hash
         self.wait_timeout = wait_timeout
         self.log_every = log_every
+        self.lock_timeout = lock_timeout
+        self.shared = os.environ.get(SHARED_ENV, "") in ("1", "true", "yes") if shared is None else shared
         self.stats = CacheStats()
         self._stats_lock = threading.Lock()
         self._make_dirs()
 
     def _make_dirs(self) -> None:
-        """Create the cache's directories (again, if someone deleted them under a running job)."""
+        """Create the cache's directories (again, if someone deleted them under a running job).
+
+        Raises:
+            CacheError: If the cache folder or one of its folders is a link or not a
+                directory, or the cache folder is not safe from other users (see the
+                module docstring).
+        """
+        try:
+            # Explicit modes: a umask of 002 must not make the cache writable by a group.
+            os.makedirs(self.root, mode=0o755, exist_ok=True)
+        except OSError as exc:
+            raise CacheError(f"cannot create the cache directory {self.root}: {exc.strerror or exc}") from exc
+        self._check_dir(self.root, owner=True)
         for sub in _SUBDIRS:
-            os.makedirs(os.path.join(self.root, sub), exist_ok=True)
+            path = os.path.join(self.root, sub)
+            try:
+                os.mkdir(path, 0o755)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise CacheError(f"cannot create the cache directory {path}: {exc.strerror or exc}") from exc
+            self._check_dir(path, owner=False)
+
+    def _check_dir(self, path: str, *, owner: bool) -> None:
+        """Refuse a cache folder that is a link or not a directory, or (``owner``) others could write."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return  # deleted under a running job: made again by the next write
+        if not stat.S_ISDIR(st.st_mode):
+            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+            raise CacheError(
+                f"{path} is {kind}; the cache never follows a link it did not make nor writes outside its "
+                "own folders (someone else can write the cache directory: use one only you can write)"
+            )
+        if not owner:
+            if not self.shared and st.st_uid != os.geteuid():
+                raise CacheError(
+                    f"{path}: a folder of the cache belongs to another user; use a cache directory of your own, "
+                    f"or set {SHARED_ENV}=1 if it is shared on purpose"
+                )
+            return
+        if self.shared:
+            if st.st_mode & stat.S_IWOTH:
+                raise CacheError(
+                    f"{path}: the cache folder is writable by every user (mode {stat.S_IMODE(st.st_mode):o}); "
+                    f"even with {SHARED_ENV}=1 it may only be shared by a group"
+                )
+            return
+        if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise CacheError(
+                f"{path}: the cache folder belongs to another user or others can write it (mode "
+                f"{stat.S_IMODE(st.st_mode):o}); another user could make the cache delete or overwrite your "
+                f"files. Use a cache directory of your own (or chmod go-w {path}), or set {SHARED_ENV}=1 if it is "
+                "shared on purpose"
+            )
 
     def _create(self, path: str, flags: int) -> int:
         """Open (creating) ``path`` in the cache; its directory is made again if it was deleted."""
+        self._check_dir(os.path.dirname(path), owner=path == os.path.join(self.root, ".lock"))
         try:
             return _open_fd(path, flags)
         except FileNotFoundError:
@@ -246,9 +362,14 @@ class ShardCache:
             return _open_fd(path, flags)
 
     def _scan(self, sub: str) -> list[os.DirEntry[str]]:
-        """The entries of ``<root>/<sub>`` (none, and the directory made again, if it was deleted)."""
+        """The entries of ``<root>/<sub>`` (none, and the directory made again, if it was deleted).
+
+        A folder replaced by a link is refused, never listed (its entries would be deleted).
+        """
+        path = os.path.join(self.root, sub)
+        self._check_dir(path, owner=False)
         try:
-            with os.scandir(os.path.join(self.root, sub)) as it:
+            with os.scandir(path) as it:
                 return list(it)
         except FileNotFoundError:
             self._make_dirs()
@@ -257,14 +378,21 @@ class ShardCache:
     # -- paths -----------------------------------------------------------------------
 
     def data_path(self, name: str) -> str:
-        """Return where the complete file ``name`` lives in the cache."""
-        return os.path.join(self.root, "data", check_file_name(name, "cached file name"))
+        """Return where the complete file ``name`` lives in the cache (its folder checked: no link)."""
+        folder = os.path.join(self.root, "data")
+        self._check_dir(folder, owner=False)
+        return os.path.join(folder, check_file_name(name, "cached file name"))
 
-    def _pin_path(self, name: str, suffix: str = "") -> str:
-        return os.path.join(self.root, "pins", check_file_name(name, "cached file name") + suffix)
+    def _pin_path(self, name: str) -> str:
+        return os.path.join(self.root, "pins", check_file_name(name, "cached file name"))
+
+    def _download_lock_path(self, name: str) -> str:
+        return os.path.join(self.root, "downloads", check_file_name(name, "cached file name"))
 
     def _meta_path(self, name: str) -> str:
-        return os.path.join(self.root, "meta", check_file_name(name, "cached file name"))
+        folder = os.path.join(self.root, "meta")
+        self._check_dir(folder, owner=False)
+        return os.path.join(folder, check_file_name(name, "cached file name"))
 
     def _open_lock(self, path: str) -> int:
         return self._create(path, os.O_RDWR | os.O_CREAT)
@@ -273,9 +401,10 @@ class ShardCache:
 
     def pin(self, name: str) -> Pin:
         """Take a shared lock on ``name``'s pin (waits out an eviction in progress)."""
-        fd = self._open_lock(self._pin_path(name))
+        path = self._pin_path(name)
+        fd = self._open_lock(path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            _wait_lock(fd, fcntl.LOCK_SH, path, self.lock_timeout, f"evicting {name}")
         except BaseException:
             _close_fd(fd)
             raise
@@ -289,9 +418,11 @@ class ShardCache:
         """
         path = self.data_path(entry.name)
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except FileNotFoundError:
             return None
+        if not stat.S_ISREG(st.st_mode):
+            return None  # not a file this cache made (a planted link): replaced by the next download
         if st.st_size != entry.num_bytes:
             return None  # a stale file of another version; replaced by the next download
         if self._checks_hash(entry):
@@ -318,18 +449,21 @@ class ShardCache:
         A record written before generations existed has none (``""``).
         """
         try:
-            with open(self._meta_path(name), encoding="ascii") as f:
-                fields = f.read().split()
+            fd = _open_fd(self._meta_path(name), os.O_RDONLY)
+            try:
+                fields = os.read(fd, 4096).decode("ascii").split()
+            finally:
+                _close_fd(fd)
             digest, size, inode = fields[:3]
             return digest, int(size), int(inode), fields[3] if len(fields) > 3 else ""
-        except (OSError, ValueError):
+        except (OSError, ValueError, CacheError):
             return None
 
     def generation(self, name: str) -> str | None:
         """The generation of the copy now in ``data/<name>`` (``None`` if it has no record of one)."""
         record = self._read_record(name)
         try:
-            inode = os.stat(self.data_path(name)).st_ino
+            inode = os.lstat(self.data_path(name)).st_ino
         except FileNotFoundError:
             return None
         if record is None or record[2] != inode or not record[3]:
@@ -339,14 +473,17 @@ class ShardCache:
     def _write_record(self, entry: FileEntry, part: str) -> None:
         """Record what ``part`` was verified against (caller holds the cache lock)."""
         meta = self._meta_path(entry.name)
-        tmp = f"{meta}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        # A leading dot: no plain name (no shard's record) can be this name.
+        tmp = os.path.join(self.root, "meta", f".{entry.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = self._create(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
-            f = open(tmp, "w", encoding="ascii")
-        except FileNotFoundError:
-            self._make_dirs()
-            f = open(tmp, "w", encoding="ascii")
-        with f:
-            f.write(f"{entry.hash or '-'} {entry.num_bytes} {os.stat(part).st_ino} {secrets.token_hex(8)}\n")
+            text = f"{entry.hash or '-'} {entry.num_bytes} {os.stat(part).st_ino} {secrets.token_hex(8)}\n"
+            os.write(fd, text.encode("ascii"))
+        except OSError as exc:
+            _close_fd(fd)
+            _unlink(tmp)
+            raise self._no_space(exc, entry) from exc
+        _close_fd(fd)
         os.replace(tmp, meta)
 
     # -- filling -------------------------------------------------------------------
@@ -379,7 +516,7 @@ class ShardCache:
         path = self.lookup(entry)
         if path is not None:
             return path
-        dl_fd = self._open_lock(self._pin_path(entry.name, ".dl"))
+        dl_fd = self._open_lock(self._download_lock_path(entry.name))
         try:
             if not self._lock_download(dl_fd, wait, entry):
                 return None
@@ -390,7 +527,12 @@ class ShardCache:
             with self._reservation(entry, wait, on_wait) as part:
                 if part is None:
                     return None
-                download(part, cancelled)
+                try:
+                    download(part, cancelled)
+                except OSError as exc:
+                    if _is_no_space(exc):
+                        raise self._no_space(exc, entry) from exc
+                    raise
                 if cancelled():
                     return None
                 self._verify(part, entry)
@@ -401,6 +543,7 @@ class ShardCache:
                         self.stats.downloads += 1
                         self.stats.bytes_downloaded += entry.num_bytes
                     try:
+                        self._check_dir(os.path.dirname(final), owner=False)
                         os.replace(part, final)
                     except FileNotFoundError as exc:
                         raise CacheError(
@@ -414,8 +557,24 @@ class ShardCache:
     def _lock_download(self, fd: int, wait: bool, entry: FileEntry) -> bool:
         if not wait:
             return _lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # the holder's download is bounded by its retry policy
+        # The holder's download is bounded by its retry policy; the wait by lock_timeout.
+        path = self._download_lock_path(entry.name)
+        _wait_lock(fd, fcntl.LOCK_EX, path, self.lock_timeout, f"downloading {entry.name}")
         return True
+
+    def _no_space(self, exc: BaseException, entry: FileEntry) -> BaseException:
+        """The :class:`CacheError` for a full disk (``exc`` itself if it is not one)."""
+        if not _is_no_space(exc):
+            return exc
+        try:
+            free = format_bytes(shutil.disk_usage(self.root).free)
+        except OSError:
+            free = "unknown"
+        return CacheError(
+            f"{self.root}: no space left on the cache's disk for {entry.name} ({format_bytes(entry.num_bytes)} "
+            f"needed, {free} free); free space there, or pass a smaller cache_limit or a cache_dir on a "
+            "larger disk"
+        )
 
     def _verify(self, part: str, entry: FileEntry) -> None:
         size = os.stat(part).st_size
@@ -447,12 +606,14 @@ class ShardCache:
             process already replaced or deleted it); False if the copy hashes to the
             entry: it is faithful, and a download would bring the same bytes.
         """
-        fd = self._open_lock(self._pin_path(entry.name, ".dl"))
+        lock = self._download_lock_path(entry.name)
+        fd = self._open_lock(lock)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # no download of this file meanwhile (bounded by its retries)
+            # No download of this file meanwhile (bounded by its retries).
+            _wait_lock(fd, fcntl.LOCK_EX, lock, self.lock_timeout, f"downloading {entry.name}")
             path = self.data_path(entry.name)
             try:
-                st = os.stat(path)
+                st = os.lstat(path)
             except FileNotFoundError:
                 return True
             if generation is not None and self.generation(entry.name) != generation:
@@ -473,7 +634,7 @@ class ShardCache:
         if entry.hash is None or entry.algorithm is None:
             return False
         hasher = new_hasher(entry.algorithm)
-        with open(path, "rb") as f:
+        with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NOFOLLOW)) as f:
             while chunk := f.read(_CHUNK):
                 hasher.update(chunk)
         return entry.digest_problem(hasher.hexdigest(), entry.algorithm) is None
@@ -481,7 +642,7 @@ class ShardCache:
     def _drop(self, name: str) -> None:
         """Delete ``data/<name>`` (a stale copy, about to be replaced) and its record."""
         try:
-            inode = os.stat(self.data_path(name)).st_ino
+            inode = os.lstat(self.data_path(name)).st_ino
         except FileNotFoundError:
             return
         with self._cache_lock():
@@ -491,7 +652,7 @@ class ShardCache:
         """Delete ``data/<name>`` if it is still ``inode``, and its record (caller holds the cache lock)."""
         path = self.data_path(name)
         try:
-            if os.stat(path).st_ino != inode:
+            if os.lstat(path).st_ino != inode:
                 return
         except FileNotFoundError:
             return
@@ -511,7 +672,7 @@ class ShardCache:
         new = os.path.join(readers, f".{name}")
         fd = self._create(new, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else holds it
             path = os.path.join(readers, name)
             os.rename(new, path)
         except BaseException:
@@ -621,14 +782,15 @@ class ShardCache:
             token = secrets.token_hex(4)
             part = os.path.join(self.root, "tmp", f"{entry.name}.{entry.num_bytes}.{os.getpid()}.{token}.part")
             fd = self._create(part, os.O_RDWR | os.O_CREAT | os.O_EXCL)
-            fcntl.flock(fd, fcntl.LOCK_EX)  # before the cache lock drops: never seen unlocked
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: before the cache lock drops
             return part, fd
 
     @contextmanager
     def _cache_lock(self) -> Iterator[None]:
-        fd = self._open_lock(os.path.join(self.root, ".lock"))
+        path = os.path.join(self.root, ".lock")
+        fd = self._open_lock(path)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _wait_lock(fd, fcntl.LOCK_EX, path, self.lock_timeout, "counting or evicting")
             yield
         finally:
             _close_fd(fd)
@@ -638,7 +800,7 @@ class ShardCache:
         total = 0
         for item in self._scan("data"):
             try:
-                total += item.stat().st_size
+                total += item.stat(follow_symlinks=False).st_size
             except FileNotFoundError:
                 continue
         for item in self._scan("tmp"):
@@ -647,7 +809,7 @@ class ShardCache:
                 _unlink(item.path)  # a crashed downloader's leftover
                 continue
             try:
-                total += max(reserved, item.stat().st_size)
+                total += max(reserved, item.stat(follow_symlinks=False).st_size)
             except FileNotFoundError:
                 continue
         return total
@@ -655,8 +817,8 @@ class ShardCache:
     def _part_is_live(self, path: str) -> bool:
         try:
             fd = _open_fd(path, os.O_RDONLY)
-        except FileNotFoundError:
-            return False
+        except (FileNotFoundError, CacheError):
+            return False  # gone, or a link (deleting it deletes the link)
         try:
             return not _lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
@@ -670,7 +832,7 @@ class ShardCache:
         candidates: list[tuple[float, str, int]] = []
         for item in self._scan("data"):
             try:
-                st = item.stat()
+                st = item.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
             candidates.append((st.st_mtime, item.name, st.st_size))
@@ -712,6 +874,18 @@ def _reserved_bytes(part_name: str) -> int | None:
     if len(pieces) < 5 or pieces[-1] != "part" or not pieces[-4].isdigit():
         return None
     return int(pieces[-4])
+
+
+def _is_no_space(exc: BaseException) -> bool:
+    """True if ``exc`` (or a cause) is a full disk or an exhausted quota."""
+    node: BaseException | None = exc
+    for _ in range(8):
+        if node is None:
+            return False
+        if isinstance(node, OSError) and node.errno in _NO_SPACE:
+            return True
+        node = node.__cause__ or node.__context__
+    return False
 
 
 def _unlink(path: str) -> None:

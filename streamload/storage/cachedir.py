@@ -23,10 +23,14 @@ def default_cache_dir() -> str:
 def dataset_cache_key(url: str, storage_options: Mapping[str, Any] | None) -> str:
     """Return a short hash naming a dataset's cache directory: of its URL and endpoint.
 
-    The same ``s3://bucket/x`` on two servers must not share a cache.
+    The same ``s3://bucket/x`` on two servers must not share a cache: the endpoint is taken
+    from ``storage_options``, else (for ``s3://``) from the environment variables botocore
+    reads (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``).
     """
     client = (storage_options or {}).get("client_kwargs") or {}
     endpoint = client.get("endpoint_url") if isinstance(client, Mapping) else None
     endpoint = endpoint or (storage_options or {}).get("endpoint_url")
+    if not endpoint and url.split("://", 1)[0].lower() in ("s3", "s3a"):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
     text = json.dumps([url.rstrip("/"), endpoint])
     return hashlib.sha256(text.encode()).hexdigest()[:24]

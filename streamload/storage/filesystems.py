@@ -60,16 +60,32 @@ def protocol_of(url: str) -> str:
     return url.split("://", 1)[0].lower() if "://" in url else "file"
 
 
-def _with_default_timeouts(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Give s3fs bounded connect/read timeouts unless the user chose some.
+#: The inactivity timeout when the caller gives none (see :class:`~.retry.RetryPolicy`).
+_DEFAULT_INACTIVITY = 30.0
 
-    botocore's default read timeout is 60 s per attempt, which hides a hung server for minutes.
+
+def _with_default_timeouts(protocol: str, options: dict[str, Any], inactivity: float) -> dict[str, Any]:
+    """Bound connects and every read by ``inactivity`` seconds without a byte, unless the user chose.
+
+    botocore's default read timeout is 60 s per attempt, and s3fs tries a stalled body
+    five times itself: a hung server was hidden for five minutes before the retry policy
+    saw a failure. s3:// gets botocore's ``read_timeout`` (a timeout per socket read, so an
+    inactivity timeout), http(s):// aiohttp's ``sock_read``.
     """
     if protocol in ("s3", "s3a"):
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("connect_timeout", 10)
-        config.setdefault("read_timeout", 60)
+        config.setdefault("read_timeout", inactivity)
         options["config_kwargs"] = config
+    elif protocol in ("http", "https"):
+        client = dict(options.get("client_kwargs") or {})
+        if "timeout" not in client:
+            try:
+                import aiohttp
+            except ImportError:
+                return options
+            client["timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=inactivity)
+            options["client_kwargs"] = client
     return options
 
 
@@ -113,15 +129,24 @@ def filesystem_class(url: str) -> Any:
         raise ConfigError(f"{url}: unknown protocol {protocol!r} ({exc})") from exc
 
 
-def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
+def open_filesystem(
+    url: str, storage_options: Mapping[str, Any] | None = None, inactivity_timeout: float | None = None
+) -> tuple[Any, str]:
     """Return ``(filesystem, root path)`` for ``url``, one instance per process and options.
+
+    Args:
+        url: The URL (its protocol picks the filesystem).
+        storage_options: The filesystem's options.
+        inactivity_timeout: Seconds a read may wait for a byte (default 30 s); a stalled
+            read fails after it, and the retry policy (not the filesystem) retries it.
 
     Raises:
         ConfigError: If the protocol is unknown, its package is not installed (the
             message says what to ``pip install``), or the options are not accepted.
     """
     protocol = protocol_of(url)
-    options = _with_default_timeouts(protocol, dict(storage_options or {}))
+    inactivity = _DEFAULT_INACTIVITY if inactivity_timeout is None else inactivity_timeout
+    options = _with_default_timeouts(protocol, dict(storage_options or {}), inactivity)
     options.setdefault("skip_instance_cache", True)
     cls = filesystem_class(url)
     key = (os.getpid(), protocol, json.dumps(options, sort_keys=True, default=repr))
@@ -133,6 +158,10 @@ def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None) 
             except TypeError as exc:
                 raise ConfigError(f"{url}: bad storage_options for {protocol}:// ({exc})") from exc
             detach_finalizers(fs)
+            if protocol in ("s3", "s3a") and hasattr(fs, "retries"):
+                # One try per call: the retry policy retries (and counts the time of) every
+                # failure; s3fs's own five tries of a stalled body took minutes unseen.
+                fs.retries = 1
             _FILESYSTEMS[key] = fs
     root = cls._strip_protocol(url)
     root = root.rstrip("/") if isinstance(root, str) else root

@@ -150,10 +150,17 @@ class LocalLock(DestinationLock):
         for _ in range(100):
             try:
                 os.makedirs(self.root, exist_ok=True)
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                # Never through a link: a planted one would have the holder's identity
+                # written over (truncating) whatever file it points to.
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
             except FileNotFoundError:  # the directory was removed meanwhile: make it again
                 continue
             except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise StorageError(
+                        f"cannot create the lock file {self.path}: it is a symbolic link (not made by streamload); "
+                        "delete it"
+                    ) from exc
                 raise StorageError(f"cannot create the lock file {self.path}: {exc.strerror or exc}") from exc
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -337,6 +337,7 @@ class RemoteStorage(Storage):
         """
         began = time.monotonic()
         try:
+            entry = self._versioned(entry)
             path = self.cache.fill(entry, self._downloader(entry), on_wait=lambda: self._ahead.starve(entry.name))
         except CorruptShardError as exc:
             raise CorruptShardError(f"{self._remote.url_of(entry.name)}: {exc}") from exc
@@ -346,6 +347,20 @@ class RemoteStorage(Storage):
                 self._blocked += time.monotonic() - began
         assert path is not None
         return path
+
+    def _versioned(self, entry: FileEntry) -> FileEntry:
+        """``entry``, or for a file the manifest gives no hash, the same with its object version as "hash".
+
+        A dataset written without hashes and rewritten at the same URL may have files of the
+        same names and sizes but other bytes: with nothing to check them against, a cached
+        copy is served only while the object's version (ETag, generation, or mtime and
+        inode) is the one it was downloaded at. It costs one metadata request per file
+        opened; the version is never checked as a digest (no algorithm).
+        """
+        if entry.hash is not None:
+            return entry
+        version = self._remote.version(entry.name)
+        return entry if version is None else FileEntry(entry.name, entry.num_bytes, f"version-{version}")
 
     def _check_fits(self, entry: FileEntry) -> None:
         if self.limit is not None and MIN_CACHE_SHARDS * entry.num_bytes > self.limit:
@@ -407,6 +422,7 @@ class RemoteStorage(Storage):
     def _fetch_ahead(self, entry: FileEntry, cancelled: Callable[[], bool]) -> None:
         pin = self.cache.pin(entry.name)
         try:
+            entry = self._versioned(entry)
             self.cache.fill(entry, self._downloader(entry), wait=False, cancelled=cancelled)
         finally:
             # Read-ahead files are not kept pinned: pins held by a reader that is not

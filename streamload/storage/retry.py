@@ -18,27 +18,69 @@ aiohttp's ``ClientConnectorError`` escape untranslated; fsspec's HTTP backend ra
 aiohttp's ``ClientResponseError`` carrying ``.status``. :func:`is_transient` therefore
 looks at the error's class names, its HTTP status and error code where present, and its
 causes, without importing any of those packages.
+
+A body cut short (the connection closed or reset after part of it) is transient, whatever
+status the error object carries: aiohttp's ``ContentLengthError`` has ``code=400``, the
+status its *server* would answer to such a message, not one the storage sent.
+
+Every read is also bounded by an **inactivity timeout** (:attr:`RetryPolicy.inactivity_timeout`,
+default 30 s, ``STREAMLOAD_READ_TIMEOUT`` in the environment): a body that stalls with
+its connection open fails after that long without a byte, and is retried like any other
+transient error. The retry budget counts from the start of the first attempt that failed,
+so the time a stalled attempt waited is spent from it.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import os
 import random
 import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from .._errors import ConfigError
 
-__all__ = ["RetryPolicy", "is_permanent", "is_transient", "retry_call"]
+__all__ = [
+    "DEFAULT_INACTIVITY_TIMEOUT",
+    "DEFAULT_RETRY_TIMEOUT",
+    "INACTIVITY_ENV",
+    "RETRY_ENV",
+    "RetryPolicy",
+    "is_permanent",
+    "is_transient",
+    "retry_call",
+]
 
 log = logging.getLogger("streamload")
 T = TypeVar("T")
 
+#: Seconds a read may go without a byte before it fails (and is retried).
+DEFAULT_INACTIVITY_TIMEOUT = 30.0
+#: Seconds after the first failed attempt of a call before giving up.
+DEFAULT_RETRY_TIMEOUT = 120.0
+#: The environment variable that sets the inactivity timeout (seconds).
+INACTIVITY_ENV = "STREAMLOAD_READ_TIMEOUT"
+#: The environment variable that sets the retry budget (seconds).
+RETRY_ENV = "STREAMLOAD_RETRY_TIMEOUT"
+
+#: Errors of a body cut short: transient, whatever HTTP status they carry.
+_CUT_BODY_CLASSES = frozenset(
+    {
+        "ClientPayloadError",
+        "PayloadEncodingError",
+        "ContentLengthError",
+        "TransferEncodingError",
+        "ContentEncodingError",
+        "IncompleteRead",
+        "IncompleteReadError",
+        "ResponseStreamingError",
+    }
+)
 #: Exception class names (anywhere in the MRO) that mean "try again later".
 _TRANSIENT_CLASSES = frozenset(
     {
@@ -63,6 +105,7 @@ _TRANSIENT_CLASSES = frozenset(
         "ServiceUnavailableError",
         "TransportError",
     }
+    | _CUT_BODY_CLASSES
 )
 #: Class names that mean "this will never work": credentials and configuration.
 _PERMANENT_CLASSES = frozenset(
@@ -152,6 +195,8 @@ def is_permanent(exc: BaseException) -> bool:
         names = {cls.__name__ for cls in type(node).__mro__}
         if names & _PERMANENT_CLASSES:
             return True
+        if names & _CUT_BODY_CLASSES:
+            return False  # a cut body: its "code" is not the storage's answer
         status = _http_status(node)
         if status is not None and 400 <= status < 500 and status not in (408, 429):
             return True
@@ -178,6 +223,20 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+def _env_seconds(name: str, default: float) -> float:
+    """Seconds from environment variable ``name`` (``default`` if unset)."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={value!r} is not a number of seconds") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise ConfigError(f"environment variable {name}={value!r} must be a positive number of seconds")
+    return seconds
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How transient errors are retried: exponential backoff with jitter, bounded in time.
@@ -185,22 +244,31 @@ class RetryPolicy:
     The n-th wait is drawn uniformly from ``[d / 2, d]`` with
     ``d = min(max_delay, initial_delay * multiplier ** n)`` ("equal jitter": never zero,
     and readers that failed together do not come back together). Retries stop once
-    ``timeout`` seconds have passed since the first failure; with the defaults a reader
-    survives an outage of the storage service of about two minutes.
+    ``timeout`` seconds have passed since the start of the first attempt that failed;
+    with the defaults a reader survives an outage of the storage service of about two
+    minutes.
 
     Attributes:
-        timeout: Seconds after the first failure of a call before giving up.
+        timeout: Seconds from the start of a call's first failed attempt before giving up
+            (default 120, or ``STREAMLOAD_RETRY_TIMEOUT``).
         initial_delay: First wait, in seconds.
         max_delay: Longest single wait, in seconds.
         multiplier: Growth factor of the wait.
+        inactivity_timeout: Seconds a read may go without receiving a byte before it
+            fails as a transient error (default 30, or ``STREAMLOAD_READ_TIMEOUT``);
+            applied to s3:// (botocore's ``read_timeout``) and http(s):// (aiohttp's
+            ``sock_read``) unless ``storage_options`` choose their own.
     """
 
-    timeout: float = 120.0
+    timeout: float = field(default_factory=lambda: _env_seconds(RETRY_ENV, DEFAULT_RETRY_TIMEOUT))
     initial_delay: float = 0.2
     max_delay: float = 5.0
     multiplier: float = 2.0
+    inactivity_timeout: float = field(default_factory=lambda: _env_seconds(INACTIVITY_ENV, DEFAULT_INACTIVITY_TIMEOUT))
 
     def __post_init__(self) -> None:
+        if not self.inactivity_timeout > 0:
+            raise ConfigError(f"retry policy {self.inactivity_timeout=} must be > 0")
         if self.timeout < 0 or self.initial_delay <= 0 or self.max_delay < self.initial_delay:
             raise ConfigError(
                 f"retry policy {self.timeout=}, {self.initial_delay=}, {self.max_delay=} must satisfy "
@@ -239,13 +307,16 @@ def retry_call(
     first_failure: float | None = None
     attempt = 0
     while True:
+        started = time.monotonic()
         try:
             return func()
         except Exception as exc:
             if not is_transient(exc):
                 raise
             now = time.monotonic()
-            first_failure = now if first_failure is None else first_failure
+            # The budget counts from the start of the first failed attempt: a read that
+            # stalled until its inactivity timeout has spent that time already.
+            first_failure = started if first_failure is None else first_failure
             wait = policy.delay(attempt)
             if now + wait - first_failure > policy.timeout:
                 exc.add_note(f"gave up after {attempt + 1} attempts over {now - first_failure:.1f} s")

@@ -8,6 +8,8 @@ outage that outlived the retry budget.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import threading
 import time
@@ -25,6 +27,18 @@ __all__ = ["PartPlanner", "RangedFile", "RemoteFiles"]
 
 _CHUNK = 8 << 20
 _MIB = 1 << 20
+#: Metadata fields that change when an object is written again (S3, GCS, Azure, local files).
+_VERSION_FIELDS = (
+    "ETag",
+    "etag",
+    "VersionId",
+    "generation",
+    "md5Hash",
+    "LastModified",
+    "last_modified",
+    "mtime",
+    "ino",
+)
 
 
 def translate_error(exc: BaseException, url: str, action: str, *, not_found: str | None = None) -> StreamloadError:
@@ -49,6 +63,20 @@ def translate_error(exc: BaseException, url: str, action: str, *, not_found: str
         notes = "; ".join(getattr(exc, "__notes__", []))
         return StorageError(f"cannot {action} {url}: storage unavailable ({type(exc).__name__}: {exc}) {notes}".strip())
     return StorageError(f"cannot {action} {url}: {type(exc).__name__}: {exc}")
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` at ``offset``.
+
+    A short write (a nearly full disk) goes on until the disk says why it stopped
+    (``ENOSPC``, which the cache reports as a full disk).
+    """
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(28, "No space left on device (a write made no progress)")
+        view, offset = view[written:], offset + written
 
 
 class RemoteFiles:
@@ -79,7 +107,7 @@ class RemoteFiles:
             if self._fs is None or self._pid != os.getpid():
                 if self._fs is not None:
                     forget_inherited(self._fs)
-                self._fs, self._root = open_filesystem(self.url, self.storage_options)
+                self._fs, self._root = open_filesystem(self.url, self.storage_options, self.retry.inactivity_timeout)
                 self._pid = os.getpid()
                 self._finalizers_detached = False
             return self._fs
@@ -146,6 +174,26 @@ class RemoteFiles:
         size = result.get("size")
         return int(size) if size is not None else None
 
+    def version(self, name: str) -> str | None:
+        """Return a short token of the version of file ``name`` (its ETag, generation or mtime and inode).
+
+        One metadata request. ``None`` if the filesystem tells none, or the file does not exist.
+        """
+        path = self.path(name)
+
+        def info() -> Any:
+            self.fs.invalidate_cache(path)
+            return self.fs.info(path)
+
+        try:
+            result = self.call("stat", name, info)
+        except ShardNotFoundError:
+            return None
+        found = {k: str(result[k]) for k in _VERSION_FIELDS if result.get(k) is not None}
+        if not found:
+            return None
+        return hashlib.sha256(json.dumps(found, sort_keys=True).encode()).hexdigest()[:32]
+
     def download(
         self,
         name: str,
@@ -191,7 +239,7 @@ class RemoteFiles:
                         f"{self.url_of(name)}: the object is {what} than the {size} bytes its entry says "
                         f"(bytes {start}-{end} came back as {len(data)})"
                     )
-                os.pwrite(fd, data, start)
+                _pwrite_all(fd, data, start)
 
             if len(parts) == 1:
                 fetch(*parts[0])
