@@ -17,7 +17,9 @@ What it does, in one run:
    per row), watched by this process: samples/s and MB/s in steady state (after the
    first batch), time to the first batch, peak PSS summed over the row's main process
    and its workers. Every row must deliver each sample once with the right label
-   (count and per-class label histogram), else it is marked FAILED.
+   (count and per-class label histogram), else it is marked FAILED. A streamload row
+   (``batch_size=`` given to the dataset) reads its epoch padded to whole batches: every
+   sample once plus the ``T - N`` padding items, ``T = ceil(N / batch) * batch``.
 
 Modes: ``bytes`` delivers every sample's encoded bytes and label to the main process
 (batches of 256); ``decode`` delivers uint8 [256, 3, 224, 224] tensors and labels.
@@ -158,10 +160,28 @@ def _loader(lib: str, mode: str, workers: int, paths: dict[str, str]) -> tuple[A
     del torch
 
 
+def padded_total(count: int, batch: int, world_size: int = 1) -> int:
+    """The items of an epoch of ``count`` samples padded to whole global batches (streamload's contract)."""
+    step = batch * world_size
+    return -(-count // step) * step
+
+
+def epoch_ok(hist: np.ndarray, expected: np.ndarray, count: int, total: int) -> bool:
+    """``count`` items read with label histogram ``hist``: every sample once, plus ``total - N`` repeats.
+
+    ``total == N`` (no padding) asks for exactly the expected histogram.
+    """
+    extra = hist - expected
+    n = int(expected.sum())
+    return count == total and bool((extra >= 0).all()) and int(extra.sum()) == total - n
+
+
 def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     """Inside the row's subprocess: read ``epochs`` epochs, check count and labels, time them."""
     loader, kind = _loader(spec["lib"], spec["mode"], spec["workers"], spec["paths"])
     expected = np.asarray(spec["histogram"], dtype=np.int64)
+    # streamload rows give the dataset batch_size=BATCH (one process): whole batches, padded.
+    total = padded_total(int(expected.sum()), BATCH) if kind == "streamload" else int(expected.sum())
     samples = first_n = nbytes = 0
     first = steady_start = 0.0
     ok = True
@@ -189,7 +209,7 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
                 first = time.perf_counter() - start
                 steady_start, first_n, first_b = time.perf_counter(), samples, nbytes
                 nbytes -= first_b
-        ok = ok and count == int(expected.sum()) and bool(np.array_equal(hist, expected))
+        ok = ok and epoch_ok(hist, expected, count, total)
     elapsed = time.perf_counter() - steady_start
     steady = samples - first_n
     return {

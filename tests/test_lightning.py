@@ -167,6 +167,26 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, set[str]]:
     return out, keys
 
 
+def _padded(world_size: int) -> int:
+    """The items of an epoch: NUM_SAMPLES padded to whole global batches of BATCH * world_size."""
+    step = BATCH * world_size
+    return -(-NUM_SAMPLES // step) * step
+
+
+def _repeats(seen: list[str], keys: set[str], total: int) -> list[str]:
+    """Check that ``seen`` is the padded epoch: every key, ``total`` in all, the fewest repeats.
+
+    Returns the repeated keys, sorted.
+    """
+    counts = Counter(seen)
+    assert len(seen) == total
+    assert set(counts) == keys  # the whole set, nothing else
+    assert max(counts.values()) <= 2  # fewer than N extra items: nothing is read three times
+    repeats = sorted(k for k, c in counts.items() if c == 2)
+    assert len(repeats) == total - NUM_SAMPLES  # only the padding repeats
+    return repeats
+
+
 def _run_script(data: Path, out: Path, devices: int, env: dict[str, str] | None = None) -> None:
     cmd = [sys.executable, os.path.abspath(__file__), str(data), str(out), str(devices)]
     full_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", **(env or {})}
@@ -186,7 +206,8 @@ def test_ddp_fit_two_cpu_processes_equal_shares_cover_everything(
 ) -> None:
     data, keys = dataset
     _run_script(data, tmp_path, devices=2)
-    per_rank = -(-NUM_SAMPLES // 2)  # ceil: DistributedSampler's padding
+    # Every epoch is padded to whole global batches of 2 * BATCH (the first samples again).
+    per_rank = _padded(2) // 2
 
     for rank in (0, 1):
         loader = _load(tmp_path, "loader", rank)
@@ -194,16 +215,16 @@ def test_ddp_fit_two_cpu_processes_equal_shares_cover_everything(
         assert "Distributed" not in loader["sampler"], loader["sampler"]
         assert (loader["num_workers"], loader["prefetch_factor"], loader["persistent_workers"]) == (2, 3, True)
         assert loader["dataset_len"] == per_rank
-        assert loader["batches"] == -(-per_rank // BATCH)
+        assert loader["batches"] == per_rank // BATCH  # whole batches only
 
     seen = [_load(tmp_path, "seen", rank) for rank in (0, 1)]
     for epoch in range(EPOCHS):
         for split in ("train", "val"):
             shares = [s[f"{split}{epoch}"] for s in seen]
             assert [len(share) for share in shares] == [per_rank, per_rank], (split, epoch)
-            together = Counter(shares[0] + shares[1])
-            assert set(together) == keys, (split, epoch)  # the whole set, nothing else
-            assert sum(together.values()) - len(keys) == 2 * per_rank - NUM_SAMPLES  # only the padding repeats
+            repeats = _repeats(shares[0] + shares[1], keys, _padded(2))
+            if split == "val":  # read in order: the padding is the first samples in manifest order
+                assert repeats == sorted(keys)[: _padded(2) - NUM_SAMPLES]
     # set_epoch reached the (persistent) workers: the shuffled order changes between epochs.
     for s in seen:
         assert s["train0"] != s["train1"]
@@ -219,7 +240,7 @@ def test_resumed_run_reads_the_epoch_it_resumes_in(dataset: tuple[Path, set[str]
     full = _load(tmp_path / "full", "seen", 0)
     resumed = _load(tmp_path / "resumed", "seen", 0)
     assert "train0" not in resumed  # it really started at epoch 1
-    assert sorted(resumed["train1"]) == sorted(keys)
+    _repeats(resumed["train1"], keys, _padded(1))
     assert full["train1"] != full["train0"]
     assert resumed["train1"] == full["train1"]
 
@@ -236,7 +257,7 @@ def test_stateful_loader_resumes_mid_epoch_at_the_next_unseen_batch(
     first = _load(tmp_path / "first", "seen", 0)["train0"]
     rest = _load(tmp_path / "resumed", "seen", 0)["train0"]
     assert len(first) == STEPS_BEFORE_STOP * BATCH
-    assert sorted(full) == sorted(keys)
+    _repeats(full, keys, _padded(1))
     assert first + rest == full
 
 
@@ -247,12 +268,15 @@ def test_datamodule_outside_a_trainer_builds_loaders(dataset: tuple[Path, set[st
     dm = StreamingDataModule(data, batch_size=BATCH, transform=key_and_label, shuffle=False)
     dm.setup("fit")
     got = [k for batch_keys, _ in dm.train_dataloader() for k in batch_keys]
-    assert sorted(got) == sorted(keys)
+    # In order (manifest order: by class, then image), then the first samples again as padding.
+    in_order = sorted(keys)
+    padded = in_order + in_order[: _padded(1) - NUM_SAMPLES]
+    assert got == padded
     with pytest.raises(Exception, match="no val dataset"):
         dm.val_dataloader()
     test_dm = StreamingDataModule(test=str(data), batch_size=BATCH, transform=key_and_label)
     test_dm.setup("test")
-    assert sorted(k for batch_keys, _ in test_dm.test_dataloader() for k in batch_keys) == sorted(keys)
+    assert [k for batch_keys, _ in test_dm.test_dataloader() for k in batch_keys] == padded
     with pytest.raises(Exception, match="dataset_options may not set"):
         StreamingDataModule(data, dataset_options={"shuffle": True})
 
@@ -266,10 +290,13 @@ def test_datamodule_with_batches_made_in_the_workers(dataset: tuple[Path, set[st
     dm.setup("fit")
     loader = dm.train_dataloader()
     batches = [(images.clone(), labels.clone()) for images, labels in loader]
-    assert len(loader) == len(batches) == -(-NUM_SAMPLES // BATCH)
-    assert all(images.shape[1:] == (3, 8, 8) and images.dtype == torch.uint8 for images, _ in batches)
+    assert len(loader) == len(batches) == _padded(1) // BATCH
+    assert all(images.shape == (BATCH, 3, 8, 8) and images.dtype == torch.uint8 for images, _ in batches)
     labels = torch.cat([labels for _, labels in batches])
-    assert torch.bincount(labels).tolist() == [NUM_SAMPLES // 3] * 3
+    # Classes of NUM_SAMPLES // 3 in order; the padding repeats the first samples (class 0).
+    per_class = NUM_SAMPLES // 3
+    expected = [i // per_class for i in range(NUM_SAMPLES)] + [i // per_class for i in range(_padded(1) - NUM_SAMPLES)]
+    assert torch.bincount(labels).tolist() == torch.bincount(torch.tensor(expected)).tolist()
 
 
 def test_import_streamload_without_lightning() -> None:
