@@ -301,7 +301,7 @@ def convert(
     options.validate()
     started = time.perf_counter()
     fmt = get_format(options.format)
-    if getattr(fmt.writer, "read_only", False):  # parquet: read in place, never written
+    if not fmt.writable:  # parquet: read in place, never written
         raise ConfigError(
             f"format {fmt.name!r} is read in place (streamload index DIR --format {fmt.name}); "
             "convert writes tar, lmdb or hdf5 shards"

@@ -209,7 +209,15 @@ def test_in_process_buffers_recycled_only_after_last_view_dies() -> None:
     assert third.data_ptr() == ptr  # recycled
 
 
-@pytest.mark.parametrize("label", [b"9" * 30, b"-" + b"9" * 19, b"12a", b"\xff"])
+def test_a_label_outside_int64_is_refused_when_written(tmp_path: Path) -> None:
+    from streamload.writer import DatasetWriter
+
+    for label in (b"9" * 30, b"-" + b"9" * 19):
+        with pytest.raises(SampleError, match="'bad'.*cls"), DatasetWriter(str(tmp_path / "w"), format="tar") as w:
+            w.write({"__key__": "bad", "txt": b"x", "cls": label})
+
+
+@pytest.mark.parametrize("label", [b"12a", b"\xff"])
 def test_a_label_that_is_not_an_int64_names_the_sample(tmp_path: Path, label: bytes) -> None:
     from streamload.decode import DecodeBatch
     from streamload.writer import DatasetWriter

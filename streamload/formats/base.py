@@ -17,7 +17,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -91,6 +91,9 @@ class ShardWriter(ABC):
     Subclasses implement :meth:`write` and :meth:`finish`. The caller guarantees that
     ``path`` is a fresh temporary name and renames it when :meth:`finish` returns.
     """
+
+    #: True for a format read in place and never written (``convert`` refuses it up front).
+    read_only: ClassVar[bool] = False
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
@@ -212,6 +215,11 @@ class Format:
     reader: type[ShardReader]
     sidecar_suffix: str | None = None
     indexer: Indexer | None = None
+
+    @property
+    def writable(self) -> bool:
+        """True if ``convert`` can write this format (``parquet`` is read in place only)."""
+        return not self.writer.read_only
 
     def shard_name(self, index: int) -> str:
         """Return the canonical file name of shard ``index``."""
