@@ -6,7 +6,9 @@ Per process::
     acquire(entry)                    -> pin in the shared cache (see .cache)
       hit:  data/<name>, mtime bumped  -> local path, no remote call
       miss: reserve room (evict LRU unpinned), download to tmp/ (retried, resumed at
-            the byte it stopped), verify size + hash, rename into data/
+            the byte it stopped), verify size + hash, rename into data/; a download
+            that fails its check is fetched once more (damaged in transit), then
+            it is bad at its source (CorruptShardError naming its URL)
     ahead_depth()                     -> how many shards the reader should name ahead now:
                                          from the measured download and reading times,
                                          at most `read_ahead` and the cache room (.readahead)
@@ -63,6 +65,7 @@ from .transport import RemoteFiles
 __all__ = [
     "DEFAULT_CACHE_FRACTION",
     "DEFAULT_READ_AHEAD",
+    "DOWNLOAD_REFETCHES",
     "MIN_CACHE_SHARDS",
     "RemoteStorage",
     "dataset_cache_key",
@@ -77,6 +80,10 @@ DEFAULT_READ_AHEAD = 8
 MIN_CACHE_SHARDS = 2
 #: Without ``cache_limit``: this fraction of the space the cache could use (free + its own).
 DEFAULT_CACHE_FRACTION = 0.5
+#: A download that fails its size or hash check is fetched whole this many times more (the
+#: bytes may have been damaged in transit, by a faulty middlebox or NIC); then the file is
+#: bad at its source.
+DOWNLOAD_REFETCHES = 1
 #: Cache directories whose default bound this process logged already.
 _LOGGED_DEFAULTS: set[str] = set()
 
@@ -150,6 +157,8 @@ class RemoteStorage(Storage):
         self._depth = AheadDepth(self.read_ahead)
         self._blocked = 0.0  # seconds this process's acquires waited for a file to arrive
         self._largest = 0  # the largest shard (with its sidecar) its readers read
+        #: Downloads of this process fetched again after failing their check (see DOWNLOAD_REFETCHES).
+        self.refetched = 0
         self._admission = Admission(self.cache, self.url)
 
     def _check_process(self) -> None:
@@ -302,7 +311,8 @@ class RemoteStorage(Storage):
         Raises:
             ShardNotFoundError: The object does not exist.
             StorageError: Access denied, or the storage stayed unavailable past the retry budget.
-            CorruptShardError: The downloaded bytes do not match the entry.
+            CorruptShardError: The downloaded bytes do not match the entry, again when
+                downloaded once more (:data:`DOWNLOAD_REFETCHES`): the file is bad at its source.
             CacheError: No room could be made within ``wait_timeout``.
         """
         self._check_process()
@@ -336,10 +346,22 @@ class RemoteStorage(Storage):
         The time it takes counts as the reader blocked (not reading), for the read-ahead depth.
         """
         began = time.monotonic()
+        url = self._remote.url_of(entry.name)
+        starve = lambda: self._ahead.starve(entry.name)  # noqa: E731
         try:
-            path = self.cache.fill(entry, self._downloader(entry), on_wait=lambda: self._ahead.starve(entry.name))
-        except CorruptShardError as exc:
-            raise CorruptShardError(f"{self._remote.url_of(entry.name)}: {exc}") from exc
+            for attempt in range(1 + DOWNLOAD_REFETCHES):
+                try:
+                    path = self.cache.fill(entry, self._downloader(entry), on_wait=starve)
+                    break
+                except CorruptShardError as exc:
+                    if attempt == DOWNLOAD_REFETCHES:
+                        raise CorruptShardError(
+                            f"{url}: {exc} (downloaded {attempt + 1} times, each copy failed its check: the file "
+                            "is bad at its source)"
+                        ) from exc
+                    with self._lock:
+                        self.refetched += 1
+                    log.warning("%s: %s (bytes damaged in transit?); downloading it again", url, exc)
         finally:
             self._ahead.fed(entry.name)
             with self._lock:
