@@ -104,6 +104,9 @@ class FaultProxy:
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream = upstream
         self.requests: Counter[str] = Counter()  # by method
+        #: ``(event, method, path)`` in the order they happened: ``"start"`` when a request
+        #: arrived, ``"end"`` when its response was sent whole (or broken by a fault).
+        self.events: list[tuple[str, str, str]] = []
         self._faults: list[Fault] = []
         self._lock = threading.Lock()
         proxy = self
@@ -129,17 +132,23 @@ class FaultProxy:
         return list(faults)
 
     def clear(self) -> None:
-        """Drop every fault."""
+        """Drop every fault and forget the events."""
         with self._lock:
             self._faults.clear()
+            self.events.clear()
 
     def _pick(self, method: str, path: str, ranged: bool) -> Fault | None:
         with self._lock:
             self.requests[method] += 1
+            self.events.append(("start", method, path))
             for fault in self._faults:
                 if fault.claims(method, path, ranged):
                     return fault
         return None
+
+    def _ended(self, method: str, path: str) -> None:
+        with self._lock:
+            self.events.append(("end", method, path))
 
     def stop(self) -> None:
         """Stop serving and close the listener."""
@@ -188,6 +197,12 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
     def _forward(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self.owner._ended(self.command, self.path)
+
+    def _serve(self) -> None:
         body = self._body()
         fault = self.owner._pick(self.command, self.path, "Range" in self.headers)
         if fault is not None and fault.kind == "status":

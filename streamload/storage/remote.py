@@ -15,7 +15,8 @@ Per process::
     prefetch([next files])            -> the same as acquire, in daemon threads (one per
                                          shard of the window), never waiting for room (nor
                                          pinning: an idle reader's pins would starve the
-                                         others); see .readahead
+                                         others), and starting no download while the
+                                         reader's own acquire downloads; see .readahead
     release(entry)                    -> drop the pin: the file becomes evictable
     discard(entry)                    -> a reader found the copy it read corrupt: delete
                                          it (unless it hashes to the entry), so the next
@@ -84,6 +85,8 @@ DEFAULT_CACHE_FRACTION = 0.5
 #: bytes may have been damaged in transit, by a faulty middlebox or NIC); then the file is
 #: bad at its source.
 DOWNLOAD_REFETCHES = 1
+#: Seconds read-ahead waits for the reader to acquire the shard it just started (see prefetch).
+_DEMAND_GRACE = 2.0
 #: Cache directories whose default bound this process logged already.
 _LOGGED_DEFAULTS: set[str] = set()
 
@@ -159,6 +162,12 @@ class RemoteStorage(Storage):
         self._largest = 0  # the largest shard (with its sidecar) its readers read
         #: Downloads of this process fetched again after failing their check (see DOWNLOAD_REFETCHES).
         self.refetched = 0
+        # The reader's own acquires come first: read-ahead starts no download while one is
+        # under way (or about to start: the reader names its window just before it acquires
+        # the shard it starts), so the shard a reader waits for has the link to itself.
+        self._demand = threading.Condition()
+        self._demand_fills = 0
+        self._demand_until = 0.0
         self._admission = Admission(self.cache, self.url)
 
     def _check_process(self) -> None:
@@ -347,6 +356,9 @@ class RemoteStorage(Storage):
         """
         began = time.monotonic()
         url = self._remote.url_of(entry.name)
+        with self._demand:
+            self._demand_fills += 1
+            self._demand_until = 0.0
         starve = lambda: self._ahead.starve(entry.name)  # noqa: E731
         try:
             for attempt in range(1 + DOWNLOAD_REFETCHES):
@@ -363,6 +375,9 @@ class RemoteStorage(Storage):
                         self.refetched += 1
                     log.warning("%s: %s (bytes damaged in transit?); downloading it again", url, exc)
         finally:
+            with self._demand:
+                self._demand_fills -= 1
+                self._demand.notify_all()
             self._ahead.fed(entry.name)
             with self._lock:
                 self._blocked += time.monotonic() - began
@@ -421,12 +436,19 @@ class RemoteStorage(Storage):
             held = set(self._pins)
             if wanted:
                 self._depth.observe_shard(time.monotonic(), self._blocked)
+                with self._demand:  # the reader acquires the shard it starts next: that download first
+                    self._demand_until = time.monotonic() + _DEMAND_GRACE
                 self._ahead.threads = min(self.read_ahead, max(1, self._depth.current))
             else:
                 self._depth.pause()
         self._ahead.want(wanted, held)
 
     def _fetch_ahead(self, entry: FileEntry, cancelled: Callable[[], bool]) -> None:
+        with self._demand:  # yield the link to the reader's own download (see _init_process_state)
+            while not cancelled() and (self._demand_fills or time.monotonic() < self._demand_until):
+                self._demand.wait(0.05)
+        if cancelled():
+            return
         pin = self.cache.pin(entry.name)
         try:
             self.cache.fill(entry, self._downloader(entry), wait=False, cancelled=cancelled)

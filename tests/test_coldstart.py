@@ -1,0 +1,95 @@
+"""The start of a cold epoch from a bucket: what crosses the network before the first batch.
+
+Counted at the fault proxy in front of the test S3 server (tests/faults.py, no fault
+injected), every request of every method: the design says a cold cached epoch asks for
+the manifest once (in the process that opens the dataset), then, per shard a reader
+opens, its parts (one for these small shards) and its sidecar, nothing else (no HEAD,
+no listing); read-ahead starts no download before the reader's own shard has arrived.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+
+from streamload import DatasetWriter, StreamingDataset
+from streamload.batch import RawCollate
+from tests.faults import Fault, FaultyS3
+from tests.s3server import SeaweedS3
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+SHARDS = 4
+PER_SHARD = 40
+
+
+def _payload(i: int) -> bytes:
+    return np.random.default_rng(100 + i).integers(0, 256, 5_000 + 31 * (i % 20), dtype=np.uint8).tobytes()
+
+
+@pytest.fixture(scope="module")
+def dataset(s3_server: SeaweedS3) -> str:
+    url = f"s3://{s3_server.make_bucket()}/coldstart"
+    with DatasetWriter(url, format="tar", max_samples=PER_SHARD, storage_options=s3_server.storage_options()) as w:
+        for i in range(SHARDS * PER_SHARD):
+            w.write({"__key__": f"k{i:04d}", "bin": _payload(i), "cls": b"0"})
+    return url
+
+
+def _requests_before_first_batch(faulty: FaultyS3, ds: Any, workers: int) -> tuple[Counter[str], Any]:
+    before = Counter(faulty.proxy.requests)
+    loader = DataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context="fork" if workers else None)
+    it = iter(loader)
+    first = next(it)
+    seen = Counter(faulty.proxy.requests)
+    seen.subtract(before)
+    del it
+    return +seen, first
+
+
+def test_a_cold_cached_start_asks_for_the_manifest_a_shard_and_its_sidecar(
+    faulty_s3: FaultyS3, dataset: str, tmp_path: Path
+) -> None:
+    """No read-ahead, no workers: the first batch costs exactly 3 GETs and nothing else."""
+    before = Counter(faulty_s3.proxy.requests)
+    ds = StreamingDataset(
+        dataset,
+        storage_options=faulty_s3.storage_options(),
+        cache_dir=str(tmp_path),
+        cache="shards",
+        read_ahead=0,
+        batch_size=16,
+        collate=RawCollate(field="bin"),
+    )
+    opened = Counter(faulty_s3.proxy.requests)
+    opened.subtract(before)
+    assert +opened == Counter({"GET": 1})  # index.json
+    seen, first = _requests_before_first_batch(faulty_s3, ds, 0)
+    assert len(first) == 16
+    assert seen == Counter({"GET": 2}), seen  # the first shard (one part) and its sidecar
+
+
+def test_read_ahead_yields_to_the_readers_own_download(faulty_s3: FaultyS3, dataset: str, tmp_path: Path) -> None:
+    """The first shard's download stalls for 1 s: read-ahead asks for no other shard until it has arrived."""
+    faulty_s3.inject(Fault("stall", match="shard-000000.tar", at=100, seconds=1.0))
+    ds = StreamingDataset(
+        dataset,
+        storage_options=faulty_s3.storage_options(),
+        cache_dir=str(tmp_path),
+        cache="shards",
+        read_ahead=2,
+        batch_size=16,
+        collate=RawCollate(field="bin"),
+    )
+    seen, first = _requests_before_first_batch(faulty_s3, ds, 0)
+    assert len(first) == 16
+    events = [(event, path.rsplit("/", 1)[-1].split("?")[0]) for event, _, path in faulty_s3.proxy.events]
+    arrived = events.index(("end", "shard-000000.tar"))
+    others = [i for i, (event, name) in enumerate(events) if event == "start" and name.startswith("shard-00000") and name not in ("shard-000000.tar", "shard-000000.tar.idx")]
+    assert others, events  # read-ahead did start, after the first shard
+    assert min(others) > arrived, events
