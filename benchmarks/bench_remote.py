@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import logging
 import os
 import shutil
 import signal
@@ -221,6 +222,32 @@ def _preimport(loader: str, source: str) -> None:
         import obstore  # noqa: F401
 
 
+def _log_timeline(path: str, t0: float) -> None:
+    """Append streamload's DEBUG lines to ``path`` as ``seconds-since-t0 pid message`` (workers inherit it)."""
+
+    class Relative(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            return f"{record.created - t0:7.3f} pid={record.process} {record.getMessage()}"
+
+    handler = logging.FileHandler(path, mode="a")
+    handler.setFormatter(Relative())
+    logger = logging.getLogger("streamload")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+
+
+def print_timeline(path: Path, first: float) -> None:
+    """Print the timeline of a row up to its first batch (each step's start and end)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return
+    keep = [ln for ln in lines if ln.split() and float(ln.split()[0]) <= first + 1e-3]
+    wanted = [ln for ln in keep if any(w in ln for w in (": start", ": done", "loader built", "first batch"))]
+    for ln in wanted[:40]:
+        print("    " + ln)
+
+
 def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     """Read one epoch as ``spec`` says; time it from the dataset's construction; check count and labels."""
     expected = np.asarray(spec["histogram"], dtype=np.int64)
@@ -230,8 +257,13 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
         "litdata": _litdata_loader,
     }
     _preimport(spec["loader"], spec["source"])  # imports are not the loader's time to first batch
+    timeline = spec.get("timeline")
+    if timeline:  # streamload's DEBUG lines (every process, workers included) with their times
+        _log_timeline(timeline, time.time())
     start = time.perf_counter()
     loader, kind = makers[spec["loader"]](spec)
+    if timeline:
+        logging.getLogger("streamload").debug("loader built; iterating")
     hist = np.zeros(len(expected), dtype=np.int64)
     samples = 0
     first = 0.0
@@ -255,6 +287,8 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
         samples += n
         if not first:
             first = time.perf_counter() - start
+            if timeline:
+                logging.getLogger("streamload").debug("first batch")
     wall = time.perf_counter() - start
     ok = shape_ok and samples == int(expected.sum()) and bool(np.array_equal(hist, expected))
     return {"ok": ok, "samples": samples, "first_batch_s": first, "wall_s": wall}
@@ -595,6 +629,11 @@ class Bench:
             histogram=self.histogram,
             backend=a.backend,
         )
+        if loader == "streamload" and source != "local" and row["cache"] in ("cold", "none"):
+            timeline = self.work / "timeline" / f"{key}.log"
+            timeline.parent.mkdir(parents=True, exist_ok=True)
+            timeline.unlink(missing_ok=True)
+            spec["timeline"] = str(timeline)
         env = dict(os.environ)
         env.update(
             S3_ENDPOINT_URL=self.proxy.endpoint_url,
@@ -615,6 +654,8 @@ class Bench:
         gets = gets_of(self.server.metrics()) - gets0
         requests = self.proxy.stats.requests - requests0
         out = dict(row, **result)
+        if spec.get("timeline"):
+            out["timeline"] = spec["timeline"]
         if source != "local":
             out["gets_per_shard"] = gets / self.objects[loader]
             out["requests_per_shard"] = requests / self.objects[loader]
@@ -803,6 +844,8 @@ def main(argv: list[str] | None = None, server: Any = None) -> int:
                 result["x_local"] = result["samples_per_s"] / ref["samples_per_s"]
             bench.rows.append(result)
             print(line(result), flush=True)
+            if result.get("timeline") and result.get("first_batch_s"):
+                print_timeline(Path(result["timeline"]), result["first_batch_s"])
         verdicts = targets(bench.rows)
         print()
         for v in verdicts:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -406,9 +407,30 @@ class ShardSource:
         if self.streaming:
             assert entry.sidecar is not None
             return self.ref.where(entry), self.storage.acquire(entry.sidecar)
+        if entry.sidecar is None:
+            return self.storage.acquire(entry), None
+        if self._copies is None:  # local files: nothing to wait for
+            return self._acquire_both(entry, entry.sidecar)
+        # Remote: the sidecar comes by a GET of its own alongside the shard's parts (not after them).
+        with ThreadPoolExecutor(1, thread_name_prefix="streamload-sidecar") as pool:
+            side = pool.submit(self.storage.acquire, entry.sidecar)
+            try:
+                path = self.storage.acquire(entry)
+            except BaseException:
+                if side.exception() is None:
+                    self.storage.release(entry.sidecar)
+                raise
+            try:
+                sidecar = side.result()
+            except BaseException:
+                self.storage.release(entry)
+                raise
+        return path, sidecar
+
+    def _acquire_both(self, entry: ShardEntry, sidecar_entry: FileEntry) -> tuple[str, str]:
         path = self.storage.acquire(entry)
         try:
-            sidecar = self.storage.acquire(entry.sidecar) if entry.sidecar else None
+            sidecar = self.storage.acquire(sidecar_entry)
         except BaseException:
             self.storage.release(entry)
             raise

@@ -198,7 +198,10 @@ class RemoteStorage(Storage):
     def read_bytes(self, name: str, max_bytes: int | None = None, *, not_found: str | None = None) -> bytes:
         """Return file ``name`` from the remote, retried, not cached (small files: the manifest)."""
         self._check_process()
-        return self._remote.cat(name, max_bytes=max_bytes, not_found=not_found)
+        log.debug("read %s: start", name)  # the DEBUG lines of this module are a timeline of the I/O
+        data = self._remote.cat(name, max_bytes=max_bytes, not_found=not_found)
+        log.debug("read %s: done", name)
+        return data
 
     def check_capacity(self, largest: int) -> None:
         """Check the cache can hold :data:`MIN_CACHE_SHARDS` files of ``largest`` bytes.
@@ -359,6 +362,7 @@ class RemoteStorage(Storage):
         with self._demand:
             self._demand_fills += 1
             self._demand_until = 0.0
+        log.debug("acquire %s: start", entry.name)
         starve = lambda: self._ahead.starve(entry.name)  # noqa: E731
         try:
             for attempt in range(1 + DOWNLOAD_REFETCHES):
@@ -375,6 +379,7 @@ class RemoteStorage(Storage):
                         self.refetched += 1
                     log.warning("%s: %s (bytes damaged in transit?); downloading it again", url, exc)
         finally:
+            log.debug("acquire %s: done", entry.name)
             with self._demand:
                 self._demand_fills -= 1
                 self._demand.notify_all()
@@ -450,8 +455,10 @@ class RemoteStorage(Storage):
         if cancelled():
             return
         pin = self.cache.pin(entry.name)
+        log.debug("read-ahead %s: start", entry.name)
         try:
             self.cache.fill(entry, self._downloader(entry), wait=False, cancelled=cancelled)
+            log.debug("read-ahead %s: done", entry.name)
         finally:
             # Read-ahead files are not kept pinned: pins held by a reader that is not
             # reading (its DataLoader queue is full) would starve the others. A fresh file
