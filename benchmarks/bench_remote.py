@@ -248,8 +248,60 @@ def print_timeline(path: Path, first: float) -> None:
         print("    " + ln)
 
 
+def print_profile(path: Path, top: int = 14) -> None:
+    """Print the functions of a row's profile with the most time of their own (all threads of its process)."""
+    import pstats
+
+    stats = pstats.Stats(str(path))
+    total = stats.total_tt  # type: ignore[attr-defined]
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # type: ignore[attr-defined]
+    print(f"    profile: {total:.2f} s of CPU in the profiled threads; own time of the costliest functions:")
+    for (file, lineno, func), (_, calls, own, _cumulative, _) in rows:
+        where = f"{Path(file).name}:{lineno}" if lineno else file
+        print(f"    {own:7.3f} s {own / total * 100:5.1f}%  {calls:8d} calls  {func} ({where})")
+
+
+def _profiled(spec: dict[str, Any]) -> dict[str, Any]:
+    """``run_row`` under cProfile in every thread of this process (threading.setprofile for new threads)."""
+    import cProfile
+    import threading
+
+    profiles: list[cProfile.Profile] = []
+    lock = threading.Lock()
+
+    def start_thread(*_: Any) -> None:
+        profile = cProfile.Profile()
+        with lock:
+            profiles.append(profile)
+        threading.setprofile(None)
+        sys.setprofile(None)
+        profile.enable()
+
+    main = cProfile.Profile()
+    threading.setprofile(start_thread)
+    main.enable()
+    try:
+        return run_row({k: v for k, v in spec.items() if k != "profile"})
+    finally:
+        main.disable()
+        threading.setprofile(None)
+        for profile in profiles:
+            profile.disable()
+        import pstats
+
+        stats = pstats.Stats(main)
+        for profile in profiles:
+            try:
+                stats.add(profile)
+            except (TypeError, ValueError):
+                continue
+        stats.dump_stats(spec["profile"])
+
+
 def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     """Read one epoch as ``spec`` says; time it from the dataset's construction; check count and labels."""
+    if spec.get("profile"):
+        return _profiled(spec)
     expected = np.asarray(spec["histogram"], dtype=np.int64)
     makers: dict[str, Callable[[dict[str, Any]], tuple[Iterable[Any], str]]] = {
         "streamload": _streamload_loader,
@@ -644,6 +696,9 @@ class Bench:
         )
         python = sys.executable if loader == "streamload" else str(PEERS_PYTHON)
         requests0, gets0 = self.proxy.stats.requests, gets_of(self.server.metrics())
+        if a.profile and loader == "streamload" and not row["workers"] and source != "local":
+            spec["profile"] = str(Path(a.profile) / f"{key}-{row['cache']}.prof")
+            Path(a.profile).mkdir(parents=True, exist_ok=True)
         if a.inline:
             try:
                 result = run_row(json.loads(json.dumps(spec)))
@@ -656,6 +711,8 @@ class Bench:
         out = dict(row, **result)
         if spec.get("timeline"):
             out["timeline"] = spec["timeline"]
+        if spec.get("profile"):
+            out["profile"] = spec["profile"]
         if source != "local":
             out["gets_per_shard"] = gets / self.objects[loader]
             out["requests_per_shard"] = requests / self.objects[loader]
@@ -783,6 +840,11 @@ def main(argv: list[str] | None = None, server: Any = None) -> int:
     parser.add_argument("--data", default=str(OUT / "remote"), help="where the images and shards are kept")
     parser.add_argument("--work", help="server data and caches (default: a fresh temporary directory)")
     parser.add_argument("--json", default=str(OUT / "bench_remote.json"), help="write the results here")
+    parser.add_argument(
+        "--profile",
+        help="directory: run each streamload row without workers under cProfile (its main process: the "
+        "download threads included), write <row>.prof there and print the costliest functions",
+    )
     args = parser.parse_args(argv)
     for role, fn in (("row", run_row), ("link", link_rate), ("write_peers", write_peer_datasets)):
         spec_file = getattr(args, role)
@@ -846,6 +908,8 @@ def main(argv: list[str] | None = None, server: Any = None) -> int:
             print(line(result), flush=True)
             if result.get("timeline") and result.get("first_batch_s"):
                 print_timeline(Path(result["timeline"]), result["first_batch_s"])
+            if result.get("profile") and Path(result["profile"]).exists():
+                print_profile(Path(result["profile"]))
         verdicts = targets(bench.rows)
         print()
         for v in verdicts:
