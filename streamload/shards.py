@@ -52,6 +52,7 @@ from .formats.tar import TarShardReader
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardEntry
 from .plan import Run
 from .storage import Storage, open_storage
+from .storage.parts import Landing
 from .storage.ranges import DEFAULT_THREADS, RangeFetcher, StreamedFile, Ticket
 from .storage.retry import RetryPolicy
 from .storage.transport import RemoteFiles
@@ -379,6 +380,9 @@ class ShardSource:
 
     def _open_files(self, shard: int) -> ShardReader:
         """Acquire ``shard``'s files and build its reader (not kept in the LRU); release them on failure."""
+        early = self._open_early(shard)
+        if early is not None:
+            return early
         vanished = False
         while True:
             path, sidecar = self.acquire(shard)
@@ -396,6 +400,46 @@ class ShardSource:
             except BaseException:
                 self.release(shard)
                 raise
+
+    def _open_early(self, shard: int) -> ShardReader | None:
+        """Cached mode, a remote tar shard not cached yet: a reader over its download in progress.
+
+        The shard's download starts in a thread of the storage, the sidecar is acquired
+        meanwhile, and the reader reads each sample as soon as the part holding it has
+        landed (:meth:`~streamload.storage.remote.RemoteStorage.acquire_early`), checked
+        by the sample's own digest as every read is; the whole file is still hash-checked
+        before it counts as cached. ``None``: not applicable, or the shard is cached
+        already (the caller opens it as usual).
+        """
+        early = getattr(self.storage, "acquire_early", None)
+        entry = self.ref.manifest.shards[shard]
+        if (
+            early is None
+            or self.streaming
+            or self._copies is None
+            or entry.sidecar is None
+            or self.ref.manifest.format != "tar"
+            or shard in self.recovered
+        ):
+            return None
+        got = early(entry)  # a miss starts the shard's download in a thread and returns at once
+        if not isinstance(got, Landing):  # cached: the usual reader (and its checks at open)
+            self.storage.release(entry)
+            return None
+        try:
+            sidecar = self.storage.acquire(entry.sidecar)  # meanwhile, alongside the shard's parts
+        except BaseException:
+            got.close()
+            self.storage.release(entry)
+            raise
+        try:
+            reader = TarShardReader(self.ref.where(entry), entry, sidecar, source=got, check_headers=False)
+        except BaseException:
+            got.close()
+            self.release(shard)
+            raise
+        self.opens += 1
+        return reader
 
     def acquire(self, shard: int) -> tuple[str, str | None]:
         """Acquire ``shard``'s files from the storage; return local ``(shard path, sidecar path)``.

@@ -62,6 +62,7 @@ class Fault:
         code: The S3 error code of a ``status`` fault.
         count: Bytes a ``flip`` inverts.
         ranged: Only requests with (True) or without (False) a ``Range`` header; ``None``: both.
+        range_start: Only ranged requests from this byte on.
         hits: How many requests it hit so far.
     """
 
@@ -76,12 +77,17 @@ class Fault:
     code: str = "SlowDown"
     count: int = 4
     ranged: bool | None = None
+    range_start: int | None = None
     hits: int = 0
     _seen: int = 0
 
-    def claims(self, method: str, path: str, ranged: bool) -> bool:
-        """Count a request; True if this fault hits it."""
-        if method != self.method or self.match not in path or (self.ranged is not None and ranged != self.ranged):
+    def claims(self, method: str, path: str, byte_range: str | None) -> bool:
+        """Count a request (``byte_range``: its ``Range`` header); True if this fault hits it."""
+        if method != self.method or self.match not in path:
+            return False
+        if self.ranged is not None and (byte_range is not None) != self.ranged:
+            return False
+        if self.range_start is not None and not (byte_range or "").startswith(f"bytes={self.range_start}-"):
             return False
         self._seen += 1
         if self._seen <= self.skip or self.hits >= self.times:
@@ -137,12 +143,12 @@ class FaultProxy:
             self._faults.clear()
             self.events.clear()
 
-    def _pick(self, method: str, path: str, ranged: bool) -> Fault | None:
+    def _pick(self, method: str, path: str, byte_range: str | None) -> Fault | None:
         with self._lock:
             self.requests[method] += 1
             self.events.append(("start", method, path))
             for fault in self._faults:
-                if fault.claims(method, path, ranged):
+                if fault.claims(method, path, byte_range):
                     return fault
         return None
 
@@ -204,7 +210,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self) -> None:
         body = self._body()
-        fault = self.owner._pick(self.command, self.path, "Range" in self.headers)
+        fault = self.owner._pick(self.command, self.path, self.headers.get("Range"))
         if fault is not None and fault.kind == "status":
             text = f"<?xml version='1.0'?><Error><Code>{fault.code}</Code><Message>injected</Message></Error>"
             payload = text.encode()

@@ -17,6 +17,9 @@ Per process::
                                          pinning: an idle reader's pins would starve the
                                          others), and starting no download while the
                                          reader's own acquire downloads; see .readahead
+    acquire_early(entry)              -> acquire, but a miss returns at once: a Landing that
+                                         serves the ranges whose parts have landed while the
+                                         download goes on in a thread (see .parts)
     release(entry)                    -> drop the pin: the file becomes evictable
     discard(entry)                    -> a reader found the copy it read corrupt: delete
                                          it (unless it hashes to the entry), so the next
@@ -59,6 +62,7 @@ from .admission import Admission
 from .base import Storage
 from .cache import DEFAULT_WAIT_TIMEOUT, CacheStats, Pin, ShardCache
 from .cachedir import dataset_cache_key, default_cache_dir
+from .parts import FIRST_PART, Landing
 from .readahead import AheadDepth, AheadStats, ReadAhead
 from .retry import RetryPolicy
 from .transport import RemoteFiles
@@ -85,6 +89,8 @@ DEFAULT_CACHE_FRACTION = 0.5
 #: bytes may have been damaged in transit, by a faulty middlebox or NIC); then the file is
 #: bad at its source.
 DOWNLOAD_REFETCHES = 1
+#: The "generation" of a file handed out by acquire_early (its parts, before its hash was checked).
+_EARLY = "\0early"
 #: Seconds read-ahead waits for the reader to acquire the shard it just started (see prefetch).
 _DEMAND_GRACE = 2.0
 #: Cache directories whose default bound this process logged already.
@@ -352,7 +358,44 @@ class RemoteStorage(Storage):
             self._served[entry.name] = self.cache.generation(entry.name)
         return path
 
-    def _fill(self, entry: FileEntry) -> str:
+    def acquire_early(self, entry: FileEntry) -> str | Landing:
+        """Like :meth:`acquire`, but a file not cached yet is returned as its download in progress.
+
+        The file is pinned at once, and downloaded in a thread of this process (the first
+        part small, so the file's first bytes land early); the returned :class:`Landing`
+        serves the byte ranges whose parts have landed, and everything once the file is
+        verified and cached. Pair it with :meth:`release` as :meth:`acquire`. A cached
+        file (or one pinned here already) is returned as its path.
+        """
+        self._check_process()
+        with self._lock:
+            held = entry.name in self._pins and entry.name not in self._stale
+        if held or self.cache.lookup(entry) is not None:
+            return self.acquire(entry)
+        self._check_fits(entry)
+        pin = self.cache.pin(entry.name)
+        landing = Landing(entry.name, entry.num_bytes)
+        with self._lock:
+            self._pins[entry.name] = (pin, 1)
+            self._served[entry.name] = _EARLY
+        with self._demand:  # read-ahead waits from now on, not from when the thread gets going
+            self._demand_fills += 1
+        threading.Thread(target=self._land, args=(entry, landing), name="streamload-early", daemon=True).start()
+        return landing
+
+    def _land(self, entry: FileEntry, landing: Landing) -> None:
+        try:
+            path = self._fill(entry, landing)
+        except BaseException as exc:  # noqa: BLE001 - the reader meets it at its next read
+            landing.fail(exc)
+            return
+        finally:
+            with self._demand:
+                self._demand_fills -= 1
+                self._demand.notify_all()
+        landing.finish(path)
+
+    def _fill(self, entry: FileEntry, landing: Landing | None = None) -> str:
         """Bring ``entry`` into the cache (the caller holds its pin); name its URL in a corruption error.
 
         The time it takes counts as the reader blocked (not reading), for the read-ahead depth.
@@ -367,7 +410,7 @@ class RemoteStorage(Storage):
         try:
             for attempt in range(1 + DOWNLOAD_REFETCHES):
                 try:
-                    path = self.cache.fill(entry, self._downloader(entry), on_wait=starve)
+                    path = self.cache.fill(entry, self._downloader(entry, landing), on_wait=starve)
                     break
                 except CorruptShardError as exc:
                     if attempt == DOWNLOAD_REFETCHES:
@@ -421,6 +464,13 @@ class RemoteStorage(Storage):
         self._check_process()
         with self._lock:
             generation = self._served.get(entry.name)
+            if generation == _EARLY:
+                # The reader read parts of a download before its hash was checked: the next
+                # acquire brings the verified file (after that download), nothing to delete.
+                self._served[entry.name] = None
+                if entry.name in self._pins:
+                    self._stale.add(entry.name)
+                return True
         fresh = self.cache.discard(entry, generation)
         if fresh:
             with self._lock:
@@ -465,10 +515,22 @@ class RemoteStorage(Storage):
             # is the most recently used, so it is evicted last.
             pin.close()
 
-    def _downloader(self, entry: FileEntry) -> Callable[[str, Callable[[], bool]], None]:
+    def _downloader(
+        self, entry: FileEntry, landing: Landing | None = None
+    ) -> Callable[[str, Callable[[], bool]], None]:
         def download(part: str, cancelled: Callable[[], bool]) -> None:
             began = time.monotonic()
-            done = self._remote.download(entry.name, part, cancelled, self._stop, max_bytes=entry.num_bytes)
+            if landing is not None:
+                landing.begin(part)
+            done = self._remote.download(
+                entry.name,
+                part,
+                cancelled,
+                self._stop,
+                max_bytes=entry.num_bytes,
+                landed=None if landing is None else landing.land,
+                first_part=None if landing is None else FIRST_PART,
+            )
             if done == entry.num_bytes and not cancelled():
                 with self._lock:
                     self._depth.observe_fetch(entry.num_bytes, time.monotonic() - began)

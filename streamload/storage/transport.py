@@ -175,8 +175,14 @@ class RemoteFiles:
         cancelled: Callable[[], bool],
         stop: threading.Event | None = None,
         max_bytes: int | None = None,
+        landed: Callable[[int, int], None] | None = None,
+        first_part: int | None = None,
     ) -> int:
         """Copy file ``name`` into local ``part``; return the number of bytes.
+
+        ``landed(start, end)`` is called as each ranged part is written (a reader may read
+        it before the file is complete); ``first_part`` bounds the first part's size (so
+        the file's first bytes land early).
 
         With ``max_bytes`` (the file's size from its entry, which the cache reserved), the
         file is fetched as concurrent ranged GETs planned by :class:`PartPlanner` (no
@@ -187,14 +193,21 @@ class RemoteFiles:
         the byte where it stopped.
         """
         if max_bytes is not None and protocol_of(self.url) not in ("http", "https"):
-            return self._download_parts(name, part, max_bytes, cancelled, stop)
+            return self._download_parts(name, part, max_bytes, cancelled, stop, landed, first_part)
         return self._download_stream(name, part, cancelled, stop, max_bytes)
 
     def _download_parts(
-        self, name: str, part: str, size: int, cancelled: Callable[[], bool], stop: threading.Event | None
+        self,
+        name: str,
+        part: str,
+        size: int,
+        cancelled: Callable[[], bool],
+        stop: threading.Event | None,
+        landed: Callable[[int, int], None] | None = None,
+        first_part: int | None = None,
     ) -> int:
         path = self.path(name)
-        parts = self.planner.parts(size)
+        parts = self.planner.parts(size, first_part)
         failed = _EitherEvent(stop)  # one part failed for good (or the storage is closing): the others stop
         errors: list[BaseException] = []
         fd = os.open(part, os.O_WRONLY)
@@ -223,11 +236,14 @@ class RemoteFiles:
                     raise
                 self.planner.observe(len(data), time.monotonic() - began)
                 os.pwrite(fd, data, start)
+                if landed is not None:
+                    landed(start, end)
 
             if len(parts) == 1:
                 fetch(*parts[0])
             else:
-                with ThreadPoolExecutor(self.planner.concurrency(size), thread_name_prefix="streamload-part") as pool:
+                threads = max(1, min(self.planner.max_concurrency, len(parts)))
+                with ThreadPoolExecutor(threads, thread_name_prefix="streamload-part") as pool:
                     for future in [pool.submit(fetch, a, b) for a, b in parts]:
                         future.exception()
                 if errors:  # the part that failed first, not another one stopped because of it
