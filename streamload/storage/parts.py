@@ -122,11 +122,14 @@ class Landing:
         self._closed = False
         #: Reads served before the file was complete (from its landed parts).
         self.early_reads = 0
+        #: Download attempts (more than one: a copy failed its check and was fetched again).
+        self.attempts = 0
 
     def begin(self, part_path: str) -> None:
         """A (new) download attempt writes ``part_path``: what landed before is forgotten."""
         fd = os.open(part_path, os.O_RDONLY)
         with self._cond:
+            self.attempts += 1
             if self._closed:
                 os.close(fd)
                 return

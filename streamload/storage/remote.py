@@ -162,6 +162,8 @@ class RemoteStorage(Storage):
         self._pins: dict[str, tuple[Pin, int]] = {}  # name -> (pin, acquire count)
         self._served: dict[str, str | None] = {}  # name -> generation of the copy last handed out
         self._stale: set[str] = set()  # pinned here, but discarded: the next acquire fetches again
+        self._landings: dict[str, Landing] = {}  # name -> the download acquire_early last handed out
+        self._early: list[threading.Thread] = []  # their download threads: close() lets them finish
         self._ahead = ReadAhead(self.read_ahead, self._fetch_ahead)
         self._depth = AheadDepth(self.read_ahead)
         self._blocked = 0.0  # seconds this process's acquires waited for a file to arrive
@@ -378,9 +380,13 @@ class RemoteStorage(Storage):
         with self._lock:
             self._pins[entry.name] = (pin, 1)
             self._served[entry.name] = _EARLY
+            self._landings[entry.name] = landing
         with self._demand:  # read-ahead waits from now on, not from when the thread gets going
             self._demand_fills += 1
-        threading.Thread(target=self._land, args=(entry, landing), name="streamload-early", daemon=True).start()
+        thread = threading.Thread(target=self._land, args=(entry, landing), name="streamload-early", daemon=True)
+        with self._lock:
+            self._early = [t for t in self._early if t.is_alive()] + [thread]
+        thread.start()
         return landing
 
     def _land(self, entry: FileEntry, landing: Landing) -> None:
@@ -452,6 +458,7 @@ class RemoteStorage(Storage):
                 return
             del self._pins[entry.name]
             self._stale.discard(entry.name)
+            self._landings.pop(entry.name, None)
         pin.close()
 
     def discard(self, entry: FileEntry) -> bool:
@@ -464,13 +471,23 @@ class RemoteStorage(Storage):
         self._check_process()
         with self._lock:
             generation = self._served.get(entry.name)
-            if generation == _EARLY:
-                # The reader read parts of a download before its hash was checked: the next
-                # acquire brings the verified file (after that download), nothing to delete.
-                self._served[entry.name] = None
-                if entry.name in self._pins:
-                    self._stale.add(entry.name)
-                return True
+            landing = self._landings.get(entry.name)
+        if generation == _EARLY and landing is not None:
+            # The reader read parts of a download before its hash was checked. If that
+            # download was verified at its first attempt, those were the cached file's
+            # bytes: judge the cached copy as usual. If a copy failed its check and was
+            # fetched again, the bytes read may have been damaged in transit: the next
+            # acquire brings the verified file, nothing to delete.
+            try:
+                landing.wait_done()
+            except Exception:  # noqa: BLE001 - the download failed: the next acquire tries again
+                pass
+            with self._lock:
+                self._served[entry.name] = generation = self.cache.generation(entry.name)
+                if landing.attempts > 1 or not landing.done:
+                    if entry.name in self._pins:
+                        self._stale.add(entry.name)
+                    return True
         fresh = self.cache.discard(entry, generation)
         if fresh:
             with self._lock:
@@ -538,10 +555,19 @@ class RemoteStorage(Storage):
         return download
 
     def close(self) -> None:
-        """Stop read-ahead (in-flight downloads stop at their next chunk) and drop all pins."""
+        """Stop read-ahead (in-flight downloads stop at their next chunk) and drop all pins.
+
+        Downloads whose parts a reader read early (:meth:`acquire_early`) are let finish
+        first (bounded by their retry policy): the reader had what it needed, and the
+        file goes into the cache for the next epoch.
+        """
         if self._pid != os.getpid():
             self._init_process_state()
             return
+        with self._lock:
+            early, self._early = self._early, []
+        for thread in early:
+            thread.join()
         self._stop.set()
         self._ahead.stop()
         with self._lock:
