@@ -14,6 +14,8 @@ import os
 import threading
 from dataclasses import dataclass
 
+from .._errors import CorruptShardError
+
 __all__ = ["FIRST_PART", "Landing", "PartPlanner"]
 
 #: A download a reader waits for starts with a part this small, so the first samples land early.
@@ -207,9 +209,24 @@ class Landing:
         return os.preadv(self._wait(offset, offset + total), buffers, offset)
 
     def close(self) -> None:
-        """Close the descriptors (the download, if still running, goes on)."""
-        with self._cond:
-            fds, self._fds, self._fd, self._closed = self._fds, [], -1, True
-            self._cond.notify_all()
-        for fd in fds:
-            os.close(fd)
+        """Wait for the download to end (bounded by its retries), then close the descriptors.
+
+        The reader that read parts early is done with the file only once the file is
+        cached, as if it had waited for it before reading: the next epoch finds it.
+
+        Raises:
+            CorruptShardError: The download failed its check (again): the file is bad at
+                its source, even if every sample read early passed its own digest.
+        """
+        try:
+            self.wait_done()
+        except CorruptShardError:
+            raise
+        except Exception:  # noqa: BLE001, S110 - met by a read, or the next acquire meets it again
+            pass
+        finally:
+            with self._cond:
+                fds, self._fds, self._fd, self._closed = self._fds, [], -1, True
+                self._cond.notify_all()
+            for fd in fds:
+                os.close(fd)
