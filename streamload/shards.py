@@ -327,6 +327,7 @@ class ShardSource:
         self._own_storage = own_storage
         self._format = ref.format
         self._open: OrderedDict[int, ShardReader] = OrderedDict()
+        self._opened_early = False  # a shard was opened over its download in progress (the first only)
         self._copies = storage if isinstance(storage, CachedCopies) else None
         self.streaming = streaming and self._copies is not None
         if self.streaming and not can_stream(ref.manifest):
@@ -402,7 +403,10 @@ class ShardSource:
                 raise
 
     def _open_early(self, shard: int) -> ShardReader | None:
-        """Cached mode, a remote tar shard not cached yet: a reader over its download in progress.
+        """Cached mode, the first shard this source opens, not cached yet: a reader over its download in progress.
+
+        Only the first (the cold start: later shards are fetched ahead of the reader, and
+        read-ahead's cache room is planned for whole files).
 
         The shard's download starts in a thread of the storage, the sidecar is acquired
         meanwhile, and the reader reads each sample as soon as the part holding it has
@@ -420,8 +424,10 @@ class ShardSource:
             or entry.sidecar is None
             or self.ref.manifest.format != "tar"
             or shard in self.recovered
+            or self._opened_early
         ):
             return None
+        self._opened_early = True
         got = early(entry)  # a miss starts the shard's download in a thread and returns at once
         if not isinstance(got, Landing):  # cached: the usual reader (and its checks at open)
             self.storage.release(entry)
