@@ -222,8 +222,11 @@ def _preimport(loader: str, source: str) -> None:
         import obstore  # noqa: F401
 
 
-def _log_timeline(path: str, t0: float) -> None:
-    """Append streamload's DEBUG lines to ``path`` as ``seconds-since-t0 pid message`` (workers inherit it)."""
+def _log_timeline(path: str, t0: float) -> Callable[[], None]:
+    """Append streamload's DEBUG lines to ``path`` as ``seconds-since-t0 pid message`` (workers inherit it).
+
+    Returns what undoes it (rows run inline share the process).
+    """
 
     class Relative(logging.Formatter):
         def format(self, record: logging.LogRecord) -> str:
@@ -232,8 +235,16 @@ def _log_timeline(path: str, t0: float) -> None:
     handler = logging.FileHandler(path, mode="a")
     handler.setFormatter(Relative())
     logger = logging.getLogger("streamload")
+    level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
+
+    def undo() -> None:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        handler.close()
+
+    return undo
 
 
 def print_timeline(path: Path, first: float) -> None:
@@ -311,8 +322,20 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     }
     _preimport(spec["loader"], spec["source"])  # imports are not the loader's time to first batch
     timeline = spec.get("timeline")
-    if timeline:  # streamload's DEBUG lines (every process, workers included) with their times
-        _log_timeline(timeline, time.time())
+    undo = _log_timeline(timeline, time.time()) if timeline else None  # DEBUG lines, workers included
+    try:
+        return _run_row(spec, makers, expected, timeline)
+    finally:
+        if undo is not None:
+            undo()
+
+
+def _run_row(
+    spec: dict[str, Any],
+    makers: dict[str, Callable[[dict[str, Any]], tuple[Iterable[Any], str]]],
+    expected: np.ndarray,
+    timeline: str | None,
+) -> dict[str, Any]:
     start = time.perf_counter()
     loader, kind = makers[spec["loader"]](spec)
     if timeline:
