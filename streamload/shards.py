@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -51,6 +52,7 @@ from .formats.tar import TarShardReader
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardEntry
 from .plan import Run
 from .storage import Storage, open_storage
+from .storage.parts import Landing
 from .storage.ranges import DEFAULT_THREADS, RangeFetcher, StreamedFile, Ticket
 from .storage.retry import RetryPolicy
 from .storage.transport import RemoteFiles
@@ -330,6 +332,7 @@ class ShardSource:
         self._own_storage = own_storage
         self._format = ref.format
         self._open: OrderedDict[int, ShardReader] = OrderedDict()
+        self._opened_early = False  # a shard was opened over its download in progress (the first only)
         self._copies = storage if isinstance(storage, CachedCopies) else None
         self.streaming = streaming and self._copies is not None
         if self.streaming and not can_stream(ref.manifest):
@@ -383,6 +386,9 @@ class ShardSource:
 
     def _open_files(self, shard: int) -> ShardReader:
         """Acquire ``shard``'s files and build its reader (not kept in the LRU); release them on failure."""
+        early = self._open_early(shard)
+        if early is not None:
+            return early
         vanished = False
         while True:
             path, sidecar = self.acquire(shard)
@@ -401,6 +407,51 @@ class ShardSource:
                 self.release(shard)
                 raise
 
+    def _open_early(self, shard: int) -> ShardReader | None:
+        """Cached mode, the first shard this source opens, not cached yet: a reader over its download in progress.
+
+        Only the first (the cold start: later shards are fetched ahead of the reader, and
+        read-ahead's cache room is planned for whole files).
+
+        The shard's download starts in a thread of the storage, the sidecar is acquired
+        meanwhile, and the reader reads each sample as soon as the part holding it has
+        landed (:meth:`~streamload.storage.remote.RemoteStorage.acquire_early`), checked
+        by the sample's own digest as every read is; the whole file is still hash-checked
+        before it counts as cached. ``None``: not applicable, or the shard is cached
+        already (the caller opens it as usual).
+        """
+        early = getattr(self.storage, "acquire_early", None)
+        entry = self.ref.manifest.shards[shard]
+        if (
+            early is None
+            or self.streaming
+            or self._copies is None
+            or entry.sidecar is None
+            or self.ref.manifest.format != "tar"
+            or shard in self.recovered
+            or self._opened_early
+        ):
+            return None
+        self._opened_early = True
+        got = early(entry)  # a miss starts the shard's download in a thread and returns at once
+        if not isinstance(got, Landing):  # cached: the usual reader (and its checks at open)
+            self.storage.release(entry)
+            return None
+        try:
+            sidecar = self.storage.acquire(entry.sidecar)  # meanwhile, alongside the shard's parts
+        except BaseException:
+            got.close()
+            self.storage.release(entry)
+            raise
+        try:
+            reader = TarShardReader(self.ref.where(entry), entry, sidecar, source=got, check_headers=False)
+        except BaseException:
+            got.close()
+            self.release(shard)
+            raise
+        self.opens += 1
+        return reader
+
     def acquire(self, shard: int) -> tuple[str, str | None]:
         """Acquire ``shard``'s files from the storage; return local ``(shard path, sidecar path)``.
 
@@ -411,9 +462,30 @@ class ShardSource:
         if self.streaming:
             assert entry.sidecar is not None
             return self.ref.where(entry), self.storage.acquire(entry.sidecar)
+        if entry.sidecar is None:
+            return self.storage.acquire(entry), None
+        if self._copies is None:  # local files: nothing to wait for
+            return self._acquire_both(entry, entry.sidecar)
+        # Remote: the sidecar comes by a GET of its own alongside the shard's parts (not after them).
+        with ThreadPoolExecutor(1, thread_name_prefix="streamload-sidecar") as pool:
+            side = pool.submit(self.storage.acquire, entry.sidecar)
+            try:
+                path = self.storage.acquire(entry)
+            except BaseException:
+                if side.exception() is None:
+                    self.storage.release(entry.sidecar)
+                raise
+            try:
+                sidecar = side.result()
+            except BaseException:
+                self.storage.release(entry)
+                raise
+        return path, sidecar
+
+    def _acquire_both(self, entry: ShardEntry, sidecar_entry: FileEntry) -> tuple[str, str]:
         path = self.storage.acquire(entry)
         try:
-            sidecar = self.storage.acquire(entry.sidecar) if entry.sidecar else None
+            sidecar = self.storage.acquire(sidecar_entry)
         except BaseException:
             self.storage.release(entry)
             raise

@@ -15,8 +15,9 @@ from streamload.synthetic import make_image_folder, synthetic_jpeg
 
 # One SeaweedFS server per test session, shared by every module that asks for `s3_server`;
 # `shaped_s3` puts it behind a proxy that makes it a far bucket (latency, bandwidth);
+# `faulty_s3` puts it behind a proxy that breaks chosen responses (resets, 503s, flipped bytes);
 # `dask_address` and `ray_local` are real conversion engines (one per module that asks).
-pytest_plugins = ["tests.s3server", "tests.shaping", "tests.engines"]
+pytest_plugins = ["tests.s3server", "tests.shaping", "tests.faults", "tests.engines"]
 
 
 def add_tricky_files(root: Path) -> None:

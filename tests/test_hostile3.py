@@ -9,7 +9,7 @@ import hashlib
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from streamload._errors import CacheError, ConfigError, StorageError, Streamload
 from streamload.manifest import FileEntry
 from streamload.storage.cache import ShardCache
 from streamload.storage.retry import RetryPolicy, is_permanent, is_transient
-from tests.faults import FaultProxy
+from tests.faults import Fault, FaultyS3
 from tests.s3server import SeaweedS3
 
 pytestmark = pytest.mark.timeout(120)
@@ -224,22 +224,6 @@ def bucket_tar(s3_server: SeaweedS3, tar_dataset: Path) -> str:
     return f"s3://{bucket}/ds"
 
 
-@pytest.fixture
-def faulty(s3_server: SeaweedS3, request: pytest.FixtureRequest) -> Iterator[FaultProxy]:
-    mode, faults = request.param
-    proxy = FaultProxy(("127.0.0.1", s3_server.gateway.port), mode, faults, rb"shard-000000\.tar($|\?)")
-    try:
-        yield proxy
-    finally:
-        proxy.stop()
-
-
-def _through(s3_server: SeaweedS3, proxy: FaultProxy) -> dict[str, Any]:
-    options = s3_server.storage_options()
-    options["client_kwargs"] = {**options["client_kwargs"], "endpoint_url": proxy.endpoint_url}
-    return options
-
-
 def test_a_cut_body_is_transient_whatever_code_it_carries() -> None:
     import aiohttp
 
@@ -250,38 +234,37 @@ def test_a_cut_body_is_transient_whatever_code_it_carries() -> None:
         assert is_transient(exc) and not is_permanent(exc)
 
 
-@pytest.mark.parametrize("faulty", [("cut", 5)], indirect=True)
+#: The first shard's GETs (its sidecar's too: the match is a path substring).
+SHARD0 = "shard-000000.tar"
+
+
 @pytest.mark.parametrize("cache", ["shards", "none"])
 def test_bodies_cut_short_several_times_are_retried(
-    s3_server: SeaweedS3, bucket_tar: str, faulty: FaultProxy, cache: str, tmp_path: Path
+    faulty_s3: FaultyS3, bucket_tar: str, cache: str, tmp_path: Path
 ) -> None:
+    (cut,) = faulty_s3.inject(Fault("truncate", match=SHARD0, at=2000, times=5))
     ds = StreamingDataset(
-        bucket_tar, storage_options=_through(s3_server, faulty), cache=cache, cache_dir=str(tmp_path), shuffle=False
+        bucket_tar, storage_options=faulty_s3.storage_options(), cache=cache, cache_dir=str(tmp_path), shuffle=False
     )
     keys = [s["__key__"] for s in ds]
     assert len(keys) == len(set(keys)) == ds.num_samples
-    assert faulty.faulted == 5
+    assert cut.hits == 5
 
 
-@pytest.mark.parametrize("faulty", [("stall", -1)], indirect=True)
 @pytest.mark.parametrize("cache", ["shards", "none"])
 def test_a_body_that_stalls_for_ever_ends_in_an_error_naming_the_url(
-    s3_server: SeaweedS3,
-    bucket_tar: str,
-    faulty: FaultProxy,
-    cache: str,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    faulty_s3: FaultyS3, bucket_tar: str, cache: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("STREAMLOAD_READ_TIMEOUT", "1")
     monkeypatch.setenv("STREAMLOAD_RETRY_TIMEOUT", "3")
+    (stall,) = faulty_s3.inject(Fault("stall", match=SHARD0, at=2000, seconds=30, times=10**6))
     ds = StreamingDataset(
-        bucket_tar, storage_options=_through(s3_server, faulty), cache=cache, cache_dir=str(tmp_path), shuffle=False
+        bucket_tar, storage_options=faulty_s3.storage_options(), cache=cache, cache_dir=str(tmp_path), shuffle=False
     )
     err = _in_thread(lambda: list(ds), timeout=60)
     assert isinstance(err, StorageError), err
     assert f"{bucket_tar}/shard-000000.tar" in str(err) and "unavailable" in str(err)
-    assert faulty.faulted >= 2  # retried, within the budget
+    assert stall.hits >= 2  # retried, within the budget
 
 
 def test_the_timeouts_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,15 +1,25 @@
-"""How a file is cut into concurrent ranged GETs: part size and concurrency, from measurements.
+"""How a file is cut into concurrent ranged GETs, and reading a download by its parts as they land.
 
-Used by :class:`~streamload.storage.transport.RemoteFiles` for every download whose size
-is known (a shard or sidecar: its entry says it).
+:class:`PartPlanner` is used by :class:`~streamload.storage.transport.RemoteFiles` for
+every download whose size is known (a shard or sidecar: its entry says it).
+:class:`Landing` is one download in progress seen by a reader of the same process: the
+byte ranges whose parts were written can be read before the whole file is verified and
+renamed into the cache (see :meth:`~streamload.storage.remote.RemoteStorage.acquire_early`).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import threading
 from dataclasses import dataclass
 
-__all__ = ["PartPlanner"]
+from .._errors import CorruptShardError
+
+__all__ = ["FIRST_PART", "Landing", "PartPlanner"]
+
+#: A download a reader waits for starts with a part this small, so the first samples land early.
+FIRST_PART = 1 << 20
 
 _MIB = 1 << 20
 
@@ -52,8 +62,13 @@ class PartPlanner:
         want = self.part_latencies * self.latency * self.rate
         return int(min(self.max_part, max(self.min_part, math.ceil(want / _MIB) * _MIB)))
 
-    def parts(self, size: int) -> list[tuple[int, int]]:
-        """``[start, end)`` byte ranges covering a file of ``size`` bytes."""
+    def parts(self, size: int, first: int | None = None) -> list[tuple[int, int]]:
+        """``[start, end)`` byte ranges covering a file of ``size`` bytes.
+
+        With ``first``, the first part is at most that long (the rest is cut as usual).
+        """
+        if first is not None and 0 < first < size:
+            return [(0, first)] + [(a + first, b + first) for a, b in self.parts(size - first)]
         if size <= 0:
             return [(0, 0)] if size == 0 else []
         step = self.chosen_part_size()
@@ -80,3 +95,138 @@ class PartPlanner:
         elif nbytes < self.min_part:
             latency = max(0.0, seconds - nbytes / self.rate)
             self.latency += alpha * (latency - self.latency)
+
+
+class Landing:
+    """A file being downloaded into the cache, readable by byte ranges as its parts land.
+
+    The downloader calls :meth:`begin` with each attempt's part file, :meth:`land` as each
+    part is written, then :meth:`finish` with the cached path (or :meth:`fail`). A reader's
+    :meth:`pread` / :meth:`preadv` wait until their range has landed (or the file is
+    cached) and read it from the part file: the same inode the cache renames into place.
+    Nothing read here was verified by the whole file's hash: the reader checks each
+    sample's own digest, as for every read.
+
+    Args:
+        name: The file's name (for messages).
+        size: Its size from its entry.
+    """
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name = name
+        self.size = size
+        self._cond = threading.Condition()
+        self._fd = -1
+        self._fds: list[int] = []  # closed by close(): a reader may still be reading an older one
+        self._landed: list[tuple[int, int]] = []  # merged [start, end) ranges of the current attempt
+        self._final: str | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        #: Reads served before the file was complete (from its landed parts).
+        self.early_reads = 0
+        #: Download attempts (more than one: a copy failed its check and was fetched again).
+        self.attempts = 0
+
+    def begin(self, part_path: str) -> None:
+        """A (new) download attempt writes ``part_path``: what landed before is forgotten."""
+        fd = os.open(part_path, os.O_RDONLY)
+        with self._cond:
+            self.attempts += 1
+            if self._closed:
+                os.close(fd)
+                return
+            self._fds.append(fd)
+            self._fd, self._landed = fd, []
+
+    def land(self, start: int, end: int) -> None:
+        """Bytes ``[start, end)`` were written to the current part file."""
+        with self._cond:
+            merged: list[tuple[int, int]] = []
+            for a, b in sorted([*self._landed, (start, end)]):
+                if merged and a <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+                else:
+                    merged.append((a, b))
+            self._landed = merged
+            self._cond.notify_all()
+
+    def finish(self, path: str) -> None:
+        """The file is verified and cached at ``path``: every read is served from there."""
+        fd = os.open(path, os.O_RDONLY)
+        with self._cond:
+            if self._closed:
+                os.close(fd)
+                return
+            self._fds.append(fd)
+            self._fd, self._final = fd, path
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """The download failed: reads not yet served raise ``error``."""
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    @property
+    def done(self) -> bool:
+        """True once the file is cached (:meth:`finish`)."""
+        return self._final is not None
+
+    def _covered(self, start: int, end: int) -> bool:
+        return any(a <= start and end <= b for a, b in self._landed)
+
+    def _wait(self, start: int, end: int) -> int:
+        end = min(end, self.size)
+        with self._cond:
+            while True:
+                if self._final is not None:
+                    return self._fd
+                if self._fd >= 0 and (end <= start or self._covered(start, end)):
+                    self.early_reads += 1
+                    return self._fd
+                if self._error is not None:
+                    raise self._error
+                if self._closed:
+                    raise ValueError(f"{self.name}: read after close")
+                self._cond.wait()
+
+    def wait_done(self) -> str:
+        """Wait until the file is cached; return its path (or raise the download's error)."""
+        with self._cond:
+            while self._final is None:
+                if self._error is not None:
+                    raise self._error
+                self._cond.wait()
+            return self._final
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """Return ``n`` bytes at ``offset`` once they have landed."""
+        return os.pread(self._wait(offset, offset + n), n, offset)
+
+    def preadv(self, buffers: list[memoryview], offset: int) -> int:
+        """Fill ``buffers`` in order from ``offset`` once their span has landed; return the bytes read."""
+        total = sum(len(b) for b in buffers)
+        return os.preadv(self._wait(offset, offset + total), buffers, offset)
+
+    def close(self) -> None:
+        """Wait for the download to end (bounded by its retries), then close the descriptors.
+
+        The reader that read parts early is done with the file only once the file is
+        cached, as if it had waited for it before reading: the next epoch finds it.
+
+        Raises:
+            CorruptShardError: The download failed its check (again): the file is bad at
+                its source, even if every sample read early passed its own digest.
+        """
+        try:
+            self.wait_done()
+        except CorruptShardError:
+            raise
+        except Exception:  # noqa: BLE001, S110 - met by a read, or the next acquire meets it again
+            pass
+        finally:
+            with self._cond:
+                fds, self._fds, self._fd, self._closed = self._fds, [], -1, True
+                self._cond.notify_all()
+            for fd in fds:
+                os.close(fd)

@@ -6,14 +6,20 @@ Per process::
     acquire(entry)                    -> pin in the shared cache (see .cache)
       hit:  data/<name>, mtime bumped  -> local path, no remote call
       miss: reserve room (evict LRU unpinned), download to tmp/ (retried, resumed at
-            the byte it stopped), verify size + hash, rename into data/
+            the byte it stopped), verify size + hash, rename into data/; a download
+            that fails its check is fetched once more (damaged in transit), then
+            it is bad at its source (CorruptShardError naming its URL)
     ahead_depth()                     -> how many shards the reader should name ahead now:
                                          from the measured download and reading times,
                                          at most `read_ahead` and the cache room (.readahead)
     prefetch([next files])            -> the same as acquire, in daemon threads (one per
                                          shard of the window), never waiting for room (nor
                                          pinning: an idle reader's pins would starve the
-                                         others); see .readahead
+                                         others), and starting no download while the
+                                         reader's own acquire downloads; see .readahead
+    acquire_early(entry)              -> acquire, but a miss returns at once: a Landing that
+                                         serves the ranges whose parts have landed while the
+                                         download goes on in a thread (see .parts)
     release(entry)                    -> drop the pin: the file becomes evictable
     discard(entry)                    -> a reader found the copy it read corrupt: delete
                                          it (unless it hashes to the entry), so the next
@@ -56,6 +62,7 @@ from .admission import Admission
 from .base import Storage
 from .cache import DEFAULT_WAIT_TIMEOUT, CacheStats, Pin, ShardCache
 from .cachedir import dataset_cache_key, default_cache_dir
+from .parts import FIRST_PART, Landing
 from .readahead import AheadDepth, AheadStats, ReadAhead
 from .retry import RetryPolicy
 from .transport import RemoteFiles
@@ -63,6 +70,7 @@ from .transport import RemoteFiles
 __all__ = [
     "DEFAULT_CACHE_FRACTION",
     "DEFAULT_READ_AHEAD",
+    "DOWNLOAD_REFETCHES",
     "MIN_CACHE_SHARDS",
     "RemoteStorage",
     "dataset_cache_key",
@@ -77,6 +85,14 @@ DEFAULT_READ_AHEAD = 8
 MIN_CACHE_SHARDS = 2
 #: Without ``cache_limit``: this fraction of the space the cache could use (free + its own).
 DEFAULT_CACHE_FRACTION = 0.5
+#: A download that fails its size or hash check is fetched whole this many times more (the
+#: bytes may have been damaged in transit, by a faulty middlebox or NIC); then the file is
+#: bad at its source.
+DOWNLOAD_REFETCHES = 1
+#: The "generation" of a file handed out by acquire_early (its parts, before its hash was checked).
+_EARLY = "\0early"
+#: Seconds read-ahead waits for the reader to acquire the shard it just started (see prefetch).
+_DEMAND_GRACE = 2.0
 #: Cache directories whose default bound this process logged already.
 _LOGGED_DEFAULTS: set[str] = set()
 
@@ -146,10 +162,20 @@ class RemoteStorage(Storage):
         self._pins: dict[str, tuple[Pin, int]] = {}  # name -> (pin, acquire count)
         self._served: dict[str, str | None] = {}  # name -> generation of the copy last handed out
         self._stale: set[str] = set()  # pinned here, but discarded: the next acquire fetches again
+        self._landings: dict[str, Landing] = {}  # name -> the download acquire_early last handed out
+        self._early: list[threading.Thread] = []  # their download threads: close() lets them finish
         self._ahead = ReadAhead(self.read_ahead, self._fetch_ahead)
         self._depth = AheadDepth(self.read_ahead)
         self._blocked = 0.0  # seconds this process's acquires waited for a file to arrive
         self._largest = 0  # the largest shard (with its sidecar) its readers read
+        #: Downloads of this process fetched again after failing their check (see DOWNLOAD_REFETCHES).
+        self.refetched = 0
+        # The reader's own acquires come first: read-ahead starts no download while one is
+        # under way (or about to start: the reader names its window just before it acquires
+        # the shard it starts), so the shard a reader waits for has the link to itself.
+        self._demand = threading.Condition()
+        self._demand_fills = 0
+        self._demand_until = 0.0
         self._admission = Admission(self.cache, self.url)
 
     def _check_process(self) -> None:
@@ -180,7 +206,10 @@ class RemoteStorage(Storage):
     def read_bytes(self, name: str, max_bytes: int | None = None, *, not_found: str | None = None) -> bytes:
         """Return file ``name`` from the remote, retried, not cached (small files: the manifest)."""
         self._check_process()
-        return self._remote.cat(name, max_bytes=max_bytes, not_found=not_found)
+        log.debug("read %s: start", name)  # the DEBUG lines of this module are a timeline of the I/O
+        data = self._remote.cat(name, max_bytes=max_bytes, not_found=not_found)
+        log.debug("read %s: done", name)
+        return data
 
     def check_capacity(self, largest: int) -> None:
         """Check the cache can hold :data:`MIN_CACHE_SHARDS` files of ``largest`` bytes.
@@ -302,7 +331,8 @@ class RemoteStorage(Storage):
         Raises:
             ShardNotFoundError: The object does not exist.
             StorageError: Access denied, or the storage stayed unavailable past the retry budget.
-            CorruptShardError: The downloaded bytes do not match the entry.
+            CorruptShardError: The downloaded bytes do not match the entry, again when
+                downloaded once more (:data:`DOWNLOAD_REFETCHES`): the file is bad at its source.
             CacheError: No room could be made within ``wait_timeout``.
         """
         self._check_process()
@@ -330,18 +360,79 @@ class RemoteStorage(Storage):
             self._served[entry.name] = self.cache.generation(entry.name)
         return path
 
-    def _fill(self, entry: FileEntry) -> str:
+    def acquire_early(self, entry: FileEntry) -> str | Landing:
+        """Like :meth:`acquire`, but a file not cached yet is returned as its download in progress.
+
+        The file is pinned at once, and downloaded in a thread of this process (the first
+        part small, so the file's first bytes land early); the returned :class:`Landing`
+        serves the byte ranges whose parts have landed, and everything once the file is
+        verified and cached. Pair it with :meth:`release` as :meth:`acquire`. A cached
+        file (or one pinned here already) is returned as its path.
+        """
+        self._check_process()
+        with self._lock:
+            held = entry.name in self._pins and entry.name not in self._stale
+        if held or self.cache.lookup(entry) is not None:
+            return self.acquire(entry)
+        self._check_fits(entry)
+        pin = self.cache.pin(entry.name)
+        landing = Landing(entry.name, entry.num_bytes)
+        with self._lock:
+            self._pins[entry.name] = (pin, 1)
+            self._served[entry.name] = _EARLY
+            self._landings[entry.name] = landing
+        with self._demand:  # read-ahead waits from now on, not from when the thread gets going
+            self._demand_fills += 1
+        thread = threading.Thread(target=self._land, args=(entry, landing), name="streamload-early", daemon=True)
+        with self._lock:
+            self._early = [t for t in self._early if t.is_alive()] + [thread]
+        thread.start()
+        return landing
+
+    def _land(self, entry: FileEntry, landing: Landing) -> None:
+        try:
+            path = self._fill(entry, landing)
+        except BaseException as exc:  # noqa: BLE001 - the reader meets it at its next read
+            landing.fail(exc)
+            return
+        finally:
+            with self._demand:
+                self._demand_fills -= 1
+                self._demand.notify_all()
+        landing.finish(path)
+
+    def _fill(self, entry: FileEntry, landing: Landing | None = None) -> str:
         """Bring ``entry`` into the cache (the caller holds its pin); name its URL in a corruption error.
 
         The time it takes counts as the reader blocked (not reading), for the read-ahead depth.
         """
         began = time.monotonic()
+        url = self._remote.url_of(entry.name)
+        with self._demand:
+            self._demand_fills += 1
+            self._demand_until = 0.0
+        log.debug("acquire %s: start", entry.name)
+        starve = lambda: self._ahead.starve(entry.name)  # noqa: E731
         try:
             entry = self._versioned(entry)
-            path = self.cache.fill(entry, self._downloader(entry), on_wait=lambda: self._ahead.starve(entry.name))
-        except CorruptShardError as exc:
-            raise CorruptShardError(f"{self._remote.url_of(entry.name)}: {exc}") from exc
+            for attempt in range(1 + DOWNLOAD_REFETCHES):
+                try:
+                    path = self.cache.fill(entry, self._downloader(entry, landing), on_wait=starve)
+                    break
+                except CorruptShardError as exc:
+                    if attempt == DOWNLOAD_REFETCHES:
+                        raise CorruptShardError(
+                            f"{url}: {exc} (downloaded {attempt + 1} times, each copy failed its check: the file "
+                            "is bad at its source)"
+                        ) from exc
+                    with self._lock:
+                        self.refetched += 1
+                    log.warning("%s: %s (bytes damaged in transit?); downloading it again", url, exc)
         finally:
+            log.debug("acquire %s: done", entry.name)
+            with self._demand:
+                self._demand_fills -= 1
+                self._demand.notify_all()
             self._ahead.fed(entry.name)
             with self._lock:
                 self._blocked += time.monotonic() - began
@@ -382,6 +473,7 @@ class RemoteStorage(Storage):
                 return
             del self._pins[entry.name]
             self._stale.discard(entry.name)
+            self._landings.pop(entry.name, None)
         pin.close()
 
     def discard(self, entry: FileEntry) -> bool:
@@ -394,6 +486,23 @@ class RemoteStorage(Storage):
         self._check_process()
         with self._lock:
             generation = self._served.get(entry.name)
+            landing = self._landings.get(entry.name)
+        if generation == _EARLY and landing is not None:
+            # The reader read parts of a download before its hash was checked. If that
+            # download was verified at its first attempt, those were the cached file's
+            # bytes: judge the cached copy as usual. If a copy failed its check and was
+            # fetched again, the bytes read may have been damaged in transit: the next
+            # acquire brings the verified file, nothing to delete.
+            try:
+                landing.wait_done()
+            except Exception:  # noqa: BLE001 - the download failed: the next acquire tries again
+                pass
+            with self._lock:
+                self._served[entry.name] = generation = self.cache.generation(entry.name)
+                if landing.attempts > 1 or not landing.done:
+                    if entry.name in self._pins:
+                        self._stale.add(entry.name)
+                    return True
         fresh = self.cache.discard(entry, generation)
         if fresh:
             with self._lock:
@@ -414,26 +523,47 @@ class RemoteStorage(Storage):
             held = set(self._pins)
             if wanted:
                 self._depth.observe_shard(time.monotonic(), self._blocked)
+                with self._demand:  # the reader acquires the shard it starts next: that download first
+                    self._demand_until = time.monotonic() + _DEMAND_GRACE
                 self._ahead.threads = min(self.read_ahead, max(1, self._depth.current))
             else:
                 self._depth.pause()
         self._ahead.want(wanted, held)
 
     def _fetch_ahead(self, entry: FileEntry, cancelled: Callable[[], bool]) -> None:
+        with self._demand:  # yield the link to the reader's own download (see _init_process_state)
+            while not cancelled() and (self._demand_fills or time.monotonic() < self._demand_until):
+                self._demand.wait(0.05)
+        if cancelled():
+            return
         pin = self.cache.pin(entry.name)
+        log.debug("read-ahead %s: start", entry.name)
         try:
             entry = self._versioned(entry)
             self.cache.fill(entry, self._downloader(entry), wait=False, cancelled=cancelled)
+            log.debug("read-ahead %s: done", entry.name)
         finally:
             # Read-ahead files are not kept pinned: pins held by a reader that is not
             # reading (its DataLoader queue is full) would starve the others. A fresh file
             # is the most recently used, so it is evicted last.
             pin.close()
 
-    def _downloader(self, entry: FileEntry) -> Callable[[str, Callable[[], bool]], None]:
+    def _downloader(
+        self, entry: FileEntry, landing: Landing | None = None
+    ) -> Callable[[str, Callable[[], bool]], None]:
         def download(part: str, cancelled: Callable[[], bool]) -> None:
             began = time.monotonic()
-            done = self._remote.download(entry.name, part, cancelled, self._stop, max_bytes=entry.num_bytes)
+            if landing is not None:
+                landing.begin(part)
+            done = self._remote.download(
+                entry.name,
+                part,
+                cancelled,
+                self._stop,
+                max_bytes=entry.num_bytes,
+                landed=None if landing is None else landing.land,
+                first_part=None if landing is None else FIRST_PART,
+            )
             if done == entry.num_bytes and not cancelled():
                 with self._lock:
                     self._depth.observe_fetch(entry.num_bytes, time.monotonic() - began)
@@ -441,10 +571,19 @@ class RemoteStorage(Storage):
         return download
 
     def close(self) -> None:
-        """Stop read-ahead (in-flight downloads stop at their next chunk) and drop all pins."""
+        """Stop read-ahead (in-flight downloads stop at their next chunk) and drop all pins.
+
+        Downloads whose parts a reader read early (:meth:`acquire_early`) are let finish
+        first (bounded by their retry policy): the reader had what it needed, and the
+        file goes into the cache for the next epoch.
+        """
         if self._pid != os.getpid():
             self._init_process_state()
             return
+        with self._lock:
+            early, self._early = self._early, []
+        for thread in early:
+            thread.join()
         self._stop.set()
         self._ahead.stop()
         with self._lock:

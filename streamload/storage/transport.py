@@ -79,6 +79,28 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
         view, offset = view[written:], offset + written
 
 
+class _EitherEvent(threading.Event):
+    """An event that also counts as set when ``other`` is (a download's parts stop on either)."""
+
+    def __init__(self, other: threading.Event | None) -> None:
+        super().__init__()
+        self._other = other
+
+    def is_set(self) -> bool:
+        return super().is_set() or (self._other is not None and self._other.is_set())
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._other is None:
+            return super().wait(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.is_set():
+            left = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            super().wait(left)
+        return True
+
+
 class RemoteFiles:
     """The files under one fsspec URL prefix; the filesystem is re-created in each process.
 
@@ -201,8 +223,14 @@ class RemoteFiles:
         cancelled: Callable[[], bool],
         stop: threading.Event | None = None,
         max_bytes: int | None = None,
+        landed: Callable[[int, int], None] | None = None,
+        first_part: int | None = None,
     ) -> int:
         """Copy file ``name`` into local ``part``; return the number of bytes.
+
+        ``landed(start, end)`` is called as each ranged part is written (a reader may read
+        it before the file is complete); ``first_part`` bounds the first part's size (so
+        the file's first bytes land early).
 
         With ``max_bytes`` (the file's size from its entry, which the cache reserved), the
         file is fetched as concurrent ranged GETs planned by :class:`PartPlanner` (no
@@ -213,43 +241,64 @@ class RemoteFiles:
         the byte where it stopped.
         """
         if max_bytes is not None and protocol_of(self.url) not in ("http", "https"):
-            return self._download_parts(name, part, max_bytes, cancelled, stop)
+            return self._download_parts(name, part, max_bytes, cancelled, stop, landed, first_part)
         return self._download_stream(name, part, cancelled, stop, max_bytes)
 
     def _download_parts(
-        self, name: str, part: str, size: int, cancelled: Callable[[], bool], stop: threading.Event | None
+        self,
+        name: str,
+        part: str,
+        size: int,
+        cancelled: Callable[[], bool],
+        stop: threading.Event | None,
+        landed: Callable[[int, int], None] | None = None,
+        first_part: int | None = None,
     ) -> int:
         path = self.path(name)
-        parts = self.planner.parts(size)
+        parts = self.planner.parts(size, first_part)
+        failed = _EitherEvent(stop)  # one part failed for good (or the storage is closing): the others stop
+        errors: list[BaseException] = []
         fd = os.open(part, os.O_WRONLY)
         try:
             os.ftruncate(fd, 0)
 
             def fetch(start: int, end: int) -> None:
-                if cancelled():
+                if cancelled() or failed.is_set():
                     return
                 began = time.monotonic()
                 # The last part asks for one byte more: an object longer than its entry shows itself.
                 ask = end + 1 if end == size else end
-                data = self.call("download", name, lambda: self.fs.cat_file(path, start=start, end=ask), stop=stop)
-                self.planner.observe(len(data), time.monotonic() - began)
-                if len(data) != end - start:
-                    what = "longer" if len(data) > end - start else "shorter"
-                    raise CorruptShardError(
-                        f"{self.url_of(name)}: the object is {what} than the {size} bytes its entry says "
-                        f"(bytes {start}-{end} came back as {len(data)})"
+                try:
+                    data = self.call(
+                        "download", name, lambda: self.fs.cat_file(path, start=start, end=ask), stop=failed
                     )
+                    if len(data) != end - start:
+                        what = "longer" if len(data) > end - start else "shorter"
+                        raise CorruptShardError(
+                            f"{self.url_of(name)}: the object is {what} than the {size} bytes its entry says "
+                            f"(bytes {start}-{end} came back as {len(data)})"
+                        )
+                except BaseException as exc:
+                    errors.append(exc)  # in the order they failed: the first is the cause
+                    failed.set()
+                    raise
+                self.planner.observe(len(data), time.monotonic() - began)
                 _pwrite_all(fd, data, start)
+                if landed is not None:
+                    landed(start, end)
 
             if len(parts) == 1:
                 fetch(*parts[0])
             else:
-                with ThreadPoolExecutor(self.planner.concurrency(size), thread_name_prefix="streamload-part") as pool:
+                threads = max(1, min(self.planner.max_concurrency, len(parts)))
+                with ThreadPoolExecutor(threads, thread_name_prefix="streamload-part") as pool:
                     for future in [pool.submit(fetch, a, b) for a, b in parts]:
-                        future.result()
+                        future.exception()
+                if errors:  # the part that failed first, not another one stopped because of it
+                    raise errors[0]
         finally:
             os.close(fd)
-        return size if not cancelled() else 0
+        return size if not cancelled() and not failed.is_set() else 0
 
     def _download_stream(
         self,
