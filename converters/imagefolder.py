@@ -124,6 +124,8 @@ class ImageFolderSource(Source):
             raise SourceError("the image folder is an empty string (expected ROOT/<class>/<image>)")
         self.root = os.path.abspath(root)
         self.check = check
+        if not os.path.exists(self.root):  # a dangling link too
+            raise SourceError(f"{printable(root)}: does not exist (expected a folder ROOT/<class>/<image>)")
         if not os.path.isdir(self.root):
             raise SourceError(f"{printable(root)}: not a directory (expected ROOT/<class>/<image>)")
         try:
