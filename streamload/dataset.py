@@ -205,7 +205,6 @@ class StreamingDataset(IterableDataset[Any]):
         shuffle, seed, drop_last, shuffle_window, batch_size, rank, world_size, read_ahead = dataset_args(locals())
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error={on_error!r} must be 'raise' or 'skip'")
-        self.source = str(source)
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last

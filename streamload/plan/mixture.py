@@ -379,11 +379,6 @@ class MixLayout:
         """Samples in the epoch: the sum of the streams' counts."""
         return self._total
 
-    @property
-    def num_shards(self) -> int:
-        """Shards of all streams."""
-        return int(self.offsets[-1])
-
     def stream_of_shard(self, shards: np.ndarray) -> np.ndarray:
         """Map global shard numbers to stream indices."""
         out: np.ndarray = np.searchsorted(self.offsets, shards, side="right") - 1
