@@ -25,7 +25,8 @@ from streamload.storage.filesystems import open_filesystem
 from streamload.storage.retry import RetryPolicy, retry_call
 from streamload.storage.transport import translate_error
 
-from .imagefolder import IMAGE_EXTENSIONS, ImageItem, _assign_keys, _check_image, _escape_folder
+from .imagefolder import IMAGE_EXTENSIONS
+from .images import ImageItem, assign_keys, check_image, escape_folder
 from .source import Item, ScanResult, Source, printable
 
 __all__ = ["RemoteImageFolderSource", "RemoteImageItem", "read_url"]
@@ -145,7 +146,7 @@ class RemoteImageFolderSource(Source):
         self._root, self._objects = list_tree(self.url, self.storage_options)
         names = {rel.split("/", 1)[0] for rel in self._objects if "/" in rel}
         self._class_names = sorted(n for n in names if not n.startswith("."))
-        self.classes = [_escape_folder(n) for n in self._class_names]
+        self.classes = [escape_folder(n) for n in self._class_names]
         if not self.classes:
             raise SourceError(f"{self.url}: no class sub-folders (expected ROOT/<class>/<image>)")
 
@@ -177,7 +178,7 @@ class RemoteImageFolderSource(Source):
             size = self._objects[rel]
             items.append(RemoteImageItem(key="", nbytes=size + len(str(label)), relpath=rel, label=label, size=size))
         items.sort(key=lambda i: (i.label, _order(i.relpath)))
-        return ScanResult(_assign_keys(items), ignored, [])
+        return ScanResult(assign_keys(items), ignored, [])
 
     def origin(self, item: Item) -> str:
         """Return the object's URL."""
@@ -198,7 +199,7 @@ class RemoteImageFolderSource(Source):
         except StreamloadError as exc:
             raise SourceError(printable(str(exc))) from exc
         if self.check != "none":
-            _check_image(data, printable(url), self.check)
+            check_image(data, printable(url), self.check)
         ext = item.relpath.rpartition(".")[2].lower()
         return {"__key__": item.key, ext: data, "cls": str(item.label).encode()}
 

@@ -67,7 +67,8 @@ from streamload.manifest import SkippedInput
 from streamload.storage import is_local, local_path_of
 from streamload.storage.filesystems import open_filesystem
 
-from .imagefolder import IMAGE_EXTENSIONS, _check_image, _escape
+from .imagefolder import IMAGE_EXTENSIONS
+from .images import check_image, escape_stem
 from .planning import ShardCutter, cuts
 from .remote import read_url
 from .source import Item, ScanResult, Source, printable
@@ -469,7 +470,7 @@ class TableSource(Source):
                 name: pa.string() if name in strings or pa.types.is_null(t) else t for name, t in columns.items()
             }
         base = url.rstrip("/").rpartition("/")[2] if "://" in url else os.path.basename(url)
-        self.prefix = _escape(os.path.splitext(base)[0]) or "row"
+        self.prefix = escape_stem(os.path.splitext(base)[0]) or "row"
 
     # -- the table ---------------------------------------------------------------------
 
@@ -1099,7 +1100,7 @@ class TableSource(Source):
             data = self._read_image(path, where)
             ext = _ext_of(path)
         if self.check != "none":
-            _check_image(data, where, self.check)
+            check_image(data, where, self.check)
         sample: dict[str, Any] = {"__key__": item.key, ext: data}
         if self.label_column:
             sample["cls"] = self._label_text(values[self.label_column], where).encode()
