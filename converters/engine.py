@@ -46,7 +46,8 @@ from streamload.writer import ShardResult, publish_manifest, write_shard
 
 from .dataset_source import DatasetSource, SampleItem
 from .executors import Failed, open_executor, parse_executor
-from .imagefolder import WARNINGS_KEY, ImageFolderSource
+from .imagefolder import ImageFolderSource
+from .images import WARNINGS_KEY
 from .journal import JOB_NAME, Journal, plan_fingerprint, plan_of
 from .planning import plan_shards
 from .source import Item, ScanResult, Source, printable

@@ -34,82 +34,22 @@ What the scan does with unusual entries:
 
 from __future__ import annotations
 
-import dataclasses
-import io
 import os
 import stat
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 from streamload._errors import SourceError
 from streamload.manifest import SkippedInput
-from streamload.sample import IMAGE_EXTENSIONS, image_warnings
+from streamload.sample import IMAGE_EXTENSIONS
 
+from .images import WARNINGS_KEY, ImageItem, assign_keys, check_image, escape_folder, path_to_key
 from .source import Item, ScanResult, Source, printable
 
 __all__ = ["IMAGE_EXTENSIONS", "LABEL_MODES", "WARNINGS_KEY", "ImageFolderSource", "path_to_key"]
 
 #: How an image folder's labels are found: ``"auto"``, ``"folders"`` or ``"none"``.
 LABEL_MODES = ("auto", "folders", "none")
-#: Key of a loaded sample under which a source hands the engine the library warnings its
-#: check raised (a list of strings; never written: the writers skip ``__`` names).
-WARNINGS_KEY = "__warnings__"
-
-
-def _undecodable(text: str) -> bool:
-    """True if ``text`` holds bytes that were not UTF-8 (``surrogateescape`` surrogates)."""
-    return any("\udc80" <= ch <= "\udcff" for ch in text)
-
-
-def _escape_bytes(text: str) -> str:
-    return "".join(f"%{ord(ch) - 0xDC00:02X}" if "\udc80" <= ch <= "\udcff" else ch for ch in text)
-
-
-def _escape(component: str) -> str:
-    # Injective: '%' is escaped first, so the output never contains a bare '.' or '~',
-    # and a '%XX' with XX >= 80 can only come from a byte that is not UTF-8.
-    return _escape_bytes(component.replace("%", "%25").replace(".", "%2E").replace("~", "%7E"))
-
-
-def _escape_folder(component: str) -> str:
-    """A folder name in a key: as is, unless it is not UTF-8 (then ``%`` and its bytes are escaped)."""
-    return _escape_bytes(component.replace("%", "%25")) if _undecodable(component) else component
-
-
-def path_to_key(relpath: str, disambiguate: bool = False, exact_extension: bool = False) -> str:
-    r"""Return the WebDataset key of an image at ``relpath`` (``/``-separated, with extension).
-
-    The key is the path without its extension; dots, ``%`` and ``~`` in the file's stem
-    are percent-escaped, so the key's last component is dot-free (WebDataset splits the
-    field name at the first dot) and distinct paths give distinct keys. Two files that
-    differ only by extension (``a.jpg``, ``a.png``) are told apart with ``disambiguate``,
-    which appends ``~<ext>`` (lower case); files whose extensions differ only in case
-    (``a.jpg``, ``a.JPG``) need ``exact_extension`` too, which keeps the extension's case.
-
-    Names that are not valid UTF-8 (lone surrogates from ``surrogateescape``) are escaped
-    reversibly: each undecodable byte becomes ``%XX`` (upper-case hex, always 80-FF); a
-    folder name holding one also has its ``%`` escaped as ``%25``. Ordinary folder names
-    are kept as they are, so a folder literally named like an escaped one (``a%FF`` beside
-    a folder whose name is the byte ``a\xff``) gives the same key: the converter checks
-    keys unique over the whole scan and reports such a collision naming both files.
-    """
-    head, _, name = relpath.rpartition("/")
-    stem, _, ext = name.rpartition(".")
-    key = _escape(stem)
-    if disambiguate:
-        key += "~" + _escape(ext if exact_extension else ext.lower())
-    if not head:
-        return key
-    return "/".join(_escape_folder(part) for part in head.split("/")) + "/" + key
-
-
-@dataclass(frozen=True)
-class ImageItem(Item):
-    """One image file: its path relative to the root and its label."""
-
-    relpath: str = ""
-    label: int | None = 0
 
 
 def _reason(exc: OSError) -> str:
@@ -146,6 +86,8 @@ class ImageFolderSource(Source):
             raise SourceError("the image folder is an empty string (expected ROOT/<class>/<image>)")
         self.root = os.path.abspath(root)
         self.check = check
+        if not os.path.exists(self.root):  # a dangling link too
+            raise SourceError(f"{printable(root)}: does not exist (expected a folder ROOT/<class>/<image>)")
         if not os.path.isdir(self.root):
             raise SourceError(f"{printable(root)}: not a directory (expected ROOT/<class>/<image>)")
         try:
@@ -156,7 +98,7 @@ class ImageFolderSource(Source):
         folders = [e.name for e in entries if not e.name.startswith(".") and _is_dir(e.path)]
         self.labelled = labels == "folders" or (labels == "auto" and bool(folders))
         self._class_names = folders if self.labelled else []
-        self.classes = [_escape_folder(name) for name in self._class_names]
+        self.classes = [escape_folder(name) for name in self._class_names]
         if self.labelled and not self.classes:
             raise SourceError(
                 f"{printable(root)}: no class sub-folders (expected ROOT/<class>/<image>; "
@@ -233,7 +175,7 @@ class ImageFolderSource(Source):
                     problems.append(SkippedInput(printable(relpath), str(info)))
             if not found and not unreadable:
                 problems.append(SkippedInput(printable(cls) + "/", f"class folder {printable(cls)!r} holds no image"))
-        return ScanResult(_assign_keys(items), ignored, problems)
+        return ScanResult(assign_keys(items), ignored, problems)
 
     def _scan_unlabelled(self) -> ScanResult:
         """Every image below the root, at any depth, without a label."""
@@ -252,7 +194,7 @@ class ImageFolderSource(Source):
                 ignored.append(SkippedInput(printable(relpath), str(info)))
             else:
                 problems.append(SkippedInput(printable(relpath), str(info)))
-        return ScanResult(_assign_keys(items), ignored, problems)
+        return ScanResult(assign_keys(items), ignored, problems)
 
     def origin(self, item: Item) -> str:
         """Return the image's path relative to the root (printable)."""
@@ -284,7 +226,7 @@ class ImageFolderSource(Source):
         if item.label is not None:
             sample["cls"] = str(item.label).encode()
         if self.check != "none":
-            found = _check_image(data, printable(path), self.check)
+            found = check_image(data, printable(path), self.check)
             if found:
                 sample[WARNINGS_KEY] = found
         return sample
@@ -359,45 +301,3 @@ def _chain(path: str) -> frozenset[tuple[int, int]]:
         if parent == current:
             return frozenset(out)
         current = parent
-
-
-def _assign_keys(items: Sequence[ImageItem]) -> list[Item]:
-    """Give each item its key; stems shared by several files get ``~ext`` suffixes.
-
-    The suffix is the lower-case extension, unless two files of the group share it
-    (``x.jpg``, ``x.JPG``): those keep their extension's case.
-    """
-    plain = [path_to_key(i.relpath) for i in items]
-    groups: dict[str, list[str]] = {}
-    for item, key in zip(items, plain, strict=True):
-        groups.setdefault(key, []).append(item.relpath.rpartition(".")[2].lower())
-    out: list[Item] = []
-    for item, key in zip(items, plain, strict=True):
-        exts = groups[key]
-        if len(exts) > 1:
-            ext = item.relpath.rpartition(".")[2].lower()
-            key = path_to_key(item.relpath, disambiguate=True, exact_extension=exts.count(ext) > 1)
-        out.append(dataclasses.replace(item, key=key))
-    return out
-
-
-def _check_image(data: bytes, path: str, how: str) -> list[str]:
-    """Check ``data`` decodes as an image; return the library warnings raised (not printed).
-
-    Raises:
-        SourceError: Naming ``path``, if it is not a valid image.
-    """
-    from PIL import Image
-
-    with image_warnings() as found:
-        try:
-            with Image.open(io.BytesIO(data)) as img:
-                if how == "header":
-                    img.verify()
-                else:
-                    if img.format == "JPEG":
-                        img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
-                    img.load()
-        except Exception as exc:
-            raise SourceError(f"{path}: not a valid image: {exc}") from exc
-    return list(dict.fromkeys(found))

@@ -21,11 +21,12 @@ from typing import Any
 
 from streamload._errors import ConfigError, ShardNotFoundError, SourceError, StreamloadError
 from streamload.manifest import SkippedInput
+from streamload.sample import IMAGE_EXTENSIONS
 from streamload.storage.filesystems import open_filesystem
 from streamload.storage.retry import RetryPolicy, retry_call
 from streamload.storage.transport import translate_error
 
-from .imagefolder import IMAGE_EXTENSIONS, WARNINGS_KEY, ImageItem, _assign_keys, _check_image, _escape_folder
+from .images import WARNINGS_KEY, ImageItem, assign_keys, check_image, escape_folder
 from .source import Item, ScanResult, Source, printable
 
 __all__ = ["RemoteImageFolderSource", "RemoteImageItem", "read_url"]
@@ -150,7 +151,7 @@ class RemoteImageFolderSource(Source):
         self._root, self._objects = list_tree(self.url, self.storage_options)
         names = {rel.split("/", 1)[0] for rel in self._objects if "/" in rel}
         self._class_names = sorted(n for n in names if not n.startswith("."))
-        self.classes = [_escape_folder(n) for n in self._class_names]
+        self.classes = [escape_folder(n) for n in self._class_names]
         if not self.classes:
             raise SourceError(f"{self.url}: no class sub-folders (expected ROOT/<class>/<image>)")
 
@@ -182,7 +183,7 @@ class RemoteImageFolderSource(Source):
             size = self._objects[rel]
             items.append(RemoteImageItem(key="", nbytes=size + len(str(label)), relpath=rel, label=label, size=size))
         items.sort(key=lambda i: (i.label, _order(i.relpath)))
-        return ScanResult(_assign_keys(items), ignored, [])
+        return ScanResult(assign_keys(items), ignored, [])
 
     def origin(self, item: Item) -> str:
         """Return the object's URL."""
@@ -205,7 +206,7 @@ class RemoteImageFolderSource(Source):
         ext = item.relpath.rpartition(".")[2].lower()
         sample: dict[str, Any] = {"__key__": item.key, ext: data, "cls": str(item.label).encode()}
         if self.check != "none":
-            found = _check_image(data, printable(url), self.check)
+            found = check_image(data, printable(url), self.check)
             if found:
                 sample[WARNINGS_KEY] = found
         return sample

@@ -68,7 +68,7 @@ from streamload.sample import IMAGE_EXTENSIONS, image_field_for
 from streamload.storage import is_local, local_path_of
 from streamload.storage.filesystems import open_filesystem
 
-from .imagefolder import WARNINGS_KEY, _check_image, _escape
+from .images import WARNINGS_KEY, check_image, escape_stem
 from .planning import ShardCutter, cuts
 from .remote import read_url
 from .source import Item, ScanResult, Source, printable
@@ -481,7 +481,7 @@ class TableSource(Source):
                 name: pa.string() if name in strings or pa.types.is_null(t) else t for name, t in columns.items()
             }
         base = url.rstrip("/").rpartition("/")[2] if "://" in url else os.path.basename(url)
-        self.prefix = _escape(os.path.splitext(base)[0]) or "row"
+        self.prefix = escape_stem(os.path.splitext(base)[0]) or "row"
 
     # -- the table ---------------------------------------------------------------------
 
@@ -1136,7 +1136,7 @@ class TableSource(Source):
             ext = _ext_of(path)
         sample: dict[str, Any] = {"__key__": item.key, ext: data}
         if self.check != "none":
-            found = _check_image(data, where, self.check)
+            found = check_image(data, where, self.check)
             if found:
                 sample[WARNINGS_KEY] = found
         if self.label_column:

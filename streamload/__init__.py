@@ -24,7 +24,7 @@ from ._errors import (
     UnsafeShardError,
 )
 from .access import SampleView, ShardedDataset
-from .dataset import StreamingDataset
+from .dataset import SkipCounts, StreamingDataset
 from .decode import ImageLabel, decode_sample
 from .manifest import Manifest, ShardEntry
 from .randomness import sample_generator, sample_seed
@@ -52,6 +52,7 @@ __all__ = [
     "ShardError",
     "ShardNotFoundError",
     "ShardedDataset",
+    "SkipCounts",
     "SourceError",
     "StorageError",
     "Stream",

@@ -196,9 +196,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--images", type=int, default=2000, help="number of images (default: 2000)")
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers (default: 2)")
     p.add_argument("--format", default="tar", help="shard format (default: tar)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace DIR/images and DIR/shards-FORMAT even if the demo did not write them "
+        "(its own output from an earlier run is always replaced)",
+    )
     p.set_defaults(func=_cmd_demo)
 
     _add_optional_commands(sub)
+    return parser
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """Return the parser of subcommand ``command`` (``parser`` itself if there is none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser | None = action.choices.get(command)
+            return found or parser
     return parser
 
 
@@ -423,14 +438,16 @@ def _cmd_index(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    run_demo(args.dir, args.images, args.workers, args.format)
+    run_demo(args.dir, args.images, args.workers, args.format, overwrite=args.overwrite)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse would blame the top-level parser; the subcommand's usage is the useful one
+        _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     func: Callable[[argparse.Namespace], int] = args.func
     logger = logging.getLogger("streamload")
     handler = None

@@ -64,7 +64,7 @@ from .storage import Storage
 from .storage.ranges import DEFAULT_STREAM_BUFFER
 from .streams import MixedSource, Mixture, StreamSource
 
-__all__ = ["StreamingDataset"]
+__all__ = ["SkipCounts", "StreamingDataset"]
 
 log = logging.getLogger("streamload")
 
@@ -244,7 +244,6 @@ class StreamingDataset(IterableDataset[Any]):
         shuffle, seed, drop_last, shuffle_window, batch_size, rank, world_size, read_ahead = dataset_args(locals())
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error={on_error!r} must be 'raise' or 'skip'")
-        self.source = str(source)
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
@@ -290,8 +289,8 @@ class StreamingDataset(IterableDataset[Any]):
         #: Skipped samples per worker id (shared memory, so the main process sees them).
         self._skipped = torch.zeros(_MAX_WORKERS, dtype=torch.int64)
         self._skipped.share_memory_()  # type: ignore[no-untyped-call]
-        #: Per-process counts of skipped samples/shards under ``on_error="skip"``.
-        self.errors: dict[str, int] = {"samples_skipped": 0}
+        #: This process's counts of samples skipped under ``on_error="skip"``, in all and per shard.
+        self.errors = SkipCounts()
 
     # -- sizes and epochs ----------------------------------------------------------
 
@@ -770,11 +769,7 @@ class StreamingDataset(IterableDataset[Any]):
 
         info = get_worker_info()
         self._skipped[0 if info is None else info.id] += count
-        self.errors["samples_skipped"] += count
-        shard = entry.name if source is None else f"{source}/{entry.name}"
-        logged = self.errors.setdefault(f"shard:{shard}", 0)
-        self.errors[f"shard:{shard}"] = logged + count
-        if not logged:
+        if self.errors.add(entry.name if source is None else f"{source}/{entry.name}", count):
             log.warning(
                 "skipping %d sample(s) of %s/%s (%s): %s; later ones of this shard are counted",
                 count,
@@ -840,6 +835,29 @@ def _raise_located(exc: StreamloadError, source: str, entry: ShardEntry) -> NoRe
             raise exc from exc.__cause__
         raise located from exc
     raise exc
+
+
+@dataclass
+class SkipCounts:
+    """Samples one process skipped under ``on_error="skip"`` (:attr:`StreamingDataset.errors`).
+
+    Unlike :attr:`StreamingDataset.skipped_samples` (shared with the DataLoader workers),
+    these counts are the calling process's own.
+
+    Attributes:
+        samples_skipped: Samples skipped in all.
+        shards: Samples skipped per shard, by shard name (``<stream URL>/<shard>`` in a mixture).
+    """
+
+    samples_skipped: int = 0
+    shards: dict[str, int] = field(default_factory=dict)
+
+    def add(self, shard: str, count: int) -> bool:
+        """Count ``count`` skipped samples of ``shard``; return True if they are its first."""
+        before = self.shards.get(shard, 0)
+        self.samples_skipped += count
+        self.shards[shard] = before + count
+        return before == 0
 
 
 @dataclass

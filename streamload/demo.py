@@ -16,8 +16,17 @@ from typing import Any
 __all__ = ["run_demo"]
 
 
-def run_demo(workdir: str | None = None, images: int = 2000, workers: int = 2, fmt: str = "tar") -> dict[str, float]:
+#: Written into a ``workdir`` the demo used: its ``images`` and ``shards-*`` are the demo's own.
+MARKER = ".streamload-demo"
+
+
+def run_demo(
+    workdir: str | None = None, images: int = 2000, workers: int = 2, fmt: str = "tar", overwrite: bool = False
+) -> dict[str, float]:
     """Run the demo; return the measured rates.
+
+    Run again in the same ``workdir``, the demo replaces what it wrote there before
+    (``images/`` and ``shards-<fmt>/``, recognised by a marker file) and says so.
 
     Args:
         workdir: Where to put the image folder and the shards (default: a temporary
@@ -25,6 +34,12 @@ def run_demo(workdir: str | None = None, images: int = 2000, workers: int = 2, f
         images: Number of synthetic images (10 classes).
         workers: DataLoader workers for the read-back.
         fmt: Shard format.
+        overwrite: Replace ``images/`` and ``shards-<fmt>/`` in ``workdir`` even if the
+            demo did not write them.
+
+    Raises:
+        ConfigError: If ``workdir`` holds an ``images`` or ``shards-<fmt>`` the demo did
+            not write, and ``overwrite`` is false.
     """
     import torch
     from torch.utils.data import DataLoader
@@ -39,6 +54,7 @@ def run_demo(workdir: str | None = None, images: int = 2000, workers: int = 2, f
     results: dict[str, float] = {}
     try:
         folder, shards = os.path.join(root, "images"), os.path.join(root, f"shards-{fmt}")
+        _clear_previous(root, [folder, shards], overwrite)
         print(f"[1/4] writing {images} synthetic JPEGs (10 classes) to {folder}")
         t = time.perf_counter()
         made = make_image_folder(folder, num_classes=10, per_class=max(1, images // 10), size=(160, 120))
@@ -90,6 +106,30 @@ def run_demo(workdir: str | None = None, images: int = 2000, workers: int = 2, f
         if own:
             shutil.rmtree(root, ignore_errors=True)
     return results
+
+
+def _clear_previous(root: str, outputs: list[str], overwrite: bool) -> None:
+    """Remove ``outputs`` an earlier demo left in ``root`` (any, with ``overwrite``); mark ``root`` as the demo's."""
+    from ._errors import ConfigError
+
+    marker = os.path.join(root, MARKER)
+    found = [path for path in outputs if os.path.lexists(path)]
+    if found and not (overwrite or os.path.isfile(marker)):
+        names = " and ".join(os.path.basename(path) for path in found)
+        raise ConfigError(
+            f"{root} already holds {names}, not written by streamload demo; "
+            "pass --overwrite to replace them, or choose another --dir"
+        )
+    if found:
+        print(f"replacing the previous demo output in {root}: {', '.join(map(os.path.basename, found))}")
+    for path in found:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    os.makedirs(root, exist_ok=True)
+    with open(marker, "w", encoding="utf-8") as f:
+        f.write("images/ and shards-*/ here were written by `streamload demo`; it replaces them when run again.\n")
 
 
 def _read_all(

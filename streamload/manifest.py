@@ -212,10 +212,6 @@ class Manifest:
         """Per-shard sample counts, in shard order (the planner's input)."""
         return [s.num_samples for s in self.shards]
 
-    def with_shards(self, shards: Iterable[ShardEntry]) -> Manifest:
-        """Return a copy with other shards."""
-        return replace(self, shards=tuple(shards))
-
     # -- serialisation -------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:

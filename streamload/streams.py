@@ -334,18 +334,6 @@ class MixedSource:
         info = self._info.get(shard) or self.info(shard)
         return self.sources[info.stream].get(info.local)
 
-    def entry(self, shard: int) -> ShardEntry:
-        """Return the manifest entry of global shard ``shard``."""
-        return self.info(shard).entry
-
-    def url(self, shard: int) -> str:
-        """Return the URL of the stream holding global shard ``shard``."""
-        return self.info(shard).url
-
-    def label(self, shard: int) -> int | str | None:
-        """Return the ``__source__`` value of global shard ``shard``'s samples (``None``: none)."""
-        return self.info(shard).label
-
     def recover(self, shard: int, error: StreamloadError) -> ShardReader | None:
         """Global ``shard`` read corrupt: a reader over a fresh copy, or ``None`` (see ``ShardSource.recover``)."""
         s, local = self.locate(shard)

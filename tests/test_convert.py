@@ -125,10 +125,23 @@ def test_empty_class_folder(tmp_path: Path) -> None:
     assert [s.path for s in report.skipped] == ["zz_empty/"]
 
 
-def test_not_a_folder(tmp_path: Path) -> None:
-    with pytest.raises(SourceError, match="nope"):
+def test_not_a_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SourceError, match="nope: does not exist"):
         ImageFolderSource(str(tmp_path / "nope"))
     assert main(["convert", str(tmp_path / "nope"), str(tmp_path / "o")]) == 2
+    assert "nope: does not exist" in capsys.readouterr().err
+    (tmp_path / "file.jpg").write_bytes(b"x")
+    with pytest.raises(SourceError, match="file.jpg: not a directory"):
+        ImageFolderSource(str(tmp_path / "file.jpg"))
+
+
+def test_mistyped_option_prints_the_subcommands_usage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["convert", str(tmp_path), str(tmp_path / "o"), "--samples-per-shrd", "10"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: streamload convert ") and "--samples-per-shard" in err
+    assert "streamload convert: error: unrecognized arguments: --samples-per-shrd 10" in err
 
 
 def test_missing_manifest_names_the_path(tmp_path: Path) -> None:

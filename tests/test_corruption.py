@@ -15,6 +15,7 @@ from streamload import (
     ImageLabel,
     SampleError,
     ShardNotFoundError,
+    SkipCounts,
     StreamingDataset,
     StreamloadError,
 )
@@ -52,6 +53,9 @@ def test_skip_counts_logs_and_keeps_the_count(damaged: Path, num_workers: int, c
     assert ds.skipped_samples == 1
     if num_workers == 0:
         assert any("shard-000001.tar" in r.getMessage() for r in caplog.records)
+        assert ds.errors == SkipCounts(samples_skipped=1, shards={"shard-000001.tar": 1})
+    else:  # the workers counted in their own copies; this process skipped nothing
+        assert ds.errors == SkipCounts()
 
 
 def test_skip_in_a_world_of_ranks_keeps_ranks_equal(damaged: Path) -> None:
@@ -76,6 +80,8 @@ def test_skip_a_missing_shard(tar_dataset: Path, tmp_path: Path) -> None:
     out = list(ds)
     assert len(out) == len(ds)
     assert ds.skipped_samples == ds.manifest.shards[3].num_samples
+    assert ds.errors.shards == {"shard-000003.tar": ds.manifest.shards[3].num_samples}
+    assert ds.errors.samples_skipped == ds.skipped_samples
 
 
 def test_skip_a_shard_that_no_longer_matches_its_manifest(tar_dataset: Path, tmp_path: Path) -> None:

@@ -570,7 +570,7 @@ def _raw_pax(records: bytes, kind: bytes = b"x") -> bytes:
 
 
 def _index(tmp_path: Path, *members: bytes) -> Any:
-    from streamload.verify import index_directory
+    from streamload.indexing import index_directory
 
     (tmp_path / "evil.tar").write_bytes(b"".join(members) + bytes(10240))
     return index_directory(str(tmp_path))
@@ -703,7 +703,7 @@ def test_a_fifo_in_place_of_a_shard_is_refused_without_blocking(tmp_path: Path, 
 
 @pytest.mark.timeout(30)
 def test_index_refuses_a_fifo_without_blocking(tmp_path: Path) -> None:
-    from streamload.verify import index_directory
+    from streamload.indexing import index_directory
 
     os.mkfifo(tmp_path / "evil.tar")
     with pytest.raises(UnsafeShardError, match=r"evil\.tar.*not a regular file"):

@@ -156,3 +156,38 @@ def test_storage_knows_no_manifest(module: str) -> None:
     graph = import_graph()
     reached = {t for m, targets in graph.items() if m == module or m.startswith(module + ".") for t in targets}
     assert "streamload.manifest" not in reached, f"{module} imports the manifest"
+
+
+#: Private names still imported from another module, each with the reason.
+PRIVATE_IMPORTS_ALLOWED: set[tuple[str, str]] = set()
+
+
+def private_imports() -> set[tuple[str, str]]:
+    """Return ``(module, imported name)`` for every ``_name`` a module imports from another module."""
+    mods = _modules()
+    out: set[tuple[str, str]] = set()
+    for name, path in mods.items():
+        is_package = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = name.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module not in mods or module == name:
+                continue
+            for alias in node.names:
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                if private and f"{module}.{alias.name}" not in mods:  # a private module is not a private name
+                    out.add((name, f"{module}.{alias.name}"))
+    return out
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    found = private_imports() - PRIVATE_IMPORTS_ALLOWED
+    listed = "; ".join(f"{m} imports {n}" for m, n in sorted(found))
+    assert not found, f"make these public where they are shared: {listed}"
+    assert private_imports() >= PRIVATE_IMPORTS_ALLOWED, "an allowed private import is gone: drop it from the list"

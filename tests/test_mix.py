@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from streamload import ConfigError, PlanError, Stream, StreamingDataset
+from streamload import ConfigError, PlanError, SkipCounts, Stream, StreamingDataset
 from streamload.batch import RawBatch, RawCollate
 from streamload.decode import DecodeBatch
 from streamload.plan import epoch_counts
@@ -259,6 +259,11 @@ def test_skip_a_damaged_shard_of_one_stream_keeps_ranks_equal(streams: dict[str,
         lens.append(len(items))
         skipped += ds.skipped_samples
     assert lens == [25, 25] and skipped == 1
+    in_process = [StreamingDataset(sources, on_error="skip", rank=rank, world_size=2) for rank in range(2)]
+    for ds in in_process:
+        assert len(list(ds)) == 25
+    counts = [ds.errors for ds in in_process if ds.errors.samples_skipped]
+    assert counts == [SkipCounts(samples_skipped=1, shards={f"{broken}/shard-000002.tar": 1})]
 
 
 def test_invalid_mixtures(streams: dict[str, str]) -> None:

@@ -226,3 +226,12 @@ def test_fences_are_parsed_with_their_markers() -> None:
         ("python", "print(1)\n", "<!-- needs: s3 -->", 3),
         ("bash", "echo hi\n", "", 9),
     ]
+
+
+def test_license_file_matches_the_declared_license() -> None:
+    declared = re.search(r'^license = "([^"]+)"', (ROOT / "pyproject.toml").read_text(encoding="utf-8"), re.M)
+    assert declared is not None and declared.group(1) == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text(encoding="utf-8")
+    assert text.split()[:5] == ["Apache", "License", "Version", "2.0,", "January"]
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    assert "END OF TERMS AND CONDITIONS" in text

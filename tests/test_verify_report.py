@@ -105,3 +105,15 @@ def test_digest_problem_compares_only_digests_of_one_algorithm() -> None:
     unknown = FileEntry("f", 1, xxh)  # no algorithm: the digest's length tells it
     assert "hash algorithms differ" in (unknown.digest_problem(sha, "sha256") or "")
     assert FileEntry("f", 1, None).digest_problem(sha, "sha256") is None
+
+
+@pytest.mark.parametrize("name", ["index_directory", "index_shard", "publish_index"])
+def test_the_old_verify_names_still_work_with_a_deprecation_warning(name: str) -> None:
+    import streamload.indexing
+    import streamload.verify
+
+    with pytest.deprecated_call(match=f"streamload.verify.{name} moved to streamload.indexing.{name}"):
+        alias = getattr(streamload.verify, name)
+    assert alias is getattr(streamload.indexing, name)
+    with pytest.raises(AttributeError, match="no attribute 'index_nothing'"):
+        _ = streamload.verify.index_nothing  # type: ignore[attr-defined]

@@ -66,7 +66,7 @@ from fractions import Fraction
 import numpy as np
 
 from .._errors import ConfigError, PlanError
-from .planner import Split, _rng
+from .planner import Split, seeded_rng
 
 __all__ = ["SORTED_SUBSET_LIMIT", "MixLayout", "apportion", "epoch_counts", "feistel_permute", "mixture_fingerprint"]
 
@@ -324,14 +324,14 @@ class MixLayout:
         parts_len = [np.tile(k[nonempty], passes)]
         parts_subset = [np.zeros(len(nonempty) * passes, dtype=bool)]
         if rest:
-            sizes = _subset_sizes(k, rest, _rng(self.split.seed, self.split.epoch, s, _TAG_SIZES))
+            sizes = _subset_sizes(k, rest, seeded_rng(self.split.seed, self.split.epoch, s, _TAG_SIZES))
             chosen = np.flatnonzero(sizes)
             parts_shard.append(chosen)
             parts_len.append(sizes[chosen])
             parts_subset.append(np.ones(len(chosen), dtype=bool))
         v_shard, v_len, v_subset = (np.concatenate(p) for p in (parts_shard, parts_len, parts_subset))
         if self.split.shuffle:
-            order = _rng(self.split.seed, self.split.epoch, s, _TAG_ORDER).permutation(len(v_shard))
+            order = seeded_rng(self.split.seed, self.split.epoch, s, _TAG_ORDER).permutation(len(v_shard))
             v_shard, v_len, v_subset = v_shard[order], v_len[order], v_subset[order]
         return v_shard.astype(np.int64), v_len.astype(np.int64), v_subset
 
@@ -378,11 +378,6 @@ class MixLayout:
     def total(self) -> int:
         """Samples in the epoch: the sum of the streams' counts."""
         return self._total
-
-    @property
-    def num_shards(self) -> int:
-        """Shards of all streams."""
-        return int(self.offsets[-1])
 
     def stream_of_shard(self, shards: np.ndarray) -> np.ndarray:
         """Map global shard numbers to stream indices."""
@@ -434,7 +429,7 @@ class MixLayout:
         else:
             shard = int(self._v_shard[virtual])
             stream = int(self.stream_of_shard(np.array([shard]))[0])
-            rng = _rng(self.split.seed, self.split.epoch, stream, shard - int(self.offsets[stream]), _TAG_SUBSET)
+            rng = seeded_rng(self.split.seed, self.split.epoch, stream, shard - int(self.offsets[stream]), _TAG_SUBSET)
             size = int(self._shard_sizes[shard])
             if size <= SORTED_SUBSET_LIMIT:
                 chosen = np.sort(rng.permutation(size)[: int(self._v_cum[virtual + 1] - self._v_cum[virtual])])

@@ -87,6 +87,7 @@ __all__ = [
     "global_batch",
     "locality_warning",
     "samples_per_rank",
+    "seeded_rng",
 ]
 
 #: Largest number of items materialised at once while iterating a worker's plan.
@@ -257,7 +258,8 @@ def locality_warning(split: Split, world_size: int) -> str | None:
     )
 
 
-def _rng(*words: int) -> np.random.Generator:
+def seeded_rng(*words: int) -> np.random.Generator:
+    """Return a numpy generator seeded by ``words`` (each taken modulo 2**64): the planner's one source of order."""
     return np.random.default_rng(np.random.SeedSequence([w & 0xFFFFFFFFFFFFFFFF for w in words]))
 
 
@@ -290,7 +292,7 @@ class ShardLayout:
         if (counts < 0).any():
             raise PlanError(f"shard_counts must be non-negative, got min {int(counts.min())}")
         if split.shuffle:
-            self.shard_order = _rng(split.seed, split.epoch, 0x5A4D).permutation(len(counts))
+            self.shard_order = seeded_rng(split.seed, split.epoch, 0x5A4D).permutation(len(counts))
         else:
             self.shard_order = np.arange(len(counts))
         self._cum = np.concatenate([[0], np.cumsum(counts[self.shard_order])])
@@ -359,7 +361,7 @@ class _Partitions:
         if perm is None:
             assert self.window is not None
             size = min(self.window, length - window * self.window)
-            perm = _rng(*self.seed_words, part, window, 0x57494E).permutation(size)
+            perm = seeded_rng(*self.seed_words, part, window, 0x57494E).permutation(size)
             self._perms[key] = perm
             while len(self._perms) > self._perm_cache:
                 self._perms.popitem(last=False)

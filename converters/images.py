@@ -1,0 +1,128 @@
+"""What every image source shares: keys from relative paths, and the image check.
+
+The image-folder, bucket-folder and listing-table sources all name samples after file
+paths and check image bytes the same way; these helpers are that one way. Keys are
+derived from the relative path only, so they are deterministic and unique by
+construction (:func:`path_to_key`); names that are not valid UTF-8 get reversible
+``%XX`` escapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from streamload._errors import SourceError
+from streamload.sample import image_warnings
+
+from .source import Item
+
+__all__ = ["WARNINGS_KEY", "ImageItem", "assign_keys", "check_image", "escape_folder", "escape_stem", "path_to_key"]
+
+
+#: Key of a loaded sample under which a source hands the engine the library warnings its
+#: check raised (a list of strings; never written: the writers skip ``__`` names).
+WARNINGS_KEY = "__warnings__"
+
+
+def _undecodable(text: str) -> bool:
+    """True if ``text`` holds bytes that were not UTF-8 (``surrogateescape`` surrogates)."""
+    return any("\udc80" <= ch <= "\udcff" for ch in text)
+
+
+def _escape_bytes(text: str) -> str:
+    return "".join(f"%{ord(ch) - 0xDC00:02X}" if "\udc80" <= ch <= "\udcff" else ch for ch in text)
+
+
+def escape_stem(component: str) -> str:
+    """A file stem (or any name) in a key: ``%``, ``.``, ``~`` and bytes that are not UTF-8 percent-escaped."""
+    # Injective: '%' is escaped first, so the output never contains a bare '.' or '~',
+    # and a '%XX' with XX >= 80 can only come from a byte that is not UTF-8.
+    return _escape_bytes(component.replace("%", "%25").replace(".", "%2E").replace("~", "%7E"))
+
+
+def escape_folder(component: str) -> str:
+    """A folder name in a key: as is, unless it is not UTF-8 (then ``%`` and its bytes are escaped)."""
+    return _escape_bytes(component.replace("%", "%25")) if _undecodable(component) else component
+
+
+def path_to_key(relpath: str, disambiguate: bool = False, exact_extension: bool = False) -> str:
+    r"""Return the WebDataset key of an image at ``relpath`` (``/``-separated, with extension).
+
+    The key is the path without its extension; dots, ``%`` and ``~`` in the file's stem
+    are percent-escaped, so the key's last component is dot-free (WebDataset splits the
+    field name at the first dot) and distinct paths give distinct keys. Two files that
+    differ only by extension (``a.jpg``, ``a.png``) are told apart with ``disambiguate``,
+    which appends ``~<ext>`` (lower case); files whose extensions differ only in case
+    (``a.jpg``, ``a.JPG``) need ``exact_extension`` too, which keeps the extension's case.
+
+    Names that are not valid UTF-8 (lone surrogates from ``surrogateescape``) are escaped
+    reversibly: each undecodable byte becomes ``%XX`` (upper-case hex, always 80-FF); a
+    folder name holding one also has its ``%`` escaped as ``%25``. Ordinary folder names
+    are kept as they are, so a folder literally named like an escaped one (``a%FF`` beside
+    a folder whose name is the byte ``a\xff``) gives the same key: the converter checks
+    keys unique over the whole scan and reports such a collision naming both files.
+    """
+    head, _, name = relpath.rpartition("/")
+    stem, _, ext = name.rpartition(".")
+    key = escape_stem(stem)
+    if disambiguate:
+        key += "~" + escape_stem(ext if exact_extension else ext.lower())
+    if not head:
+        return key
+    return "/".join(escape_folder(part) for part in head.split("/")) + "/" + key
+
+
+@dataclass(frozen=True)
+class ImageItem(Item):
+    """One image file: its path relative to the root and its label."""
+
+    relpath: str = ""
+    label: int | None = 0
+
+
+def assign_keys(items: Sequence[ImageItem]) -> list[Item]:
+    """Give each item its key; stems shared by several files get ``~ext`` suffixes.
+
+    The suffix is the lower-case extension, unless two files of the group share it
+    (``x.jpg``, ``x.JPG``): those keep their extension's case.
+    """
+    plain = [path_to_key(i.relpath) for i in items]
+    groups: dict[str, list[str]] = {}
+    for item, key in zip(items, plain, strict=True):
+        groups.setdefault(key, []).append(item.relpath.rpartition(".")[2].lower())
+    out: list[Item] = []
+    for item, key in zip(items, plain, strict=True):
+        exts = groups[key]
+        if len(exts) > 1:
+            ext = item.relpath.rpartition(".")[2].lower()
+            key = path_to_key(item.relpath, disambiguate=True, exact_extension=exts.count(ext) > 1)
+        out.append(dataclasses.replace(item, key=key))
+    return out
+
+
+def check_image(data: bytes, path: str, how: str) -> list[str]:
+    """Check that ``data`` is an image: ``how`` is ``"decode"`` (at reduced size) or ``"header"``.
+
+    Returns:
+        The library warnings the check raised (recorded, not printed), each once.
+
+    Raises:
+        SourceError: Naming ``path``, if it is not a valid image.
+    """
+    from PIL import Image
+
+    with image_warnings() as found:
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                if how == "header":
+                    img.verify()
+                else:
+                    if img.format == "JPEG":
+                        img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
+                    img.load()
+        except Exception as exc:
+            raise SourceError(f"{path}: not a valid image: {exc}") from exc
+    return list(dict.fromkeys(found))
