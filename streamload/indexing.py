@@ -10,6 +10,11 @@ Parquet files (``format="parquet"``, e.g. a Hugging Face dataset's
 ``data/train-*.parquet``) are indexed the same way (see :mod:`streamload.formats.parquet`):
 every file is checked whole first, and only when all of them fit the sample model are the
 sidecars and ``index.json`` published, so bad input leaves nothing written.
+
+Where the files' folder or bucket is read-only (someone else's), ``output=`` (``streamload
+index SRC --format parquet --output DST``) writes ``index.json`` and the sidecars to
+``DST`` instead; the manifest's ``data_root`` names ``SRC`` (an absolute path or the URL)
+and readers of ``DST`` read the files in place there. Nothing is written to ``SRC``.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ._errors import ConfigError
+from ._errors import ConfigError, ShardNotFoundError
 from ._files import FileEntry, hash_file
 from .formats import Format, get_format
-from .manifest import MANIFEST_NAME, Manifest, ShardEntry
+from .manifest import MANIFEST_NAME, Manifest, ShardEntry, check_data_root
 from .storage import Destination, RemoteDestination, is_local, local_path_of, open_destination
+from .storage.retry import RetryPolicy
+from .storage.transport import RemoteFiles
 
 __all__ = ["index_directory", "index_shard", "publish_index"]
 
@@ -37,6 +44,7 @@ def index_directory(
     match: str | None = None,
     image_column: str | None = None,
     label_column: str | None = None,
+    output: str | None = None,
 ) -> Manifest:
     """Write ``index.json`` (and sidecars) for shards written by another tool, in place.
 
@@ -54,6 +62,10 @@ def index_directory(
         image_column: Parquet: the image column (default: found from the schema).
         label_column: Parquet: the label column (default: ``label`` or the
             ``ClassLabel``; ``""``: none).
+        output: Parquet: write ``index.json`` and the sidecars to this directory or URL
+            instead, the manifest naming ``url`` as its ``data_root`` (for files in a
+            read-only place). ``url`` is then only read. A remote output cannot name
+            local files.
 
     Raises:
         ConfigError: If the format cannot be indexed, the directory holds no shard, or
@@ -63,10 +75,18 @@ def index_directory(
     fmt = get_format(format)
     if fmt.indexer is None:
         raise ConfigError(f"format {format!r} cannot index shards written by other tools")
-    dest = open_destination(url, storage_options)
+    source = _Source(url, storage_options)
+    data_root = None
+    if output is not None and not source.same_place(output):
+        if fmt.name != "parquet":
+            raise ConfigError(f"--output is for formats read in place (parquet), not {fmt.name}")
+        if is_local(url) and not is_local(output):
+            raise ConfigError(f"{output}: a remote index cannot name the local files of {url}")
+        data_root = source.root()
+    dest = open_destination(url if data_root is None else str(output), storage_options)
     try:
         with dest.lock() as lock:  # one writer at a time, as for a conversion
-            names = [n for n in dest.list_names() if n.endswith(fmt.extension) and not n.startswith(".")]
+            names = [n for n in source.list_names() if n.endswith(fmt.extension) and not n.startswith(".")]
             if match is not None:
                 names = [n for n in names if fnmatch.fnmatchcase(n, match)]
             if not names:
@@ -74,7 +94,9 @@ def index_directory(
                 pattern = match if match is not None else f"*{fmt.extension}"
                 raise ConfigError(f"{where}: no {pattern} files to index")
             if fmt.name == "parquet":
-                return _index_parquet(dest, fmt, names, hash_algorithm, classes, image_column, label_column, lock)
+                return _index_parquet(
+                    source, dest, fmt, names, hash_algorithm, classes, image_column, label_column, lock, data_root
+                )
             indexed = [_index_one(fmt, dest, name, hash_algorithm) for name in names]
             lock.check()
             return publish_index(dest, fmt, indexed, hash_algorithm, classes)
@@ -82,7 +104,57 @@ def index_directory(
         dest.close()
 
 
+class _Source:
+    """The files being indexed, only read (a local folder or a URL prefix)."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
+        self.url = str(url)
+        self.files = (
+            None
+            if is_local(self.url)
+            else RemoteFiles(self.url.rstrip("/"), dict(storage_options or {}), RetryPolicy())
+        )
+
+    def root(self) -> str:
+        """The ``data_root`` naming this place: an absolute path, or the URL."""
+        if self.files is None:
+            return check_data_root(os.path.abspath(local_path_of(self.url)))
+        return check_data_root(self.url.rstrip("/"))
+
+    def same_place(self, other: str) -> bool:
+        """Whether ``other`` names this folder or prefix."""
+        if is_local(self.url) != is_local(other):
+            return False
+        if self.files is None:
+            a, b = local_path_of(self.url), local_path_of(other)
+            return os.path.realpath(a) == os.path.realpath(b)
+        return self.url.rstrip("/") == other.rstrip("/")
+
+    def list_names(self) -> list[str]:
+        """The sorted names of the files directly in the folder or under the prefix."""
+        if self.files is None:
+            path = local_path_of(self.url)
+            return sorted(os.listdir(path)) if os.path.isdir(path) else []
+        try:
+            return self.files.list_names()
+        except ShardNotFoundError:
+            return []
+
+    def local_copy(self, dest: Destination, name: str) -> tuple[str, bool]:
+        """A local path of file ``name``, and whether it is a downloaded copy (staged at ``dest``, to discard)."""
+        if self.files is None:
+            return os.path.join(local_path_of(self.url), name), False
+        local = dest.staging_path(name)
+        try:
+            self.files.download(name, local, lambda: False)
+        except BaseException:
+            dest.discard(local)
+            raise
+        return local, True
+
+
 def _index_parquet(
+    source: _Source,
     dest: Destination,
     fmt: Format,
     names: list[str],
@@ -91,6 +163,7 @@ def _index_parquet(
     image_column: str | None,
     label_column: str | None,
     lock: Any,
+    data_root: str | None,
 ) -> Manifest:
     """Index Parquet files: every file checked and its sidecar staged before anything is published."""
     from .formats.parquet import ParquetColumns, index_parquet
@@ -106,7 +179,7 @@ def _index_parquet(
             assert sidecar_name is not None
             out = dest.staging_path(sidecar_name)
             staged.append((out, sidecar_name))
-            local, remote = _local_copy(dest, name)
+            local, remote = source.local_copy(dest, name)
             try:
                 info = index_parquet(local, name, out, columns)
                 digest, size = hash_file(local, hash_algorithm)
@@ -138,20 +211,7 @@ def _index_parquet(
     finally:
         for out, _ in staged:
             dest.discard(out)
-    return publish_index(dest, fmt, found, hash_algorithm, classes or names_of_classes or ())
-
-
-def _local_copy(dest: Destination, name: str) -> tuple[str, bool]:
-    """A local path of file ``name`` of ``dest``, and whether it is a downloaded copy (to discard)."""
-    if not isinstance(dest, RemoteDestination):
-        return os.path.join(local_path_of(dest.url), name), False
-    local = dest.staging_path(name)
-    try:
-        dest.files.download(name, local, lambda: False)
-    except BaseException:
-        dest.discard(local)
-        raise
-    return local, True
+    return publish_index(dest, fmt, found, hash_algorithm, classes or names_of_classes or (), data_root)
 
 
 def _index_one(fmt: Format, dest: Destination, name: str, hash_algorithm: str | None) -> tuple[ShardEntry, list[str]]:
@@ -205,8 +265,9 @@ def publish_index(
     indexed: list[tuple[ShardEntry, list[str]]],
     hash_algorithm: str | None,
     classes: tuple[str, ...],
+    data_root: str | None = None,
 ) -> Manifest:
-    """Write ``index.json`` for shards indexed with :func:`index_shard`; return it."""
+    """Write ``index.json`` for shards indexed with :func:`index_shard`; return it (``data_root``: where they are)."""
     fields = sorted({f for _, shard_fields in indexed for f in shard_fields})
     manifest = Manifest(
         format=fmt.name,
@@ -215,6 +276,7 @@ def publish_index(
         classes=classes,
         hash_algorithm=hash_algorithm,
         meta={"indexed_by": "streamload index"},
+        data_root=data_root,
     )
     dest.write_bytes(MANIFEST_NAME, manifest.dumps())
     return manifest
