@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-column", help="parquet: the image column (default: found from the schema)")
     p.add_argument(
         "--label-column",
-        help="parquet: the integer label column (default: label, or the Hugging Face ClassLabel; '' for none)",
+        help="parquet: the label column, integers or class names (default: label, or the Hugging Face "
+        "ClassLabel; '' for none)",
     )
     p.add_argument("--hash", choices=("sha256", "xxh3_128"), default="sha256", help="shard hash")
     p.add_argument(

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from ._errors import ConfigError, ShardNotFoundError
@@ -166,11 +168,12 @@ def _index_parquet(
     data_root: str | None,
 ) -> Manifest:
     """Index Parquet files: every file checked and its sidecar staged before anything is published."""
-    from .formats.parquet import ParquetColumns, index_parquet
+    from .formats.parquet import ParquetColumns, index_parquet, relabel_sidecar
 
     columns = ParquetColumns(image_column, label_column)
     staged: list[tuple[str, str]] = []  # (staged sidecar, its name)
     found: list[tuple[ShardEntry, list[str]]] = []
+    label_names: list[tuple[str, ...] | None] = []  # per file: its string labels, else None
     names_of_classes: tuple[str, ...] | None = None
     first_with_classes = ""
     try:
@@ -194,8 +197,8 @@ def _index_parquet(
                         f"{name}: its ClassLabel names differ from those of {first_with_classes}: "
                         "the files are not one dataset (index them apart, or --match one split)"
                     )
-            s_hash, s_size = hash_file(out, hash_algorithm)
-            sidecar = FileEntry(sidecar_name, s_size, s_hash)
+            label_names.append(info.label_names)
+            sidecar = FileEntry(sidecar_name, 0, None)  # sized and hashed once its labels are final
             entry = ShardEntry(name=name, num_bytes=size, hash=digest, num_samples=info.num_samples, sidecar=sidecar)
             found.append((entry, info.fields))
         kinds = {("cls" in f, "json" in f) for _, f in found}
@@ -204,6 +207,14 @@ def _index_parquet(
                 "the files do not share their columns (some have labels or other columns, some not); "
                 "index them apart with --match"
             )
+        mappings, label_classes = _string_labels(names, label_names, classes)
+        final: list[tuple[ShardEntry, list[str]]] = []
+        for (out, sidecar_name), (entry, fields), mapping in zip(staged, found, mappings, strict=True):
+            if mapping is not None:
+                relabel_sidecar(out, mapping)
+            s_hash, s_size = hash_file(out, hash_algorithm)
+            final.append((replace(entry, sidecar=FileEntry(sidecar_name, s_size, s_hash)), fields))
+        found = final
         lock.check()
         for out, sidecar_name in staged:
             dest.commit(out, sidecar_name)
@@ -211,7 +222,49 @@ def _index_parquet(
     finally:
         for out, _ in staged:
             dest.discard(out)
+    classes = classes or label_classes
     return publish_index(dest, fmt, found, hash_algorithm, classes or names_of_classes or (), data_root)
+
+
+def _string_labels(
+    names: list[str], label_names: list[tuple[str, ...] | None], classes: tuple[str, ...]
+) -> tuple[list[list[int] | None], tuple[str, ...]]:
+    """The dataset's labels for files labelled by strings, as ``convert`` reads such a column.
+
+    Every label a decimal integer: they are class indices (``>= 0``). Otherwise every label
+    is a class name; the names, sorted (or ``classes`` when given, which must hold them
+    all), are numbered. Returns, per file, the map from its sorted names to labels (``None``
+    for integer columns), and the class names found.
+
+    Raises:
+        ConfigError: Naming the file, for integer and string label columns mixed, a
+            negative index, or a name missing from ``classes``.
+    """
+    with_names = [n for n, found in zip(sorted(names), label_names, strict=True) if found is not None]
+    if not with_names:
+        return [None] * len(label_names), ()
+    if len(with_names) != len(label_names):
+        plain = next(n for n, found in zip(sorted(names), label_names, strict=True) if found is None)
+        raise ConfigError(
+            f"{with_names[0]}: its labels are strings, those of {plain} integers: "
+            "the files are not one dataset (index them apart with --match)"
+        )
+    everything = sorted({v for found in label_names if found is not None for v in found})
+    if all(re.fullmatch(r"-?[0-9]+", v.strip()) for v in everything):
+        for file_name, found in zip(sorted(names), label_names, strict=True):
+            assert found is not None
+            negative = [v for v in found if int(v) < 0]
+            if negative:
+                raise ConfigError(f"{file_name}: label {negative[0].strip()} is negative (labels are class indices)")
+        return [[int(v) for v in found] if found is not None else None for found in label_names], ()
+    table = list(classes) if classes else everything
+    position = {c: i for i, c in enumerate(table)}
+    for file_name, found in zip(sorted(names), label_names, strict=True):
+        missing = [v for v in found or () if v not in position]
+        if missing:
+            raise ConfigError(f"{file_name}: label {missing[0]!r} is not one of the --classes given")
+    mappings: list[list[int] | None] = [[position[v] for v in found or ()] for found in label_names]
+    return mappings, tuple(table)
 
 
 def _index_one(fmt: Format, dest: Destination, name: str, hash_algorithm: str | None) -> tuple[ShardEntry, list[str]]:

@@ -417,3 +417,58 @@ def test_a_file_truncated_while_read_is_an_error_naming_it(tmp_path: Path) -> No
     os.truncate(root / "t.parquet", 600)  # positioned reads, no memory map: an error, not SIGBUS
     with pytest.raises(CorruptShardError, match=r"t\.parquet, row group 1 cannot be read"):
         list(it)
+
+
+def test_string_class_names_become_classes_as_convert_makes_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "named"
+    root.mkdir()
+    first = ["dog", "cat", "dog", "eel", "cat", "dog", "eel", "cat"]
+    second = ["ant", "dog", "ant"]
+    for name, names in (("a.parquet", first), ("b.parquet", second)):
+        table = pa.table(
+            {"image": pa.array([encode(i, "PNG") for i in range(len(names))], pa.binary()), "label": names}
+        )
+        pq.write_table(table, root / name, row_group_size=3)
+    assert main(["index", str(root), "--format", "parquet"]) == 0
+    ds = StreamingDataset(str(root))
+    classes = ["ant", "cat", "dog", "eel"]  # sorted unique names over both files
+    assert list(ds.manifest.classes) == classes
+    assert [classes[int(s["cls"])] for s in ds] == first + second
+
+    # one file alone: the same labels and classes `convert` gives the table
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "a.parquet").write_bytes((root / "a.parquet").read_bytes())
+    index_directory(str(alone), "parquet")
+    assert main(["convert", str(root / "a.parquet"), str(tmp_path / "tar")]) == 0
+    converted = StreamingDataset(str(tmp_path / "tar"))
+    assert converted.manifest.classes == StreamingDataset(str(alone)).manifest.classes == ("cat", "dog", "eel")
+    assert [s["cls"] for s in converted] == [s["cls"] for s in StreamingDataset(str(alone))]
+
+    # decimal strings are class indices, as for convert
+    digits = tmp_path / "digits"
+    digits.mkdir()
+    pq.write_table(
+        pa.table({"image": pa.array([encode(0, "PNG")] * 3, pa.binary()), "label": ["2", "0", "11"]}),
+        digits / "d.parquet",
+    )
+    index_directory(str(digits), "parquet")
+    assert [int(s["cls"]) for s in StreamingDataset(str(digits))] == [2, 0, 11]
+
+    # a blank name, or files labelled by integers and by names: one line, exit 2, nothing written
+    for bad, message in ((["cat", " "], "row 1 has no label"), ([0, 1], "its labels are strings, those of")):
+        case = tmp_path / f"bad-{len(message)}"
+        case.mkdir()
+        pq.write_table(
+            pa.table({"image": pa.array([encode(0, "PNG")] * 2, pa.binary()), "label": ["x", "y"]}), case / "a.parquet"
+        )
+        pq.write_table(
+            pa.table({"image": pa.array([encode(0, "PNG")] * 2, pa.binary()), "label": bad}), case / "b.parquet"
+        )
+        capsys.readouterr()
+        assert main(["index", str(case), "--format", "parquet"]) == 2
+        err = bad_lines(capsys.readouterr().err)
+        assert len(err) == 1 and message in err[0], err
+        assert sorted(os.listdir(case)) == ["a.parquet", "b.parquet"]

@@ -2,8 +2,9 @@
 
 Hugging Face datasets, Spark/Databricks exports and LAION-style sets keep images in Parquet:
 an image column (a Hugging Face ``Image`` struct ``{bytes, path}``, or a plain binary
-column), an optional integer label column (a Hugging Face ``ClassLabel``: its names become
-the dataset's classes) and other columns. ``streamload index DIR --format parquet`` reads
+column), an optional label column (integers, a Hugging Face ``ClassLabel``'s names becoming
+the dataset's classes; or strings, class names sorted and numbered over all the files as
+``convert`` does) and other columns. ``streamload index DIR --format parquet`` reads
 every file once and writes, beside each, a sidecar ``<file>.slpq`` (see below) and then
 ``index.json``; the files themselves are never rewritten.
 
@@ -64,6 +65,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import xxhash
 
@@ -83,6 +85,7 @@ __all__ = [
     "ParquetIndex",
     "ParquetShardReader",
     "index_parquet",
+    "relabel_sidecar",
 ]
 
 _MAGIC = "streamload-parquet"
@@ -160,8 +163,9 @@ class ParquetColumns:
     Attributes:
         image: The image column; ``None``: the Hugging Face ``Image`` feature, else the
             only binary (or ``{bytes, path}`` struct) column.
-        label: The integer label column; ``None``: ``label`` if there is one, else the
-            Hugging Face ``ClassLabel`` feature, else no label; ``""``: no label.
+        label: The label column, integers (class indices) or strings (class names, or
+            decimal indices, as ``convert`` reads them); ``None``: ``label`` if there is
+            one, else the Hugging Face ``ClassLabel`` feature, else no label; ``""``: no label.
     """
 
     image: str | None = None
@@ -170,11 +174,17 @@ class ParquetColumns:
 
 @dataclass
 class ParquetIndex:
-    """What indexing one file found: its rows, fields and class names (Hugging Face ``ClassLabel``)."""
+    """What indexing one file found: its rows, fields and class names (Hugging Face ``ClassLabel``).
+
+    With a string label column, ``label_names`` holds the file's distinct labels, sorted,
+    and its sidecar's labels index them: :func:`relabel_sidecar` maps them to the
+    dataset's labels once every file was read.
+    """
 
     num_samples: int
     fields: list[str]
     classes: tuple[str, ...] | None
+    label_names: tuple[str, ...] | None = None
 
 
 def _key_prefix(name: str) -> str:
@@ -236,6 +246,7 @@ class _Plan:
     label: str | None
     json_columns: tuple[str, ...]
     classes: tuple[str, ...] | None
+    label_names: bool = False
 
 
 def _plan(schema: Any, name: str, columns: ParquetColumns) -> _Plan:
@@ -276,10 +287,10 @@ def _plan(schema: Any, name: str, columns: ParquetColumns) -> _Plan:
         if label == image:
             raise ConfigError(f"{name}: column {label!r} cannot be both the image and the label")
         t = schema.field(label).type
-        if not pa.types.is_integer(t):
+        names_kind = pa.types.is_string(t) or pa.types.is_large_string(t)
+        if not pa.types.is_integer(t) and not names_kind:
             raise ConfigError(
-                f"{name}: label column {label!r} is {t}, not integers "
-                "(class names: `streamload convert` the table; no labels: --label-column '')"
+                f"{name}: label column {label!r} is {t}, not integers or class names (no labels: --label-column '')"
             )
         feature = features.get(label)
         if isinstance(feature, dict) and feature.get("_type") == "ClassLabel":
@@ -289,7 +300,8 @@ def _plan(schema: Any, name: str, columns: ParquetColumns) -> _Plan:
     struct_type = schema.field(image).type
     has_path = kind == "struct" and "path" in [struct_type.field(i).name for i in range(struct_type.num_fields)]
     rest = tuple(c for c in names if c not in (image, label))
-    return _Plan(image, kind == "struct", has_path, label, rest, classes)
+    names_kind = label is not None and not pa.types.is_integer(schema.field(label).type)
+    return _Plan(image, kind == "struct", has_path, label, rest, classes, names_kind)
 
 
 def _check_footer(md: Any, size: int, name: str, columns: Sequence[str]) -> np.ndarray:
@@ -410,6 +422,7 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
         wanted.append(plan.label)
     row = 0
     digest = xxhash.xxh3_64_intdigest
+    seen: dict[str, int] = {}  # string labels: name -> code in order of appearance
     for g in range(md.num_row_groups):
         try:
             table = pf.read_row_group(g, columns=wanted, use_threads=False)
@@ -420,7 +433,22 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
             raise _bad(name, f"row group {g} holds {len(images)} rows, its footer says {md.row_group(g).num_rows}")
         paths = table.column(plan.image).combine_chunks().field("path").to_pylist() if plan.has_path else None
         texts = _json_texts(table, plan)
-        if plan.label:
+        if plan.label and plan.label_names:
+            label_col = table.column(plan.label).combine_chunks()
+            blank = np.asarray(
+                pc.or_kleene(label_col.is_null(), pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(label_col)), 0))
+                .fill_null(True)
+                .to_numpy(zero_copy_only=False),
+                dtype=bool,
+            )
+            if blank.any():
+                first = row + int(np.flatnonzero(blank)[0])
+                raise ConfigError(f"{name}: column {plan.label!r}: row {first} has no label")
+            encoded = label_col.dictionary_encode()
+            local = [seen.setdefault(v, len(seen)) for v in encoded.dictionary.to_pylist()]
+            indices = np.asarray(encoded.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
+            labels[row : row + len(indices)] = np.asarray(local, dtype=np.int64)[indices]
+        elif plan.label:
             label_col = table.column(plan.label)
             if label_col.null_count:
                 first = row + int(np.flatnonzero(np.asarray(label_col.is_null()))[0])
@@ -452,6 +480,13 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
             if texts is not None:
                 json_digests[i] = digest(texts[r])
         row += len(images)
+    label_names: tuple[str, ...] | None = None
+    if plan.label_names:  # codes in order of appearance -> positions in the sorted names
+        label_names = tuple(sorted(seen))
+        order = np.empty(len(seen), dtype=np.int64)
+        for position, found in enumerate(label_names):
+            order[seen[found]] = position
+        labels = order[labels] if n else labels
     sink = pa.BufferOutputStream()
     md.write_metadata_file(sink)
     meta = {
@@ -481,7 +516,17 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
     with open(sidecar_out, "wb") as f:
         np.savez(f, **arrays)  # type: ignore[arg-type]
     fields = [*field_names, *(["cls"] if plan.label else []), *(["json"] if plan.json_columns else [])]
-    return ParquetIndex(n, sorted(fields), plan.classes)
+    return ParquetIndex(n, sorted(fields), plan.classes, label_names)
+
+
+def relabel_sidecar(path: str, mapping: Sequence[int]) -> None:
+    """Rewrite the labels of a sidecar :func:`index_parquet` just wrote: label ``i`` becomes ``mapping[i]``."""
+    with np.load(path, allow_pickle=False) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    table = np.asarray(mapping, dtype=np.int64)
+    arrays["label"] = table[arrays["label"]] if len(arrays["label"]) else arrays["label"]
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
 
 
 def _check_footer_size(path: str, size: int, name: str) -> None:
