@@ -472,3 +472,38 @@ def test_string_class_names_become_classes_as_convert_makes_them(
         err = bad_lines(capsys.readouterr().err)
         assert len(err) == 1 and message in err[0], err
         assert sorted(os.listdir(case)) == ["a.parquet", "b.parquet"]
+
+
+def test_rows_stored_as_they_are_are_read_without_pyarrow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Uncompressed image chunks (as ``datasets`` writes them): rows read by positioned reads, still checked."""
+    root = tmp_path / "plain"
+    root.mkdir()
+    blobs = [encode(i, "JPEG" if i % 3 else "PNG") for i in range(50)]
+    table = pa.table({"image": pa.array(blobs, pa.binary()), "label": [i % 4 for i in range(50)]})
+    pq.write_table(table, root / "u.parquet", row_group_size=16, compression="NONE", use_dictionary=False)
+    pq.write_table(table, root / "z.parquet", row_group_size=16, compression="zstd")  # compressed: through pyarrow
+    index_directory(str(root), "parquet")
+    reads: list[str] = []
+    original = pq.ParquetFile.read_row_group
+
+    def counted(self: Any, i: int, *args: Any, **kwargs: Any) -> Any:
+        reads.append(str(self.metadata.row_group(0).column(0).compression))
+        return original(self, i, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counted)
+    ds = StreamingDataset(str(root), shuffle=True, seed=4, batch_size=8, collate=RawCollate(keys=True))
+    got: dict[str, bytes] = {}
+    for batch in ds:
+        offsets = batch.offsets.tolist()
+        for k, key in enumerate(batch.keys):
+            got[key] = batch.data[offsets[k] : offsets[k + 1]].numpy().tobytes()
+    assert got == {f"{f}/{i:010d}": blobs[i] for f in ("u", "z") for i in range(50)}
+    assert reads and set(reads) == {"ZSTD"}  # the uncompressed file never went through pyarrow
+    assert ShardedDataset(str(root)).get("u/0000000017")["jpg"] == blobs[17]
+
+    flip_inside_image(root / "u.parquet", blobs[33])
+    with pytest.raises(CorruptShardError, match=r"u\.parquet, row group 2, row 33 .*checksum"):
+        list(StreamingDataset(str(root), batch_size=8, collate=RawCollate()))
+    os.truncate(root / "u.parquet", 3000)
+    with pytest.raises(CorruptShardError, match=r"u\.parquet"):
+        list(StreamingDataset(str(root), batch_size=8, collate=RawCollate()))

@@ -73,7 +73,7 @@ from .._errors import ConfigError, CorruptShardError, SampleError
 from .._units import parse_bytes
 from ..manifest import ShardEntry, algorithm_of, new_hasher
 from ..sample import IMAGE_EXTENSIONS, image_field_for, sniff_image
-from ._bytes import ShardBytes
+from ._bytes import FileBytes, ShardBytes
 from ._record import open_regular_file
 from .base import FieldGroup, Format, Sample, ShardReader, ShardWriter
 
@@ -100,6 +100,9 @@ _SLACK = 1 << 20
 MAX_FOOTER_BYTES = 64 << 20
 _THRIFT_STRING_LIMIT = 16 << 20
 _THRIFT_CONTAINER_LIMIT = 1 << 20
+#: Bytes between rows read into a scratch buffer rather than splitting a ``preadv``; iovecs per call.
+_MAX_GAP = 64 << 10
+_IOV_MAX = 1024
 #: Largest sidecar read.
 MAX_SIDECAR_BYTES = 1 << 31
 #: Bytes of decoded row groups one process keeps, over all its readers (least recently
@@ -422,6 +425,9 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
         wanted.append(plan.label)
     row = 0
     digest = xxhash.xxh3_64_intdigest
+    # Rows stored as they are (an uncompressed PLAIN column chunk, as Hugging Face writes its
+    # images) are found in the file itself, so reads take them by positioned reads.
+    offsets: np.ndarray | None = np.zeros(n, dtype=np.int64)
     seen: dict[str, int] = {}  # string labels: name -> code in order of appearance
     for g in range(md.num_row_groups):
         try:
@@ -463,6 +469,8 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
                     f"{name}: column {plan.label!r}: row {row + r} has label {int(values[r])} (expected {where})"
                 )
             labels[row : row + len(values)] = values
+        if offsets is not None:
+            offsets = _locate_rows(path, md.row_group(g), _read_columns(plan)[0], images, row, offsets)
         for r, data in enumerate(images):
             i = row + r
             if not data:
@@ -500,6 +508,7 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
         "json": list(plan.json_columns),
         "fields": field_names,
         "prefix": _key_prefix(name),
+        "direct": offsets is not None,
     }
     arrays: dict[str, np.ndarray] = {
         "meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8),
@@ -513,10 +522,42 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
         arrays["label"] = labels
     if plan.json_columns:
         arrays["json_xxh3"] = json_digests
+    if offsets is not None:
+        arrays["offset"] = offsets
     with open(sidecar_out, "wb") as f:
         np.savez(f, **arrays)  # type: ignore[arg-type]
     fields = [*field_names, *(["cls"] if plan.label else []), *(["json"] if plan.json_columns else [])]
     return ParquetIndex(n, sorted(fields), plan.classes, label_names)
+
+
+def _locate_rows(
+    path: str, rg: Any, leaf: str, images: list[Any], first_row: int, offsets: np.ndarray
+) -> np.ndarray | None:
+    """Find each row's image bytes in row group ``rg``'s column chunk ``leaf``, stored as they are.
+
+    Only an uncompressed chunk without a dictionary qualifies: its PLAIN values are each
+    a 4-byte length and the bytes. Returns ``offsets`` with the rows' file offsets filled
+    in, or ``None`` if a row is not found so (then the file is read through pyarrow).
+    Nothing depends on this being right but speed: every read is checked by its digest.
+    """
+    col = next((rg.column(j) for j in range(rg.num_columns) if rg.column(j).path_in_schema == leaf), None)
+    if col is None or col.compression != "UNCOMPRESSED" or col.has_dictionary_page:
+        return None
+    start = col.data_page_offset
+    with open(path, "rb") as f:
+        f.seek(start)
+        chunk = f.read(col.total_compressed_size)
+    pos = 0
+    for r, data in enumerate(images):
+        if not data:
+            return None
+        want = len(data).to_bytes(4, "little") + data
+        at = pos if chunk.startswith(want, pos) else chunk.find(want, pos)
+        if at < 0:
+            return None
+        offsets[first_row + r] = start + at + 4
+        pos = at + len(want)
+    return offsets
 
 
 def relabel_sidecar(path: str, mapping: Sequence[int]) -> None:
@@ -644,6 +685,8 @@ class ParquetShardReader(ShardReader):
             expect["label"] = (np.int64, n)
         if meta.get("json"):
             expect["json_xxh3"] = (np.uint64, n)
+        if meta.get("direct"):
+            expect["offset"] = (np.int64, n)
         for key, (dtype, length) in expect.items():
             arr = arrays.get(key)
             if arr is None or arr.dtype != dtype or arr.shape != (length,):
@@ -653,6 +696,11 @@ class ParquetShardReader(ShardReader):
             raise CorruptShardError(f"{name}: Parquet sidecar table 'extent' is damaged")
         if n and (int(arrays["field"].max()) >= len(fields) or int(arrays["size"].min()) < 0):
             raise CorruptShardError(f"{name}: Parquet sidecar field table is damaged")
+        direct = arrays.get("offset") if meta.get("direct") else None
+        if direct is not None and n:
+            ends = direct + arrays["size"]
+            if int(direct.min()) < 4 or int(ends.max()) > self.entry.num_bytes - 8 or bool(np.any(ends < direct)):
+                raise CorruptShardError(f"{name}: Parquet sidecar offsets lie outside the file")
         self._meta = meta
         self._fields: list[str] = fields
         self._codes = arrays["field"]
@@ -661,6 +709,9 @@ class ParquetShardReader(ShardReader):
         self._labels = arrays.get("label")
         self._json_digests = arrays["json_xxh3"].tolist() if meta.get("json") else None
         self._extent = extent
+        #: Rows stored as they are: each image's file offset (read by positioned reads, no pyarrow).
+        self._offsets: np.ndarray | None = direct
+        self._bytes: ShardBytes | None = None
         self._starts = np.concatenate([[0], np.cumsum(np.asarray(groups, dtype=np.int64))])
         self._footer = arrays["footer"].tobytes()
         self._plan = _Plan(
@@ -717,9 +768,14 @@ class ParquetShardReader(ShardReader):
             return kept
         pf = self._ensure_open()
         expected = int(self._starts[g + 1] - self._starts[g])
+        direct = self._offsets is not None
+        columns = list(self._plan.json_columns) if direct else _read_columns(self._plan)
         try:
-            table = pf.read_row_group(g, columns=_read_columns(self._plan), use_threads=False)
-            data, offsets = _flat(_image_array(table, self._plan))
+            table = pf.read_row_group(g, columns=columns, use_threads=False)
+            if direct:  # the images are read from the file; offsets here only count the rows
+                data, offsets = np.zeros(0, dtype=np.uint8), np.zeros(table.num_rows + 1, dtype=np.int64)
+            else:
+                data, offsets = _flat(_image_array(table, self._plan))
             texts = _json_texts(table, self._plan)
         except Exception as exc:  # a damaged page: decompression or decoding fails
             raise CorruptShardError(
@@ -738,9 +794,30 @@ class ParquetShardReader(ShardReader):
     def _key(self, index: int) -> str:
         return f"{self._meta['prefix']}/{index:010d}"
 
+    def _source_bytes(self) -> ShardBytes:
+        """The file's bytes for positioned reads (this process's own descriptor; ranged reads when streaming)."""
+        if self._source is not None:
+            return self._source
+        if self._bytes is None or self._pid != os.getpid():
+            self._ensure_open()
+            fd = open_regular_file(self.path, self.entry.name)
+            self._bytes = FileBytes(fd)
+            if self._bytes.size != self.entry.num_bytes:
+                raise CorruptShardError(
+                    f"{self.path}: shard {self.entry.name} is {self._bytes.size} bytes, "
+                    f"the manifest says {self.entry.num_bytes}"
+                )
+        return self._bytes
+
     def _image(self, index: int) -> tuple[int, np.ndarray]:
         """Row ``index``'s image bytes (a view into its row group), checked; and its row group."""
         g = self._group_of(index)
+        if self._offsets is not None:
+            size = int(self._sizes[index])
+            raw = self._source_bytes().pread(size, int(self._offsets[index]))
+            field = self._fields[int(self._codes[index])]
+            self._check(g, index, field, raw if len(raw) == size else None, self._digests[index], size)
+            return g, np.frombuffer(raw, dtype=np.uint8)
         data, offsets, _ = self._group(g)
         r = index - int(self._starts[g])
         view = data[int(offsets[r]) : int(offsets[r + 1])]
@@ -799,9 +876,17 @@ class ParquetShardReader(ShardReader):
         return out
 
     def read_groups_into(self, indices: np.ndarray, groups: Sequence[FieldGroup]) -> None:
-        """Copy each group's fields of samples ``indices`` into the group's ``out``, each row checked."""
+        """Copy each group's fields of samples ``indices`` into the group's ``out``, each row checked.
+
+        Rows stored as they are (``offset`` in the sidecar) are read like tar members: one
+        ``preadv`` per run of rows close together in the file, the 4-byte lengths between
+        them into a scratch buffer, each row's digest checked after.
+        """
         rows = np.asarray(indices).tolist()
         for fields, out, sizes in groups:
+            if self._offsets is not None and rows and "cls" not in fields and "json" not in fields:
+                self._read_direct(rows, fields, out, np.asarray(sizes, dtype=np.int64))
+                continue
             pos = 0
             for i, n in zip(rows, np.asarray(sizes).tolist(), strict=True):
                 value = self._value(i, self._choice(i, fields))
@@ -809,6 +894,57 @@ class ParquetShardReader(ShardReader):
                     raise CorruptShardError(f"{self.entry.name}: sample {self._key(i)!r} changed size while read")
                 out[pos : pos + n] = np.frombuffer(value, dtype=np.uint8) if isinstance(value, bytes) else value
                 pos += n
+
+    def _read_direct(self, rows: list[int], fields: Sequence[str], out: np.ndarray, sizes: np.ndarray) -> None:
+        """Read the images of ``rows`` straight from the file into ``out`` (their sizes: ``sizes``), checked."""
+        assert self._offsets is not None
+        index = np.asarray(rows, dtype=np.int64)
+        wanted = [k for k, f in enumerate(self._fields) if f in fields]
+        missing = np.flatnonzero(~np.isin(self._codes[index], wanted))
+        if len(missing):
+            self._choice(rows[int(missing[0])], fields)  # raises the SampleError naming the sample
+        if not np.array_equal(self._sizes[index], sizes):
+            raise CorruptShardError(f"{self.entry.name}: samples changed size while read")
+        starts = np.zeros(len(rows), dtype=np.int64)
+        starts[1:] = np.cumsum(sizes[:-1])
+        offs = self._offsets[index]
+        order = np.argsort(offs, kind="stable")
+        source = self._source_bytes()
+        view = out.data.cast("B")
+        scratch = self.__dict__.get("_scratch")
+        if scratch is None:
+            scratch = self.__dict__.setdefault("_scratch", memoryview(bytearray(_MAX_GAP)))
+        iov: list[memoryview] = []
+        first = end = 0
+        for off, size, start in zip(offs[order].tolist(), sizes[order].tolist(), starts[order].tolist(), strict=True):
+            gap = off - end
+            if iov and (gap < 0 or gap > _MAX_GAP or len(iov) >= _IOV_MAX - 2):
+                self._preadv(source, iov, first, end - first)
+                iov = []
+            if not iov:
+                first = end = off
+            elif gap:
+                iov.append(scratch[:gap])
+            iov.append(view[start : start + size])
+            end = off + size
+        if iov:
+            self._preadv(source, iov, first, end - first)
+        digest = xxhash.xxh3_64_intdigest
+        for i, start, size in zip(rows, starts.tolist(), sizes.tolist(), strict=True):
+            if digest(view[start : start + size]) != self._digests[i]:
+                self._check(self._group_of(i), i, self._fields[int(self._codes[i])], None, 0, size)
+
+    def _preadv(self, source: ShardBytes, iov: list[memoryview], offset: int, expected: int) -> None:
+        got = source.preadv(iov, offset)
+        if got != expected:
+            raise CorruptShardError(
+                f"{self.path}: shard {self.entry.name} is truncated at byte {offset + got} "
+                f"(row group {self._group_of(self._row_at(offset))})"
+            )
+
+    def _row_at(self, offset: int) -> int:
+        assert self._offsets is not None
+        return max(0, int(np.searchsorted(self._offsets, offset, side="right")) - 1)
 
     def _check(self, group: int, index: int, field: str, data: Any, digest: int, size: int) -> None:
         if data is None or len(data) != size or xxhash.xxh3_64_intdigest(data) != digest:
@@ -822,6 +958,9 @@ class ParquetShardReader(ShardReader):
         index = np.asarray(indices, dtype=np.int64)
         if len(index) and (int(index.min()) < 0 or int(index.max()) >= self.entry.num_samples):
             raise IndexError(f"{self.entry.name}: sample indices out of range [0, {self.entry.num_samples})")
+        if self._offsets is not None and not self._plan.json_columns:  # each row's own bytes
+            starts = self._offsets[index]
+            return np.stack([starts, starts + self._sizes[index]], axis=1)
         groups = np.searchsorted(self._starts, index, side="right") - 1
         out: np.ndarray = self._extent[groups]
         return out
@@ -844,7 +983,9 @@ class ParquetShardReader(ShardReader):
         """Drop the open file and the decoded row groups."""
         if self._pid == os.getpid():
             _CACHE.drop(self._token)
-        self._file, self._pid = None, -1
+            if self._bytes is not None:
+                self._bytes.close()
+        self._file, self._pid, self._bytes = None, -1, None
 
 
 class _NoWriter(ShardWriter):
