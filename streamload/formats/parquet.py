@@ -799,7 +799,11 @@ class ParquetShardReader(ShardReader):
         if self._source is not None:
             return self._source
         if self._bytes is None or self._pid != os.getpid():
-            self._ensure_open()
+            if self._plan.json_columns:
+                self._ensure_open()  # the footer checked: the json columns are read through pyarrow
+            else:
+                self.close()
+                self._pid = os.getpid()  # images only: the sidecar's offsets were checked against the size
             fd = open_regular_file(self.path, self.entry.name)
             self._bytes = FileBytes(fd)
             if self._bytes.size != self.entry.num_bytes:
