@@ -30,6 +30,8 @@ is checked before use)::
     label      int64[n]     per row, its label (only with a label column)
     json_xxh3  uint64[n]    per row, xxh3_64 of its ``json`` bytes (only with json columns)
     extent     int64[g, 2]  per row group, the byte span of the column chunks a read needs
+    offset     int64[n]     per row, its image's offset in the file (only when every row's
+                            bytes are stored as they are: meta ``direct``)
 
 **Integrity as for our own shards.** The file's size and hash are in the manifest (checked
 on every cached copy); every row's image and ``json`` bytes are checked against their
@@ -37,7 +39,10 @@ digests on every read, so a flipped byte in a data page is a
 :class:`~streamload.CorruptShardError` naming the file, row group and row (or a page that
 no longer decompresses: the same error). Labels come from the sidecar.
 
-**Reads.** Only the columns the sample model needs (``image.bytes`` of a struct, the json
+**Reads.** Rows stored as they are (an uncompressed, PLAIN, dictionary-free image chunk,
+as Hugging Face ``datasets`` writes images: each value a 4-byte length and the bytes) are
+located at index time and read by positioned reads like tar members (``offset``), no
+pyarrow involved. Otherwise only the columns the sample model needs (``image.bytes`` of a struct, the json
 columns; never the label column nor the struct's ``path``), one row group at a time (the
 decoded row groups kept per process up to :data:`ROW_GROUP_CACHE_BYTES`): pyarrow reads
 just those column chunks, coalescing
