@@ -32,6 +32,7 @@ __all__ = [
     "check_epoch",
     "check_samples_seen",
     "dataset_args",
+    "warn_remote_only",
     "parse_cache_limit",
     "parse_cache_mode",
     "parse_stream_buffer",
@@ -162,8 +163,8 @@ def dataset_args(args: Mapping[str, Any]) -> DatasetArgs:
     """Check the arguments of ``StreamingDataset.__init__`` (its ``locals()``); return the normalized ones.
 
     Only the names this module knows are looked at, so a new argument is simply not
-    checked here. Warns (:class:`UserWarning`) when options that only matter for a remote
-    dataset are given for a local one.
+    checked here. (:func:`warn_remote_only` warns, once the dataset is open, about options
+    that only matter for a remote dataset given for a local one.)
 
     Returns:
         ``shuffle, seed, drop_last, shuffle_window, batch_size, rank, world_size,
@@ -196,14 +197,17 @@ def dataset_args(args: Mapping[str, Any]) -> DatasetArgs:
     parse_cache_limit(args.get("cache_limit"))
     parse_cache_mode(args.get("cache", "auto"))
     parse_stream_buffer(args.get("stream_buffer"))
-    _warn_remote_only(args)
     return shuffle, seed, drop_last, window, batch_size, rank, world_size, read_ahead
 
 
-def _warn_remote_only(args: Mapping[str, Any]) -> None:
-    """Warn about options given for a local dataset that only a remote one uses."""
+def warn_remote_only(args: Mapping[str, Any], data_url: str) -> None:
+    """Warn about options given for a local dataset that only a remote one uses.
+
+    ``data_url`` is where the dataset's files are (an index kept apart from its files may
+    name remote ones: then the options apply).
+    """
     source = args.get("source")
-    if not isinstance(source, (str, os.PathLike)) or not _is_local(os.fspath(source)):
+    if not isinstance(source, (str, os.PathLike)) or not _is_local(os.fspath(source)) or not _is_local(data_url):
         return
     for name in _REMOTE_ONLY:
         value = args.get(name)
@@ -212,7 +216,7 @@ def _warn_remote_only(args: Mapping[str, Any]) -> None:
                 f"{name}={value!r} does nothing for the local dataset {os.fspath(source)!r}: "
                 "its shards are read in place (it applies to remote URLs, read through the cache)",
                 UserWarning,
-                stacklevel=4,  # the caller of StreamingDataset()
+                stacklevel=3,  # the caller of StreamingDataset()
             )
 
 

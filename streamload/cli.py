@@ -185,9 +185,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-column", help="parquet: the image column (default: found from the schema)")
     p.add_argument(
         "--label-column",
-        help="parquet: the integer label column (default: label, or the Hugging Face ClassLabel; '' for none)",
+        help="parquet: the label column, integers or class names (default: label, or the Hugging Face "
+        "ClassLabel; '' for none)",
     )
     p.add_argument("--hash", choices=("sha256", "xxh3_128"), default="sha256", help="shard hash")
+    p.add_argument(
+        "--output",
+        metavar="DIR_OR_URL",
+        help="parquet: write index.json and the sidecars here instead (the files are read in place from "
+        "DIRECTORY, which is never written: for a read-only folder or someone else's bucket)",
+    )
     add_storage_option(p)
     p.set_defaults(func=_cmd_index)
 
@@ -301,11 +308,15 @@ def _cmd_info(args: argparse.Namespace) -> int:
             "skipped": len(manifest.skipped),
             "appends": len(manifest.meta.get("appends") or []),
         }
+        if manifest.data_root is not None:
+            summary["data_root"] = manifest.data_root
         print(json.dumps(summary, indent=1))
         return 0
     counts = manifest.shard_counts or [0]
     _say(f"dataset   {args.dataset}")
     _say(f"format    {manifest.format}")
+    if manifest.data_root is not None:
+        _say(f"files in  {manifest.data_root} (read in place; the index and sidecars here)")
     _say(f"samples   {manifest.num_samples}")
     _say(f"shards    {len(manifest.shards)} (samples per shard: min {min(counts)}, max {max(counts)})")
     _say(f"size      {format_bytes(manifest.num_bytes)}")
@@ -430,8 +441,10 @@ def _cmd_index(args: argparse.Namespace) -> int:
         match=args.match,
         image_column=args.image_column,
         label_column=args.label_column,
+        output=args.output,
     )
-    _say(f"indexed {len(manifest.shards)} shards, {manifest.num_samples} samples; wrote {args.directory}/index.json")
+    written = args.output if args.output is not None else args.directory
+    _say(f"indexed {len(manifest.shards)} shards, {manifest.num_samples} samples; wrote {written}/index.json")
     return 0
 
 

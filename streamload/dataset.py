@@ -44,6 +44,7 @@ from ._validate import (
     dataset_args,
     parse_cache_mode,
     parse_stream_buffer,
+    warn_remote_only,
 )
 from .formats import Format, Sample, ShardReader
 from .manifest import Manifest, ShardEntry
@@ -241,7 +242,8 @@ class StreamingDataset(IterableDataset[Any]):
         on_error: OnError = "raise",
     ) -> None:
         super().__init__()
-        shuffle, seed, drop_last, shuffle_window, batch_size, rank, world_size, read_ahead = dataset_args(locals())
+        args = dict(locals())
+        shuffle, seed, drop_last, shuffle_window, batch_size, rank, world_size, read_ahead = dataset_args(args)
         if on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error={on_error!r} must be 'raise' or 'skip'")
         self.shuffle = shuffle
@@ -270,6 +272,7 @@ class StreamingDataset(IterableDataset[Any]):
         self.epoch_size = epoch_size
         self.source = self.streams.describe()  # the URL, or the streams' URLs and counts
         self._ref = self.streams.refs[0]
+        warn_remote_only(args, self._ref.data_url)
         self.manifest: Manifest = self._ref.manifest
         self.format: Format = self._ref.format
         # Shared across fork/spawn so set_epoch() reaches persistent workers.

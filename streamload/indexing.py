@@ -10,20 +10,29 @@ Parquet files (``format="parquet"``, e.g. a Hugging Face dataset's
 ``data/train-*.parquet``) are indexed the same way (see :mod:`streamload.formats.parquet`):
 every file is checked whole first, and only when all of them fit the sample model are the
 sidecars and ``index.json`` published, so bad input leaves nothing written.
+
+Where the files' folder or bucket is read-only (someone else's), ``output=`` (``streamload
+index SRC --format parquet --output DST``) writes ``index.json`` and the sidecars to
+``DST`` instead; the manifest's ``data_root`` names ``SRC`` (an absolute path or the URL)
+and readers of ``DST`` read the files in place there. Nothing is written to ``SRC``.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
+import re
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
-from ._errors import ConfigError
+from ._errors import ConfigError, ShardNotFoundError
 from ._files import FileEntry, hash_file
 from .formats import Format, get_format
-from .manifest import MANIFEST_NAME, Manifest, ShardEntry
+from .manifest import MANIFEST_NAME, Manifest, ShardEntry, check_data_root
 from .storage import Destination, RemoteDestination, is_local, local_path_of, open_destination
+from .storage.retry import RetryPolicy
+from .storage.transport import RemoteFiles
 
 __all__ = ["index_directory", "index_shard", "publish_index"]
 
@@ -37,6 +46,7 @@ def index_directory(
     match: str | None = None,
     image_column: str | None = None,
     label_column: str | None = None,
+    output: str | None = None,
 ) -> Manifest:
     """Write ``index.json`` (and sidecars) for shards written by another tool, in place.
 
@@ -54,6 +64,10 @@ def index_directory(
         image_column: Parquet: the image column (default: found from the schema).
         label_column: Parquet: the label column (default: ``label`` or the
             ``ClassLabel``; ``""``: none).
+        output: Parquet: write ``index.json`` and the sidecars to this directory or URL
+            instead, the manifest naming ``url`` as its ``data_root`` (for files in a
+            read-only place). ``url`` is then only read. A remote output cannot name
+            local files.
 
     Raises:
         ConfigError: If the format cannot be indexed, the directory holds no shard, or
@@ -63,10 +77,18 @@ def index_directory(
     fmt = get_format(format)
     if fmt.indexer is None:
         raise ConfigError(f"format {format!r} cannot index shards written by other tools")
-    dest = open_destination(url, storage_options)
+    source = _Source(url, storage_options)
+    data_root = None
+    if output is not None and not source.same_place(output):
+        if fmt.name != "parquet":
+            raise ConfigError(f"--output is for formats read in place (parquet), not {fmt.name}")
+        if is_local(url) and not is_local(output):
+            raise ConfigError(f"{output}: a remote index cannot name the local files of {url}")
+        data_root = source.root()
+    dest = open_destination(url if data_root is None else str(output), storage_options)
     try:
         with dest.lock() as lock:  # one writer at a time, as for a conversion
-            names = [n for n in dest.list_names() if n.endswith(fmt.extension) and not n.startswith(".")]
+            names = [n for n in source.list_names() if n.endswith(fmt.extension) and not n.startswith(".")]
             if match is not None:
                 names = [n for n in names if fnmatch.fnmatchcase(n, match)]
             if not names:
@@ -74,7 +96,9 @@ def index_directory(
                 pattern = match if match is not None else f"*{fmt.extension}"
                 raise ConfigError(f"{where}: no {pattern} files to index")
             if fmt.name == "parquet":
-                return _index_parquet(dest, fmt, names, hash_algorithm, classes, image_column, label_column, lock)
+                return _index_parquet(
+                    source, dest, fmt, names, hash_algorithm, classes, image_column, label_column, lock, data_root
+                )
             indexed = [_index_one(fmt, dest, name, hash_algorithm) for name in names]
             lock.check()
             return publish_index(dest, fmt, indexed, hash_algorithm, classes)
@@ -82,7 +106,57 @@ def index_directory(
         dest.close()
 
 
+class _Source:
+    """The files being indexed, only read (a local folder or a URL prefix)."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
+        self.url = str(url)
+        self.files = (
+            None
+            if is_local(self.url)
+            else RemoteFiles(self.url.rstrip("/"), dict(storage_options or {}), RetryPolicy())
+        )
+
+    def root(self) -> str:
+        """The ``data_root`` naming this place: an absolute path, or the URL."""
+        if self.files is None:
+            return check_data_root(os.path.abspath(local_path_of(self.url)))
+        return check_data_root(self.url.rstrip("/"))
+
+    def same_place(self, other: str) -> bool:
+        """Whether ``other`` names this folder or prefix."""
+        if is_local(self.url) != is_local(other):
+            return False
+        if self.files is None:
+            a, b = local_path_of(self.url), local_path_of(other)
+            return os.path.realpath(a) == os.path.realpath(b)
+        return self.url.rstrip("/") == other.rstrip("/")
+
+    def list_names(self) -> list[str]:
+        """The sorted names of the files directly in the folder or under the prefix."""
+        if self.files is None:
+            path = local_path_of(self.url)
+            return sorted(os.listdir(path)) if os.path.isdir(path) else []
+        try:
+            return self.files.list_names()
+        except ShardNotFoundError:
+            return []
+
+    def local_copy(self, dest: Destination, name: str) -> tuple[str, bool]:
+        """A local path of file ``name``, and whether it is a downloaded copy (staged at ``dest``, to discard)."""
+        if self.files is None:
+            return os.path.join(local_path_of(self.url), name), False
+        local = dest.staging_path(name)
+        try:
+            self.files.download(name, local, lambda: False)
+        except BaseException:
+            dest.discard(local)
+            raise
+        return local, True
+
+
 def _index_parquet(
+    source: _Source,
     dest: Destination,
     fmt: Format,
     names: list[str],
@@ -91,13 +165,15 @@ def _index_parquet(
     image_column: str | None,
     label_column: str | None,
     lock: Any,
+    data_root: str | None,
 ) -> Manifest:
     """Index Parquet files: every file checked and its sidecar staged before anything is published."""
-    from .formats.parquet import ParquetColumns, index_parquet
+    from .formats.parquet import ParquetColumns, index_parquet, relabel_sidecar
 
     columns = ParquetColumns(image_column, label_column)
     staged: list[tuple[str, str]] = []  # (staged sidecar, its name)
     found: list[tuple[ShardEntry, list[str]]] = []
+    label_names: list[tuple[str, ...] | None] = []  # per file: its string labels, else None
     names_of_classes: tuple[str, ...] | None = None
     first_with_classes = ""
     try:
@@ -106,7 +182,7 @@ def _index_parquet(
             assert sidecar_name is not None
             out = dest.staging_path(sidecar_name)
             staged.append((out, sidecar_name))
-            local, remote = _local_copy(dest, name)
+            local, remote = source.local_copy(dest, name)
             try:
                 info = index_parquet(local, name, out, columns)
                 digest, size = hash_file(local, hash_algorithm)
@@ -121,8 +197,8 @@ def _index_parquet(
                         f"{name}: its ClassLabel names differ from those of {first_with_classes}: "
                         "the files are not one dataset (index them apart, or --match one split)"
                     )
-            s_hash, s_size = hash_file(out, hash_algorithm)
-            sidecar = FileEntry(sidecar_name, s_size, s_hash)
+            label_names.append(info.label_names)
+            sidecar = FileEntry(sidecar_name, 0, None)  # sized and hashed once its labels are final
             entry = ShardEntry(name=name, num_bytes=size, hash=digest, num_samples=info.num_samples, sidecar=sidecar)
             found.append((entry, info.fields))
         kinds = {("cls" in f, "json" in f) for _, f in found}
@@ -131,6 +207,14 @@ def _index_parquet(
                 "the files do not share their columns (some have labels or other columns, some not); "
                 "index them apart with --match"
             )
+        mappings, label_classes = _string_labels(names, label_names, classes)
+        final: list[tuple[ShardEntry, list[str]]] = []
+        for (out, sidecar_name), (entry, fields), mapping in zip(staged, found, mappings, strict=True):
+            if mapping is not None:
+                relabel_sidecar(out, mapping)
+            s_hash, s_size = hash_file(out, hash_algorithm)
+            final.append((replace(entry, sidecar=FileEntry(sidecar_name, s_size, s_hash)), fields))
+        found = final
         lock.check()
         for out, sidecar_name in staged:
             dest.commit(out, sidecar_name)
@@ -138,20 +222,49 @@ def _index_parquet(
     finally:
         for out, _ in staged:
             dest.discard(out)
-    return publish_index(dest, fmt, found, hash_algorithm, classes or names_of_classes or ())
+    classes = classes or label_classes
+    return publish_index(dest, fmt, found, hash_algorithm, classes or names_of_classes or (), data_root)
 
 
-def _local_copy(dest: Destination, name: str) -> tuple[str, bool]:
-    """A local path of file ``name`` of ``dest``, and whether it is a downloaded copy (to discard)."""
-    if not isinstance(dest, RemoteDestination):
-        return os.path.join(local_path_of(dest.url), name), False
-    local = dest.staging_path(name)
-    try:
-        dest.files.download(name, local, lambda: False)
-    except BaseException:
-        dest.discard(local)
-        raise
-    return local, True
+def _string_labels(
+    names: list[str], label_names: list[tuple[str, ...] | None], classes: tuple[str, ...]
+) -> tuple[list[list[int] | None], tuple[str, ...]]:
+    """The dataset's labels for files labelled by strings, as ``convert`` reads such a column.
+
+    Every label a decimal integer: they are class indices (``>= 0``). Otherwise every label
+    is a class name; the names, sorted (or ``classes`` when given, which must hold them
+    all), are numbered. Returns, per file, the map from its sorted names to labels (``None``
+    for integer columns), and the class names found.
+
+    Raises:
+        ConfigError: Naming the file, for integer and string label columns mixed, a
+            negative index, or a name missing from ``classes``.
+    """
+    with_names = [n for n, found in zip(sorted(names), label_names, strict=True) if found is not None]
+    if not with_names:
+        return [None] * len(label_names), ()
+    if len(with_names) != len(label_names):
+        plain = next(n for n, found in zip(sorted(names), label_names, strict=True) if found is None)
+        raise ConfigError(
+            f"{with_names[0]}: its labels are strings, those of {plain} integers: "
+            "the files are not one dataset (index them apart with --match)"
+        )
+    everything = sorted({v for found in label_names if found is not None for v in found})
+    if all(re.fullmatch(r"-?[0-9]+", v.strip()) for v in everything):
+        for file_name, found in zip(sorted(names), label_names, strict=True):
+            assert found is not None
+            negative = [v for v in found if int(v) < 0]
+            if negative:
+                raise ConfigError(f"{file_name}: label {negative[0].strip()} is negative (labels are class indices)")
+        return [[int(v) for v in found] if found is not None else None for found in label_names], ()
+    table = list(classes) if classes else everything
+    position = {c: i for i, c in enumerate(table)}
+    for file_name, found in zip(sorted(names), label_names, strict=True):
+        missing = [v for v in found or () if v not in position]
+        if missing:
+            raise ConfigError(f"{file_name}: label {missing[0]!r} is not one of the --classes given")
+    mappings: list[list[int] | None] = [[position[v] for v in found or ()] for found in label_names]
+    return mappings, tuple(table)
 
 
 def _index_one(fmt: Format, dest: Destination, name: str, hash_algorithm: str | None) -> tuple[ShardEntry, list[str]]:
@@ -205,8 +318,9 @@ def publish_index(
     indexed: list[tuple[ShardEntry, list[str]]],
     hash_algorithm: str | None,
     classes: tuple[str, ...],
+    data_root: str | None = None,
 ) -> Manifest:
-    """Write ``index.json`` for shards indexed with :func:`index_shard`; return it."""
+    """Write ``index.json`` for shards indexed with :func:`index_shard`; return it (``data_root``: where they are)."""
     fields = sorted({f for _, shard_fields in indexed for f in shard_fields})
     manifest = Manifest(
         format=fmt.name,
@@ -215,6 +329,7 @@ def publish_index(
         classes=classes,
         hash_algorithm=hash_algorithm,
         meta={"indexed_by": "streamload index"},
+        data_root=data_root,
     )
     dest.write_bytes(MANIFEST_NAME, manifest.dumps())
     return manifest

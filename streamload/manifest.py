@@ -22,6 +22,11 @@ On disk (version 1)::
       "meta": {...}
     }
 
+An index written apart from its files (``streamload index SRC --format parquet --output
+DST``) adds ``"data_root": "s3://bucket/data"`` (or an absolute local path): the shards'
+plain names are then looked up under that root, their sidecars beside ``index.json``. It
+is honoured only for formats read in place (see :func:`check_data_root`).
+
 Everything in it is untrusted input: it is parsed with :func:`json.loads` only and
 validated field by field (counts, sizes, names that cannot leave the dataset directory).
 """
@@ -56,6 +61,7 @@ __all__ = [
     "ShardEntry",
     "SkippedInput",
     "algorithm_of",
+    "check_data_root",
     "check_file_name",
     "hash_file",
     "hash_stream",
@@ -63,6 +69,8 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "index.json"
+#: Longest ``data_root`` accepted.
+MAX_DATA_ROOT = 4096
 MANIFEST_VERSION = 1
 #: Largest shard or sidecar size a manifest may claim (1 PiB): anything larger is corrupt.
 MAX_FILE_BYTES = 2**50
@@ -178,6 +186,9 @@ class Manifest:
         hash_algorithm: Algorithm of the shard hashes, or ``None`` if not hashed.
         skipped: Inputs the converter skipped.
         meta: Free-form JSON metadata (converter options); never interpreted as code.
+        data_root: Where the shard files are (an absolute local path or a URL), when the
+            index lives apart from them; ``None``: beside ``index.json``. Sidecars are
+            always beside ``index.json``.
     """
 
     format: str
@@ -187,6 +198,7 @@ class Manifest:
     hash_algorithm: str | None = "sha256"
     skipped: tuple[SkippedInput, ...] = ()
     meta: Mapping[str, Any] = field(default_factory=dict)
+    data_root: str | None = None
 
     def __post_init__(self) -> None:
         # Every entry carries the manifest's hash algorithm: storage checks files by their entry alone.
@@ -216,7 +228,7 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         """Return the JSON object of version :data:`MANIFEST_VERSION`."""
-        return {
+        out: dict[str, Any] = {
             "streamload": MANIFEST_VERSION,
             "format": self.format,
             "num_samples": self.num_samples,
@@ -227,6 +239,9 @@ class Manifest:
             "skipped": [s.to_json() for s in self.skipped],
             "meta": dict(self.meta),
         }
+        if self.data_root is not None:  # absent otherwise: the bytes of other manifests stay the same
+            out["data_root"] = self.data_root
+        return out
 
     def dumps(self) -> bytes:
         """Return the canonical bytes of ``index.json`` (stable key order, no timestamps)."""
@@ -286,11 +301,43 @@ class Manifest:
             hash_algorithm=hash_algorithm,
             skipped=tuple(_skipped(s, i) for i, s in enumerate(obj.get("skipped") or [])),
             meta=_meta(obj.get("meta")),
+            data_root=None if obj.get("data_root") is None else check_data_root(obj.get("data_root")),
         )
         declared = obj.get("num_samples")
         if declared != manifest.num_samples:
             raise ManifestError(f"num_samples={declared!r} does not match the sum over shards ({manifest.num_samples})")
         return manifest
+
+
+def check_data_root(value: object) -> str:
+    """Return a valid ``data_root``: an absolute local path or a ``protocol://`` URL, normalised.
+
+    It must be explicit and plain: no ``.`` or ``..`` segments, no empty segments, no query
+    or fragment, no control characters, at most :data:`MAX_DATA_ROOT` characters; a
+    trailing ``/`` is dropped. (Whether it may be used at all depends on the format and on
+    where the manifest was read: see :meth:`streamload.shards.DatasetRef.open`.)
+
+    Raises:
+        ManifestError: Naming the value.
+    """
+    if not isinstance(value, str) or not value or len(value) > MAX_DATA_ROOT:
+        raise ManifestError(f"data_root={value!r} must be a non-empty string of at most {MAX_DATA_ROOT} characters")
+    root = value.rstrip("/") or "/"
+    if any(ord(c) < 32 or c in "?#\\\x7f" for c in root):
+        raise ManifestError(f"data_root={value!r} holds control characters, '?', '#' or a backslash")
+    match = re.fullmatch(r"([a-z][a-z0-9+.-]*)://(.+)", root)
+    if match is not None:
+        rest = match.group(2)
+        if match.group(1) == "file" and not rest.startswith("/"):
+            raise ManifestError(f"data_root={value!r}: a file:// root must be an absolute path")
+        segments = rest.lstrip("/").split("/") if match.group(1) == "file" else rest.split("/")
+    elif root.startswith("/"):
+        segments = root[1:].split("/") if root != "/" else []
+    else:
+        raise ManifestError(f"data_root={value!r} must be an absolute path or a protocol:// URL")
+    if any(seg in ("", ".", "..") for seg in segments):
+        raise ManifestError(f"data_root={value!r} has an empty, '.' or '..' path segment")
+    return root
 
 
 def _meta(value: object) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from ._errors import ConfigError, CorruptShardError, StreamloadError
+from ._errors import ConfigError, CorruptShardError, ManifestError, StreamloadError
 from ._files import FileEntry
 from ._units import format_bytes
 from ._validate import CACHE_MODES
@@ -51,10 +51,11 @@ from .formats import Format, ShardReader, get_format
 from .formats.tar import TarShardReader
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardEntry
 from .plan import Run
-from .storage import Storage, open_storage
+from .storage import Storage, is_local, open_storage
 from .storage.parts import Landing
 from .storage.ranges import DEFAULT_THREADS, RangeFetcher, StreamedFile, Ticket
 from .storage.retry import RetryPolicy
+from .storage.split import split_storage
 from .storage.transport import RemoteFiles
 
 __all__ = [
@@ -192,6 +193,7 @@ class DatasetRef:
         storage = config.open(url)
         try:
             manifest = load_manifest(storage, url)
+            storage = _with_data_root(url, manifest, config, storage)
             config = _choose_mode(url, manifest, storage, config)
             storage.check_capacity(_largest_cached(manifest, config))
             if config.cache_limit is None and isinstance(storage, CachedCopies) and storage.default_limit:
@@ -207,9 +209,14 @@ class DatasetRef:
         """The shard format."""
         return get_format(self.manifest.format)
 
+    @property
+    def data_url(self) -> str:
+        """Where the shard files are: the manifest's ``data_root``, else the dataset's URL."""
+        return self.manifest.data_root or self.url
+
     def open_storage(self) -> Storage:
         """Return a new storage for this dataset's files, in this process."""
-        storage = self.config.open(self.url)
+        storage = _with_data_root(self.url, self.manifest, self.config, self.config.open(self.url))
         storage.check_capacity(_largest_cached(self.manifest, self.config))
         return storage
 
@@ -241,8 +248,39 @@ class DatasetRef:
         return True
 
     def where(self, entry: ShardEntry) -> str:
-        """Return ``<url>/<shard name>`` for messages."""
-        return f"{self.url.rstrip('/')}/{entry.name}"
+        """Return ``<url>/<shard name>`` for messages (the data root's URL for an index kept apart)."""
+        return f"{self.data_url.rstrip('/')}/{entry.name}"
+
+
+def _with_data_root(url: str, manifest: Manifest, config: StorageConfig, storage: Storage) -> Storage:
+    """The dataset's storage: ``storage`` itself, or with the shards from the manifest's ``data_root``.
+
+    A ``data_root`` is honoured only for formats read in place (whose files streamload
+    never writes), and a manifest read from a remote URL may not name local files.
+    ``storage`` is closed on failure.
+
+    Raises:
+        ManifestError: If the manifest's ``data_root`` may not be used.
+    """
+    root = manifest.data_root
+    if root is None:
+        return storage
+    try:
+        fmt = get_format(manifest.format)
+        if not getattr(fmt.writer, "read_only", False):
+            raise ManifestError(
+                f"{url}/{MANIFEST_NAME}: data_root is only for formats read in place (parquet), not {fmt.name}"
+            )
+        if is_local(root) and not is_local(url):
+            raise ManifestError(
+                f"{url}/{MANIFEST_NAME}: a remote manifest may not name local files (data_root={root!r})"
+            )
+        data = config.open(root)
+    except BaseException:
+        storage.close()
+        raise
+    largest_sidecar = _largest_sidecar(manifest)
+    return split_storage(storage, data, [s.name for s in manifest.shards], largest_sidecar)
 
 
 def _log_auto(url: str, why: str) -> None:
@@ -340,11 +378,11 @@ class ShardSource:
         self.fetcher: RangeFetcher | None = None
         if self.streaming:
             options = dict(ref.config.storage_options)
-            if ref.url.startswith(("s3://", "s3a://")):  # botocore pools 10 connections: too few for the GETs
+            if ref.data_url.startswith(("s3://", "s3a://")):  # botocore pools 10 connections: too few for the GETs
                 config = dict(options.get("config_kwargs") or {})
                 config.setdefault("max_pool_connections", 2 * DEFAULT_THREADS)
                 options["config_kwargs"] = config
-            files = RemoteFiles(ref.url, options, RetryPolicy())
+            files = RemoteFiles(ref.data_url, options, RetryPolicy())
             self.fetcher = RangeFetcher(files)  # its threads start with the first fetch
         if self._copies is not None:
             self._copies.register_reader(self._largest_cached)

@@ -143,14 +143,14 @@ def verify_dataset(
     """
     if storage_options is not None and not isinstance(storage_options, Mapping):
         raise ConfigError(f"storage_options={storage_options!r} must be a mapping (a dict of fsspec options) or None")
-    if cache_dir is not None and is_local(str(url)):
+    report = VerifyReport(url)
+    ref = DatasetRef.open(url, StorageConfig(dict(storage_options or {}), cache_dir, read_ahead=0))
+    if cache_dir is not None and is_local(ref.data_url):
         warnings.warn(
             f"cache_dir={cache_dir!r} does nothing for the local dataset {url!r}: its files are checked in place",
             UserWarning,
             stacklevel=2,
         )
-    report = VerifyReport(url)
-    ref = DatasetRef.open(url, StorageConfig(dict(storage_options or {}), cache_dir, read_ahead=0))
     with ShardSource(ref, ref.open_storage(), own_storage=True) as source:
         for s, entry in enumerate(ref.manifest.shards):
             problem = None

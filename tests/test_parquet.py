@@ -417,3 +417,93 @@ def test_a_file_truncated_while_read_is_an_error_naming_it(tmp_path: Path) -> No
     os.truncate(root / "t.parquet", 600)  # positioned reads, no memory map: an error, not SIGBUS
     with pytest.raises(CorruptShardError, match=r"t\.parquet, row group 1 cannot be read"):
         list(it)
+
+
+def test_string_class_names_become_classes_as_convert_makes_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "named"
+    root.mkdir()
+    first = ["dog", "cat", "dog", "eel", "cat", "dog", "eel", "cat"]
+    second = ["ant", "dog", "ant"]
+    for name, names in (("a.parquet", first), ("b.parquet", second)):
+        table = pa.table(
+            {"image": pa.array([encode(i, "PNG") for i in range(len(names))], pa.binary()), "label": names}
+        )
+        pq.write_table(table, root / name, row_group_size=3)
+    assert main(["index", str(root), "--format", "parquet"]) == 0
+    ds = StreamingDataset(str(root))
+    classes = ["ant", "cat", "dog", "eel"]  # sorted unique names over both files
+    assert list(ds.manifest.classes) == classes
+    assert [classes[int(s["cls"])] for s in ds] == first + second
+
+    # one file alone: the same labels and classes `convert` gives the table
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "a.parquet").write_bytes((root / "a.parquet").read_bytes())
+    index_directory(str(alone), "parquet")
+    assert main(["convert", str(root / "a.parquet"), str(tmp_path / "tar")]) == 0
+    converted = StreamingDataset(str(tmp_path / "tar"))
+    assert converted.manifest.classes == StreamingDataset(str(alone)).manifest.classes == ("cat", "dog", "eel")
+    assert [s["cls"] for s in converted] == [s["cls"] for s in StreamingDataset(str(alone))]
+
+    # decimal strings are class indices, as for convert
+    digits = tmp_path / "digits"
+    digits.mkdir()
+    pq.write_table(
+        pa.table({"image": pa.array([encode(0, "PNG")] * 3, pa.binary()), "label": ["2", "0", "11"]}),
+        digits / "d.parquet",
+    )
+    index_directory(str(digits), "parquet")
+    assert [int(s["cls"]) for s in StreamingDataset(str(digits))] == [2, 0, 11]
+
+    # a blank name, or files labelled by integers and by names: one line, exit 2, nothing written
+    for bad, message in ((["cat", " "], "row 1 has no label"), ([0, 1], "its labels are strings, those of")):
+        case = tmp_path / f"bad-{len(message)}"
+        case.mkdir()
+        pq.write_table(
+            pa.table({"image": pa.array([encode(0, "PNG")] * 2, pa.binary()), "label": ["x", "y"]}), case / "a.parquet"
+        )
+        pq.write_table(
+            pa.table({"image": pa.array([encode(0, "PNG")] * 2, pa.binary()), "label": bad}), case / "b.parquet"
+        )
+        capsys.readouterr()
+        assert main(["index", str(case), "--format", "parquet"]) == 2
+        err = bad_lines(capsys.readouterr().err)
+        assert len(err) == 1 and message in err[0], err
+        assert sorted(os.listdir(case)) == ["a.parquet", "b.parquet"]
+
+
+def test_rows_stored_as_they_are_are_read_without_pyarrow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Uncompressed image chunks (as ``datasets`` writes them): rows read by positioned reads, still checked."""
+    root = tmp_path / "plain"
+    root.mkdir()
+    blobs = [encode(i, "JPEG" if i % 3 else "PNG") for i in range(50)]
+    table = pa.table({"image": pa.array(blobs, pa.binary()), "label": [i % 4 for i in range(50)]})
+    pq.write_table(table, root / "u.parquet", row_group_size=16, compression="NONE", use_dictionary=False)
+    pq.write_table(table, root / "z.parquet", row_group_size=16, compression="zstd")  # compressed: through pyarrow
+    index_directory(str(root), "parquet")
+    reads: list[str] = []
+    original = pq.ParquetFile.read_row_group
+
+    def counted(self: Any, i: int, *args: Any, **kwargs: Any) -> Any:
+        reads.append(str(self.metadata.row_group(0).column(0).compression))
+        return original(self, i, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counted)
+    ds = StreamingDataset(str(root), shuffle=True, seed=4, batch_size=8, collate=RawCollate(keys=True))
+    got: dict[str, bytes] = {}
+    for batch in ds:
+        offsets = batch.offsets.tolist()
+        for k, key in enumerate(batch.keys):
+            got[key] = batch.data[offsets[k] : offsets[k + 1]].numpy().tobytes()
+    assert got == {f"{f}/{i:010d}": blobs[i] for f in ("u", "z") for i in range(50)}
+    assert reads and set(reads) == {"ZSTD"}  # the uncompressed file never went through pyarrow
+    assert ShardedDataset(str(root)).get("u/0000000017")["jpg"] == blobs[17]
+
+    flip_inside_image(root / "u.parquet", blobs[33])
+    with pytest.raises(CorruptShardError, match=r"u\.parquet, row group 2, row 33 .*checksum"):
+        list(StreamingDataset(str(root), batch_size=8, collate=RawCollate()))
+    os.truncate(root / "u.parquet", 3000)
+    with pytest.raises(CorruptShardError, match=r"u\.parquet"):
+        list(StreamingDataset(str(root), batch_size=8, collate=RawCollate()))

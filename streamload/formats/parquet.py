@@ -2,8 +2,9 @@
 
 Hugging Face datasets, Spark/Databricks exports and LAION-style sets keep images in Parquet:
 an image column (a Hugging Face ``Image`` struct ``{bytes, path}``, or a plain binary
-column), an optional integer label column (a Hugging Face ``ClassLabel``: its names become
-the dataset's classes) and other columns. ``streamload index DIR --format parquet`` reads
+column), an optional label column (integers, a Hugging Face ``ClassLabel``'s names becoming
+the dataset's classes; or strings, class names sorted and numbered over all the files as
+``convert`` does) and other columns. ``streamload index DIR --format parquet`` reads
 every file once and writes, beside each, a sidecar ``<file>.slpq`` (see below) and then
 ``index.json``; the files themselves are never rewritten.
 
@@ -29,6 +30,8 @@ is checked before use)::
     label      int64[n]     per row, its label (only with a label column)
     json_xxh3  uint64[n]    per row, xxh3_64 of its ``json`` bytes (only with json columns)
     extent     int64[g, 2]  per row group, the byte span of the column chunks a read needs
+    offset     int64[n]     per row, its image's offset in the file (only when every row's
+                            bytes are stored as they are: meta ``direct``)
 
 **Integrity as for our own shards.** The file's size and hash are in the manifest (checked
 on every cached copy); every row's image and ``json`` bytes are checked against their
@@ -36,7 +39,10 @@ digests on every read, so a flipped byte in a data page is a
 :class:`~streamload.CorruptShardError` naming the file, row group and row (or a page that
 no longer decompresses: the same error). Labels come from the sidecar.
 
-**Reads.** Only the columns the sample model needs (``image.bytes`` of a struct, the json
+**Reads.** Rows stored as they are (an uncompressed, PLAIN, dictionary-free image chunk,
+as Hugging Face ``datasets`` writes images: each value a 4-byte length and the bytes) are
+located at index time and read by positioned reads like tar members (``offset``), no
+pyarrow involved. Otherwise only the columns the sample model needs (``image.bytes`` of a struct, the json
 columns; never the label column nor the struct's ``path``), one row group at a time (the
 decoded row groups kept per process up to :data:`ROW_GROUP_CACHE_BYTES`): pyarrow reads
 just those column chunks, coalescing
@@ -64,6 +70,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import xxhash
 
@@ -71,7 +78,7 @@ from .._errors import ConfigError, CorruptShardError, SampleError
 from .._units import parse_bytes
 from ..manifest import ShardEntry, algorithm_of, new_hasher
 from ..sample import IMAGE_EXTENSIONS, image_field_for, sniff_image
-from ._bytes import ShardBytes
+from ._bytes import FileBytes, ShardBytes
 from ._record import open_regular_file
 from .base import FieldGroup, Format, Sample, ShardReader, ShardWriter
 
@@ -83,6 +90,7 @@ __all__ = [
     "ParquetIndex",
     "ParquetShardReader",
     "index_parquet",
+    "relabel_sidecar",
 ]
 
 _MAGIC = "streamload-parquet"
@@ -97,6 +105,9 @@ _SLACK = 1 << 20
 MAX_FOOTER_BYTES = 64 << 20
 _THRIFT_STRING_LIMIT = 16 << 20
 _THRIFT_CONTAINER_LIMIT = 1 << 20
+#: Bytes between rows read into a scratch buffer rather than splitting a ``preadv``; iovecs per call.
+_MAX_GAP = 64 << 10
+_IOV_MAX = 1024
 #: Largest sidecar read.
 MAX_SIDECAR_BYTES = 1 << 31
 #: Bytes of decoded row groups one process keeps, over all its readers (least recently
@@ -160,8 +171,9 @@ class ParquetColumns:
     Attributes:
         image: The image column; ``None``: the Hugging Face ``Image`` feature, else the
             only binary (or ``{bytes, path}`` struct) column.
-        label: The integer label column; ``None``: ``label`` if there is one, else the
-            Hugging Face ``ClassLabel`` feature, else no label; ``""``: no label.
+        label: The label column, integers (class indices) or strings (class names, or
+            decimal indices, as ``convert`` reads them); ``None``: ``label`` if there is
+            one, else the Hugging Face ``ClassLabel`` feature, else no label; ``""``: no label.
     """
 
     image: str | None = None
@@ -170,11 +182,17 @@ class ParquetColumns:
 
 @dataclass
 class ParquetIndex:
-    """What indexing one file found: its rows, fields and class names (Hugging Face ``ClassLabel``)."""
+    """What indexing one file found: its rows, fields and class names (Hugging Face ``ClassLabel``).
+
+    With a string label column, ``label_names`` holds the file's distinct labels, sorted,
+    and its sidecar's labels index them: :func:`relabel_sidecar` maps them to the
+    dataset's labels once every file was read.
+    """
 
     num_samples: int
     fields: list[str]
     classes: tuple[str, ...] | None
+    label_names: tuple[str, ...] | None = None
 
 
 def _key_prefix(name: str) -> str:
@@ -236,6 +254,7 @@ class _Plan:
     label: str | None
     json_columns: tuple[str, ...]
     classes: tuple[str, ...] | None
+    label_names: bool = False
 
 
 def _plan(schema: Any, name: str, columns: ParquetColumns) -> _Plan:
@@ -276,10 +295,10 @@ def _plan(schema: Any, name: str, columns: ParquetColumns) -> _Plan:
         if label == image:
             raise ConfigError(f"{name}: column {label!r} cannot be both the image and the label")
         t = schema.field(label).type
-        if not pa.types.is_integer(t):
+        names_kind = pa.types.is_string(t) or pa.types.is_large_string(t)
+        if not pa.types.is_integer(t) and not names_kind:
             raise ConfigError(
-                f"{name}: label column {label!r} is {t}, not integers "
-                "(class names: `streamload convert` the table; no labels: --label-column '')"
+                f"{name}: label column {label!r} is {t}, not integers or class names (no labels: --label-column '')"
             )
         feature = features.get(label)
         if isinstance(feature, dict) and feature.get("_type") == "ClassLabel":
@@ -289,7 +308,8 @@ def _plan(schema: Any, name: str, columns: ParquetColumns) -> _Plan:
     struct_type = schema.field(image).type
     has_path = kind == "struct" and "path" in [struct_type.field(i).name for i in range(struct_type.num_fields)]
     rest = tuple(c for c in names if c not in (image, label))
-    return _Plan(image, kind == "struct", has_path, label, rest, classes)
+    names_kind = label is not None and not pa.types.is_integer(schema.field(label).type)
+    return _Plan(image, kind == "struct", has_path, label, rest, classes, names_kind)
 
 
 def _check_footer(md: Any, size: int, name: str, columns: Sequence[str]) -> np.ndarray:
@@ -410,6 +430,10 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
         wanted.append(plan.label)
     row = 0
     digest = xxhash.xxh3_64_intdigest
+    # Rows stored as they are (an uncompressed PLAIN column chunk, as Hugging Face writes its
+    # images) are found in the file itself, so reads take them by positioned reads.
+    offsets: np.ndarray | None = np.zeros(n, dtype=np.int64)
+    seen: dict[str, int] = {}  # string labels: name -> code in order of appearance
     for g in range(md.num_row_groups):
         try:
             table = pf.read_row_group(g, columns=wanted, use_threads=False)
@@ -420,7 +444,22 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
             raise _bad(name, f"row group {g} holds {len(images)} rows, its footer says {md.row_group(g).num_rows}")
         paths = table.column(plan.image).combine_chunks().field("path").to_pylist() if plan.has_path else None
         texts = _json_texts(table, plan)
-        if plan.label:
+        if plan.label and plan.label_names:
+            label_col = table.column(plan.label).combine_chunks()
+            blank = np.asarray(
+                pc.or_kleene(label_col.is_null(), pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(label_col)), 0))
+                .fill_null(True)
+                .to_numpy(zero_copy_only=False),
+                dtype=bool,
+            )
+            if blank.any():
+                first = row + int(np.flatnonzero(blank)[0])
+                raise ConfigError(f"{name}: column {plan.label!r}: row {first} has no label")
+            encoded = label_col.dictionary_encode()
+            local = [seen.setdefault(v, len(seen)) for v in encoded.dictionary.to_pylist()]
+            indices = np.asarray(encoded.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
+            labels[row : row + len(indices)] = np.asarray(local, dtype=np.int64)[indices]
+        elif plan.label:
             label_col = table.column(plan.label)
             if label_col.null_count:
                 first = row + int(np.flatnonzero(np.asarray(label_col.is_null()))[0])
@@ -435,6 +474,8 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
                     f"{name}: column {plan.label!r}: row {row + r} has label {int(values[r])} (expected {where})"
                 )
             labels[row : row + len(values)] = values
+        if offsets is not None:
+            offsets = _locate_rows(path, md.row_group(g), _read_columns(plan)[0], images, row, offsets)
         for r, data in enumerate(images):
             i = row + r
             if not data:
@@ -452,6 +493,13 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
             if texts is not None:
                 json_digests[i] = digest(texts[r])
         row += len(images)
+    label_names: tuple[str, ...] | None = None
+    if plan.label_names:  # codes in order of appearance -> positions in the sorted names
+        label_names = tuple(sorted(seen))
+        order = np.empty(len(seen), dtype=np.int64)
+        for position, found in enumerate(label_names):
+            order[seen[found]] = position
+        labels = order[labels] if n else labels
     sink = pa.BufferOutputStream()
     md.write_metadata_file(sink)
     meta = {
@@ -465,6 +513,7 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
         "json": list(plan.json_columns),
         "fields": field_names,
         "prefix": _key_prefix(name),
+        "direct": offsets is not None,
     }
     arrays: dict[str, np.ndarray] = {
         "meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8),
@@ -478,10 +527,52 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
         arrays["label"] = labels
     if plan.json_columns:
         arrays["json_xxh3"] = json_digests
+    if offsets is not None:
+        arrays["offset"] = offsets
     with open(sidecar_out, "wb") as f:
         np.savez(f, **arrays)  # type: ignore[arg-type]
     fields = [*field_names, *(["cls"] if plan.label else []), *(["json"] if plan.json_columns else [])]
-    return ParquetIndex(n, sorted(fields), plan.classes)
+    return ParquetIndex(n, sorted(fields), plan.classes, label_names)
+
+
+def _locate_rows(
+    path: str, rg: Any, leaf: str, images: list[Any], first_row: int, offsets: np.ndarray
+) -> np.ndarray | None:
+    """Find each row's image bytes in row group ``rg``'s column chunk ``leaf``, stored as they are.
+
+    Only an uncompressed chunk without a dictionary qualifies: its PLAIN values are each
+    a 4-byte length and the bytes. Returns ``offsets`` with the rows' file offsets filled
+    in, or ``None`` if a row is not found so (then the file is read through pyarrow).
+    Nothing depends on this being right but speed: every read is checked by its digest.
+    """
+    col = next((rg.column(j) for j in range(rg.num_columns) if rg.column(j).path_in_schema == leaf), None)
+    if col is None or col.compression != "UNCOMPRESSED" or col.has_dictionary_page:
+        return None
+    start = col.data_page_offset
+    with open(path, "rb") as f:
+        f.seek(start)
+        chunk = f.read(col.total_compressed_size)
+    pos = 0
+    for r, data in enumerate(images):
+        if not data:
+            return None
+        want = len(data).to_bytes(4, "little") + data
+        at = pos if chunk.startswith(want, pos) else chunk.find(want, pos)
+        if at < 0:
+            return None
+        offsets[first_row + r] = start + at + 4
+        pos = at + len(want)
+    return offsets
+
+
+def relabel_sidecar(path: str, mapping: Sequence[int]) -> None:
+    """Rewrite the labels of a sidecar :func:`index_parquet` just wrote: label ``i`` becomes ``mapping[i]``."""
+    with np.load(path, allow_pickle=False) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    table = np.asarray(mapping, dtype=np.int64)
+    arrays["label"] = table[arrays["label"]] if len(arrays["label"]) else arrays["label"]
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
 
 
 def _check_footer_size(path: str, size: int, name: str) -> None:
@@ -599,6 +690,8 @@ class ParquetShardReader(ShardReader):
             expect["label"] = (np.int64, n)
         if meta.get("json"):
             expect["json_xxh3"] = (np.uint64, n)
+        if meta.get("direct"):
+            expect["offset"] = (np.int64, n)
         for key, (dtype, length) in expect.items():
             arr = arrays.get(key)
             if arr is None or arr.dtype != dtype or arr.shape != (length,):
@@ -608,6 +701,11 @@ class ParquetShardReader(ShardReader):
             raise CorruptShardError(f"{name}: Parquet sidecar table 'extent' is damaged")
         if n and (int(arrays["field"].max()) >= len(fields) or int(arrays["size"].min()) < 0):
             raise CorruptShardError(f"{name}: Parquet sidecar field table is damaged")
+        direct = arrays.get("offset") if meta.get("direct") else None
+        if direct is not None and n:
+            ends = direct + arrays["size"]
+            if int(direct.min()) < 4 or int(ends.max()) > self.entry.num_bytes - 8 or bool(np.any(ends < direct)):
+                raise CorruptShardError(f"{name}: Parquet sidecar offsets lie outside the file")
         self._meta = meta
         self._fields: list[str] = fields
         self._codes = arrays["field"]
@@ -616,6 +714,9 @@ class ParquetShardReader(ShardReader):
         self._labels = arrays.get("label")
         self._json_digests = arrays["json_xxh3"].tolist() if meta.get("json") else None
         self._extent = extent
+        #: Rows stored as they are: each image's file offset (read by positioned reads, no pyarrow).
+        self._offsets: np.ndarray | None = direct
+        self._bytes: ShardBytes | None = None
         self._starts = np.concatenate([[0], np.cumsum(np.asarray(groups, dtype=np.int64))])
         self._footer = arrays["footer"].tobytes()
         self._plan = _Plan(
@@ -672,9 +773,14 @@ class ParquetShardReader(ShardReader):
             return kept
         pf = self._ensure_open()
         expected = int(self._starts[g + 1] - self._starts[g])
+        direct = self._offsets is not None
+        columns = list(self._plan.json_columns) if direct else _read_columns(self._plan)
         try:
-            table = pf.read_row_group(g, columns=_read_columns(self._plan), use_threads=False)
-            data, offsets = _flat(_image_array(table, self._plan))
+            table = pf.read_row_group(g, columns=columns, use_threads=False)
+            if direct:  # the images are read from the file; offsets here only count the rows
+                data, offsets = np.zeros(0, dtype=np.uint8), np.zeros(table.num_rows + 1, dtype=np.int64)
+            else:
+                data, offsets = _flat(_image_array(table, self._plan))
             texts = _json_texts(table, self._plan)
         except Exception as exc:  # a damaged page: decompression or decoding fails
             raise CorruptShardError(
@@ -693,9 +799,34 @@ class ParquetShardReader(ShardReader):
     def _key(self, index: int) -> str:
         return f"{self._meta['prefix']}/{index:010d}"
 
+    def _source_bytes(self) -> ShardBytes:
+        """The file's bytes for positioned reads (this process's own descriptor; ranged reads when streaming)."""
+        if self._source is not None:
+            return self._source
+        if self._bytes is None or self._pid != os.getpid():
+            if self._plan.json_columns:
+                self._ensure_open()  # the footer checked: the json columns are read through pyarrow
+            else:
+                self.close()
+                self._pid = os.getpid()  # images only: the sidecar's offsets were checked against the size
+            fd = open_regular_file(self.path, self.entry.name)
+            self._bytes = FileBytes(fd)
+            if self._bytes.size != self.entry.num_bytes:
+                raise CorruptShardError(
+                    f"{self.path}: shard {self.entry.name} is {self._bytes.size} bytes, "
+                    f"the manifest says {self.entry.num_bytes}"
+                )
+        return self._bytes
+
     def _image(self, index: int) -> tuple[int, np.ndarray]:
         """Row ``index``'s image bytes (a view into its row group), checked; and its row group."""
         g = self._group_of(index)
+        if self._offsets is not None:
+            size = int(self._sizes[index])
+            raw = self._source_bytes().pread(size, int(self._offsets[index]))
+            field = self._fields[int(self._codes[index])]
+            self._check(g, index, field, raw if len(raw) == size else None, self._digests[index], size)
+            return g, np.frombuffer(raw, dtype=np.uint8)
         data, offsets, _ = self._group(g)
         r = index - int(self._starts[g])
         view = data[int(offsets[r]) : int(offsets[r + 1])]
@@ -754,9 +885,17 @@ class ParquetShardReader(ShardReader):
         return out
 
     def read_groups_into(self, indices: np.ndarray, groups: Sequence[FieldGroup]) -> None:
-        """Copy each group's fields of samples ``indices`` into the group's ``out``, each row checked."""
+        """Copy each group's fields of samples ``indices`` into the group's ``out``, each row checked.
+
+        Rows stored as they are (``offset`` in the sidecar) are read like tar members: one
+        ``preadv`` per run of rows close together in the file, the 4-byte lengths between
+        them into a scratch buffer, each row's digest checked after.
+        """
         rows = np.asarray(indices).tolist()
         for fields, out, sizes in groups:
+            if self._offsets is not None and rows and "cls" not in fields and "json" not in fields:
+                self._read_direct(rows, fields, out, np.asarray(sizes, dtype=np.int64))
+                continue
             pos = 0
             for i, n in zip(rows, np.asarray(sizes).tolist(), strict=True):
                 value = self._value(i, self._choice(i, fields))
@@ -764,6 +903,57 @@ class ParquetShardReader(ShardReader):
                     raise CorruptShardError(f"{self.entry.name}: sample {self._key(i)!r} changed size while read")
                 out[pos : pos + n] = np.frombuffer(value, dtype=np.uint8) if isinstance(value, bytes) else value
                 pos += n
+
+    def _read_direct(self, rows: list[int], fields: Sequence[str], out: np.ndarray, sizes: np.ndarray) -> None:
+        """Read the images of ``rows`` straight from the file into ``out`` (their sizes: ``sizes``), checked."""
+        assert self._offsets is not None
+        index = np.asarray(rows, dtype=np.int64)
+        wanted = [k for k, f in enumerate(self._fields) if f in fields]
+        missing = np.flatnonzero(~np.isin(self._codes[index], wanted))
+        if len(missing):
+            self._choice(rows[int(missing[0])], fields)  # raises the SampleError naming the sample
+        if not np.array_equal(self._sizes[index], sizes):
+            raise CorruptShardError(f"{self.entry.name}: samples changed size while read")
+        starts = np.zeros(len(rows), dtype=np.int64)
+        starts[1:] = np.cumsum(sizes[:-1])
+        offs = self._offsets[index]
+        order = np.argsort(offs, kind="stable")
+        source = self._source_bytes()
+        view = out.data.cast("B")
+        scratch = self.__dict__.get("_scratch")
+        if scratch is None:
+            scratch = self.__dict__.setdefault("_scratch", memoryview(bytearray(_MAX_GAP)))
+        iov: list[memoryview] = []
+        first = end = 0
+        for off, size, start in zip(offs[order].tolist(), sizes[order].tolist(), starts[order].tolist(), strict=True):
+            gap = off - end
+            if iov and (gap < 0 or gap > _MAX_GAP or len(iov) >= _IOV_MAX - 2):
+                self._preadv(source, iov, first, end - first)
+                iov = []
+            if not iov:
+                first = end = off
+            elif gap:
+                iov.append(scratch[:gap])
+            iov.append(view[start : start + size])
+            end = off + size
+        if iov:
+            self._preadv(source, iov, first, end - first)
+        digest = xxhash.xxh3_64_intdigest
+        for i, start, size in zip(rows, starts.tolist(), sizes.tolist(), strict=True):
+            if digest(view[start : start + size]) != self._digests[i]:
+                self._check(self._group_of(i), i, self._fields[int(self._codes[i])], None, 0, size)
+
+    def _preadv(self, source: ShardBytes, iov: list[memoryview], offset: int, expected: int) -> None:
+        got = source.preadv(iov, offset)
+        if got != expected:
+            raise CorruptShardError(
+                f"{self.path}: shard {self.entry.name} is truncated at byte {offset + got} "
+                f"(row group {self._group_of(self._row_at(offset))})"
+            )
+
+    def _row_at(self, offset: int) -> int:
+        assert self._offsets is not None
+        return max(0, int(np.searchsorted(self._offsets, offset, side="right")) - 1)
 
     def _check(self, group: int, index: int, field: str, data: Any, digest: int, size: int) -> None:
         if data is None or len(data) != size or xxhash.xxh3_64_intdigest(data) != digest:
@@ -777,6 +967,9 @@ class ParquetShardReader(ShardReader):
         index = np.asarray(indices, dtype=np.int64)
         if len(index) and (int(index.min()) < 0 or int(index.max()) >= self.entry.num_samples):
             raise IndexError(f"{self.entry.name}: sample indices out of range [0, {self.entry.num_samples})")
+        if self._offsets is not None and not self._plan.json_columns:  # each row's own bytes
+            starts = self._offsets[index]
+            return np.stack([starts, starts + self._sizes[index]], axis=1)
         groups = np.searchsorted(self._starts, index, side="right") - 1
         out: np.ndarray = self._extent[groups]
         return out
@@ -799,7 +992,9 @@ class ParquetShardReader(ShardReader):
         """Drop the open file and the decoded row groups."""
         if self._pid == os.getpid():
             _CACHE.drop(self._token)
-        self._file, self._pid = None, -1
+            if self._bytes is not None:
+                self._bytes.close()
+        self._file, self._pid, self._bytes = None, -1, None
 
 
 class _NoWriter(ShardWriter):
