@@ -117,7 +117,7 @@ def watch():
 watcher = threading.Thread(target=watch, daemon=True)
 watcher.start()
 started = time.perf_counter()
-scan, planned, clashes = _scan_and_plan(source, options, "")
+planned = list(enumerate(_scan_and_plan(source, options, "").shards))
 seconds = time.perf_counter() - started
 done.set()
 watcher.join()

@@ -19,11 +19,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from streamload._errors import SourceError, StreamloadError
+from streamload._errors import ConfigError, SourceError, StreamloadError
 from streamload.formats import ShardReader
 from streamload.manifest import SkippedInput
 from streamload.shards import DatasetRef, ShardSource, StorageConfig
 
+from .places import same_place
 from .source import Item, ScanResult, Source
 
 __all__ = ["DatasetSource", "SampleItem"]
@@ -73,6 +74,19 @@ class DatasetSource(Source):
     def describe(self) -> str:
         """Return the dataset's URL."""
         return self.url
+
+    def check_destination(self, dst: str) -> None:
+        """Refuse ``dst`` if it is this dataset, however spelled (converting in place would destroy it).
+
+        Raises:
+            ConfigError: Naming both.
+        """
+        if same_place(self.url, dst):
+            raise ConfigError(
+                f"SRC {self.url} and DST {dst} are the same dataset: converting it in place would destroy its "
+                "shards before the new ones exist. Convert into a new location, check it (streamload verify), "
+                "then replace the old dataset with it."
+            )
 
     def meta(self) -> dict[str, Any]:
         """Return the source URL and format for the new manifest."""

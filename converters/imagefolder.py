@@ -39,11 +39,13 @@ import stat
 from collections.abc import Iterator
 from typing import Any
 
-from streamload._errors import SourceError
+from streamload._errors import ConfigError, SourceError
 from streamload.manifest import SkippedInput
 from streamload.sample import IMAGE_EXTENSIONS
+from streamload.storage import is_local, local_path_of
 
 from .images import WARNINGS_KEY, ImageItem, assign_keys, check_image, escape_folder, path_to_key
+from .places import within
 from .source import Item, ScanResult, Source, printable
 
 __all__ = ["IMAGE_EXTENSIONS", "LABEL_MODES", "WARNINGS_KEY", "ImageFolderSource", "path_to_key"]
@@ -116,6 +118,25 @@ class ImageFolderSource(Source):
     def settings(self) -> dict[str, Any]:
         """Return how images are checked and labelled: a resume must do the same."""
         return {"check": self.check} if self.labelled else {"check": self.check, "labels": "none"}
+
+    def check_destination(self, dst: str) -> None:
+        """Refuse a local ``dst`` inside the folder or one of its (linked) class folders.
+
+        The next conversion would read it back as a class or as images.
+
+        Raises:
+            ConfigError: Naming ``dst`` and the folder.
+        """
+        if not is_local(dst):
+            return
+        path = local_path_of(dst)
+        for root in [self.root, *self.class_dirs()]:
+            if within(path, root):
+                where = "" if root == self.root else f" (in its linked class folder {printable(root)})"
+                raise ConfigError(
+                    f"DST {dst} is inside the image folder {printable(self.root)}{where}: "
+                    "the next conversion would read it back as a class or as images. Write it outside SRC."
+                )
 
     def class_dirs(self) -> list[str]:
         """Return the paths of the class folders (symbolic links as they are)."""

@@ -11,13 +11,23 @@ and :func:`cuts` apply it to a whole list.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from .source import Item
+__all__ = ["ShardCutter", "Weighed", "cuts", "plan_shards"]
 
-__all__ = ["ShardCutter", "cuts", "plan_shards"]
+
+class Weighed(Protocol):
+    """Anything with a payload size (a source's :class:`~.source.Item`)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes."""
+        ...
+
+
+W = TypeVar("W", bound=Weighed)
 
 
 class ShardCutter:
@@ -83,7 +93,7 @@ def cuts(sizes: Sequence[int] | np.ndarray[Any, Any], max_bytes: int | None, max
     return [*starts.tolist(), n]
 
 
-def plan_shards(items: Sequence[Item], max_bytes: int | None, max_samples: int | None) -> list[list[Item]]:
+def plan_shards(items: Sequence[W], max_bytes: int | None, max_samples: int | None) -> list[list[W]]:
     """Cut ``items`` into consecutive shards by sample count or payload bytes.
 
     A shard holds at most ``max_samples`` items (if given), else at most ``max_bytes``

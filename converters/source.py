@@ -1,20 +1,41 @@
-"""What the conversion engine needs from an input: a list of items, and a way to load one.
+"""What the conversion engine needs from an input: a plan of items, and a way to load one.
 
-A source is scanned once in the parent process (cheap: names and sizes), then each
-conversion worker loads the items of the shards it writes. Items are small, picklable
-records; loading reads the bytes and checks them.
+A source is planned once in the parent process (:meth:`Source.make_plan`: scanned, cheap:
+names and sizes, then cut into shards), then each conversion worker loads the items of
+the shards it writes. Items are small, picklable records; loading reads the bytes and
+checks them. The engine knows sources only by this interface: a source that plans in its
+own way (a listing table streams its plan), refuses some destinations (an image folder
+refuses one inside itself) or has a content that a resume must find unchanged (a table)
+says so by overriding :meth:`Source.make_plan`, :meth:`Source.check_destination` or
+:meth:`Source.content_digest`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+from streamload._errors import SampleError
+from streamload.formats import check_sample
 from streamload.manifest import SkippedInput
 
-__all__ = ["Item", "ScanResult", "Source", "printable"]
+from .planning import plan_shards
+
+__all__ = [
+    "Item",
+    "PlanRequest",
+    "ScanResult",
+    "Source",
+    "SourcePlan",
+    "drop_present",
+    "printable",
+    "printable_json",
+    "unique_keys",
+]
 
 
 def printable(text: str) -> str:
@@ -27,6 +48,17 @@ def printable(text: str) -> str:
         return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     except UnicodeEncodeError:  # surrogates no file name produces
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def printable_json(value: Any) -> Any:
+    """``value`` with every string :func:`~.source.printable` (a manifest is UTF-8)."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable(str(k)): printable_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [printable_json(v) for v in value]
+    return value
 
 
 @dataclass(frozen=True)
@@ -51,6 +83,46 @@ class ScanResult:
     items: list[Item]
     ignored: list[SkippedInput] = field(default_factory=list)
     problems: list[SkippedInput] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """How the engine asks a source to cut itself into shards.
+
+    Attributes:
+        max_bytes: Payload bytes per shard at most (``None``: no byte limit).
+        max_samples: Items per shard at most (wins over ``max_bytes``).
+        shuffle: Plan a seeded permutation of the items.
+        seed: The permutation's seed.
+        dst: The destination (for messages).
+        check: Appending: refuses inputs that would not fit the dataset; called once the
+            scan is done, with the first inputs of the plan.
+        present: Appending: returns the keys already at the destination; their inputs are
+            left out, each a problem.
+    """
+
+    max_bytes: int | None
+    max_samples: int | None
+    shuffle: bool = False
+    seed: int = 0
+    dst: str = ""
+    check: Callable[[Sequence[Item]], None] | None = None
+    present: Callable[[], set[str]] | None = None
+
+
+@dataclass
+class SourcePlan:
+    """A source's plan.
+
+    Attributes:
+        shards: The planned shards, in order (each a sequence of items).
+        problems: Broken inputs and inputs whose keys clash, in the order they are reported.
+        ignored: Files that are not inputs.
+    """
+
+    shards: list[Sequence[Item]]
+    problems: list[SkippedInput]
+    ignored: list[SkippedInput] = field(default_factory=list)
 
 
 class Source(ABC):
@@ -93,3 +165,79 @@ class Source(ABC):
         A resumed conversion must have the same ones (they are part of its fingerprint).
         """
         return {}
+
+    def content_digest(self) -> str | None:
+        """Return a digest of the content the plan was made from (``None``: not known).
+
+        A resumed conversion must find the same one (it is part of its fingerprint); a
+        source whose names do not tell its content (a table edited in place) gives one.
+        """
+        return None
+
+    def check_destination(self, dst: str) -> None:
+        """Refuse a destination that would destroy this source or be read back as part of it.
+
+        Raises:
+            ConfigError: Naming the destination and the source.
+        """
+        return None
+
+    def make_plan(self, request: PlanRequest) -> SourcePlan:
+        """Scan and cut into shards: items with unusable or repeated keys left out, then shuffled and cut.
+
+        Appending (``request.check``), the check sees every item kept, and then the items
+        whose keys the destination holds are left out. A source that plans while it scans
+        (a listing table) overrides this.
+        """
+        scan = self.scan()
+        items, clashes = unique_keys(self, scan.items)
+        if request.check is not None:
+            request.check(items)
+        if request.present is not None:
+            items, present_items = drop_present(self, items, request.present(), request.dst)
+            clashes += present_items
+        order = list(items)
+        if request.shuffle:
+            permutation = np.random.default_rng(request.seed).permutation(len(order))
+            order = [order[i] for i in permutation]
+        shards: list[Sequence[Item]] = list(plan_shards(order, request.max_bytes, request.max_samples))
+        return SourcePlan(shards, [*scan.problems, *clashes], scan.ignored)
+
+
+def unique_keys(source: Source, items: Sequence[Item]) -> tuple[Sequence[Item], list[SkippedInput]]:
+    """Keep the items whose keys are valid and unique; the others are problems naming both inputs."""
+    first: dict[str, Item] = {}
+    out: list[Item] = []
+    problems: list[SkippedInput] = []
+    for item in items:
+        try:
+            check_sample({"__key__": item.key})
+        except (SampleError, UnicodeError) as exc:
+            problems.append(SkippedInput(printable(source.origin(item)), f"unusable key: {printable(str(exc))}"))
+            continue
+        other = first.setdefault(item.key, item)
+        if other is not item:
+            problems.append(
+                SkippedInput(
+                    printable(source.origin(item)),
+                    f"its key {printable(item.key)!r} is also the key of {printable(source.origin(other))}",
+                )
+            )
+            continue
+        out.append(item)
+    return out, problems
+
+
+def drop_present(
+    source: Source, items: Sequence[Item], present: set[str], dst: str
+) -> tuple[Sequence[Item], list[SkippedInput]]:
+    """Keep the items whose keys are not in the dataset yet; the others are problems."""
+    keep = [item.key not in present for item in items]
+    problems = [
+        SkippedInput(printable(source.origin(item)), f"its key {printable(item.key)!r} is already in {dst}")
+        for item, k in zip(items, keep, strict=True)
+        if not k
+    ]
+    if all(keep):
+        return items, problems
+    return [item for item, k in zip(items, keep, strict=True) if k], problems

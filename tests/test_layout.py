@@ -191,3 +191,49 @@ def test_no_private_name_is_imported_across_modules() -> None:
     listed = "; ".join(f"{m} imports {n}" for m, n in sorted(found))
     assert not found, f"make these public where they are shared: {listed}"
     assert private_imports() >= PRIVATE_IMPORTS_ALLOWED, "an allowed private import is gone: drop it from the list"
+
+
+#: Lines a module of ``converters/`` may have at most: a module over it holds more than one job.
+CONVERTER_MODULE_LINES = 550
+
+
+def test_no_converter_module_is_over_the_line_limit() -> None:
+    sizes = {path: len(path.read_text().splitlines()) for path in (ROOT / "converters").rglob("*.py")}
+    over = sorted(f"{p.relative_to(ROOT)}: {n} lines" for p, n in sizes.items() if n > CONVERTER_MODULE_LINES)
+    assert len(sizes) > 10, "converters/ was not found"
+    assert not over, f"split these by job (at most {CONVERTER_MODULE_LINES} lines): {over}"
+
+
+def _source_class_names(tree: ast.AST) -> list[str]:
+    """Names ending in ``Source`` that the second argument of an ``isinstance`` call names."""
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+            if len(node.args) < 2:
+                continue
+            second = node.args[1]
+            for part in second.elts if isinstance(second, ast.Tuple) else [second]:
+                name = part.attr if isinstance(part, ast.Attribute) else part.id if isinstance(part, ast.Name) else ""
+                if name.endswith("Source"):
+                    found.append(name)
+    return found
+
+
+def test_the_check_on_source_classes_finds_one() -> None:
+    tree = ast.parse("if isinstance(s, (int, TableSource)) or isinstance(s, m.DatasetSource): pass")
+    assert _source_class_names(tree) == ["TableSource", "DatasetSource"]
+    assert _source_class_names(ast.parse("isinstance(dest, LocalDestination)")) == []
+
+
+def test_the_engine_asks_no_source_what_it_is() -> None:
+    """Sources tell the engine what it needs through the ``Source`` hooks, never by their class."""
+    tree = ast.parse((ROOT / "converters" / "engine.py").read_text())
+    assert not _source_class_names(tree), "engine.py: isinstance on a source class; add a Source hook instead"
+    named = sorted(
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.name.endswith("Source") and alias.name != "Source"
+    )
+    assert not named, f"engine.py imports concrete sources: {named}"

@@ -11,7 +11,7 @@ import json
 import pickle
 import tracemalloc
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +19,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from streamload.converters import ConvertOptions, DatasetSource, TableSource, convert
+from streamload.converters import ConvertOptions, DatasetSource, TableSource, convert, open_source
 from streamload.converters import table as table_module
 from streamload.converters.engine import _job
 from streamload.converters.journal import plan_fingerprint
 from streamload.converters.table import RowList, RowSpan
+from streamload.converters.table import kinds as table_kinds
+from streamload.converters.table.blocks import TextBlocks
 
 from streamload._errors import ConversionInterrupted, SourceError
 from streamload.synthetic import make_image_folder
@@ -437,3 +439,44 @@ def test_a_broken_jsonl_line_is_named_by_its_row(images: list[tuple[str, str, by
     table.write_text(f"{good}\n[1, 2]\n")
     with pytest.raises(SourceError, match=r"broken.jsonl: row 1 is not a JSON object"):
         TableSource(str(table)).plan(None, 2)
+
+
+class _TsvBlocks(TextBlocks):
+    """A table kind of tab-separated lines, written as the docs say a new kind is (one reader class)."""
+
+    kind = "tsv"
+    extensions = (".tsv",)
+
+    names: list[str] = []  # its own state: the header's names, found once and carried to the tasks
+
+    def read_columns(self) -> dict[str, Any]:
+        with self.open() as f:
+            header = f.readline()
+        self.start = len(header)
+        self.names = header.decode().rstrip("\r\n").split("\t")
+        return {name: pa.string() for name in self.names}
+
+    def parse(self, data: bytes, columns: Sequence[str], offset: int, first_row: int) -> dict[str, Any]:
+        lines = [line.split("\t") for line in data.decode().splitlines() if line]
+        return {c: [cells[self.names.index(c)] for cells in lines] for c in columns}
+
+
+def test_a_table_kind_is_one_reader_class_and_one_registration(
+    images: list[tuple[str, str, bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(table_module, "TEXT_BLOCK_BYTES", 200)  # many blocks: spans start inside the table
+    monkeypatch.setattr(table_kinds, "KINDS", (*table_kinds.KINDS, _TsvBlocks))
+    monkeypatch.setattr(table_kinds, "TABLE_EXTENSIONS", {**table_kinds.TABLE_EXTENSIONS, ".tsv": "tsv"})
+    rows = _rows(30, images, {4: "no label"})
+    table = tmp_path / "list.tsv"
+    table.write_text("path\tlabel\tn\n" + "".join(f"{r['path']}\t{r['label']}\t{r['n']}\n" for r in rows))
+    source = open_source(str(table), keep_columns=["n"])
+    report = convert(source, str(tmp_path / "out"), ConvertOptions(samples_per_shard=4, workers=2, on_error="skip"))
+    assert report.manifest.meta["source_table"] == "tsv"
+    assert [s.path for s in report.skipped] == [f"{table}: row 4"]
+    samples = [s for shard in _by_shard(str(tmp_path / "out")) for s in shard]
+    good = [i for i in range(30) if i != 4]
+    assert [json.loads(s["json"])["n"] for s in samples] == [str(i) for i in good]
+    classes = list(report.manifest.classes)
+    assert [classes[int(s["cls"])] for s in samples] == [images[i % len(images)][1] for i in good]
+    assert [s["jpg"] for s in samples] == [images[i % len(images)][2] for i in good]
