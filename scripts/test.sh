@@ -12,5 +12,5 @@ echo "== ruff format --check"
 ruff format --check "${checked[@]}"
 echo "== mypy --strict (streamload, converters)"
 mypy --strict streamload converters
-echo "== pytest"
-python -m pytest -q -p no:cacheprovider "$@"
+echo "== pytest (2 processes; a test file stays in one of them)"
+python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "$@"
