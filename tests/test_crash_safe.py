@@ -44,7 +44,14 @@ def _start(folder: Path, out: Path, *extra: str) -> subprocess.Popen[bytes]:
         [sys.executable, "-c", code, "convert", str(folder), str(out), *ARGS, "--workers", "2", *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        # A test process may ignore SIGINT (pytest-xdist's workers do) and children inherit
+        # that: give the converter the terminal's default, as a user's shell does.
+        preexec_fn=_default_sigint,
     )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_for_shards(out: Path, count: int, proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
