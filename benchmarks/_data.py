@@ -140,3 +140,15 @@ def all_datasets(num_images: int, formats: list[str], peers: list[str]) -> dict[
     if "litdata" in peers:
         out["litdata"] = litdata_dataset(num_images)
     return out
+
+
+def epoch_ok(hist: np.ndarray, expected: np.ndarray, count: int, total: int) -> bool:
+    """``count`` items read with label histogram ``hist``: every sample once, plus ``total - N`` repeats.
+
+    ``total`` is the epoch's items: streamload pads a batched epoch to whole global batches
+    (:func:`streamload.plan.planner.padded_total`); ``total == N`` (no padding) asks for
+    exactly the expected histogram.
+    """
+    extra = hist - expected
+    n = int(expected.sum())
+    return count == total and bool((extra >= 0).all()) and int(extra.sum()) == total - n

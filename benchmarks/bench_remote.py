@@ -224,22 +224,6 @@ def _preimport(loader: str, source: str) -> None:
         import obstore  # noqa: F401
 
 
-def padded_total(count: int, batch: int, world_size: int = 1) -> int:
-    """The items of an epoch of ``count`` samples padded to whole global batches (streamload's contract)."""
-    step = batch * world_size
-    return -(-count // step) * step
-
-
-def epoch_ok(hist: np.ndarray, expected: np.ndarray, count: int, total: int) -> bool:
-    """``count`` items read with label histogram ``hist``: every sample once, plus ``total - N`` repeats.
-
-    ``total == N`` (no padding) asks for exactly the expected histogram.
-    """
-    extra = hist - expected
-    n = int(expected.sum())
-    return count == total and bool((extra >= 0).all()) and int(extra.sum()) == total - n
-
-
 def _log_timeline(path: str, t0: float) -> Callable[[], None]:
     """Append streamload's DEBUG lines to ``path`` as ``seconds-since-t0 pid message`` (workers inherit it).
 
@@ -387,8 +371,13 @@ def _run_row(
     # A streamload dataset given batch_size= (the "raw" and "images" loaders; one process)
     # pads its epoch to whole batches; per-sample streamload rows and the peers do not.
     padded = spec["loader"] == "streamload" and kind in ("raw", "images")
-    total = padded_total(int(expected.sum()), spec["batch"]) if padded else int(expected.sum())
-    ok = shape_ok and epoch_ok(hist, expected, samples, total)
+    sys.path.insert(0, str(HERE))
+    import _data
+
+    from streamload.plan.planner import padded_total
+
+    total = padded_total(int(expected.sum()), spec["batch"], drop_last=False) if padded else int(expected.sum())
+    ok = shape_ok and _data.epoch_ok(hist, expected, samples, total)
     return {"ok": ok, "samples": samples, "first_batch_s": first, "wall_s": wall}
 
 

@@ -160,28 +160,14 @@ def _loader(lib: str, mode: str, workers: int, paths: dict[str, str]) -> tuple[A
     del torch
 
 
-def padded_total(count: int, batch: int, world_size: int = 1) -> int:
-    """The items of an epoch of ``count`` samples padded to whole global batches (streamload's contract)."""
-    step = batch * world_size
-    return -(-count // step) * step
-
-
-def epoch_ok(hist: np.ndarray, expected: np.ndarray, count: int, total: int) -> bool:
-    """``count`` items read with label histogram ``hist``: every sample once, plus ``total - N`` repeats.
-
-    ``total == N`` (no padding) asks for exactly the expected histogram.
-    """
-    extra = hist - expected
-    n = int(expected.sum())
-    return count == total and bool((extra >= 0).all()) and int(extra.sum()) == total - n
-
-
 def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     """Inside the row's subprocess: read ``epochs`` epochs, check count and labels, time them."""
     loader, kind = _loader(spec["lib"], spec["mode"], spec["workers"], spec["paths"])
     expected = np.asarray(spec["histogram"], dtype=np.int64)
     # streamload rows give the dataset batch_size=BATCH (one process): whole batches, padded.
-    total = padded_total(int(expected.sum()), BATCH) if kind == "streamload" else int(expected.sum())
+    from streamload.plan.planner import padded_total
+
+    total = padded_total(int(expected.sum()), BATCH, drop_last=False) if kind == "streamload" else int(expected.sum())
     samples = first_n = nbytes = 0
     first = steady_start = 0.0
     ok = True
@@ -209,7 +195,7 @@ def run_row(spec: dict[str, Any]) -> dict[str, Any]:
                 first = time.perf_counter() - start
                 steady_start, first_n, first_b = time.perf_counter(), samples, nbytes
                 nbytes -= first_b
-        ok = ok and epoch_ok(hist, expected, count, total)
+        ok = ok and _data.epoch_ok(hist, expected, count, total)
     elapsed = time.perf_counter() - steady_start
     steady = samples - first_n
     return {

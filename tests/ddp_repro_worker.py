@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from ddp_worker import finish  # this script's folder is first on sys.path (torchrun runs it by path)
 from torch.utils.data import DataLoader
 
 from streamload import StreamingDataset
@@ -87,15 +87,7 @@ def main() -> None:
         config = json.load(f)
     dist.init_process_group("gloo")
     results = [run_task(task, config["data"], config["global_batch"]) for task in config["tasks"]]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"rank": dist.get_rank(), "results": results})
-    if dist.get_rank() == 0:
-        tmp = config["out"] + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"world_size": dist.get_world_size(), "ranks": gathered}, f)
-        os.replace(tmp, config["out"])
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(config["out"], results)
 
 
 if __name__ == "__main__":

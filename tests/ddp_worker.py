@@ -117,13 +117,18 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     for task, ds in zip(tasks, early, strict=True):
         results.append(run_task(task, ds, data, model, opt, results))
+    finish(config["out"], results)
+
+
+def finish(out: str, results: list[dict[str, Any]]) -> None:
+    """Gather every rank's results; rank 0 writes them to ``out`` (JSON); end the process group."""
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"rank": dist.get_rank(), "results": results})
     if dist.get_rank() == 0:
-        tmp = config["out"] + ".tmp"
+        tmp = out + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"world_size": dist.get_world_size(), "ranks": gathered}, f)
-        os.replace(tmp, config["out"])
+        os.replace(tmp, out)
     dist.barrier()
     dist.destroy_process_group()
 
