@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import pytest
 
-from .s3server import SeaweedS3
+from .s3server import ProxiedS3, SeaweedS3
 
 _CHUNK = 64 << 10
 _HOP_HEADERS = frozenset({"transfer-encoding", "connection", "keep-alive", "content-length"})
@@ -286,27 +286,14 @@ class _Handler(BaseHTTPRequestHandler):
         raise AssertionError("unreachable")
 
 
-class FaultyS3:
+class FaultyS3(ProxiedS3):
     """The test S3 server as seen through a :class:`FaultProxy`."""
 
-    def __init__(self, server: SeaweedS3, proxy: FaultProxy) -> None:
-        self.server = server
-        self.proxy = proxy
-        self.endpoint_url = proxy.endpoint_url
-
-    def storage_options(self, **overrides: Any) -> dict[str, Any]:
-        """s3fs options that reach the server through the proxy."""
-        options = self.server.storage_options(**overrides)
-        options["client_kwargs"] = {**options["client_kwargs"], "endpoint_url": self.endpoint_url}
-        return options
+    proxy: FaultProxy
 
     def inject(self, *faults: Fault) -> list[Fault]:
         """See :meth:`FaultProxy.inject`."""
         return self.proxy.inject(*faults)
-
-    def metrics(self) -> dict[str, float]:
-        """The server's counters (requests that reached it)."""
-        return self.server.metrics()
 
 
 @pytest.fixture(scope="session")

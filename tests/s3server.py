@@ -343,6 +343,29 @@ class S3Gateway:
         return out
 
 
+class ProxiedS3:
+    """The test S3 server as seen through a loopback proxy (shaping or fault-injecting)."""
+
+    def __init__(self, server: SeaweedS3, proxy: Any) -> None:
+        self.server = server
+        self.proxy = proxy
+        self.endpoint_url: str = proxy.endpoint_url
+
+    def storage_options(self, **overrides: Any) -> dict[str, Any]:
+        """s3fs options that reach the server through the proxy."""
+        options = self.server.storage_options(**overrides)
+        options["client_kwargs"] = {**options["client_kwargs"], "endpoint_url": self.endpoint_url}
+        return options
+
+    def make_bucket(self, name: str | None = None) -> str:
+        """Create a bucket (directly on the server) and return its name."""
+        return self.server.make_bucket(name)
+
+    def metrics(self) -> dict[str, float]:
+        """The server's counters (requests that reached it)."""
+        return self.server.metrics()
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
     """A SeaweedFS S3 server on loopback for the whole session (started once)."""

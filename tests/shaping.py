@@ -23,11 +23,10 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 
-from .s3server import SeaweedS3
+from .s3server import ProxiedS3, SeaweedS3
 
 _CHUNK = 64 << 10
 
@@ -213,27 +212,10 @@ class _Connection:
         self.proxy.forget(self.client, self.server)
 
 
-class ShapedS3:
+class ShapedS3(ProxiedS3):
     """The test S3 server as seen through a :class:`ShapingProxy`."""
 
-    def __init__(self, server: SeaweedS3, proxy: ShapingProxy) -> None:
-        self.server = server
-        self.proxy = proxy
-        self.endpoint_url = proxy.endpoint_url
-
-    def storage_options(self, **overrides: Any) -> dict[str, Any]:
-        """s3fs options that reach the server through the proxy."""
-        options = self.server.storage_options(**overrides)
-        options["client_kwargs"] = {**options["client_kwargs"], "endpoint_url": self.endpoint_url}
-        return options
-
-    def make_bucket(self, name: str | None = None) -> str:
-        """Create a bucket (directly on the server) and return its name."""
-        return self.server.make_bucket(name)
-
-    def metrics(self) -> dict[str, float]:
-        """The server's counters (requests that reached it)."""
-        return self.server.metrics()
+    proxy: ShapingProxy
 
 
 def upstream_of(server: SeaweedS3) -> tuple[str, int]:
