@@ -66,6 +66,7 @@ __all__ = [
     "ShardSource",
     "StorageConfig",
     "can_stream",
+    "choose_streaming",
     "load_manifest",
 ]
 
@@ -87,13 +88,34 @@ _LOGGED_AUTO: set[str] = set()
 
 
 def can_stream(manifest: Manifest) -> bool:
-    """True if the dataset's shards can be read by ranges: tar or parquet, every shard with its sidecar."""
-    return manifest.format in _RANGED_FORMATS and all(s.sidecar is not None for s in manifest.shards)
+    """True if the dataset's shards can be read by ranges: a ranged format, every shard with its sidecar."""
+    return get_format(manifest.format).ranged and all(s.sidecar is not None for s in manifest.shards)
 
 
-#: Formats whose readers serve reads from ranged requests (``source=``) and say which byte
-#: extents a batch of samples needs (``sample_extents``).
-_RANGED_FORMATS = ("tar", "parquet")
+def choose_streaming(mode: str, ranged: bool, limit: int | None, shards_at_once: int, largest: int) -> str | None:
+    """Decide whether a remote dataset is streamed (read by ranges) rather than cached: the one rule.
+
+    Args:
+        mode: The ``cache`` setting: ``"none"`` streams, ``"shards"`` caches, ``"auto"`` decides.
+        ranged: The shards can be streamed (:func:`can_stream`).
+        limit: The cache limit in bytes (``None``: unbounded).
+        shards_at_once: Shards the readers of this machine keep open at once.
+        largest: The largest shard's bytes.
+
+    Returns:
+        Why ``"auto"`` streams (to be logged once), ``"none"`` for a streamed dataset whose
+        mode asked for it, or ``None`` to cache.
+    """
+    if mode == "none":
+        return "none"
+    if mode == "shards" or not ranged or limit is None:
+        return None
+    need = shards_at_once * largest
+    if need <= limit:
+        return None
+    return (
+        f"{shards_at_once} shards open at once need {format_bytes(need)}, more than cache_limit={format_bytes(limit)}"
+    )
 
 
 def _largest_sidecar(manifest: Manifest) -> int:
@@ -231,21 +253,16 @@ class DatasetRef:
         """
         if not isinstance(storage, CachedCopies):
             return False  # a local dataset is read in place
-        mode = self.config.cache
-        if mode == "none":
-            return True
-        if mode == "shards" or not can_stream(self.manifest):
-            return False
-        limit = getattr(storage, "limit", None)
-        need = shards_at_once * self.manifest.largest_shard_bytes
-        if limit is None or need <= limit:
-            return False
-        _log_auto(
-            self.url,
-            f"{shards_at_once} shards open at once (a shuffle window's shards x the readers of this machine) "
-            f"need {format_bytes(need)}, more than cache_limit={format_bytes(limit)}",
+        why = choose_streaming(
+            self.config.cache,
+            can_stream(self.manifest),
+            storage.limit,
+            shards_at_once,
+            self.manifest.largest_shard_bytes,
         )
-        return True
+        if why is not None and why != "none":
+            _log_auto(self.url, why + " (a shuffle window's shards x the readers of this machine)")
+        return why is not None
 
     def where(self, entry: ShardEntry) -> str:
         """Return ``<url>/<shard name>`` for messages (the data root's URL for an index kept apart)."""
@@ -267,7 +284,7 @@ def _with_data_root(url: str, manifest: Manifest, config: StorageConfig, storage
         return storage
     try:
         fmt = get_format(manifest.format)
-        if not getattr(fmt.writer, "read_only", False):
+        if fmt.writable:
             raise ManifestError(
                 f"{url}/{MANIFEST_NAME}: data_root is only for formats read in place (parquet), not {fmt.name}"
             )
@@ -310,15 +327,14 @@ def _choose_mode(url: str, manifest: Manifest, storage: Storage, config: Storage
             'with sidecars can; build them with `streamload index`); use cache="shards" or "auto"'
         )
     if config.cache == "auto" and remote:
-        if not can_stream(manifest):
-            return config
         from .storage.remote import MIN_CACHE_SHARDS
 
-        limit = getattr(storage, "limit", None)
-        need = MIN_CACHE_SHARDS * manifest.largest_shard_bytes
-        if limit is not None and limit < need:
-            two = f"cache_limit={format_bytes(limit)} cannot hold two of the largest shards ({format_bytes(need)})"
-            _log_auto(url, two)
+        # Whatever the readers: the cache must hold two of the largest shards to cache at all.
+        why = choose_streaming(
+            "auto", can_stream(manifest), storage.limit, MIN_CACHE_SHARDS, manifest.largest_shard_bytes
+        )
+        if why is not None:
+            _log_auto(url, why)
             return replace(config, cache="none")
     return config
 

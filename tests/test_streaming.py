@@ -314,3 +314,15 @@ def test_coalesce_merges_close_extents_and_caps_spans() -> None:
     assert coalesce([(0, 10), (5, 30), (30, 40), (40, 40)], gap=0) == [(0, 40)]  # overlaps, touching, empty
     assert coalesce([(0, 25)], gap=100, max_span=10) == [(0, 10), (10, 20), (20, 25)]
     assert coalesce([(0, 8), (9, 16), (17, 30)], gap=5, max_span=16) == [(0, 16), (17, 30)]
+
+
+def test_one_rule_decides_cache_or_stream() -> None:
+    from streamload.shards import choose_streaming
+
+    assert choose_streaming("none", True, None, 1, 10) == "none"
+    assert choose_streaming("shards", True, 5, 10, 10) is None
+    assert choose_streaming("auto", False, 5, 10, 10) is None  # shards that cannot be read by ranges: cache
+    assert choose_streaming("auto", True, None, 10**6, 10) is None  # an unbounded cache holds anything
+    assert choose_streaming("auto", True, 100, 10, 10) is None  # 10 shards of 10 bytes fit in 100
+    why = choose_streaming("auto", True, 99, 10, 10)
+    assert why is not None and "10 shards" in why and "cache_limit=99" in why

@@ -207,6 +207,9 @@ class Format:
         reader: The :class:`ShardReader` subclass.
         sidecar_suffix: Suffix appended to the shard name for its sidecar, or ``None``.
         indexer: Builds a sidecar for a shard written by another tool, or ``None``.
+        ranged: The reader serves reads from ranged requests (``source=``) and says which
+            byte extents a batch needs (``sample_extents``): its shards, with their
+            sidecars, can be streamed instead of cached.
     """
 
     name: str
@@ -215,6 +218,7 @@ class Format:
     reader: type[ShardReader]
     sidecar_suffix: str | None = None
     indexer: Indexer | None = None
+    ranged: bool = False
 
     @property
     def writable(self) -> bool:

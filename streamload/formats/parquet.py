@@ -1031,4 +1031,5 @@ FORMAT = Format(
     reader=ParquetShardReader,
     sidecar_suffix=SIDECAR_SUFFIX,
     indexer=_indexer,
+    ranged=True,
 )

@@ -731,4 +731,5 @@ FORMAT = Format(
     reader=TarShardReader,
     sidecar_suffix=".idx",
     indexer=index_tar,
+    ranged=True,
 )

@@ -39,6 +39,8 @@ class Storage(ABC):
     #: The most shards a reader should name to :meth:`prefetch` ahead of the one it reads
     #: (0: none); :meth:`ahead_depth` says how many now.
     read_ahead: int = 0
+    #: Bytes the local cache may hold (``None``: unbounded, or no cache: read in place).
+    limit: int | None = None
 
     @abstractmethod
     def read_bytes(self, name: str, max_bytes: int | None = None, *, not_found: str | None = None) -> bytes:

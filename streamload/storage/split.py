@@ -93,8 +93,11 @@ class SplitCopies(SplitStorage):
     @property
     def limit(self) -> int | None:
         """The data cache's bound."""
-        limit: int | None = getattr(self.data, "limit", None)
-        return limit
+        return self.data.limit
+
+    @limit.setter
+    def limit(self, value: int | None) -> None:
+        self.data.limit = value
 
     @property
     def default_limit(self) -> int | None:
