@@ -21,7 +21,9 @@ per rank, one window of four shards each). Rows, each for 1 and 2 ranks x 2 work
    the node sharing one cache: samples/s over the whole epoch (first batch included) and
    the bytes that crossed the proxy, i.e. downloads per shard per node.
 
-    python benchmarks/bench_order.py [--images 4000] [--shard 250] [--batch 64] [--remote]
+    python benchmarks/bench_order.py [--images 6000] [--shard 100] [--batch 64] [--remote | --remote-only]
+
+``READ_AHEAD=N`` in the environment passes ``read_ahead=N`` to every dataset (default 8).
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ def child(spec: dict[str, Any]) -> None:
         world_size=spec["world_size"],
         storage_options=spec.get("options"),
         cache_dir=spec.get("cache"),
+        read_ahead=int(os.environ["READ_AHEAD"]) if os.environ.get("READ_AHEAD") else None,
         **spec["rule"],
     )
     loader = DataLoader(
