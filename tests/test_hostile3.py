@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import os
 import re
 import threading
@@ -17,11 +16,11 @@ import pytest
 
 from streamload import StreamingDataset
 from streamload._errors import CacheError, ConfigError, StorageError, StreamloadError
-from streamload.manifest import FileEntry
 from streamload.storage.cache import ShardCache
 from streamload.storage.retry import RetryPolicy, is_permanent, is_transient
 from tests.faults import Fault, FaultyS3
 from tests.s3server import SeaweedS3
+from tests.test_cache import _entry, _writer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,18 +32,6 @@ def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The default cache directory (where a test passes none) is this test's own."""
     monkeypatch.setenv("STREAMLOAD_CACHE", str(tmp_path / "default-cache"))
     monkeypatch.delenv("STREAMLOAD_CACHE_SHARED", raising=False)
-
-
-def _entry(name: str, data: bytes) -> FileEntry:
-    return FileEntry(name, len(data), hashlib.sha256(data).hexdigest(), algorithm="sha256")
-
-
-def _writer(data: bytes) -> Callable[[str, Callable[[], bool]], None]:
-    def download(part: str, cancelled: Callable[[], bool]) -> None:
-        with open(part, "r+b") as f:
-            f.write(data)
-
-    return download
 
 
 def _fill(cache: ShardCache, name: str, data: bytes) -> str | None:
