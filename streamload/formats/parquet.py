@@ -257,17 +257,26 @@ class _Plan:
     label_names: bool = False
 
 
+def _named(name: str, names: list[str], column: str) -> str:
+    """``column``, if the file ``name`` has it (else a ``ConfigError`` listing its columns)."""
+    if column not in names:
+        raise ConfigError(f"{name}: no column {column!r} (columns: {', '.join(names)})")
+    return column
+
+
+def _hf_typed(features: dict[str, Any], names: list[str], kind: str) -> list[str]:
+    """The columns whose Hugging Face feature is of ``_type`` ``kind`` (``Image``, ``ClassLabel``)."""
+    return [c for c in names if isinstance(features.get(c), dict) and features[c].get("_type") == kind]
+
+
 def _plan(schema: Any, name: str, columns: ParquetColumns) -> _Plan:
     """Choose the image, label and json columns of a file (``ConfigError`` naming file and column)."""
     names = list(schema.names)
     features = _hf_features(schema)
     if columns.image is not None:
-        if columns.image not in names:
-            raise ConfigError(f"{name}: no column {columns.image!r} (columns: {', '.join(names)})")
-        image = columns.image
+        image = _named(name, names, columns.image)
     else:
-        hf = [c for c in names if isinstance(features.get(c), dict) and features[c].get("_type") == "Image"]
-        found = hf or [c for c in names if _image_kind(schema.field(c).type)]
+        found = _hf_typed(features, names, "Image") or [c for c in names if _image_kind(schema.field(c).type)]
         if len(found) != 1:
             what = "no" if not found else f"{len(found)} ({', '.join(found)})"
             raise ConfigError(
@@ -284,11 +293,9 @@ def _plan(schema: Any, name: str, columns: ParquetColumns) -> _Plan:
     if columns.label == "":
         label = None
     elif columns.label is not None:
-        if columns.label not in names:
-            raise ConfigError(f"{name}: no column {columns.label!r} (columns: {', '.join(names)})")
-        label = columns.label
+        label = _named(name, names, columns.label)
     else:
-        hf_labels = [c for c in names if isinstance(features.get(c), dict) and features[c].get("_type") == "ClassLabel"]
+        hf_labels = _hf_typed(features, names, "ClassLabel")
         label = "label" if "label" in names else (hf_labels[0] if hf_labels else None)
     classes: tuple[str, ...] | None = None
     if label is not None:
