@@ -17,8 +17,8 @@ if [ ! -f "$stamp" ]; then
   # torch first and pinned: an unpinned torch would pull gigabytes of CUDA packages.
   python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
   # setuptools' "Editable installation ... folders with the same name as your package" notice is
-  # information only (printed for every install mapping streamload.converters to converters/), not a
-  # problem to act on; filtered by its text so that `bash scripts/demo.sh` opens with the demo.
+  # printed for every editable install (information, nothing to act on); filtered by its text so
+  # that `bash scripts/demo.sh` opens with the demo.
   PYTHONWARNINGS="ignore:Editable installation" python -m pip install -q -e ".[$extras]" 2>&1 \
     | grep -v "is ignored" || true
   python -c "import torch, streamload; assert torch.__version__.startswith('2.13.0'), torch.__version__"

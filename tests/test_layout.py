@@ -1,7 +1,7 @@
 """The package's structure: imports run one way, and each room keeps to its job.
 
 The import graph is read from the source (``ast``), function-level imports included, over
-``streamload/`` and ``converters/`` (installed as ``streamload.converters``).
+``streamload/`` (the converters are ``streamload/converters/``: every path is its import name).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"streamload": ROOT / "streamload", "streamload.converters": ROOT / "converters"}
+PACKAGES = {"streamload": ROOT / "streamload"}
+CONVERTERS = ROOT / "streamload" / "converters"
 
 #: Layers, lowest first: a module may import only from its own layer or lower ones.
 #: Within a layer, the graph must still be acyclic (checked separately).
@@ -193,14 +194,26 @@ def test_no_private_name_is_imported_across_modules() -> None:
     assert private_imports() >= PRIVATE_IMPORTS_ALLOWED, "an allowed private import is gone: drop it from the list"
 
 
-#: Lines a module of ``converters/`` may have at most: a module over it holds more than one job.
+def test_paths_are_import_names() -> None:
+    """No package is installed from a directory of another name, and every installed package exists."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "package-dir" not in setuptools, "a package-dir mapping makes a path differ from its import name"
+    for package in setuptools["packages"]:
+        assert (ROOT.joinpath(*package.split(".")) / "__init__.py").is_file(), f"{package}: no such directory"
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "streamload").rglob("__init__.py")}
+    assert on_disk == set(setuptools["packages"]), "pyproject's packages and the directories differ"
+
+
+#: Lines a module of ``streamload/converters/`` may have at most: a module over it holds more than one job.
 CONVERTER_MODULE_LINES = 550
 
 
 def test_no_converter_module_is_over_the_line_limit() -> None:
-    sizes = {path: len(path.read_text().splitlines()) for path in (ROOT / "converters").rglob("*.py")}
+    sizes = {path: len(path.read_text().splitlines()) for path in CONVERTERS.rglob("*.py")}
     over = sorted(f"{p.relative_to(ROOT)}: {n} lines" for p, n in sizes.items() if n > CONVERTER_MODULE_LINES)
-    assert len(sizes) > 10, "converters/ was not found"
+    assert len(sizes) > 10, "streamload/converters/ was not found"
     assert not over, f"split these by job (at most {CONVERTER_MODULE_LINES} lines): {over}"
 
 
@@ -227,7 +240,7 @@ def test_the_check_on_source_classes_finds_one() -> None:
 
 def test_the_engine_asks_no_source_what_it_is() -> None:
     """Sources tell the engine what it needs through the ``Source`` hooks, never by their class."""
-    tree = ast.parse((ROOT / "converters" / "engine.py").read_text())
+    tree = ast.parse((CONVERTERS / "engine.py").read_text())
     assert not _source_class_names(tree), "engine.py: isinstance on a source class; add a Source hook instead"
     named = sorted(
         alias.name

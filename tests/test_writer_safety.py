@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from converters import ConvertOptions, ImageFolderSource, convert
 from streamload import StreamingDataset
 from streamload._errors import ConfigError, DestinationBusyError
+from streamload.converters import ConvertOptions, ImageFolderSource, convert
 from streamload.indexing import index_directory
 from streamload.synthetic import make_image_folder
 from streamload.writer import DatasetWriter
