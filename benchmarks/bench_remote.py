@@ -338,6 +338,10 @@ def _run_row(
     expected: np.ndarray,
     timeline: str | None,
 ) -> dict[str, Any]:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    spec["_cpu0"] = usage.ru_utime + usage.ru_stime  # imports and set-up are not the row's CPU
     start = time.perf_counter()
     loader, kind = makers[spec["loader"]](spec)
     if timeline:
@@ -368,6 +372,13 @@ def _run_row(
             if timeline:
                 logging.getLogger("streamload").debug("first batch")
     wall = time.perf_counter() - start
+    del loader  # workers exit (and are waited for) before their CPU is read
+    import gc
+    import resource
+
+    gc.collect()
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime - spec.get("_cpu0", 0.0)
     # A streamload dataset given batch_size= (the "raw" and "images" loaders; one process)
     # pads its epoch to whole batches; per-sample streamload rows and the peers do not.
     padded = spec["loader"] == "streamload" and kind in ("raw", "images")
@@ -378,7 +389,7 @@ def _run_row(
 
     total = padded_total(int(expected.sum()), spec["batch"], drop_last=False) if padded else int(expected.sum())
     ok = shape_ok and _data.epoch_ok(hist, expected, samples, total)
-    return {"ok": ok, "samples": samples, "first_batch_s": first, "wall_s": wall}
+    return {"ok": ok, "samples": samples, "first_batch_s": first, "wall_s": wall, "cpu_s": cpu}
 
 
 # -- the driver's parts -------------------------------------------------------------------
@@ -679,12 +690,14 @@ class Bench:
                 for mode in a.modes:
                     at = {"mode": mode, "workers": workers, "batch": batch}
                     for v in variants[mode]:
-                        rows.append({"loader": "streamload", "variant": v, "source": "local", "cache": "-", **at})
+                        if "local" in a.caches:
+                            rows.append({"loader": "streamload", "variant": v, "source": "local", "cache": "-", **at})
                         for cache in ("cold", "warm"):
-                            rows.append(
-                                {"loader": "streamload", "variant": v, "source": "bucket", "cache": cache, **at}
-                            )
-                        if stream:
+                            if cache in a.caches:
+                                rows.append(
+                                    {"loader": "streamload", "variant": v, "source": "bucket", "cache": cache, **at}
+                                )
+                        if stream and "none" in a.caches:
                             rows.append(
                                 {
                                     "loader": "streamload",
@@ -695,7 +708,7 @@ class Bench:
                                 }
                             )
                     for peer in self.peers:
-                        for cache in ("cold", "warm"):
+                        for cache in [c for c in ("cold", "warm") if c in a.caches]:
                             rows.append(
                                 {"loader": peer, "variant": "samples", "source": "bucket", "cache": cache, **at}
                             )
@@ -731,6 +744,7 @@ class Bench:
         )
         python = sys.executable if loader == "streamload" else str(PEERS_PYTHON)
         requests0, gets0 = self.proxy.stats.requests, gets_of(self.server.metrics())
+        cpu0 = self.cpu_of_parties()
         if a.profile and loader == "streamload" and not row["workers"] and row["cache"] == "cold":
             spec["profile"] = str(Path(a.profile) / f"{key}-{row['cache']}.prof")
             Path(a.profile).mkdir(parents=True, exist_ok=True)
@@ -741,6 +755,7 @@ class Bench:
                 result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         else:
             result = child_json(python, "--row", spec, a.timeout, env)
+        cpu1 = self.cpu_of_parties()
         gets = gets_of(self.server.metrics()) - gets0
         requests = self.proxy.stats.requests - requests0
         out = dict(row, **result)
@@ -751,10 +766,29 @@ class Bench:
         if source != "local":
             out["gets_per_shard"] = gets / self.objects[loader]
             out["requests_per_shard"] = requests / self.objects[loader]
+        if source != "local" and not a.inline:
+            out["proxy_cpu_s"] = cpu1[0] - cpu0[0]
+            out["server_cpu_s"] = cpu1[1] - cpu0[1]
         if result.get("wall_s"):
             out["samples_per_s"] = result["samples"] / result["wall_s"]
             out["mb_per_s"] = self.payload * result["samples"] / len(self.items) / result["wall_s"] / 1e6
         return out
+
+    def cpu_of_parties(self) -> tuple[float, float]:
+        """CPU seconds so far of this process (the shaping proxy's threads; idle otherwise) and the S3 server."""
+        import psutil
+
+        me = psutil.Process()
+        mine = me.cpu_times()
+        server = 0.0
+        for child in me.children(recursive=True):  # the weed processes (a row's process is not "weed")
+            try:
+                if child.name() == "weed":
+                    t = child.cpu_times()
+                    server += t.user + t.system
+            except psutil.Error:
+                continue
+        return mine.user + mine.system, server
 
     def reference(self, row: dict[str, Any]) -> dict[str, Any] | None:
         """The ``streamload local`` row this row is compared with."""
@@ -795,7 +829,15 @@ def line(r: dict[str, Any]) -> str:
     req = f"{r['requests_per_shard']:6.1f}" if "requests_per_shard" in r else "     -"
     ratio = f"{r['x_local']:5.2f}" if r.get("x_local") else "    -"
     flag = "" if r["ok"] else "  WRONG COUNT/LABELS"
-    return f"{head} {r['samples_per_s']:8.0f} {r['mb_per_s']:7.1f} {r['first_batch_s']:7.2f} {gets} {req} {ratio}{flag}"
+    cpu = ""
+    if r.get("cpu_s") is not None and r.get("wall_s"):
+        cpu = f"  cpu/wall: loader {r['cpu_s'] / r['wall_s']:.2f}"
+        if "proxy_cpu_s" in r:
+            cpu += f" proxy {r['proxy_cpu_s'] / r['wall_s']:.2f} server {r['server_cpu_s'] / r['wall_s']:.2f}"
+    return (
+        f"{head} {r['samples_per_s']:8.0f} {r['mb_per_s']:7.1f} {r['first_batch_s']:7.2f} {gets} {req} {ratio}"
+        f"{flag}{cpu}"
+    )
 
 
 HEADER = (
@@ -861,6 +903,9 @@ def main(argv: list[str] | None = None, server: Any = None) -> int:
     parser.add_argument("--batch", default="64", help="batch sizes, comma-separated (default 64)")
     parser.add_argument("--workers", default="0,2", help="DataLoader workers, comma-separated (default 0,2)")
     parser.add_argument("--modes", default="bytes,decode")
+    parser.add_argument(
+        "--caches", default="local,cold,warm,none", help="cache states to run (default local,cold,warm,none)"
+    )
     parser.add_argument("--backend", default="pillow", help="ImageDecoder backend of the decode work (default pillow)")
     parser.add_argument("--latency-ms", type=float, default=50.0, help="proxy: time to first byte (default 50)")
     parser.add_argument(
@@ -903,6 +948,7 @@ def main(argv: list[str] | None = None, server: Any = None) -> int:
     args.batch = [int(b) for b in args.batch.split(",")]
     args.workers = [int(w) for w in args.workers.split(",")]
     args.modes = args.modes.split(",")
+    args.caches = args.caches.split(",")
     if not args.no_peers and not PEERS_PYTHON.exists():
         raise SystemExit(f"no peers venv at {PEERS_PYTHON}: run bash benchmarks/setup_peers.sh, or pass --no-peers")
     load_start = os.getloadavg()

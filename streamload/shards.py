@@ -53,7 +53,7 @@ from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardEntry
 from .plan import Run
 from .storage import Storage, is_local, open_storage
 from .storage.parts import Landing
-from .storage.ranges import DEFAULT_THREADS, RangeFetcher, StreamedFile, Ticket
+from .storage.ranges import RangeFetcher, StreamedFile, Ticket
 from .storage.retry import RetryPolicy
 from .storage.split import split_storage
 from .storage.transport import RemoteFiles
@@ -393,12 +393,7 @@ class ShardSource:
             raise ConfigError(f"{ref.url}: {ref.manifest.format} shards cannot be streamed by byte ranges")
         self.fetcher: RangeFetcher | None = None
         if self.streaming:
-            options = dict(ref.config.storage_options)
-            if ref.data_url.startswith(("s3://", "s3a://")):  # botocore pools 10 connections: too few for the GETs
-                config = dict(options.get("config_kwargs") or {})
-                config.setdefault("max_pool_connections", 2 * DEFAULT_THREADS)
-                options["config_kwargs"] = config
-            files = RemoteFiles(ref.data_url, options, RetryPolicy())
+            files = RemoteFiles(ref.data_url, dict(ref.config.storage_options), RetryPolicy())
             self.fetcher = RangeFetcher(files)  # its threads start with the first fetch
         if self._copies is not None:
             self._copies.register_reader(self._largest_cached)

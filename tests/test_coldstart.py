@@ -4,11 +4,13 @@ Counted at the fault proxy in front of the test S3 server (tests/faults.py, no f
 injected), every request of every method: the design says a cold cached epoch asks for
 the manifest once (in the process that opens the dataset), then, per shard a reader
 opens, its parts (one for these small shards) and its sidecar, nothing else (no HEAD,
-no listing); read-ahead starts no download before the reader's own shard has arrived.
+no listing); read-ahead fetches beside the reader's own download, whose parts go first.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from streamload import DatasetWriter, StreamingDataset
 from streamload.batch import RawCollate
+from streamload.storage.parts import PartSlots
 from tests.faults import Fault, FaultyS3
 from tests.s3server import SeaweedS3
 
@@ -74,10 +77,11 @@ def test_a_cold_cached_start_asks_for_the_manifest_a_shard_and_its_sidecar(
     assert seen == Counter({"GET": 2}), seen  # the first shard (one part) and its sidecar
 
 
-def test_read_ahead_yields_to_the_readers_own_download(faulty_s3: FaultyS3, dataset: str, tmp_path: Path) -> None:
-    """The first shard's download stalls for 1 s: read-ahead asks for no other shard until it has arrived
-    (and does read ahead after)."""
-    faulty_s3.inject(Fault("stall", match="shard-000000.tar", at=100, seconds=1.0))
+def test_read_ahead_runs_beside_the_readers_own_download(faulty_s3: FaultyS3, dataset: str, tmp_path: Path) -> None:
+    """The first shard's download stalls for 1.5 s: read-ahead does not leave the link idle meanwhile, the
+    next shards arrive during the stall (the reader's own parts still take free slots first, see
+    test_parts_of_the_download_a_reader_waits_for_go_first)."""
+    faulty_s3.inject(Fault("stall", match="shard-000000.tar", at=100, seconds=1.5))
     ds = StreamingDataset(
         dataset,
         storage_options=faulty_s3.storage_options(),
@@ -90,27 +94,51 @@ def test_read_ahead_yields_to_the_readers_own_download(faulty_s3: FaultyS3, data
     assert sum(len(b) for b in ds) == SHARDS * PER_SHARD
     events = [(event, path.rsplit("/", 1)[-1].split("?")[0]) for event, _, path in faulty_s3.proxy.events]
     arrived = events.index(("end", "shard-000000.tar"))
-    own = {"shard-000000.tar", "shard-000000.tar.idx", "shard-000000.idx"}
-    others = [
-        i
-        for i, (event, name) in enumerate(events)
-        if event == "start" and name.startswith("shard-") and name not in own
-    ]
-    assert others, events  # read-ahead did start, after the first shard
-    assert min(others) > arrived, events
+    others = [i for i, (event, name) in enumerate(events) if event == "end" and name == "shard-000001.tar"]
+    assert others and min(others) < arrived, events
+
+
+def test_parts_of_the_download_a_reader_waits_for_go_first() -> None:
+    """All slots busy with read-ahead parts: a freed slot goes to the reader's part, not to the next read-ahead one."""
+    slots = PartSlots(2)
+    assert slots.take(False) and slots.take(False)
+    order: list[str] = []
+
+    def take(name: str, urgent: bool) -> None:
+        assert slots.take(urgent)
+        order.append(name)
+
+    ahead = threading.Thread(target=take, args=("ahead", False))
+    ahead.start()
+    time.sleep(0.2)  # read-ahead queues first
+    own = threading.Thread(target=take, args=("own", True))
+    own.start()
+    time.sleep(0.2)
+    assert order == []
+    slots.give()
+    own.join(5)
+    time.sleep(0.2)
+    assert order == ["own"]  # the reader's part took the slot; read-ahead still waits
+    slots.give()
+    ahead.join(5)
+    assert order == ["own", "ahead"]
+    stop = threading.Event()
+    stop.set()
+    assert not slots.take(False, stop)  # a download that stops gives up its wait
 
 
 def test_a_batch_from_a_partly_downloaded_shard_equals_the_batch_from_the_finished_file(
     s3_server: SeaweedS3, faulty_s3: FaultyS3, tmp_path: Path
 ) -> None:
-    """The shard's second part stalls for 3 s: the first batch comes from its first part meanwhile, equal to
-    what the verified file gives; the epoch goes on through the stall and caches the whole shard."""
+    """The shard's body stalls for 3 s after its first MiB: the first batch comes from the bytes that landed
+    meanwhile, equal to what the verified file gives; the epoch goes on through the stall and caches the
+    whole shard."""
     url = f"s3://{s3_server.make_bucket()}/early"
-    count = 100  # ~3 MB in one shard: a first part of 1 MiB, then the rest
+    count = 100  # ~3 MB in one shard, one part
     with DatasetWriter(url, format="tar", max_samples=count, storage_options=s3_server.storage_options()) as w:
         for i in range(count):
             w.write({"__key__": f"e{i:04d}", "bin": _payload(i) * 6, "cls": b"0"})
-    stall = faulty_s3.inject(Fault("stall", match="shard-000000.tar", range_start=1 << 20, seconds=3.0))[0]
+    stall = faulty_s3.inject(Fault("stall", match="shard-000000.tar", ranged=True, at=1 << 20, seconds=3.0))[0]
 
     def open_ds(cache: Path) -> Any:
         return StreamingDataset(
@@ -129,9 +157,7 @@ def test_a_batch_from_a_partly_downloaded_shard_equals_the_batch_from_the_finish
         e for e, _, path in faulty_s3.proxy.events if "shard-000000.tar?" in path or path.endswith("shard-000000.tar")
     ]
     assert stall.hits == 1
-    assert shard_events.count("start") == 2 and shard_events.count("end") == 1, (
-        shard_events
-    )  # the stalled part is still on its way
+    assert shard_events == ["start"], shard_events  # its one GET is still on its way
     rest = list(batches)
     faulty_s3.proxy.clear()
     finished = list(open_ds(tmp_path))  # the same cache: the verified file, read locally

@@ -13,6 +13,7 @@ import pytest
 from streamload._errors import CorruptShardError
 from streamload.storage.parts import PartPlanner
 from streamload.storage.retry import RetryPolicy
+from streamload.storage.s3direct import DIRECT_ENV
 from streamload.storage.transport import RemoteFiles
 from tests.s3server import SeaweedS3
 from tests.shaping import ShapedS3
@@ -30,6 +31,14 @@ def blob(s3_server: SeaweedS3) -> tuple[str, bytes]:
     return f"s3://{bucket}", data
 
 
+@pytest.fixture(params=["direct", "fsspec"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The bytes come through botocore's client (the default on S3) or through s3fs."""
+    if request.param == "fsspec":
+        monkeypatch.setenv(DIRECT_ENV, "0")
+    return str(request.param)
+
+
 def _files(url: str, options: dict[str, Any], part_size: int) -> RemoteFiles:
     files = RemoteFiles(url, options, RetryPolicy(timeout=20, initial_delay=0.05))
     files.planner = PartPlanner(part_size=part_size, max_concurrency=4)
@@ -37,18 +46,35 @@ def _files(url: str, options: dict[str, Any], part_size: int) -> RemoteFiles:
 
 
 def _count_ranges(files: RemoteFiles, fail: set[int] | None = None) -> Counter[tuple[int, int]]:
-    """Count every ranged read of ``files``; the first read of each start in ``fail`` raises a reset."""
+    """Count every ranged read of ``files``; the first read of each start in ``fail`` raises a reset.
+
+    On the path the reads take: botocore's client on S3 (``files.direct``), else fsspec's ``cat_file``.
+    """
     calls: Counter[tuple[int, int]] = Counter()
     lock = threading.Lock()
-    fs = files.fs
-    real = fs.cat_file
 
-    def cat_file(path: str, start: int | None = None, end: int | None = None, **kw: Any) -> bytes:
+    def count(start: int | None, end: int | None) -> None:
         with lock:
             calls[(start or 0, end or -1)] += 1
             first = calls[(start or 0, end or -1)] == 1
         if fail and start in fail and first:
             raise ConnectionResetError(f"injected reset at byte {start}")
+
+    direct = files.direct
+    if direct is not None:
+        real_open = direct._open
+
+        def open_range(path: str, start: int, end: int) -> Any:
+            count(start, end)
+            return real_open(path, start, end)
+
+        direct._open = open_range  # type: ignore[method-assign]
+        return calls
+    fs = files.fs
+    real = fs.cat_file
+
+    def cat_file(path: str, start: int | None = None, end: int | None = None, **kw: Any) -> bytes:
+        count(start, end)
         data: bytes = real(path, start=start, end=end, **kw)
         return data
 
@@ -58,7 +84,7 @@ def _count_ranges(files: RemoteFiles, fail: set[int] | None = None) -> Counter[t
 
 @pytest.mark.parametrize("where", ["loopback", "shaped"])
 def test_parts_reassemble_to_the_file(
-    where: str, blob: tuple[str, bytes], s3_server: SeaweedS3, request: pytest.FixtureRequest, tmp_path: Path
+    path: str, where: str, blob: tuple[str, bytes], s3_server: SeaweedS3, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     url, data = blob
     endpoint: SeaweedS3 | ShapedS3 = s3_server if where == "loopback" else request.getfixturevalue("shaped_s3")
@@ -74,7 +100,9 @@ def test_parts_reassemble_to_the_file(
     assert all(n == 1 for n in calls.values())
 
 
-def test_a_failed_part_is_retried_alone(blob: tuple[str, bytes], s3_server: SeaweedS3, tmp_path: Path) -> None:
+def test_a_failed_part_is_retried_alone(
+    path: str, blob: tuple[str, bytes], s3_server: SeaweedS3, tmp_path: Path
+) -> None:
     url, data = blob
     files = _files(url, s3_server.storage_options(), part_size=2**20)
     planned = files.planner.parts(SIZE)
@@ -91,7 +119,7 @@ def test_a_failed_part_is_retried_alone(blob: tuple[str, bytes], s3_server: Seaw
 
 @pytest.mark.parametrize(("claimed", "what"), [(SIZE + 100, "shorter"), (SIZE - 100, "longer")])
 def test_an_object_of_another_size_than_its_entry_is_corrupt(
-    blob: tuple[str, bytes], s3_server: SeaweedS3, tmp_path: Path, claimed: int, what: str
+    path: str, blob: tuple[str, bytes], s3_server: SeaweedS3, tmp_path: Path, claimed: int, what: str
 ) -> None:
     url, _ = blob
     files = _files(url, s3_server.storage_options(), part_size=2**20)

@@ -21,7 +21,15 @@ from typing import Any
 
 from .._errors import ConfigError
 
-__all__ = ["detach_finalizers", "filesystem_class", "forget_inherited", "open_filesystem", "protocol_of"]
+__all__ = [
+    "detach_finalizers",
+    "filesystem_class",
+    "forget_inherited",
+    "open_filesystem",
+    "protocol_of",
+    "shared_boto_loader",
+    "with_default_timeouts",
+]
 
 #: Filesystems inherited across a fork, kept alive so they are never finalized in a child.
 _INHERITED: list[Any] = []
@@ -41,7 +49,6 @@ def _s3_session(protocol: str, options: Mapping[str, Any]) -> Any:
 
     Only the loader is shared (read-only data); credentials and clients stay per session.
     """
-    global _BOTO_LOADER
     if protocol not in ("s3", "s3a") or "session" in options:
         return None
     try:
@@ -49,11 +56,17 @@ def _s3_session(protocol: str, options: Mapping[str, Any]) -> Any:
     except ImportError:
         return None
     session = AioSession()
+    shared_boto_loader(session)
+    return session
+
+
+def shared_boto_loader(session: Any) -> None:
+    """Give a botocore (or aiobotocore) ``session`` the process's parsed models, or make its own the shared ones."""
+    global _BOTO_LOADER
     if _BOTO_LOADER is None:
         _BOTO_LOADER = session.get_component("data_loader")
     else:
         session.register_component("data_loader", _BOTO_LOADER)
-    return session
 
 
 def _reset_after_fork() -> None:
@@ -88,12 +101,17 @@ def protocol_of(url: str) -> str:
     return url.split("://", 1)[0].lower() if "://" in url else "file"
 
 
+#: Connections a process keeps to an S3 endpoint: a download's parts (8) times a few
+#: downloads at once, or streaming's range threads (16); botocore's default of 10 is too few.
+POOL_CONNECTIONS = 64
 #: The inactivity timeout when the caller gives none (see :class:`~.retry.RetryPolicy`).
 _DEFAULT_INACTIVITY = 30.0
 
 
-def _with_default_timeouts(protocol: str, options: dict[str, Any], inactivity: float) -> dict[str, Any]:
+def with_default_timeouts(protocol: str, options: dict[str, Any], inactivity: float) -> dict[str, Any]:
     """Bound connects and every read by ``inactivity`` seconds without a byte, unless the user chose.
+
+    For S3 also the size of botocore's connection pool (:data:`POOL_CONNECTIONS`).
 
     botocore's default read timeout is 60 s per attempt, and s3fs tries a stalled body
     five times itself: a hung server was hidden for five minutes before the retry policy
@@ -104,6 +122,8 @@ def _with_default_timeouts(protocol: str, options: dict[str, Any], inactivity: f
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("connect_timeout", 10)
         config.setdefault("read_timeout", inactivity)
+        # botocore pools 10 connections; a process's parts and ranges in flight are more
+        config.setdefault("max_pool_connections", POOL_CONNECTIONS)
         options["config_kwargs"] = config
     elif protocol in ("http", "https"):
         client = dict(options.get("client_kwargs") or {})
@@ -174,7 +194,7 @@ def open_filesystem(
     """
     protocol = protocol_of(url)
     inactivity = _DEFAULT_INACTIVITY if inactivity_timeout is None else inactivity_timeout
-    options = _with_default_timeouts(protocol, dict(storage_options or {}), inactivity)
+    options = with_default_timeouts(protocol, dict(storage_options or {}), inactivity)
     options.setdefault("skip_instance_cache", True)
     cls = filesystem_class(url)
     key = (os.getpid(), protocol, json.dumps(options, sort_keys=True, default=repr))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .._errors import CorruptShardError
 
-__all__ = ["FIRST_PART", "Landing", "PartPlanner"]
+__all__ = ["FIRST_PART", "Landing", "PartPlanner", "PartSlots"]
 
 #: A download a reader waits for starts with a part this small, so the first samples land early.
 FIRST_PART = 1 << 20
@@ -63,16 +63,28 @@ class PartPlanner:
         return int(min(self.max_part, max(self.min_part, math.ceil(want / _MIB) * _MIB)))
 
     def parts(self, size: int, first: int | None = None) -> list[tuple[int, int]]:
-        """``[start, end)`` byte ranges covering a file of ``size`` bytes.
+        """``[start, end)`` byte ranges covering a file of ``size`` bytes, in whole rounds.
 
-        With ``first``, the first part is at most that long (the rest is cut as usual).
+        The parts are equal and their count a multiple of :attr:`max_concurrency` once
+        there are more than it: a lone last part would be a second round of one
+        connection (a 64 MiB shard and a little more, cut in 8 MiB parts, took twice as
+        long as in 8 parts of a bit more). Parts grow up to :attr:`max_part` to keep the
+        rounds few. With ``first``, the first part is at most that long, and the rest is
+        cut so that it and the first part still make whole rounds.
         """
         if first is not None and 0 < first < size:
-            return [(0, first)] + [(a + first, b + first) for a, b in self.parts(size - first)]
+            rest = self._cut(size - first, max(1, self.max_concurrency - 1))
+            return [(0, first)] + [(a + first, b + first) for a, b in rest]
+        return self._cut(size, self.max_concurrency)
+
+    def _cut(self, size: int, slots: int) -> list[tuple[int, int]]:
         if size <= 0:
             return [(0, 0)] if size == 0 else []
         step = self.chosen_part_size()
         count = max(1, math.ceil(size / step))
+        if count > slots and self.part_size is None:
+            rounds = max(1, math.ceil(size / (slots * max(step, self.max_part))))
+            count = rounds * slots
         step = math.ceil(size / count)  # equal parts
         return [(a, min(size, a + step)) for a in range(0, size, step)]
 
@@ -95,6 +107,51 @@ class PartPlanner:
         elif nbytes < self.min_part:
             latency = max(0.0, seconds - nbytes / self.rate)
             self.latency += alpha * (latency - self.latency)
+
+
+class PartSlots:
+    """The ranged GETs of one process's downloads in flight at once; the reader's own go first.
+
+    Read-ahead downloads run beside the download a reader waits for (the link is shared,
+    not left idle while one shard arrives), but a part of a download a reader waits for
+    (``urgent``) takes the next free slot before any read-ahead part does.
+
+    Args:
+        capacity: GETs in flight at most (a few downloads' parts).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._cond = threading.Condition()
+        self._busy = 0
+        self._urgent_waiting = 0
+
+    def take(self, urgent: bool, stop: threading.Event | None = None) -> bool:
+        """Wait for a slot; False if ``stop`` was set first (no slot taken)."""
+        with self._cond:
+            if urgent:
+                self._urgent_waiting += 1
+            try:
+                while self._busy >= self.capacity or (not urgent and self._urgent_waiting):
+                    if stop is not None and stop.is_set():
+                        return False
+                    self._cond.wait(0.05)
+                self._busy += 1
+                return True
+            finally:
+                if urgent:
+                    self._urgent_waiting -= 1
+
+    def give(self) -> None:
+        """Free a slot taken by :meth:`take`."""
+        with self._cond:
+            self._busy -= 1
+            self._cond.notify_all()
+
+    @property
+    def busy(self) -> int:
+        """Slots taken now."""
+        return self._busy
 
 
 class Landing:

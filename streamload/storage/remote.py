@@ -15,8 +15,9 @@ Per process::
     prefetch([next files])            -> the same as acquire, in daemon threads (one per
                                          shard of the window), never waiting for room (nor
                                          pinning: an idle reader's pins would starve the
-                                         others), and starting no download while the
-                                         reader's own acquire downloads; see .readahead
+                                         others); their parts run beside the reader's own
+                                         download, which takes free GET slots first
+                                         (.parts.PartSlots); see .readahead
     acquire_early(entry)              -> acquire, but a miss returns at once: a Landing that
                                          serves the ranges whose parts have landed while the
                                          download goes on in a thread (see .parts)
@@ -91,8 +92,6 @@ DEFAULT_CACHE_FRACTION = 0.5
 DOWNLOAD_REFETCHES = 1
 #: The "generation" of a file handed out by acquire_early (its parts, before its hash was checked).
 _EARLY = "\0early"
-#: Seconds read-ahead waits for the reader to acquire the shard it just started (see prefetch).
-_DEMAND_GRACE = 2.0
 #: Cache directories whose default bound this process logged already.
 _LOGGED_DEFAULTS: set[str] = set()
 
@@ -170,12 +169,6 @@ class RemoteStorage(Storage):
         self._largest = 0  # the largest shard (with its sidecar) its readers read
         #: Downloads of this process fetched again after failing their check (see DOWNLOAD_REFETCHES).
         self.refetched = 0
-        # The reader's own acquires come first: read-ahead starts no download while one is
-        # under way (or about to start: the reader names its window just before it acquires
-        # the shard it starts), so the shard a reader waits for has the link to itself.
-        self._demand = threading.Condition()
-        self._demand_fills = 0
-        self._demand_until = 0.0
         self._admission = Admission(self.cache, self.url)
 
     def _check_process(self) -> None:
@@ -381,8 +374,6 @@ class RemoteStorage(Storage):
             self._pins[entry.name] = (pin, 1)
             self._served[entry.name] = _EARLY
             self._landings[entry.name] = landing
-        with self._demand:  # read-ahead waits from now on, not from when the thread gets going
-            self._demand_fills += 1
         thread = threading.Thread(target=self._land, args=(entry, landing), name="streamload-early", daemon=True)
         with self._lock:
             self._early = [t for t in self._early if t.is_alive()] + [thread]
@@ -395,10 +386,6 @@ class RemoteStorage(Storage):
         except BaseException as exc:  # noqa: BLE001 - the reader meets it at its next read
             landing.fail(exc)
             return
-        finally:
-            with self._demand:
-                self._demand_fills -= 1
-                self._demand.notify_all()
         landing.finish(path)
 
     def _fill(self, entry: FileEntry, landing: Landing | None = None) -> str:
@@ -408,9 +395,6 @@ class RemoteStorage(Storage):
         """
         began = time.monotonic()
         url = self._remote.url_of(entry.name)
-        with self._demand:
-            self._demand_fills += 1
-            self._demand_until = 0.0
         log.debug("acquire %s: start", entry.name)
         starve = lambda: self._ahead.starve(entry.name)  # noqa: E731
         try:
@@ -430,9 +414,6 @@ class RemoteStorage(Storage):
                     log.warning("%s: %s (bytes damaged in transit?); downloading it again", url, exc)
         finally:
             log.debug("acquire %s: done", entry.name)
-            with self._demand:
-                self._demand_fills -= 1
-                self._demand.notify_all()
             self._ahead.fed(entry.name)
             with self._lock:
                 self._blocked += time.monotonic() - began
@@ -523,24 +504,19 @@ class RemoteStorage(Storage):
             held = set(self._pins)
             if wanted:
                 self._depth.observe_shard(time.monotonic(), self._blocked)
-                with self._demand:  # the reader acquires the shard it starts next: that download first
-                    self._demand_until = time.monotonic() + _DEMAND_GRACE
                 self._ahead.threads = min(self.read_ahead, max(1, self._depth.current))
             else:
                 self._depth.pause()
         self._ahead.want(wanted, held)
 
     def _fetch_ahead(self, entry: FileEntry, cancelled: Callable[[], bool]) -> None:
-        with self._demand:  # yield the link to the reader's own download (see _init_process_state)
-            while not cancelled() and (self._demand_fills or time.monotonic() < self._demand_until):
-                self._demand.wait(0.05)
         if cancelled():
             return
         pin = self.cache.pin(entry.name)
         log.debug("read-ahead %s: start", entry.name)
         try:
             entry = self._versioned(entry)
-            self.cache.fill(entry, self._downloader(entry), wait=False, cancelled=cancelled)
+            self.cache.fill(entry, self._downloader(entry, urgent=False), wait=False, cancelled=cancelled)
             log.debug("read-ahead %s: done", entry.name)
         finally:
             # Read-ahead files are not kept pinned: pins held by a reader that is not
@@ -549,7 +525,7 @@ class RemoteStorage(Storage):
             pin.close()
 
     def _downloader(
-        self, entry: FileEntry, landing: Landing | None = None
+        self, entry: FileEntry, landing: Landing | None = None, *, urgent: bool = True
     ) -> Callable[[str, Callable[[], bool]], None]:
         def download(part: str, cancelled: Callable[[], bool]) -> None:
             began = time.monotonic()
@@ -563,6 +539,7 @@ class RemoteStorage(Storage):
                 max_bytes=entry.num_bytes,
                 landed=None if landing is None else landing.land,
                 first_part=None if landing is None else FIRST_PART,
+                urgent=urgent,
             )
             if done == entry.num_bytes and not cancelled():
                 with self._lock:

@@ -19,13 +19,23 @@ from typing import Any
 
 from .._errors import CorruptShardError, ManifestNotFoundError, ShardNotFoundError, StorageError, StreamloadError
 from .._files import check_file_name
-from .filesystems import detach_finalizers, filesystem_class, forget_inherited, open_filesystem, protocol_of
-from .parts import PartPlanner
+from .filesystems import (
+    detach_finalizers,
+    filesystem_class,
+    forget_inherited,
+    open_filesystem,
+    protocol_of,
+    with_default_timeouts,
+)
+from .parts import PartPlanner, PartSlots
 from .retry import RetryPolicy, is_permanent, is_transient, retry_call
+from .s3direct import DirectS3, direct_s3
 
 __all__ = ["PartPlanner", "RangedFile", "RemoteFiles"]
 
 _CHUNK = 8 << 20
+#: Downloads whose parts a process fetches at once, at most (see :class:`~.parts.PartSlots`).
+_SLOT_DOWNLOADS = 2
 _MIB = 1 << 20
 #: Metadata fields that change when an object is written again (S3, GCS, Azure, local files).
 _VERSION_FIELDS = (
@@ -120,7 +130,22 @@ class RemoteFiles:
         self._finalizers_detached = False
         self._lock = threading.Lock()
         self.planner = PartPlanner()
+        self._slots: PartSlots | None = None
+        self._slots_pid = -1
         filesystem_class(self.url)  # fail now on a missing package; connect lazily
+        protocol = protocol_of(self.url)
+        timed = with_default_timeouts(protocol, dict(self.storage_options), retry.inactivity_timeout)
+        #: Ranged reads of S3 objects on botocore's threads (``None``: through fsspec); see .s3direct.
+        self.direct: DirectS3 | None = direct_s3(protocol, timed)
+
+    @property
+    def slots(self) -> PartSlots:
+        """This process's GET slots for downloads' parts (made again after a fork)."""
+        with self._lock:
+            if self._slots is None or self._slots_pid != os.getpid():
+                self._slots = PartSlots(_SLOT_DOWNLOADS * self.planner.max_concurrency)
+                self._slots_pid = os.getpid()
+            return self._slots
 
     @property
     def fs(self) -> Any:
@@ -181,6 +206,16 @@ class RemoteFiles:
         assert isinstance(data, bytes)
         return data
 
+    def get_range(self, name: str, start: int, end: int) -> bytes:
+        """One retried GET of bytes ``[start, end)`` of file ``name`` (fewer where the file ends first)."""
+        path = self.path(name)
+        direct = self.direct
+        if direct is not None:
+            data: bytes = self.call("read", name, lambda: direct.get(path, start, end))
+        else:
+            data = self.call("read", name, lambda: self.fs.cat_file(path, start=start, end=end))
+        return data
+
     def size(self, name: str, *, not_found: str | None = None) -> int | None:
         """Return the size of file ``name``, or ``None`` if it does not exist (unless ``not_found`` says why)."""
         path = self.path(name)
@@ -225,12 +260,16 @@ class RemoteFiles:
         max_bytes: int | None = None,
         landed: Callable[[int, int], None] | None = None,
         first_part: int | None = None,
+        urgent: bool = True,
     ) -> int:
         """Copy file ``name`` into local ``part``; return the number of bytes.
 
-        ``landed(start, end)`` is called as each ranged part is written (a reader may read
-        it before the file is complete); ``first_part`` bounds the first part's size (so
-        the file's first bytes land early).
+        ``landed(start, end)`` is called as bytes are written (a reader may read them
+        before the file is complete): each chunk as it arrives on the direct S3 path
+        (:mod:`.s3direct`), each whole part through fsspec, where ``first_part`` bounds
+        the first part's size so that the file's first bytes land early. A download a
+        reader waits for is ``urgent``: its parts take the process's free GET slots
+        before those of read-ahead (see :class:`~.parts.PartSlots`).
 
         With ``max_bytes`` (the file's size from its entry, which the cache reserved), the
         file is fetched as concurrent ranged GETs planned by :class:`PartPlanner` (no
@@ -241,7 +280,9 @@ class RemoteFiles:
         the byte where it stopped.
         """
         if max_bytes is not None and protocol_of(self.url) not in ("http", "https"):
-            return self._download_parts(name, part, max_bytes, cancelled, stop, landed, first_part)
+            if self.direct is not None:
+                first_part = None  # the first part's first chunk lands as soon as it arrives
+            return self._download_parts(name, part, max_bytes, cancelled, stop, landed, first_part, urgent)
         return self._download_stream(name, part, cancelled, stop, max_bytes)
 
     def _download_parts(
@@ -253,8 +294,10 @@ class RemoteFiles:
         stop: threading.Event | None,
         landed: Callable[[int, int], None] | None = None,
         first_part: int | None = None,
+        urgent: bool = True,
     ) -> int:
         path = self.path(name)
+        slots = self.slots
         parts = self.planner.parts(size, first_part)
         failed = _EitherEvent(stop)  # one part failed for good (or the storage is closing): the others stop
         errors: list[BaseException] = []
@@ -265,27 +308,26 @@ class RemoteFiles:
             def fetch(start: int, end: int) -> None:
                 if cancelled() or failed.is_set():
                     return
+                if not slots.take(urgent, failed):
+                    return
                 began = time.monotonic()
                 # The last part asks for one byte more: an object longer than its entry shows itself.
                 ask = end + 1 if end == size else end
                 try:
-                    data = self.call(
-                        "download", name, lambda: self.fs.cat_file(path, start=start, end=ask), stop=failed
-                    )
-                    if len(data) != end - start:
-                        what = "longer" if len(data) > end - start else "shorter"
+                    got = self._fetch_part(name, path, fd, start, ask, failed, landed)
+                    if got != end - start:
+                        what = "longer" if got > end - start else "shorter"
                         raise CorruptShardError(
                             f"{self.url_of(name)}: the object is {what} than the {size} bytes its entry says "
-                            f"(bytes {start}-{end} came back as {len(data)})"
+                            f"(bytes {start}-{end} came back as {got})"
                         )
                 except BaseException as exc:
                     errors.append(exc)  # in the order they failed: the first is the cause
                     failed.set()
                     raise
-                self.planner.observe(len(data), time.monotonic() - began)
-                _pwrite_all(fd, data, start)
-                if landed is not None:
-                    landed(start, end)
+                finally:
+                    slots.give()
+                self.planner.observe(got, time.monotonic() - began)
 
             if len(parts) == 1:
                 fetch(*parts[0])
@@ -299,6 +341,41 @@ class RemoteFiles:
         finally:
             os.close(fd)
         return size if not cancelled() and not failed.is_set() else 0
+
+    def _fetch_part(
+        self,
+        name: str,
+        path: str,
+        fd: int,
+        start: int,
+        end: int,
+        stop: threading.Event,
+        landed: Callable[[int, int], None] | None,
+    ) -> int:
+        """Write bytes ``[start, end)`` of ``name`` into ``fd`` at their offsets; return how many came.
+
+        Directly on S3 each chunk lands as it arrives, and a retry asks only for the bytes
+        not written yet; through fsspec the part comes whole, then lands.
+        """
+        direct = self.direct
+        if direct is None:
+            data = self.call("download", name, lambda: self.fs.cat_file(path, start=start, end=end), stop=stop)
+            _pwrite_all(fd, data, start)
+            if landed is not None:
+                landed(start, start + len(data))
+            return len(data)
+        reached = [start]
+
+        def written(a: int, b: int) -> None:
+            reached[0] = b  # a retry after a cut asks for the rest only
+            if landed is not None:
+                landed(a, b)
+
+        def attempt() -> None:
+            reached[0] = direct.land(path, reached[0], end, fd, written)
+
+        self.call("download", name, attempt, stop=stop)
+        return reached[0] - start
 
     def _download_stream(
         self,
@@ -406,7 +483,7 @@ class RemoteFiles:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_fs=None, _pid=-1, _lock=None, _finalizers_detached=False)
+        state.update(_fs=None, _pid=-1, _lock=None, _finalizers_detached=False, _slots=None, _slots_pid=-1)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -445,9 +522,7 @@ class RangedFile:
         if end <= start:
             return b""
         self.requests += 1
-        path, fs = self._path, self.files.fs
-        data: bytes = self.files.call("read", self.name, lambda: fs.cat_file(path, start=start, end=end))
-        return data
+        return self.files.get_range(self.name, start, end)
 
     def pread(self, n: int, offset: int) -> bytes:
         """Return ``n`` bytes at ``offset`` (from the current block, else a new block from there)."""

@@ -1,0 +1,261 @@
+"""Ranged GETs of S3 objects on botocore's own thread-safe client: the hot path of every shard byte.
+
+s3fs runs every request of a process on one asyncio event-loop thread (aiobotocore,
+aiohttp) and hands a body back as one joined ``bytes``. For the parts of a shard fetched
+in parallel that loop thread becomes the bottleneck: on the 2-core development machine, a
+64 MiB object fetched as 8 ranged parts through a shaped link (50 ms, 40 MB/s per
+connection) came at 150-220 MB/s through s3fs and 235-263 MB/s through botocore's
+synchronous client in 8 threads, with about half the CPU (``benchmarks/bench_remote.py``
+measures the link the same way). So the ranged reads of shard data -- a download's parts
+(cached mode) and the spans of streaming mode -- go through this module for ``s3://``
+URLs, one client per process (re-created after a fork; its connection pool sized for
+every download and range thread of the process), while everything else (the manifest,
+listings, uploads, other protocols) stays on fsspec.
+
+The client is made from the same ``storage_options`` as s3fs (``key``/``secret``/
+``token``, ``anon``, ``profile``, ``endpoint_url``, ``client_kwargs``, ``config_kwargs``,
+``requester_pays``, GetObject's fields of ``s3_additional_kwargs``). Options this module
+does not know, or ``STREAMLOAD_S3_DIRECT=0`` in the environment, keep the ranged reads
+on s3fs. Errors come out as the rest of the package expects them: a missing object as
+``FileNotFoundError``, access denied as ``PermissionError``, a range past the end as
+no bytes, everything else as botocore raised it (classified by :mod:`.retry`). botocore
+does not retry (the retry policy does, and resumes a body cut short at the byte where it
+stopped).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["DIRECT_ENV", "DirectS3", "direct_s3"]
+
+#: Set to ``0`` to read shard bytes through s3fs instead (same options, slower).
+DIRECT_ENV = "STREAMLOAD_S3_DIRECT"
+#: Bytes read from a body per call while landing it into a file.
+_CHUNK = 1 << 20
+
+#: s3fs options that change nothing about a GET of a byte range (caching, listing, uploads).
+_NEUTRAL = frozenset(
+    {
+        "skip_instance_cache",
+        "use_listings_cache",
+        "listings_expiry_time",
+        "max_paths",
+        "default_block_size",
+        "default_fill_cache",
+        "default_cache_type",
+        "cache_regions",
+        "asynchronous",
+        "loop",
+        "max_concurrency",
+        "fixed_upload_size",
+        "version_aware",
+        "use_ssl",
+    }
+)
+#: Fields of ``s3_additional_kwargs`` that GetObject takes.
+_GET_FIELDS = frozenset(
+    {
+        "SSECustomerAlgorithm",
+        "SSECustomerKey",
+        "SSECustomerKeyMD5",
+        "RequestPayer",
+        "ExpectedBucketOwner",
+        "ChecksumMode",
+    }
+)
+
+
+class _CutShort(ConnectionError):
+    """A body ended before the bytes its range asked for (transient: a connection cut)."""
+
+
+class DirectS3:
+    """Ranged GETs of the objects of one bucket on a botocore client of this process.
+
+    Made by :func:`direct_s3` from a dataset's s3fs ``storage_options``.
+
+    Args:
+        client_args: ``create_client`` keyword arguments made from them.
+        get_args: Extra GetObject fields (requester pays, customer keys).
+        profile: The AWS profile of the session, if any.
+    """
+
+    def __init__(self, client_args: dict[str, Any], get_args: dict[str, Any], profile: str | None = None) -> None:
+        self._client_args = client_args
+        self._get_args = get_args
+        self._profile = profile
+        self._client: Any = None
+        self._pid = -1
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_client_args": self._client_args, "_get_args": self._get_args, "_profile": self._profile}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._client, self._pid, self._lock = None, -1, threading.Lock()
+
+    @property
+    def client(self) -> Any:
+        """This process's client (made on first use, again after a fork)."""
+        with self._lock:
+            if self._client is None or self._pid != os.getpid():
+                self._client = _session(self._profile).create_client("s3", **self._client_args)
+                self._pid = os.getpid()
+            return self._client
+
+    def get(self, path: str, start: int, end: int) -> bytes:
+        """The bytes ``[start, end)`` of ``bucket/key`` (fewer at the object's end; none past it)."""
+        response = self._open(path, start, end)
+        if response is None:
+            return b""
+        try:
+            data: bytes = response["Body"].read()
+        finally:
+            response["Body"].close()
+        return data
+
+    def land(self, path: str, start: int, end: int, fd: int, landed: Callable[[int, int], None] | None = None) -> int:
+        """Write ``[start, end)`` of ``bucket/key`` into ``fd`` at the same offsets as it arrives.
+
+        ``landed(a, b)`` is called after each chunk is written (a reader may read it).
+        Returns the offset the bytes reached: ``end``, or less where the object ends
+        first. A body cut short raises a transient ``ConnectionError`` after writing (and
+        reporting) what came: the caller's retry asks for the rest only.
+        """
+        response = self._open(path, start, end)
+        if response is None:
+            return start
+        body = response["Body"]
+        offset = start
+        try:
+            length = int(response.get("ContentLength", end - start))
+            stop = start + length
+            while offset < stop:
+                chunk = body.read(min(_CHUNK, stop - offset))
+                if not chunk:
+                    raise _CutShort(f"{path}: the body ended at byte {offset} of {start}-{stop}")
+                _pwrite_all(fd, chunk, offset)
+                if landed is not None:
+                    landed(offset, offset + len(chunk))
+                offset += len(chunk)
+        finally:
+            body.close()
+        return offset
+
+    def _open(self, path: str, start: int, end: int) -> Any:
+        bucket, _, key = path.partition("/")
+        from botocore.exceptions import ClientError
+
+        try:
+            return self.client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **self._get_args)
+        except ClientError as exc:
+            error = exc.response.get("Error", {})
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = str(error.get("Code", ""))
+            if status == 416 or code == "InvalidRange":
+                return None  # the range starts past the object's end: no bytes there
+            if status == 404 or code in ("NoSuchKey", "NoSuchBucket", "404"):
+                raise FileNotFoundError(f"{path}: {code or status}") from exc
+            if status == 403 or code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+                raise PermissionError(f"{path}: {code or status}") from exc
+            raise
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(28, "No space left on device (a write made no progress)")
+        view, offset = view[written:], offset + written
+
+
+def direct_s3(protocol: str, options: Mapping[str, Any]) -> DirectS3 | None:
+    """A :class:`DirectS3` for these s3fs options, or ``None`` (not S3, unknown options, or turned off).
+
+    ``options`` must already carry the timeouts :func:`~.filesystems.open_filesystem` sets.
+    """
+    if protocol not in ("s3", "s3a") or os.environ.get(DIRECT_ENV, "1").strip() in ("0", "false", "no"):
+        return None
+    try:
+        import botocore.config
+        import botocore.session  # noqa: F401
+        from botocore import UNSIGNED
+    except ImportError:
+        return None
+    known = {
+        "key",
+        "secret",
+        "token",
+        "username",
+        "password",
+        "anon",
+        "profile",
+        "endpoint_url",
+        "client_kwargs",
+        "config_kwargs",
+        "requester_pays",
+        "s3_additional_kwargs",
+    }
+    if set(options) - known - _NEUTRAL:
+        return None  # something s3fs understands and this module does not: stay on s3fs
+    client = dict(options.get("client_kwargs") or {})
+    if "config" in client:
+        return None
+    extra = dict(options.get("s3_additional_kwargs") or {})
+    if set(extra) - _GET_FIELDS:
+        return None
+    for ours, theirs in (("aws_access_key_id", ("key", "username")), ("aws_secret_access_key", ("secret", "password"))):
+        for name in theirs:
+            if options.get(name) is not None:
+                client.setdefault(ours, options[name])
+    if options.get("token") is not None:
+        client.setdefault("aws_session_token", options["token"])
+    if options.get("endpoint_url") is not None:
+        client.setdefault("endpoint_url", options["endpoint_url"])
+    if "use_ssl" in options:
+        client.setdefault("use_ssl", bool(options["use_ssl"]))
+    config = dict(options.get("config_kwargs") or {})  # timeouts and pool size: see .filesystems
+    config["retries"] = {"total_max_attempts": 1, "mode": "standard"}  # the retry policy retries
+    if options.get("anon"):
+        config["signature_version"] = UNSIGNED
+    try:
+        client["config"] = botocore.config.Config(**config)
+    except TypeError:
+        return None
+    if options.get("requester_pays"):
+        extra.setdefault("RequestPayer", "requester")
+    return DirectS3(client, extra, options.get("profile"))
+
+
+_SESSIONS: dict[tuple[int, str | None], Any] = {}
+_SESSIONS_LOCK = threading.Lock()
+
+
+def _reset_after_fork() -> None:
+    global _SESSIONS_LOCK
+    _SESSIONS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def _session(profile: str | None) -> Any:
+    """One botocore session per process and profile, sharing the parsed models of s3fs's sessions."""
+    import botocore.session
+
+    from .filesystems import shared_boto_loader
+
+    key = (os.getpid(), profile)
+    with _SESSIONS_LOCK:
+        session = _SESSIONS.get(key)
+        if session is None:
+            session = botocore.session.Session(profile=profile)
+            shared_boto_loader(session)
+            _SESSIONS[key] = session
+        return session
