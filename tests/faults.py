@@ -63,6 +63,7 @@ class Fault:
         count: Bytes a ``flip`` inverts.
         ranged: Only requests with (True) or without (False) a ``Range`` header; ``None``: both.
         range_start: Only ranged requests from this byte on.
+        unless: Not requests whose path holds this (``".idx"``: a shard, not its sidecar).
         hits: How many requests it hit so far.
     """
 
@@ -78,12 +79,13 @@ class Fault:
     count: int = 4
     ranged: bool | None = None
     range_start: int | None = None
+    unless: str = ""
     hits: int = 0
     _seen: int = 0
 
     def claims(self, method: str, path: str, byte_range: str | None) -> bool:
         """Count a request (``byte_range``: its ``Range`` header); True if this fault hits it."""
-        if method != self.method or self.match not in path:
+        if method != self.method or self.match not in path or (self.unless and self.unless in path):
             return False
         if self.ranged is not None and (byte_range is not None) != self.ranged:
             return False

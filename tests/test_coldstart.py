@@ -9,6 +9,7 @@ no listing); read-ahead fetches beside the reader's own download, whose parts go
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
@@ -21,7 +22,9 @@ from torch.utils.data import DataLoader
 
 from streamload import DatasetWriter, StreamingDataset
 from streamload.batch import RawCollate
-from streamload.storage.parts import PartSlots
+from streamload.storage.cache import ShardCache
+from streamload.storage.parts import Landing, PartSlots
+from streamload.storage.remote import RemoteStorage
 from tests.faults import Fault, FaultyS3
 from tests.s3server import SeaweedS3
 
@@ -81,7 +84,7 @@ def test_read_ahead_runs_beside_the_readers_own_download(faulty_s3: FaultyS3, da
     """The first shard's download stalls for 1.5 s: read-ahead does not leave the link idle meanwhile, the
     next shards arrive during the stall (the reader's own parts still take free slots first, see
     test_parts_of_the_download_a_reader_waits_for_go_first)."""
-    faulty_s3.inject(Fault("stall", match="shard-000000.tar", at=100, seconds=1.5))
+    faulty_s3.inject(Fault("stall", match="shard-000000.tar", unless=".idx", at=100, seconds=1.5))
     ds = StreamingDataset(
         dataset,
         storage_options=faulty_s3.storage_options(),
@@ -99,7 +102,7 @@ def test_read_ahead_runs_beside_the_readers_own_download(faulty_s3: FaultyS3, da
 
 
 def test_parts_of_the_download_a_reader_waits_for_go_first() -> None:
-    """All slots busy with read-ahead parts: a freed slot goes to the reader's part, not to the next read-ahead one."""
+    """All slots busy with read-ahead parts: the reader's part starts at once; read-ahead waits for a free slot."""
     slots = PartSlots(2)
     assert slots.take(False) and slots.take(False)
     order: list[str] = []
@@ -110,21 +113,21 @@ def test_parts_of_the_download_a_reader_waits_for_go_first() -> None:
 
     ahead = threading.Thread(target=take, args=("ahead", False))
     ahead.start()
-    time.sleep(0.2)  # read-ahead queues first
+    time.sleep(0.2)
+    assert order == []  # read-ahead waits: the slots are full
     own = threading.Thread(target=take, args=("own", True))
     own.start()
-    time.sleep(0.2)
-    assert order == []
-    slots.give()
     own.join(5)
+    assert order == ["own"] and slots.busy == 3  # the reader's part did not queue behind it
+    slots.give()
     time.sleep(0.2)
-    assert order == ["own"]  # the reader's part took the slot; read-ahead still waits
+    assert order == ["own"]  # 2 in flight: still full for read-ahead
     slots.give()
     ahead.join(5)
-    assert order == ["own", "ahead"]
+    assert order == ["own", "ahead"] and slots.busy == 2
     stop = threading.Event()
     stop.set()
-    assert not slots.take(False, stop)  # a download that stops gives up its wait
+    assert not slots.take(False, stop)  # full: a download that stops gives up its wait
 
 
 def test_a_batch_from_a_partly_downloaded_shard_equals_the_batch_from_the_finished_file(
@@ -138,7 +141,7 @@ def test_a_batch_from_a_partly_downloaded_shard_equals_the_batch_from_the_finish
     with DatasetWriter(url, format="tar", max_samples=count, storage_options=s3_server.storage_options()) as w:
         for i in range(count):
             w.write({"__key__": f"e{i:04d}", "bin": _payload(i) * 6, "cls": b"0"})
-    stall = faulty_s3.inject(Fault("stall", match="shard-000000.tar", ranged=True, at=1 << 20, seconds=3.0))[0]
+    stall = faulty_s3.inject(Fault("stall", match="shard-000000.tar", unless=".idx", at=1 << 20, seconds=3.0))[0]
 
     def open_ds(cache: Path) -> Any:
         return StreamingDataset(
@@ -165,3 +168,54 @@ def test_a_batch_from_a_partly_downloaded_shard_equals_the_batch_from_the_finish
     want = [(b.keys, [b.tobytes(i) for i in range(len(b))]) for b in finished]
     assert got == want
     assert got[0][1] == [_payload(i) * 6 for i in range(16)]
+
+
+def test_a_reader_reads_the_parts_another_process_has_landed(
+    s3_server: SeaweedS3, faulty_s3: FaultyS3, tmp_path: Path
+) -> None:
+    """Two readers of one cache want the same cold shard: the one that did not win its download serves its
+    first samples from what the other has written so far (the body stalls for 3 s after its first MiB),
+    then the verified cached file."""
+    url = f"s3://{s3_server.make_bucket()}/follow"
+    with DatasetWriter(url, format="tar", max_samples=100, storage_options=s3_server.storage_options()) as w:
+        for i in range(100):
+            w.write({"__key__": f"f{i:04d}", "bin": _payload(i) * 6, "cls": b"0"})
+    ds = StreamingDataset(url, storage_options=faulty_s3.storage_options(), cache="shards")
+    entry = ds.manifest.shards[0]
+    want = s3_server.filesystem().cat_file(f"{url.removeprefix('s3://')}/{entry.name}")
+    faulty_s3.inject(Fault("stall", match=entry.name, unless=".idx", at=1 << 20, seconds=3.0))
+    # Two storages on one cache directory: the download lock and the progress they share are the
+    # cache's (flock and files), as between two DataLoader workers.
+    first, second = (
+        RemoteStorage(url, faulty_s3.storage_options(), cache_dir=str(tmp_path), read_ahead=0) for _ in range(2)
+    )
+    try:
+        downloading = first.acquire_early(entry)
+        assert isinstance(downloading, Landing)
+        assert downloading.pread(1000, 5000) == want[5000:6000]  # landed in the first process
+        began = time.monotonic()
+        following = second.acquire_early(entry)
+        assert isinstance(following, Landing)
+        assert following.pread(1000, 5000) == want[5000:6000]
+        assert time.monotonic() - began < 2.0, "the second reader waited for the whole file"
+        assert not following.done  # the body is still stalled: those bytes came from the first's part file
+        assert following.pread(2000, len(want) - 2000) == want[-2000:]  # the rest, once it lands
+        assert following.wait_done() == downloading.wait_done()
+        assert first.stats.downloads + second.stats.downloads == 1
+    finally:
+        for storage in (first, second):
+            storage.release(entry)
+            storage.close()
+
+
+def test_a_landing_record_never_points_outside_the_cache(tmp_path: Path) -> None:
+    cache = ShardCache(str(tmp_path / "c"), None)
+    cache.publish_landing("a.tar", str(tmp_path / "c" / "tmp" / "a.tar.10.1.ab.part"), 1, [(0, 5)])
+    assert cache.read_landing("a.tar") == (str(tmp_path / "c" / "tmp" / "a.tar.10.1.ab.part"), 1, [(0, 5)])
+    for bad in ("../../etc/passwd", "b.tar.10.1.ab.part", "a.tar.10.1.ab", "a.tar/../../x.part"):
+        Path(cache._landing_path("a.tar")).write_text(json.dumps({"part": bad, "attempt": 1, "landed": [[0, 5]]}))
+        assert cache.read_landing("a.tar") is None, bad
+    Path(cache._landing_path("a.tar")).write_text("not json")
+    assert cache.read_landing("a.tar") is None
+    cache.clear_landing("a.tar")
+    assert cache.read_landing("a.tar") is None

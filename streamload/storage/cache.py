@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import logging
 import os
 import secrets
@@ -121,7 +122,7 @@ _MAX_POLL = 0.25
 #: A registration being created (``readers/.<name>``) left by a crash is deleted after this long.
 _STALE_NEW_REGISTRATION = 60.0
 _CHUNK = 8 << 20
-_SUBDIRS = ("data", "pins", "downloads", "tmp", "meta", "readers")
+_SUBDIRS = ("data", "pins", "downloads", "tmp", "meta", "readers", "landing")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -240,8 +241,13 @@ def _lock(fd: int, flags: int) -> bool:
         return False
 
 
-def _wait_lock(fd: int, flags: int, path: str, timeout: float, why: str) -> None:
-    """Take a flock, waiting at most ``timeout`` seconds; else a :class:`CacheError` naming ``path``."""
+def _wait_lock(
+    fd: int, flags: int, path: str, timeout: float, why: str, tick: Callable[[], None] | None = None
+) -> None:
+    """Take a flock, waiting at most ``timeout`` seconds; else a :class:`CacheError` naming ``path``.
+
+    ``tick`` is called between tries (at most every 50 ms) while the lock is held elsewhere.
+    """
     if _lock(fd, flags | fcntl.LOCK_NB):
         return
     deadline = time.monotonic() + timeout
@@ -250,6 +256,8 @@ def _wait_lock(fd: int, flags: int, path: str, timeout: float, why: str) -> None
         time.sleep(delay)
         if _lock(fd, flags | fcntl.LOCK_NB):
             return
+        if tick is not None:
+            tick()
         if time.monotonic() > deadline:
             raise CacheError(
                 f"{path}: still locked by another process after {timeout:.0f} s ({why}); "
@@ -496,6 +504,7 @@ class ShardCache:
         wait: bool = True,
         on_wait: Callable[[], None] | None = None,
         cancelled: Callable[[], bool] = lambda: False,
+        follow: Callable[[], None] | None = None,
     ) -> str | None:
         """Make sure ``entry`` is in the cache; the caller must hold its pin.
 
@@ -508,6 +517,8 @@ class ShardCache:
                 files in use (read-ahead).
             on_wait: Called once before waiting for room (e.g. to drop read-ahead pins).
             cancelled: Polled during the download; if it turns true the download stops.
+            follow: Called every few milliseconds while another process downloads the
+                file (see :meth:`read_landing`).
 
         Returns:
             The cached path, or ``None`` if ``wait`` is false and there was no room, or
@@ -518,7 +529,7 @@ class ShardCache:
             return path
         dl_fd = self._open_lock(self._download_lock_path(entry.name))
         try:
-            if not self._lock_download(dl_fd, wait, entry):
+            if not self._lock_download(dl_fd, wait, entry, follow):
                 return None
             path = self.lookup(entry)  # someone else downloaded it meanwhile
             if path is not None:
@@ -554,13 +565,65 @@ class ShardCache:
         finally:
             _close_fd(dl_fd)
 
-    def _lock_download(self, fd: int, wait: bool, entry: FileEntry) -> bool:
+    def _lock_download(self, fd: int, wait: bool, entry: FileEntry, follow: Callable[[], None] | None = None) -> bool:
         if not wait:
             return _lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         # The holder's download is bounded by its retry policy; the wait by lock_timeout.
         path = self._download_lock_path(entry.name)
-        _wait_lock(fd, fcntl.LOCK_EX, path, self.lock_timeout, f"downloading {entry.name}")
+        _wait_lock(fd, fcntl.LOCK_EX, path, self.lock_timeout, f"downloading {entry.name}", follow)
         return True
+
+    # -- a download in progress, seen from other processes ------------------------------
+
+    def _landing_path(self, name: str) -> str:
+        return os.path.join(self.root, "landing", check_file_name(name, "cached file name"))
+
+    def publish_landing(self, name: str, part: str, attempt: int, landed: list[tuple[int, int]]) -> None:
+        """Say which byte ranges of the download of ``name`` into ``part`` have been written (atomically).
+
+        Another process waiting for the same file reads them (:meth:`read_landing`) and
+        serves those ranges from the part file before the file is complete.
+        """
+        record = {"part": os.path.basename(part), "attempt": attempt, "landed": landed}
+        final = self._landing_path(name)
+        tmp = f"{final}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            fd = self._create(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            try:
+                os.write(fd, json.dumps(record).encode())
+            finally:
+                _close_fd(fd)
+            os.replace(tmp, final)
+        except OSError:
+            _unlink(tmp)  # progress not shown: the others wait for the whole file, as before
+
+    def clear_landing(self, name: str) -> None:
+        """The download of ``name`` ended (done or failed): its progress is no longer shown."""
+        _unlink(self._landing_path(name))
+
+    def read_landing(self, name: str) -> tuple[str, int, list[tuple[int, int]]] | None:
+        """``(part path, attempt, landed ranges)`` of another process's download of ``name``, if it shows one.
+
+        The part path is always inside this cache's ``tmp/`` (a name that is not a part
+        file of ``name`` is ignored).
+        """
+        try:
+            fd = _open_fd(self._landing_path(name), os.O_RDONLY)
+        except (FileNotFoundError, CacheError):
+            return None
+        try:
+            raw = os.read(fd, 1 << 16)
+        finally:
+            _close_fd(fd)
+        try:
+            record = json.loads(raw)
+            part, attempt = str(record["part"]), int(record["attempt"])
+            landed = [(int(a), int(b)) for a, b in record["landed"]]
+        except (ValueError, KeyError, TypeError):
+            return None
+        if "/" in part or not part.startswith(f"{name}.") or not part.endswith(".part"):
+            return None
+        return os.path.join(self.root, "tmp", part), attempt, landed
 
     def _no_space(self, exc: BaseException, entry: FileEntry) -> BaseException:
         """The :class:`CacheError` for a full disk (``exc`` itself if it is not one)."""

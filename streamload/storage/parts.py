@@ -12,14 +12,18 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .._errors import CorruptShardError
 
-__all__ = ["FIRST_PART", "Landing", "PartPlanner", "PartSlots"]
+__all__ = ["FIRST_PART", "LEAD_PARTS", "Landing", "PartPlanner", "PartSlots", "merge_range"]
 
-#: A download a reader waits for starts with a part this small, so the first samples land early.
-FIRST_PART = 1 << 20
+#: A download a reader waits for starts with this many bytes cut into :data:`LEAD_PARTS` parallel
+#: parts, so the first batch's samples land at several connections' rate, not one's.
+FIRST_PART = 4 << 20
+#: The parts :data:`FIRST_PART` is cut into.
+LEAD_PARTS = 4
 
 _MIB = 1 << 20
 
@@ -69,12 +73,15 @@ class PartPlanner:
         there are more than it: a lone last part would be a second round of one
         connection (a 64 MiB shard and a little more, cut in 8 MiB parts, took twice as
         long as in 8 parts of a bit more). Parts grow up to :attr:`max_part` to keep the
-        rounds few. With ``first``, the first part is at most that long, and the rest is
-        cut so that it and the first part still make whole rounds.
+        rounds few. With ``first``, the file's first ``first`` bytes come first, as
+        :data:`LEAD_PARTS` equal parts fetched at once (the bytes a waiting reader needs
+        first), then the rest cut as usual.
         """
         if first is not None and 0 < first < size:
-            rest = self._cut(size - first, max(1, self.max_concurrency - 1))
-            return [(0, first)] + [(a + first, b + first) for a, b in rest]
+            step = math.ceil(first / LEAD_PARTS)
+            lead = [(a, min(first, a + step)) for a in range(0, first, step)]
+            rest = self._cut(size - first, self.max_concurrency)
+            return lead + [(a + first, b + first) for a, b in rest]
         return self._cut(size, self.max_concurrency)
 
     def _cut(self, size: int, slots: int) -> list[tuple[int, int]]:
@@ -110,11 +117,13 @@ class PartPlanner:
 
 
 class PartSlots:
-    """The ranged GETs of one process's downloads in flight at once; the reader's own go first.
+    """The ranged GETs of one process's read-ahead in flight at once; the reader's own never wait.
 
     Read-ahead downloads run beside the download a reader waits for (the link is shared,
-    not left idle while one shard arrives), but a part of a download a reader waits for
-    (``urgent``) takes the next free slot before any read-ahead part does.
+    not left idle while one shard arrives), up to ``capacity`` GETs in flight counting the
+    reader's own; a part of a download a reader waits for (``urgent``) starts at once,
+    even past ``capacity`` (a part takes a second or more on a far link: a sidecar queued
+    behind read-ahead parts would wait that long).
 
     Args:
         capacity: GETs in flight at most (a few downloads' parts).
@@ -124,23 +133,19 @@ class PartSlots:
         self.capacity = max(1, capacity)
         self._cond = threading.Condition()
         self._busy = 0
-        self._urgent_waiting = 0
 
     def take(self, urgent: bool, stop: threading.Event | None = None) -> bool:
         """Wait for a slot; False if ``stop`` was set first (no slot taken)."""
         with self._cond:
-            if urgent:
-                self._urgent_waiting += 1
-            try:
-                while self._busy >= self.capacity or (not urgent and self._urgent_waiting):
-                    if stop is not None and stop.is_set():
-                        return False
-                    self._cond.wait(0.05)
+            if urgent:  # never queued behind read-ahead: parts are long, a sidecar would wait seconds
                 self._busy += 1
                 return True
-            finally:
-                if urgent:
-                    self._urgent_waiting -= 1
+            while self._busy >= self.capacity:
+                if stop is not None and stop.is_set():
+                    return False
+                self._cond.wait(0.05)
+            self._busy += 1
+            return True
 
     def give(self) -> None:
         """Free a slot taken by :meth:`take`."""
@@ -152,6 +157,17 @@ class PartSlots:
     def busy(self) -> int:
         """Slots taken now."""
         return self._busy
+
+
+def merge_range(ranges: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    """``ranges`` (sorted, disjoint ``[start, end)``) with ``[start, end)`` added, merged."""
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted([*ranges, (start, end)]):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+        else:
+            merged.append((a, b))
+    return merged
 
 
 class Landing:
@@ -183,10 +199,12 @@ class Landing:
         self.early_reads = 0
         #: Download attempts (more than one: a copy failed its check and was fetched again).
         self.attempts = 0
+        #: Called once, when the first read is served (the reader has its first bytes).
+        self.on_first_read: Callable[[], None] | None = None
 
     def begin(self, part_path: str) -> None:
         """A (new) download attempt writes ``part_path``: what landed before is forgotten."""
-        fd = os.open(part_path, os.O_RDONLY)
+        fd = os.open(part_path, os.O_RDONLY | os.O_NOFOLLOW)
         with self._cond:
             self.attempts += 1
             if self._closed:
@@ -198,13 +216,7 @@ class Landing:
     def land(self, start: int, end: int) -> None:
         """Bytes ``[start, end)`` were written to the current part file."""
         with self._cond:
-            merged: list[tuple[int, int]] = []
-            for a, b in sorted([*self._landed, (start, end)]):
-                if merged and a <= merged[-1][1]:
-                    merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
-                else:
-                    merged.append((a, b))
-            self._landed = merged
+            self._landed = merge_range(self._landed, start, end)
             self._cond.notify_all()
 
     def finish(self, path: str) -> None:
@@ -256,14 +268,23 @@ class Landing:
                 self._cond.wait()
             return self._final
 
+    def _served(self) -> None:
+        callback, self.on_first_read = self.on_first_read, None
+        if callback is not None:
+            callback()
+
     def pread(self, n: int, offset: int) -> bytes:
         """Return ``n`` bytes at ``offset`` once they have landed."""
-        return os.pread(self._wait(offset, offset + n), n, offset)
+        data = os.pread(self._wait(offset, offset + n), n, offset)
+        self._served()
+        return data
 
     def preadv(self, buffers: list[memoryview], offset: int) -> int:
         """Fill ``buffers`` in order from ``offset`` once their span has landed; return the bytes read."""
         total = sum(len(b) for b in buffers)
-        return os.preadv(self._wait(offset, offset + total), buffers, offset)
+        done = os.preadv(self._wait(offset, offset + total), buffers, offset)
+        self._served()
+        return done
 
     def close(self) -> None:
         """Wait for the download to end (bounded by its retries), then close the descriptors.

@@ -63,7 +63,7 @@ from .admission import Admission
 from .base import Storage
 from .cache import DEFAULT_WAIT_TIMEOUT, CacheStats, Pin, ShardCache
 from .cachedir import dataset_cache_key, default_cache_dir
-from .parts import FIRST_PART, Landing
+from .parts import FIRST_PART, Landing, merge_range
 from .readahead import AheadDepth, AheadStats, ReadAhead
 from .retry import RetryPolicy
 from .transport import RemoteFiles
@@ -92,8 +92,24 @@ DEFAULT_CACHE_FRACTION = 0.5
 DOWNLOAD_REFETCHES = 1
 #: The "generation" of a file handed out by acquire_early (its parts, before its hash was checked).
 _EARLY = "\0early"
+#: Seconds read-ahead waits at most for a reader's first bytes of a cold shard to be served.
+_FIRST_READ_HOLD = 1.0
 #: Cache directories whose default bound this process logged already.
 _LOGGED_DEFAULTS: set[str] = set()
+
+
+class _Shown:
+    """The ranges of one download attempt written so far, shown to the other processes (see _downloader)."""
+
+    def __init__(self, cache: ShardCache, name: str, part: str, attempt: int) -> None:
+        self._cache, self._name, self._part, self._attempt = cache, name, part, attempt
+        self._landed: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+
+    def land(self, start: int, end: int) -> None:
+        with self._lock:
+            self._landed = merge_range(self._landed, start, end)
+            self._cache.publish_landing(self._name, self._part, self._attempt, self._landed)
 
 
 class RemoteStorage(Storage):
@@ -163,6 +179,11 @@ class RemoteStorage(Storage):
         self._stale: set[str] = set()  # pinned here, but discarded: the next acquire fetches again
         self._landings: dict[str, Landing] = {}  # name -> the download acquire_early last handed out
         self._early: list[threading.Thread] = []  # their download threads: close() lets them finish
+        # Set unless a reader waits for the first bytes of a cold shard (acquire_early): until
+        # they are served, read-ahead starts nothing (bounded by _FIRST_READ_HOLD), so the
+        # first batch's bytes do not share the link with other shards' parts.
+        self._first_read = threading.Event()
+        self._first_read.set()
         self._ahead = ReadAhead(self.read_ahead, self._fetch_ahead)
         self._depth = AheadDepth(self.read_ahead)
         self._blocked = 0.0  # seconds this process's acquires waited for a file to arrive
@@ -370,6 +391,8 @@ class RemoteStorage(Storage):
         self._check_fits(entry)
         pin = self.cache.pin(entry.name)
         landing = Landing(entry.name, entry.num_bytes)
+        self._first_read.clear()
+        landing.on_first_read = self._first_read.set
         with self._lock:
             self._pins[entry.name] = (pin, 1)
             self._served[entry.name] = _EARLY
@@ -386,6 +409,8 @@ class RemoteStorage(Storage):
         except BaseException as exc:  # noqa: BLE001 - the reader meets it at its next read
             landing.fail(exc)
             return
+        finally:
+            self._first_read.set()
         landing.finish(path)
 
     def _fill(self, entry: FileEntry, landing: Landing | None = None) -> str:
@@ -401,7 +426,8 @@ class RemoteStorage(Storage):
             entry = self._versioned(entry)
             for attempt in range(1 + DOWNLOAD_REFETCHES):
                 try:
-                    path = self.cache.fill(entry, self._downloader(entry, landing), on_wait=starve)
+                    follow = None if landing is None else self._follower(entry, landing)
+                    path = self.cache.fill(entry, self._downloader(entry, landing), on_wait=starve, follow=follow)
                     break
                 except CorruptShardError as exc:
                     if attempt == DOWNLOAD_REFETCHES:
@@ -510,6 +536,7 @@ class RemoteStorage(Storage):
         self._ahead.want(wanted, held)
 
     def _fetch_ahead(self, entry: FileEntry, cancelled: Callable[[], bool]) -> None:
+        self._first_read.wait(_FIRST_READ_HOLD)  # the first batch's bytes first (see _init_process_state)
         if cancelled():
             return
         pin = self.cache.pin(entry.name)
@@ -527,25 +554,70 @@ class RemoteStorage(Storage):
     def _downloader(
         self, entry: FileEntry, landing: Landing | None = None, *, urgent: bool = True
     ) -> Callable[[str, Callable[[], bool]], None]:
+        """What :meth:`ShardCache.fill` calls to download ``entry`` into a part file (once per attempt).
+
+        The bytes written are handed to ``landing`` (a reader of this process) and shown
+        to the other processes of the machine (:meth:`ShardCache.publish_landing`).
+        """
+        attempts = 0
+
         def download(part: str, cancelled: Callable[[], bool]) -> None:
+            nonlocal attempts
+            attempts += 1
             began = time.monotonic()
             if landing is not None:
                 landing.begin(part)
-            done = self._remote.download(
-                entry.name,
-                part,
-                cancelled,
-                self._stop,
-                max_bytes=entry.num_bytes,
-                landed=None if landing is None else landing.land,
-                first_part=None if landing is None else FIRST_PART,
-                urgent=urgent,
-            )
+            shown = _Shown(self.cache, entry.name, part, attempts)
+
+            def landed(start: int, end: int) -> None:
+                if landing is not None:
+                    landing.land(start, end)
+                shown.land(start, end)
+
+            try:
+                done = self._remote.download(
+                    entry.name,
+                    part,
+                    cancelled,
+                    self._stop,
+                    max_bytes=entry.num_bytes,
+                    landed=landed,
+                    first_part=None if landing is None else FIRST_PART,
+                    urgent=urgent,
+                )
+            finally:
+                self.cache.clear_landing(entry.name)
             if done == entry.num_bytes and not cancelled():
                 with self._lock:
                     self._depth.observe_fetch(entry.num_bytes, time.monotonic() - began)
 
         return download
+
+    def _follower(self, entry: FileEntry, landing: Landing) -> Callable[[], None]:
+        """While another process downloads ``entry``: hand what it shows as landed to ``landing``.
+
+        So a reader whose first shard another worker of the machine is downloading reads
+        its samples as they land there, not after the whole file (each checked by its own
+        digest as always).
+        """
+        seen: tuple[str, int] | None = None
+
+        def follow() -> None:
+            nonlocal seen
+            shown = self.cache.read_landing(entry.name)
+            if shown is None:
+                return
+            part, attempt, ranges = shown
+            if (part, attempt) != seen:
+                try:
+                    landing.begin(part)
+                except OSError:
+                    return  # renamed into place or gone: the wait for the lock ends soon
+                seen = (part, attempt)
+            for start, end in ranges:
+                landing.land(start, end)
+
+        return follow
 
     def close(self) -> None:
         """Stop read-ahead (in-flight downloads stop at their next chunk) and drop all pins.

@@ -266,8 +266,9 @@ class RemoteFiles:
 
         ``landed(start, end)`` is called as bytes are written (a reader may read them
         before the file is complete): each chunk as it arrives on the direct S3 path
-        (:mod:`.s3direct`), each whole part through fsspec, where ``first_part`` bounds
-        the first part's size so that the file's first bytes land early. A download a
+        (:mod:`.s3direct`), each whole part through fsspec. With ``first_part``, the
+        file's first bytes come as several small parts at once (see
+        :meth:`~.parts.PartPlanner.parts`), so that they land early. A download a
         reader waits for is ``urgent``: its parts take the process's free GET slots
         before those of read-ahead (see :class:`~.parts.PartSlots`).
 
@@ -280,8 +281,6 @@ class RemoteFiles:
         the byte where it stopped.
         """
         if max_bytes is not None and protocol_of(self.url) not in ("http", "https"):
-            if self.direct is not None:
-                first_part = None  # the first part's first chunk lands as soon as it arrives
             return self._download_parts(name, part, max_bytes, cancelled, stop, landed, first_part, urgent)
         return self._download_stream(name, part, cancelled, stop, max_bytes)
 
