@@ -266,7 +266,9 @@ def _rank(
     """One rank: two epochs with two forked DataLoader workers; rank 0 records the bytes sent after each."""
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     try:
-        ds = StreamingDataset(url, storage_options=options, cache_dir=cache, shuffle=True, seed=7, transform=_key)
+        ds = StreamingDataset(
+            url, storage=StorageConfig(storage_options=options, cache_dir=cache), shuffle=True, seed=7, transform=_key
+        )
         loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
         lines = []
         for epoch in (0, 1):

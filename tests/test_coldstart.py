@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
-from streamload import DatasetWriter, StreamingDataset
+from streamload import DatasetWriter, StorageConfig, StreamingDataset
 from streamload.batch import RawCollate
 from tests.faults import Fault, FaultyS3
 from tests.s3server import SeaweedS3
@@ -59,10 +59,9 @@ def test_a_cold_cached_start_asks_for_the_manifest_a_shard_and_its_sidecar(
     before = Counter(faulty_s3.proxy.requests)
     ds = StreamingDataset(
         dataset,
-        storage_options=faulty_s3.storage_options(),
-        cache_dir=str(tmp_path),
-        cache="shards",
-        read_ahead=0,
+        storage=StorageConfig(
+            storage_options=faulty_s3.storage_options(), cache_dir=str(tmp_path), cache="shards", read_ahead=0
+        ),
         batch_size=16,
         collate=RawCollate(field="bin"),
     )
@@ -80,10 +79,9 @@ def test_read_ahead_yields_to_the_readers_own_download(faulty_s3: FaultyS3, data
     faulty_s3.inject(Fault("stall", match="shard-000000.tar", at=100, seconds=1.0))
     ds = StreamingDataset(
         dataset,
-        storage_options=faulty_s3.storage_options(),
-        cache_dir=str(tmp_path),
-        cache="shards",
-        read_ahead=2,
+        storage=StorageConfig(
+            storage_options=faulty_s3.storage_options(), cache_dir=str(tmp_path), cache="shards", read_ahead=2
+        ),
         batch_size=16,
         collate=RawCollate(field="bin"),
     )
@@ -115,10 +113,9 @@ def test_a_batch_from_a_partly_downloaded_shard_equals_the_batch_from_the_finish
     def open_ds(cache: Path) -> Any:
         return StreamingDataset(
             url,
-            storage_options=faulty_s3.storage_options(),
-            cache_dir=str(cache),
-            cache="shards",
-            read_ahead=0,
+            storage=StorageConfig(
+                storage_options=faulty_s3.storage_options(), cache_dir=str(cache), cache="shards", read_ahead=0
+            ),
             batch_size=16,
             collate=RawCollate(field="bin"),
         )
