@@ -137,7 +137,7 @@ def _largest_sidecar(manifest: Manifest) -> int:
     return max((s.sidecar.num_bytes for s in manifest.shards if s.sidecar is not None), default=0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class StorageConfig:
     """How a dataset's files are reached: fsspec options, the local cache, read-ahead and streaming.
 
@@ -180,24 +180,32 @@ class StorageConfig:
         20000000000
     """
 
-    storage_options: Mapping[str, Any] | None = None
-    cache_dir: str | None = None
-    cache_limit: int | str | None = None
-    read_ahead: int | None = None
-    cache: CacheMode | None = None
-    stream_buffer: int | None = None
+    storage_options: Mapping[str, Any] | None
+    cache_dir: str | None
+    cache_limit: int | str | None
+    read_ahead: int | None
+    cache: CacheMode | None
+    stream_buffer: int | None
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | float | str | None = None,
+        read_ahead: int | None = None,
+        cache: CacheMode | None = None,
+        stream_buffer: int | str | None = None,
+    ) -> None:
         checked: dict[str, Any] = {
-            "storage_options": check_storage_options(self.storage_options),
-            "cache_dir": check_cache_dir(self.cache_dir),
-            "cache_limit": parse_cache_limit(self.cache_limit),
-            "read_ahead": check_read_ahead(self.read_ahead),
-            "cache": None if self.cache is None else parse_cache_mode(self.cache),
-            "stream_buffer": parse_stream_buffer(self.stream_buffer),
+            "storage_options": check_storage_options(storage_options),
+            "cache_dir": check_cache_dir(cache_dir),
+            "cache_limit": parse_cache_limit(cache_limit),
+            "read_ahead": check_read_ahead(read_ahead),
+            "cache": None if cache is None else parse_cache_mode(cache),
+            "stream_buffer": parse_stream_buffer(stream_buffer),
         }
         for name, value in checked.items():
-            object.__setattr__(self, name, value)
+            object.__setattr__(self, name, value)  # frozen: set once, here
 
     @property
     def options(self) -> dict[str, Any]:
