@@ -455,7 +455,7 @@ def _log_auto(url: str, why: str) -> None:
         _LOGGED_AUTO.add(url)
         log.info(
             '%s: cache="auto" streams samples by ranged GETs (only sidecars are cached): %s; '
-            'pass cache="shards" to cache whole shards anyway',
+            'pass storage=StorageConfig(cache="shards") to cache whole shards anyway',
             url,
             why,
         )
