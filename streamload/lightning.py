@@ -147,7 +147,7 @@ class StreamingDataModule(pl.LightningDataModule):
         options = dict(dataset_options or {})
         old = {name: options.pop(name) for name in STORAGE_KEYWORDS if name in options}
         #: The storage settings of every split (``None``: the defaults).
-        self.storage = storage_config("StreamingDataModule(dataset_options=...)", storage, old)
+        self.storage = storage_config("StreamingDataModule", storage, old)
         #: Each split's source: a URL, a stream or a list of streams (``None``: no such split).
         self.urls: dict[str, StreamSource | None] = {"train": train, "val": val, "test": test}
         self.epoch_size = epoch_size
