@@ -241,7 +241,7 @@ class CacheKeywords(TypedDict, total=False):
 
     storage_options: Mapping[str, Any] | None
     cache_dir: str | os.PathLike[str] | None
-    cache_limit: int | str | None
+    cache_limit: int | float | str | None
     read_ahead: int | None
 
 

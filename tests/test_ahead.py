@@ -154,7 +154,12 @@ def _read_shards(ref: DatasetRef, storage: RemoteStorage, per_shard: float) -> t
 
 
 def _ref(url: str, shaped: ShapedS3, cache: Path, limit: int | str, read_ahead: int) -> DatasetRef:
-    return DatasetRef.open(url, StorageConfig(shaped.storage_options(), str(cache), limit, read_ahead))
+    return DatasetRef.open(
+        url,
+        StorageConfig(
+            storage_options=shaped.storage_options(), cache_dir=cache, cache_limit=limit, read_ahead=read_ahead
+        ),
+    )
 
 
 @pytest.mark.slow
