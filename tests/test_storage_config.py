@@ -225,3 +225,14 @@ def test_an_old_keyword_is_checked_like_the_field(local: str) -> None:
         assert StreamingDataset(local, cache_dir=None, cache=None).storage == StorageConfig(cache="auto")
     with pytest.raises(TypeError, match="unexpected keyword argument 'cache_size'"):
         StreamingDataset(local, cache_size=3)  # type: ignore[call-arg]
+
+
+def test_each_setting_is_checked_in_one_place() -> None:
+    """``cache``, ``stream_buffer``, ``cache_limit`` and ``on_error`` of a reader: one check each, in the package."""
+    root = Path(__file__).resolve().parent.parent / "streamload"
+    sources = {p: p.read_text(encoding="utf-8") for p in root.rglob("*.py") if "converters" not in p.parts}
+    for check in ("parse_cache_mode(", "parse_stream_buffer(", "check_storage_options(", "check_cache_dir("):
+        calls = [str(p.relative_to(root)) for p, text in sources.items() for _ in range(text.count(check))]
+        assert calls == ["_validate.py", "shards.py"], (check, calls)  # its definition, and StorageConfig
+    on_error = [str(p.relative_to(root)) for p, text in sources.items() if "must be 'raise' or 'skip'" in text]
+    assert on_error == ["_validate.py"]  # dataset_args
