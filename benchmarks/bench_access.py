@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from streamload import ShardedDataset
+from streamload import ShardedDataset, StorageConfig
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 PAYLOAD = 16 * 1024
@@ -80,7 +80,7 @@ def main() -> None:
         print(f"{'dataset':<28} {'open_readers':>12} {'ds[i]':>12} {'ds.get(key)':>12} {'key index':>10}")
         for name, url in sources.items():
             for readers in sorted({8, 64, shards}):
-                ds = ShardedDataset(url, cache_dir=cache, open_readers=readers)
+                ds = ShardedDataset(url, storage=StorageConfig(cache_dir=cache), open_readers=readers)
                 for i in range(0, args.samples, PER_SHARD):  # fill the shard cache (remote), warm the pages
                     ds[i]
                 keys = [ds.key_of(i) for i in indices]

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from torch.utils.data import DataLoader  # noqa: E402
 
-from streamload import DatasetWriter, StreamingDataset  # noqa: E402
+from streamload import DatasetWriter, StorageConfig, StreamingDataset  # noqa: E402
 from streamload.storage import readahead  # noqa: E402
 from tests.s3server import SeaweedS3  # noqa: E402
 from tests.shaping import ShapingProxy, upstream_of  # noqa: E402
@@ -59,7 +59,10 @@ def one_pass(
 ) -> dict[str, float]:
     """One cold epoch: samples/s over the whole pass and seconds to the first batch."""
     shutil.rmtree(cache, ignore_errors=True)
-    ds = StreamingDataset(url, storage_options=options, cache_dir=str(cache), cache_limit="unbounded", read_ahead=cap)
+    ds = StreamingDataset(
+        url,
+        storage=StorageConfig(storage_options=options, cache_dir=str(cache), cache_limit="unbounded", read_ahead=cap),
+    )
     loader = DataLoader(ds, batch_size=batch, num_workers=workers, multiprocessing_context="fork")
     started = time.perf_counter()
     first = 0.0

@@ -98,7 +98,7 @@ def child(spec: dict[str, Any]) -> None:
     """One rank: read an epoch through a DataLoader, print samples, seconds and the first batch's time."""
     from torch.utils.data import DataLoader
 
-    from streamload import StreamingDataset
+    from streamload import StorageConfig, StreamingDataset
     from streamload.batch import RawCollate
     from streamload.decode import DecodeBatch
 
@@ -111,9 +111,11 @@ def child(spec: dict[str, Any]) -> None:
         collate=collate,
         rank=spec["rank"],
         world_size=spec["world_size"],
-        storage_options=spec.get("options"),
-        cache_dir=spec.get("cache"),
-        read_ahead=int(os.environ["READ_AHEAD"]) if os.environ.get("READ_AHEAD") else None,
+        storage=StorageConfig(
+            storage_options=spec.get("options"),
+            cache_dir=spec.get("cache"),
+            read_ahead=int(os.environ["READ_AHEAD"]) if os.environ.get("READ_AHEAD") else None,
+        ),
         **spec["rule"],
     )
     loader = DataLoader(

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ import torch
 from _data import OUT, folder_items, image_folder
 from torch.utils.data import DataLoader
 
-from streamload import StreamingDataset
+from streamload import StorageConfig, StreamingDataset
 from streamload.batch import RawCollate
 from streamload.decode import DecodeBatch, ImageDecoder
 
@@ -86,11 +87,11 @@ def converted(parquet: str) -> str:
 SHUFFLE = False
 
 
-def streamload_loader(url: str, mode: str, workers: int, **remote: Any) -> DataLoader[Any]:
+def streamload_loader(url: str, mode: str, workers: int, storage: StorageConfig | None = None) -> DataLoader[Any]:
     collate: Any = RawCollate() if mode == "bytes" else DecodeBatch(224)
-    if "cache" in remote:  # a cold cache for every epoch
-        remote["cache_dir"] = tempfile.mkdtemp(prefix="bench-parquet-cache-", dir=OUT)
-    ds = StreamingDataset(url, batch_size=BATCH, collate=collate, shuffle=SHUFFLE, seed=0, **remote)
+    if storage is not None:  # a cold cache for every epoch
+        storage = replace(storage, cache_dir=tempfile.mkdtemp(prefix="bench-parquet-cache-", dir=OUT))
+    ds = StreamingDataset(url, batch_size=BATCH, collate=collate, shuffle=SHUFFLE, seed=0, storage=storage)
     return DataLoader(ds, batch_size=None, num_workers=workers)
 
 
@@ -186,12 +187,13 @@ def main() -> None:
         stop = [proxy, server]
         names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(parquet, "train-*.parquet")))
         remote_files = [f"{pq_url}/{n}" for n in names]
-        so = {"storage_options": shaped}
+        stream = StorageConfig(storage_options=shaped, cache="none")
+        cached = StorageConfig(storage_options=shaped, cache="shards")
         readers = {
-            "streamload parquet, cache=none": lambda m, w: streamload_loader(pq_url, m, w, cache="none", **so),
-            "streamload parquet, cold cache": lambda m, w: streamload_loader(pq_url, m, w, cache="shards", **so),
-            "streamload tar, cache=none": lambda m, w: streamload_loader(tar_url, m, w, cache="none", **so),
-            "streamload tar, cold cache": lambda m, w: streamload_loader(tar_url, m, w, cache="shards", **so),
+            "streamload parquet, cache=none": lambda m, w: streamload_loader(pq_url, m, w, stream),
+            "streamload parquet, cold cache": lambda m, w: streamload_loader(pq_url, m, w, cached),
+            "streamload tar, cache=none": lambda m, w: streamload_loader(tar_url, m, w, stream),
+            "streamload tar, cold cache": lambda m, w: streamload_loader(tar_url, m, w, cached),
             "HF datasets streaming": lambda m, w: hf_loader(
                 "", m, w, files=remote_files, storage_options=copy.deepcopy(shaped)
             ),

@@ -30,8 +30,8 @@ What one run does:
 
 Loaders: ``streamload local`` (the tar shards on local disk, page cache warm: the
 reference of the ``x local`` column), ``streamload`` (from the bucket through its shard
-cache), ``streamload stream`` (only when ``StreamingDataset`` takes ``cache=``: no shard
-cache), ``mosaicml`` and ``litdata`` (run by the peers venv's Python; MosaicML finds the
+cache), ``streamload stream`` (``StorageConfig(cache="none")``: no shard cache),
+``mosaicml`` and ``litdata`` (run by the peers venv's Python; MosaicML finds the
 endpoint in ``S3_ENDPOINT_URL``, LitData in ``storage_options``; LitData 0.2's obstore
 path needs ``allow_http`` for a plain-HTTP endpoint, set in its process).
 
@@ -125,17 +125,16 @@ class SampleCollate:
 def _streamload_loader(spec: dict[str, Any]) -> tuple[Iterable[Any], str]:
     from torch.utils.data import DataLoader
 
-    from streamload import StreamingDataset
+    from streamload import StorageConfig, StreamingDataset
     from streamload.batch import RawCollate
     from streamload.decode import DecodeBatch
 
     kwargs: dict[str, Any] = {}
     if spec["source"] != "local":
-        kwargs.update(storage_options=spec["storage_options"], cache_dir=spec["cache_dir"])
-        if spec["variant"].startswith("stream"):
-            kwargs["cache"] = "none"
-        elif stream_mode_available():
-            kwargs["cache"] = "shards"  # the cached rows cache whole shards, whatever "auto" would pick
+        # The cached rows cache whole shards, whatever "auto" would pick.
+        cache = "none" if spec["variant"].startswith("stream") else "shards"
+        options, cache_dir = spec["storage_options"], spec["cache_dir"]
+        kwargs["storage"] = StorageConfig(storage_options=options, cache_dir=cache_dir, cache=cache)
     batch, workers = spec["batch"], spec["workers"]
     common: dict[str, Any] = {"num_workers": workers}
     if workers:
@@ -518,10 +517,11 @@ def raw_read_rate(folder: Path, repeats: int = 3) -> float:
 
 
 def stream_mode_available() -> bool:
-    """True when ``StreamingDataset`` has the no-shard-cache mode (a ``cache=`` argument)."""
+    """True when ``StreamingDataset`` has the no-shard-cache mode (``StorageConfig(cache=)``, once ``cache=``)."""
     from streamload import StreamingDataset
 
-    return "cache" in inspect.signature(StreamingDataset).parameters
+    parameters = inspect.signature(StreamingDataset).parameters
+    return "storage" in parameters or "cache" in parameters
 
 
 def gets_of(metrics: dict[str, float]) -> float:

@@ -27,10 +27,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from streamload.converters import ConvertOptions, ImageFolderSource, convert  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from streamload import StreamingDataset  # noqa: E402
+from streamload import StorageConfig, StreamingDataset  # noqa: E402
+from streamload.converters import ConvertOptions, ImageFolderSource, convert  # noqa: E402
 from streamload.synthetic import make_image_folder  # noqa: E402
 from tests.s3server import SeaweedS3  # noqa: E402
 
@@ -86,9 +86,10 @@ def main() -> None:
                 best["local"] = max(best["local"], n / s)
                 cache = work / "cache"
                 shutil.rmtree(cache, ignore_errors=True)
-                n, s = read_all(url, workers, storage_options=server.storage_options(), cache_dir=str(cache))
+                storage = StorageConfig(storage_options=server.storage_options(), cache_dir=str(cache))
+                n, s = read_all(url, workers, storage=storage)
                 best["s3 cold"] = max(best["s3 cold"], n / s)
-                n, s = read_all(url, workers, storage_options=server.storage_options(), cache_dir=str(cache))
+                n, s = read_all(url, workers, storage=storage)
                 best["s3 warm"] = max(best["s3 warm"], n / s)
             for source, rate in best.items():
                 rows.append({"source": source, "workers": workers, "samples_per_s": round(rate)})

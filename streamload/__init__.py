@@ -28,6 +28,7 @@ from .dataset import SkipCounts, StreamingDataset
 from .decode import ImageLabel, decode_sample
 from .manifest import Manifest, ShardEntry
 from .randomness import sample_generator, sample_seed
+from .shards import StorageConfig
 from .streams import Stream
 from .writer import DatasetWriter
 
@@ -54,6 +55,7 @@ __all__ = [
     "ShardedDataset",
     "SkipCounts",
     "SourceError",
+    "StorageConfig",
     "StorageError",
     "Stream",
     "StreamingDataset",

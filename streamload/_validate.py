@@ -18,7 +18,7 @@ import operator
 import os
 import warnings
 from collections.abc import Mapping
-from typing import Any, SupportsIndex, cast
+from typing import Any, NamedTuple, SupportsIndex, cast
 
 from ._errors import ConfigError, PlanError
 from ._units import parse_bytes
@@ -30,7 +30,10 @@ __all__ = [
     "DatasetArgs",
     "check_int",
     "check_epoch",
+    "check_cache_dir",
+    "check_read_ahead",
     "check_samples_seen",
+    "check_storage_options",
     "dataset_args",
     "warn_remote_only",
     "parse_cache_limit",
@@ -155,20 +158,61 @@ def parse_stream_buffer(value: object) -> int | None:
     return size
 
 
-#: ``shuffle, seed, drop_last, shuffle_window, batch_size, rank, world_size, read_ahead``, normalized.
-DatasetArgs = tuple[bool, int, bool, "int | None", "int | None", "int | None", "int | None", "int | None"]
+def check_storage_options(value: object) -> dict[str, Any] | None:
+    """Return a copy of ``storage_options`` (fsspec options), or ``None``.
+
+    Raises:
+        ConfigError: If it is not a mapping.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"storage_options={value!r} must be a mapping (a dict of fsspec options) or None")
+    return dict(value)
+
+
+def check_cache_dir(value: object) -> str | None:
+    """Return ``cache_dir`` as a ``str`` (a path or ``os.PathLike``), or ``None``.
+
+    Raises:
+        ConfigError: If it is not a path.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"cache_dir={value!r} must be a path or None")
+    return os.fspath(value)
+
+
+def check_read_ahead(value: object) -> int | None:
+    """Return ``read_ahead`` (``None``, or an int in ``[0, MAX_READ_AHEAD]``).
+
+    Raises:
+        ConfigError: If it is not an integer or out of range.
+    """
+    return _optional_int("read_ahead", value, low=0, high=MAX_READ_AHEAD)
+
+
+class DatasetArgs(NamedTuple):
+    """The checked arguments of ``StreamingDataset.__init__``, numbers as plain ``int``."""
+
+    shuffle: bool
+    seed: int
+    drop_last: bool
+    shuffle_window: int | None
+    batch_size: int | None
+    partitions: int | None
+    rank: int | None
+    world_size: int | None
+    on_error: str
 
 
 def dataset_args(args: Mapping[str, Any]) -> DatasetArgs:
     """Check the arguments of ``StreamingDataset.__init__`` (its ``locals()``); return the normalized ones.
 
     Only the names this module knows are looked at, so a new argument is simply not
-    checked here. (:func:`warn_remote_only` warns, once the dataset is open, about options
-    that only matter for a remote dataset given for a local one.)
-
-    Returns:
-        ``shuffle, seed, drop_last, shuffle_window, batch_size, rank, world_size,
-        read_ahead``, numbers as plain ``int`` (numpy integers are accepted).
+    checked here. The storage settings are checked by their own object
+    (:class:`~streamload.StorageConfig`), once, when it is made.
 
     Raises:
         ConfigError: Naming the first bad argument and its value.
@@ -178,39 +222,32 @@ def dataset_args(args: Mapping[str, Any]) -> DatasetArgs:
     drop_last = _check_bool("drop_last", args.get("drop_last", False))
     window = _optional_int("shuffle_window", args.get("shuffle_window"), low=1)
     batch_size = _optional_int("batch_size", args.get("batch_size"), low=1)
+    partitions = check_partitions(args.get("partitions"))
     rank = _optional_int("rank", args.get("rank"), low=0)
     world_size = _optional_int("world_size", args.get("world_size"), low=1)
     if rank is not None and world_size is not None and rank >= world_size:
         raise ConfigError(f"rank={rank} must be < world_size={world_size}")
-    read_ahead = _optional_int("read_ahead", args.get("read_ahead"), low=0, high=MAX_READ_AHEAD)
     _check_callable("transform", args.get("transform"))
     _check_callable("collate", args.get("collate"))
     on_error = args.get("on_error", "raise")
     if on_error not in ("raise", "skip"):
         raise ConfigError(f"on_error={on_error!r} must be 'raise' or 'skip'")
-    options = args.get("storage_options")
-    if options is not None and not isinstance(options, Mapping):
-        raise ConfigError(f"storage_options={options!r} must be a mapping (a dict of fsspec options) or None")
-    cache_dir = args.get("cache_dir")
-    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
-        raise ConfigError(f"cache_dir={cache_dir!r} must be a path or None")
-    parse_cache_limit(args.get("cache_limit"))
-    parse_cache_mode(args.get("cache", "auto"))
-    parse_stream_buffer(args.get("stream_buffer"))
-    return shuffle, seed, drop_last, window, batch_size, rank, world_size, read_ahead
+    return DatasetArgs(shuffle, seed, drop_last, window, batch_size, partitions, rank, world_size, on_error)
 
 
-def warn_remote_only(args: Mapping[str, Any], data_url: str) -> None:
-    """Warn about options given for a local dataset that only a remote one uses.
+def warn_remote_only(source: object, settings: Mapping[str, Any], data_url: str) -> None:
+    """Warn about storage settings given for a local dataset that only a remote one uses.
 
-    ``data_url`` is where the dataset's files are (an index kept apart from its files may
-    name remote ones: then the options apply).
+    Args:
+        source: What the dataset was given (only a local path or URL is warned about).
+        settings: The storage settings by name (their unset ones ``None``).
+        data_url: Where the dataset's files are (an index kept apart from its files may
+            name remote ones: then the settings apply).
     """
-    source = args.get("source")
     if not isinstance(source, (str, os.PathLike)) or not _is_local(os.fspath(source)) or not _is_local(data_url):
         return
     for name in _REMOTE_ONLY:
-        value = args.get(name)
+        value = settings.get(name)
         if value is not None and not (name == "storage_options" and not value):
             warnings.warn(
                 f"{name}={value!r} does nothing for the local dataset {os.fspath(source)!r}: "

@@ -2,7 +2,7 @@
 
 ::
 
-    ds = ShardedDataset("s3://bucket/train", storage_options=...)
+    ds = ShardedDataset("s3://bucket/train", storage=StorageConfig(storage_options=...))
     len(ds); ds[0]; ds[-1]; ds[10:20]          # samples by global index (a slice is a lazy view)
     ds.get("n01440764/n01440764_10026")        # by key, through the key index
     DataLoader(ds, sampler=DistributedSampler(ds), num_workers=8)
@@ -34,8 +34,9 @@ import logging
 import operator
 import os
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal, overload
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 import torch.utils.data
@@ -45,8 +46,11 @@ from ._errors import ConfigError, SampleNotFoundError, StreamloadError
 from .formats import Sample
 from .manifest import Manifest
 from .plan import Run
-from .shards import DatasetRef, ShardSource, StorageConfig
+from .shards import CACHE_KEYWORDS, CacheKeywords, DatasetRef, ShardSource, StorageConfig, storage_config
 from .storage import Storage, is_local, local_path_of
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11 (only read by type checkers here)
 
 __all__ = ["KeyIndex", "SampleView", "ShardedDataset"]
 
@@ -133,10 +137,14 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
     Args:
         source: Dataset directory or URL prefix holding ``index.json``.
         transform: Function applied to each sample dict (e.g. :class:`~streamload.ImageLabel`).
-        storage_options: Passed to fsspec for remote URLs.
-        cache_dir: Local cache directory of remote shards, and of the key index.
-        cache_limit: Cache size bound of remote shards (bytes or ``"20GB"``).
-        read_ahead: Shards downloaded ahead while the key index is built (remote URLs).
+        storage: How the files are reached (a :class:`~streamload.StorageConfig`): fsspec
+            options, the cache of remote shards (its ``cache_dir`` also holds the key
+            index), its bound, and ``read_ahead`` (shards downloaded ahead while the key
+            index is built). Random access reads whole shards through the cache:
+            ``cache`` may be ``"shards"`` or ``"auto"`` (the same here), not ``"none"``;
+            ``stream_buffer`` does not apply. The keywords ``storage_options=``,
+            ``cache_dir=``, ``cache_limit=`` and ``read_ahead=`` are deprecated (a
+            ``DeprecationWarning``; they go in the next release).
         open_readers: Shard readers each process keeps open (least recently used closed first).
         key_index: ``"disk"``: keep the key index in a file under ``<cache_dir>/keys/``,
             shared by every process of the machine; ``"memory"``: build it per process.
@@ -155,24 +163,29 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
         source: str | os.PathLike[str],
         *,
         transform: Callable[[Sample], Any] | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        cache_dir: str | None = None,
-        cache_limit: int | str | None = None,
-        read_ahead: int | None = None,
+        storage: StorageConfig | None = None,
         open_readers: int = DEFAULT_OPEN_READERS,
         key_index: KeyIndexMode = "disk",
+        **deprecated: Unpack[CacheKeywords],
     ) -> None:
+        config = storage_config("ShardedDataset", storage, deprecated, accepted=CACHE_KEYWORDS)
+        config = config or StorageConfig()
+        if config.cache == "none":
+            raise ConfigError(
+                "ShardedDataset reads whole shards through the cache: cache='none' (streaming) is for "
+                "StreamingDataset; use cache='shards' or 'auto'"
+            )
         if open_readers < 1:
             raise ConfigError(f"{open_readers=} must be >= 1")
         if key_index not in ("disk", "memory"):
             raise ConfigError(f"key_index={key_index!r} must be 'disk' or 'memory'")
         self.source = str(source)
         self.transform = transform
-        self.cache_dir = cache_dir
         self.open_readers = open_readers
         self.key_index_mode: KeyIndexMode = key_index
-        config = StorageConfig(dict(storage_options or {}), cache_dir, cache_limit, read_ahead)
-        self.ref = DatasetRef.open(self.source, config)
+        #: How the files are reached (``cache`` is ``"shards"``).
+        self.storage: StorageConfig = replace(config, cache="shards")
+        self.ref = DatasetRef.open(self.source, self.storage)
         self.manifest: Manifest = self.ref.manifest
         #: Global index of each shard's first sample; the last entry is the sample count.
         self.starts = np.concatenate([[0], np.cumsum(self.manifest.shard_counts, dtype=np.int64)]).astype(np.int64)
@@ -300,9 +313,10 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
         from .storage.cachedir import dataset_cache_key, default_cache_dir
 
         url = os.path.abspath(local_path_of(self.source)) if is_local(self.source) else self.source
-        where = dataset_cache_key(url, self.ref.config.storage_options)
+        where = dataset_cache_key(url, self.ref.config.options)
         digest = hashlib.sha256(self.manifest.dumps()).hexdigest()[:16]
-        base = os.path.expanduser(self.cache_dir if self.cache_dir is not None else default_cache_dir())
+        cache_dir = self.storage.cache_dir
+        base = os.path.expanduser(cache_dir if cache_dir is not None else default_cache_dir())
         return os.path.join(base, "keys", f"{where}-{digest}.npy")
 
     def _build_key_index(self) -> KeyIndex:

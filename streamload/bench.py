@@ -118,8 +118,10 @@ def _loader(
     from .batch import RawCollate
     from .dataset import StreamingDataset
     from .decode import DecodeBatch
+    from .shards import StorageConfig
 
-    common: dict[str, Any] = dict(batch_size=batch_size, storage_options=storage_options, cache_dir=cache_dir)
+    storage = StorageConfig(storage_options=storage_options, cache_dir=cache_dir)
+    common: dict[str, Any] = dict(batch_size=batch_size, storage=storage)
     extra: dict[str, Any] = dict(num_workers=workers, pin_memory=pin)
     if workers:
         extra.update(prefetch_factor=prefetch, persistent_workers=True)

@@ -290,7 +290,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _load_manifest(url: str, storage_options: dict[str, Any]) -> Any:
     from .shards import DatasetRef, StorageConfig
 
-    return DatasetRef.open(url, StorageConfig(storage_options)).manifest
+    return DatasetRef.open(url, StorageConfig(storage_options=storage_options)).manifest
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -333,10 +333,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_show(args: argparse.Namespace) -> int:
     from .access import ShardedDataset
     from .sample import IMAGE_FIELDS, parse_label
+    from .shards import StorageConfig
 
-    ds = ShardedDataset(
-        args.dataset, storage_options=parse_storage_options(args.storage_option), cache_dir=args.cache_dir
-    )
+    storage = StorageConfig(storage_options=parse_storage_options(args.storage_option), cache_dir=args.cache_dir)
+    ds = ShardedDataset(args.dataset, storage=storage)
     try:
         index = ds.index_of(args.sample) if args.key or not _is_int(args.sample) else int(args.sample)
         shard, local = ds.locate(index)

@@ -31,21 +31,13 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
 from torch.utils.data import IterableDataset
 
 from ._errors import CacheError, ConfigError, CorruptShardError, PlanError, SampleError, StreamloadError
-from ._validate import (
-    check_epoch,
-    check_partitions,
-    check_samples_seen,
-    dataset_args,
-    parse_cache_mode,
-    parse_stream_buffer,
-    warn_remote_only,
-)
+from ._validate import check_epoch, check_samples_seen, dataset_args, warn_remote_only
 from .formats import Format, Sample, ShardReader
 from .manifest import Manifest, ShardEntry
 from .plan import (
@@ -60,10 +52,13 @@ from .plan import (
     samples_per_rank,
 )
 from .plan.state import EpochState, WorkerPosition
-from .shards import CacheMode, StorageConfig
+from .shards import StorageConfig, StorageKeywords, storage_config
 from .storage import Storage
 from .storage.ranges import DEFAULT_STREAM_BUFFER
 from .streams import MixedSource, Mixture, StreamSource
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11 (only read by type checkers here)
 
 __all__ = ["SkipCounts", "StreamingDataset"]
 
@@ -130,28 +125,14 @@ class StreamingDataset(IterableDataset[Any]):
             straight from the shards) or :class:`streamload.decode.DecodeBatch`.
         rank: Override the detected rank (default: torch.distributed, then ``RANK``).
         world_size: Override the detected world size.
-        storage_options: Passed to fsspec for remote URLs (credentials, endpoint...).
-        cache_dir: Local cache directory for remote shards.
-        cache_limit: Cache size bound, bytes or a string like ``"20GB"`` (remote URLs;
-            at least twice the largest shard; default: half of the space the cache could
-            use, logged once; ``"unbounded"`` for no bound).
-        read_ahead: At most this many shards each worker downloads ahead of its reads
-            in background threads (remote URLs, cached mode; default 8; the depth adapts
-            to the measured download and reading times within it and the cache room;
-            0 turns read-ahead off).
-        cache: How a remote dataset's shards are read. ``"shards"``: each shard is
-            downloaded whole into the cache, verified, and read locally. ``"none"``
-            (streaming mode, tar shards with sidecars only): only the sidecars are
-            cached; each planned batch's samples are read straight from the bucket by
-            coalesced ranged GETs, fetched several batches ahead, every sample's
-            checksum checked; no shard is ever written to disk. ``"auto"`` (default):
-            stream when the cache limit cannot hold the shards one shuffle window spans
-            for every reader of the machine (or two of the largest shards), else cache.
-            LMDB and HDF5 datasets are always cached (``"none"`` is a ``ConfigError``
-            for them). See ``docs/remote.md``.
-        stream_buffer: Streaming mode: bytes of ranges each worker fetches ahead of its
-            reads (an int or a string like ``"256MB"``; default 64 MiB). At least one
-            batch is always fetched whole.
+        storage: How the dataset's files are reached: fsspec options, the cache, read-ahead,
+            cached or streamed (a :class:`~streamload.StorageConfig`; default: none of
+            them set). Its ``cache`` defaults to ``"auto"`` here: stream when the cache
+            limit cannot hold the shards one shuffle window spans for every reader of the
+            machine (or two of the largest shards), else cache. The keywords
+            ``storage_options=``, ``cache_dir=``, ``cache_limit=``, ``read_ahead=``,
+            ``cache=`` and ``stream_buffer=`` are deprecated (a ``DeprecationWarning``;
+            they go in the next release): they are the fields of that object.
         on_error: ``"raise"`` (default): a sample or shard that fails to read or
             transform raises an error naming the dataset URL, shard, key and field.
             ``"skip"``: it is counted (:attr:`skipped_samples`, shared with the workers),
@@ -161,6 +142,8 @@ class StreamingDataset(IterableDataset[Any]):
     Example:
         >>> ds = StreamingDataset("/data/imagenet-shards", shuffle=True, seed=1)  # doctest: +SKIP
         >>> loader = torch.utils.data.DataLoader(ds, batch_size=256, num_workers=8)  # doctest: +SKIP
+        >>> remote = StreamingDataset("s3://bucket/train", shuffle=True,
+        ...                           storage=StorageConfig(cache_dir="/scratch", cache_limit="50GB"))  # doctest: +SKIP
 
     Mixtures:
         ``StreamingDataset([Stream("s3://a", weight=0.7), Stream("/data/b", weight=0.3)],
@@ -233,46 +216,35 @@ class StreamingDataset(IterableDataset[Any]):
         collate: Callable[[list[Any]], Any] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        cache_dir: str | None = None,
-        cache_limit: int | str | None = None,
-        read_ahead: int | None = None,
-        cache: CacheMode = "auto",
-        stream_buffer: int | str | None = None,
+        storage: StorageConfig | None = None,
         on_error: OnError = "raise",
+        **deprecated: Unpack[StorageKeywords],
     ) -> None:
         super().__init__()
-        args = dict(locals())
-        shuffle, seed, drop_last, shuffle_window, batch_size, rank, world_size, read_ahead = dataset_args(args)
-        if on_error not in ("raise", "skip"):
-            raise ConfigError(f"on_error={on_error!r} must be 'raise' or 'skip'")
-        self.shuffle = shuffle
-        self.seed = seed
-        self.drop_last = drop_last
-        self.shuffle_window = shuffle_window
-        self.batch_size = batch_size
-        self.partitions = partitions
+        config = storage_config("StreamingDataset", storage, deprecated) or StorageConfig()
+        args = dataset_args(locals())
+        self.shuffle = args.shuffle
+        self.seed = args.seed
+        self.drop_last = args.drop_last
+        self.shuffle_window = args.shuffle_window
+        self.batch_size = args.batch_size
+        self.partitions = args.partitions
         self.transform = transform
         self.collate = collate
-        if collate is not None and batch_size is None:
+        if collate is not None and args.batch_size is None:
             raise ConfigError(f"collate={collate!r} needs batch_size= (the batches are made in the workers)")
-        self.rank = rank
-        self.world_size = world_size
+        self.rank = args.rank
+        self.world_size = args.world_size
         self.on_error: OnError = on_error
-        self.storage_options = dict(storage_options or {})
-        self.cache_dir = cache_dir
-        self.cache_limit = cache_limit
-        self.read_ahead = read_ahead
-        self.cache: CacheMode = parse_cache_mode(cache)  # type: ignore[assignment]
-        self.stream_buffer = parse_stream_buffer(stream_buffer)
-        Split(seed=seed, window=shuffle_window, chunk=batch_size, partitions=check_partitions(partitions))
-        config = StorageConfig(self.storage_options, cache_dir, cache_limit, read_ahead, self.cache, self.stream_buffer)
+        #: How the files are reached (``cache`` settled: ``"auto"`` unless given).
+        self.storage: StorageConfig = config.with_cache("auto")
+        Split(seed=args.seed, window=args.shuffle_window, chunk=args.batch_size, partitions=args.partitions)
         #: The datasets read and each one's samples per epoch (one for a plain URL).
-        self.streams: Mixture = Mixture.open(source, epoch_size, config)
+        self.streams: Mixture = Mixture.open(source, epoch_size, self.storage)
         self.epoch_size = epoch_size
         self.source = self.streams.describe()  # the URL, or the streams' URLs and counts
         self._ref = self.streams.refs[0]
-        warn_remote_only(args, self._ref.data_url)
+        warn_remote_only(source, self.storage.settings(), self._ref.data_url)
         self.manifest: Manifest = self._ref.manifest
         self.format: Format = self._ref.format
         # Shared across fork/spawn so set_epoch() reaches persistent workers.
@@ -605,7 +577,7 @@ class StreamingDataset(IterableDataset[Any]):
         if not readers.streaming:
             yield from batches
             return
-        budget = self.stream_buffer or DEFAULT_STREAM_BUFFER
+        budget = self.storage.stream_buffer or DEFAULT_STREAM_BUFFER
         ahead: deque[tuple[list[Run], Any]] = deque()
         more = True
         try:

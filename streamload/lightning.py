@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader
 
 from ._errors import ConfigError
 from .dataset import StreamingDataset
+from .shards import STORAGE_KEYWORDS, StorageConfig, storage_config
 from .streams import StreamSource
 
 try:
@@ -100,9 +101,12 @@ class StreamingDataModule(pl.LightningDataModule):
         epoch_size: Samples per training epoch, all ranks (the training set only; see
             :class:`StreamingDataset`): subsamples or upsamples one dataset, or sets the
             size the training streams' weights share.
+        storage: How every split's files are reached (a :class:`~streamload.StorageConfig`:
+            fsspec options, cache, read-ahead, cached or streamed).
         dataset_options: Further :class:`StreamingDataset` keyword arguments for every
-            split, e.g. ``storage_options``, ``cache_dir``, ``cache_limit``, ``drop_last``,
-            ``shuffle_window``, ``partitions``, ``on_error``.
+            split, e.g. ``drop_last``, ``shuffle_window``, ``partitions``, ``on_error``.
+            Storage settings given here (``storage_options``, ``cache_dir``...) are
+            deprecated (a ``DeprecationWarning``; pass ``storage=``).
 
     Example:
         >>> dm = StreamingDataModule("shards/train", "shards/val", batch_size=64,
@@ -128,6 +132,7 @@ class StreamingDataModule(pl.LightningDataModule):
         seed: int = 0,
         loader: LoaderOptions | None = None,
         epoch_size: int | None = None,
+        storage: StorageConfig | None = None,
         dataset_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
@@ -136,9 +141,13 @@ class StreamingDataModule(pl.LightningDataModule):
         if num_workers < 0:
             raise ConfigError(f"{num_workers=} must be >= 0")
         reserved = {"shuffle", "seed", "transform", "collate", "rank", "world_size", "batch_size", "epoch_size"}
-        clash = reserved & set(dataset_options or {})
+        clash = (reserved | {"storage"}) & set(dataset_options or {})
         if clash:
             raise ConfigError(f"dataset_options may not set {sorted(clash)}; use the arguments of the same name")
+        options = dict(dataset_options or {})
+        old = {name: options.pop(name) for name in STORAGE_KEYWORDS if name in options}
+        #: The storage settings of every split (``None``: the defaults).
+        self.storage = storage_config("StreamingDataModule", storage, old)
         #: Each split's source: a URL, a stream or a list of streams (``None``: no such split).
         self.urls: dict[str, StreamSource | None] = {"train": train, "val": val, "test": test}
         self.epoch_size = epoch_size
@@ -153,7 +162,7 @@ class StreamingDataModule(pl.LightningDataModule):
             raise ConfigError("pass either collate= (batches made by the dataset) or LoaderOptions(collate_fn=)")
         self.shuffle = shuffle
         self.seed = seed
-        self.dataset_options = dict(dataset_options or {})
+        self.dataset_options = options
         self.datasets: dict[str, StreamingDataset] = {}
 
     # -- datasets --------------------------------------------------------------------
@@ -194,6 +203,7 @@ class StreamingDataModule(pl.LightningDataModule):
             batch_size=self.batch_size,  # workers take whole batches in turn: no ragged batches
             rank=rank,
             world_size=world_size,
+            storage=self.storage,
             **self.dataset_options,
         )
 

@@ -35,18 +35,28 @@ downloaded again (the same bytes would come), nor is a local dataset's own file 
 from __future__ import annotations
 
 import logging
+import os
+import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol, runtime_checkable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
 
 from ._errors import ConfigError, CorruptShardError, ManifestError, StreamloadError
 from ._files import FileEntry
 from ._units import format_bytes
-from ._validate import CACHE_MODES
+from ._validate import (
+    CACHE_MODES,
+    check_cache_dir,
+    check_read_ahead,
+    check_storage_options,
+    parse_cache_limit,
+    parse_cache_mode,
+    parse_stream_buffer,
+)
 from .formats import Format, ShardReader, get_format
 from .formats.tar import TarShardReader
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardEntry
@@ -59,15 +69,20 @@ from .storage.split import split_storage
 from .storage.transport import RemoteFiles
 
 __all__ = [
+    "CACHE_KEYWORDS",
     "CACHE_MODES",
     "CacheMode",
     "CachedCopies",
     "DatasetRef",
     "ShardSource",
+    "STORAGE_KEYWORDS",
     "StorageConfig",
+    "StorageKeywords",
+    "CacheKeywords",
     "can_stream",
     "choose_streaming",
     "load_manifest",
+    "storage_config",
 ]
 
 log = logging.getLogger("streamload")
@@ -122,32 +137,167 @@ def _largest_sidecar(manifest: Manifest) -> int:
     return max((s.sidecar.num_bytes for s in manifest.shards if s.sidecar is not None), default=0)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class StorageConfig:
-    """How to reach a dataset's files: fsspec options and the local cache (remote URLs only).
+    """How a dataset's files are reached: fsspec options, the local cache, read-ahead and streaming.
+
+    One object that :class:`~streamload.StreamingDataset`, :class:`~streamload.Stream`,
+    :class:`~streamload.ShardedDataset` and the Lightning data module take as ``storage=``.
+    Every field is checked once, here: a bad value is a :class:`~streamload.ConfigError`
+    naming the field and the value. A field left ``None`` takes the reader's default (for
+    a :class:`~streamload.Stream`: the dataset's setting). All but ``storage_options``
+    apply to remote URLs only (read through the cache); a local dataset is read in place.
 
     Attributes:
-        storage_options: Passed to fsspec (credentials, endpoint...).
-        cache_dir: Local cache directory for remote shards.
-        cache_limit: Cache size bound (bytes or a string like ``"20GB"``; ``None``: the
-            default bound, ``"unbounded"``: none; see :mod:`streamload.storage.remote`).
-        read_ahead: Shards downloaded ahead per process (``None``: the default).
-        cache: How remote shards are read (:data:`CacheMode`); ``"shards"`` for
-            everything but training, which streams only when asked or needed.
-        stream_buffer: Streaming mode: bytes of ranges each process fetches ahead
-            (``None``: :data:`~streamload.storage.ranges.DEFAULT_STREAM_BUFFER`).
+        storage_options: Passed to fsspec (credentials, endpoint...); kept as a copy.
+        cache_dir: Local cache directory for remote shards (a path; kept as a ``str``;
+            default ``$STREAMLOAD_CACHE`` or ``~/.cache/streamload``).
+        cache_limit: Cache size bound: bytes, or a string like ``"20GB"`` (kept as bytes);
+            at least twice the largest shard; ``None``: half of the space the cache could
+            use (logged once); ``"unbounded"``: no bound.
+        read_ahead: At most this many shards each worker downloads ahead of its reads
+            (cached mode; ``None``: 8; ``0`` turns read-ahead off; at most 64).
+        cache: How remote shards are read. ``"shards"``: each shard is downloaded whole
+            into the cache, verified, and read locally. ``"none"`` (streaming mode, tar
+            shards with sidecars, and Parquet): only sidecars are cached and samples are
+            read by coalesced ranged GETs, fetched several batches ahead, every sample's
+            checksum checked; no shard is written to disk. ``"auto"``: stream when the
+            cache cannot hold the shards one shuffle window spans for every reader of the
+            machine, else cache. LMDB and HDF5 datasets are always cached (``"none"`` is a
+            ``ConfigError`` for them). ``None``: ``"auto"`` for
+            :class:`~streamload.StreamingDataset`, ``"shards"`` for random access,
+            verification and conversion. See ``docs/remote.md``.
+        stream_buffer: Streaming mode: bytes of ranges each worker fetches ahead (an int
+            or a string like ``"256MB"``, kept as bytes; ``None``: 64 MiB). A setting of
+            the dataset, not of a single :class:`~streamload.Stream`.
+
+    Raises:
+        ConfigError: If a field's value is not one it can take.
+
+    Example:
+        >>> storage = StorageConfig(storage_options={"anon": True}, cache_dir="/scratch/cache", cache_limit="20GB")
+        >>> storage.cache_limit
+        20000000000
     """
 
-    storage_options: Mapping[str, Any] = field(default_factory=dict)
-    cache_dir: str | None = None
-    cache_limit: int | str | None = None
-    read_ahead: int | None = None
-    cache: CacheMode = "shards"
-    stream_buffer: int | None = None
+    storage_options: Mapping[str, Any] | None
+    cache_dir: str | None
+    cache_limit: int | str | None
+    read_ahead: int | None
+    cache: CacheMode | None
+    stream_buffer: int | None
+
+    def __init__(
+        self,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | float | str | None = None,
+        read_ahead: int | None = None,
+        cache: CacheMode | None = None,
+        stream_buffer: int | str | None = None,
+    ) -> None:
+        checked: dict[str, Any] = {
+            "storage_options": check_storage_options(storage_options),
+            "cache_dir": check_cache_dir(cache_dir),
+            "cache_limit": parse_cache_limit(cache_limit),
+            "read_ahead": check_read_ahead(read_ahead),
+            "cache": None if cache is None else parse_cache_mode(cache),
+            "stream_buffer": parse_stream_buffer(stream_buffer),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)  # frozen: set once, here
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The fsspec options (a new dict; empty if none were given)."""
+        return dict(self.storage_options or {})
+
+    def settings(self) -> dict[str, Any]:
+        """Return the fields by name (``storage_options`` not copied)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def with_defaults(self, defaults: StorageConfig) -> StorageConfig:
+        """Return these settings, each field left ``None`` taken from ``defaults``."""
+        mine = self.settings()
+        return replace(defaults, **{name: value for name, value in mine.items() if value is not None})
+
+    def with_cache(self, default: CacheMode) -> StorageConfig:
+        """Return these settings with ``cache`` set to ``default`` if it was left ``None``."""
+        return self if self.cache is not None else replace(self, cache=default)
 
     def open(self, url: str) -> Storage:
         """Return a new storage for the dataset at ``url`` in this process."""
-        return open_storage(url, self.storage_options, self.cache_dir, self.cache_limit, self.read_ahead)
+        return open_storage(url, self.options, self.cache_dir, self.cache_limit, self.read_ahead)
+
+
+#: The storage settings :class:`StorageConfig` groups, by the keyword names they had on their own.
+STORAGE_KEYWORDS = tuple(f.name for f in fields(StorageConfig))
+#: Those that every reader took (``Stream`` and ``ShardedDataset`` did not take ``cache`` and ``stream_buffer``).
+CACHE_KEYWORDS = ("storage_options", "cache_dir", "cache_limit", "read_ahead")
+
+
+class CacheKeywords(TypedDict, total=False):
+    """The cache settings once given as keywords of their own to every reader (deprecated: pass ``storage=``)."""
+
+    storage_options: Mapping[str, Any] | None
+    cache_dir: str | os.PathLike[str] | None
+    cache_limit: int | float | str | None
+    read_ahead: int | None
+
+
+class StorageKeywords(CacheKeywords, total=False):
+    """All storage settings once given as keywords of their own to ``StreamingDataset`` (deprecated)."""
+
+    cache: CacheMode | None
+    stream_buffer: int | str | None
+
+
+def storage_config(
+    owner: str,
+    storage: StorageConfig | None,
+    keywords: Mapping[str, Any],
+    *,
+    accepted: tuple[str, ...] = STORAGE_KEYWORDS,
+    stacklevel: int = 3,
+) -> StorageConfig | None:
+    """Return the storage settings a constructor was given: ``storage=``, or the deprecated keywords.
+
+    The keywords ``storage_options=``, ``cache_dir=``, ``cache_limit=``, ``read_ahead=``,
+    ``cache=`` and ``stream_buffer=`` still work for one release: they are grouped into a
+    :class:`StorageConfig` (checked like one) and one ``DeprecationWarning`` names them and
+    the new spelling. A keyword given as ``None`` counts as not given.
+
+    Args:
+        owner: The constructor, for messages (``"StreamingDataset"``).
+        storage: The ``storage=`` argument.
+        keywords: The other keyword arguments the constructor took as ``**``.
+        accepted: The old keywords this constructor had (others are a ``TypeError``).
+        stacklevel: Where the warning points (the constructor's caller).
+
+    Raises:
+        TypeError: For a keyword that is no storage setting (as Python would).
+        ConfigError: If ``storage`` is not a :class:`StorageConfig`, or it is given with
+            an old keyword, or a keyword's value is bad.
+    """
+    unknown = [name for name in keywords if name not in accepted]
+    if unknown:
+        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
+    if storage is not None and not isinstance(storage, StorageConfig):
+        raise ConfigError(f"storage={storage!r} must be a StorageConfig or None")
+    given = {name: value for name, value in keywords.items() if value is not None}
+    if not given:
+        return storage
+    names = ", ".join(f"{name}=" for name in given)
+    if storage is not None:
+        raise ConfigError(f"{owner}(): pass storage=StorageConfig(...) or the old keywords {names}, not both")
+    config = StorageConfig(**given)
+    warnings.warn(
+        f"{owner}({names}) is deprecated and goes in the next release: pass "
+        f"storage=StorageConfig({', '.join(f'{name}=...' for name in given)})",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+    return config
 
 
 def load_manifest(storage: Storage, url: str) -> Manifest:
@@ -210,7 +360,7 @@ class DatasetRef:
             CacheError: If the cache limit cannot hold the largest shards.
             ConfigError: If the URL's protocol or its storage options are unusable.
         """
-        config = config or StorageConfig()
+        config = (config or StorageConfig()).with_cache("shards")
         url = str(url)
         storage = config.open(url)
         try:
@@ -254,7 +404,7 @@ class DatasetRef:
         if not isinstance(storage, CachedCopies):
             return False  # a local dataset is read in place
         why = choose_streaming(
-            self.config.cache,
+            self.config.cache or "shards",
             can_stream(self.manifest),
             storage.limit,
             shards_at_once,
@@ -305,7 +455,7 @@ def _log_auto(url: str, why: str) -> None:
         _LOGGED_AUTO.add(url)
         log.info(
             '%s: cache="auto" streams samples by ranged GETs (only sidecars are cached): %s; '
-            'pass cache="shards" to cache whole shards anyway',
+            'pass storage=StorageConfig(cache="shards") to cache whole shards anyway',
             url,
             why,
         )
@@ -318,8 +468,6 @@ def _choose_mode(url: str, manifest: Manifest, storage: Storage, config: Storage
         ConfigError: ``cache="none"`` for a remote dataset whose shards cannot be streamed.
     """
     remote = isinstance(storage, CachedCopies)
-    if config.cache not in CACHE_MODES:
-        raise ConfigError(f"cache={config.cache!r} must be one of {', '.join(map(repr, CACHE_MODES))}")
     if config.cache == "none" and remote and not can_stream(manifest):
         what = f"{manifest.format} shards" if manifest.format != "tar" else "tar shards without sidecars"
         raise ConfigError(
@@ -393,7 +541,7 @@ class ShardSource:
             raise ConfigError(f"{ref.url}: {ref.manifest.format} shards cannot be streamed by byte ranges")
         self.fetcher: RangeFetcher | None = None
         if self.streaming:
-            files = RemoteFiles(ref.data_url, dict(ref.config.storage_options), RetryPolicy())
+            files = RemoteFiles(ref.data_url, ref.config.options, RetryPolicy())
             self.fetcher = RangeFetcher(files)  # its threads start with the first fetch
         if self._copies is not None:
             self._copies.register_reader(self._largest_cached)

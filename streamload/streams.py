@@ -21,14 +21,14 @@ import bisect
 import os
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any
 
 from ._errors import ConfigError, StreamloadError
 from .formats import ShardReader
 from .manifest import ShardEntry
 from .plan import Layout, MixLayout, Run, Split, epoch_counts, mixture_fingerprint
-from .shards import DatasetRef, ShardSource, StorageConfig
+from .shards import DatasetRef, ShardSource, StorageConfig, storage_config
 from .storage import Storage
 from .storage.ranges import Ticket
 
@@ -58,13 +58,15 @@ class Stream:
         samples: Samples per epoch.
         name: What the samples' ``__source__`` entry says (default: the stream's index, an
             ``int``, or its ``str`` when another stream of the mixture has a name).
-        storage_options: fsspec options of this stream (default: the dataset's).
-        cache_dir: Cache directory of this stream (default: the dataset's).
-        cache_limit: Cache bound of this stream (default: the dataset's).
-        read_ahead: Shards downloaded ahead for this stream (default: the dataset's).
+        storage: This stream's storage settings (a :class:`~streamload.StorageConfig`);
+            each field left ``None`` is the dataset's. ``stream_buffer`` is the dataset's
+            budget only (a ``ConfigError`` here). The keywords ``storage_options=``,
+            ``cache_dir=``, ``cache_limit=`` and ``read_ahead=`` are deprecated (a
+            ``DeprecationWarning``; they go in the next release).
 
     Example:
-        >>> Stream("s3://bucket/web", weight=0.7, storage_options={"anon": True})  # doctest: +SKIP
+        >>> web = StorageConfig(storage_options={"anon": True})  # doctest: +SKIP
+        >>> Stream("s3://bucket/web", weight=0.7, storage=web)  # doctest: +SKIP
     """
 
     url: str | os.PathLike[str]
@@ -72,12 +74,29 @@ class Stream:
     repeat: float | None = None
     samples: int | None = None
     name: str | None = None
-    storage_options: Mapping[str, Any] | None = field(default=None, compare=False)
-    cache_dir: str | None = None
-    cache_limit: int | str | None = None
-    read_ahead: int | None = None
+    _: KW_ONLY
+    storage: StorageConfig | None = field(default=None, compare=False)
+    storage_options: InitVar[Mapping[str, Any] | None] = None
+    cache_dir: InitVar[str | None] = None
+    cache_limit: InitVar[int | str | None] = None
+    read_ahead: InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(
+        self,
+        storage_options: Mapping[str, Any] | None,
+        cache_dir: str | None,
+        cache_limit: int | str | None,
+        read_ahead: int | None,
+    ) -> None:
+        old = {"storage_options": storage_options, "cache_dir": cache_dir, "cache_limit": cache_limit}
+        old["read_ahead"] = read_ahead
+        storage = storage_config("Stream", self.storage, old, stacklevel=4)
+        if storage is not None and storage.stream_buffer is not None:
+            raise ConfigError(
+                f"Stream({str(self.url)!r}): stream_buffer={storage.stream_buffer} is the dataset's budget, "
+                "not a stream's: set it in StreamingDataset(storage=StorageConfig(stream_buffer=...))"
+            )
+        object.__setattr__(self, "storage", storage)
         if sum(v is not None for v in (self.weight, self.repeat, self.samples)) > 1:
             raise ConfigError(f"Stream({str(self.url)!r}): set at most one of weight, repeat and samples")
         for what in ("weight", "repeat"):
@@ -93,14 +112,7 @@ class Stream:
 
     def config(self, defaults: StorageConfig) -> StorageConfig:
         """Return this stream's storage settings, the dataset's ``defaults`` filling the gaps."""
-        return StorageConfig(
-            dict(defaults.storage_options if self.storage_options is None else self.storage_options),
-            defaults.cache_dir if self.cache_dir is None else self.cache_dir,
-            defaults.cache_limit if self.cache_limit is None else self.cache_limit,
-            defaults.read_ahead if self.read_ahead is None else self.read_ahead,
-            defaults.cache,
-            defaults.stream_buffer,
-        )
+        return defaults if self.storage is None else self.storage.with_defaults(defaults)
 
 
 #: What ``StreamingDataset`` accepts as its source: a URL, a :class:`Stream`, or a list of them.

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import ConfigError, CorruptShardError, StreamloadError
+from ._errors import CorruptShardError, StreamloadError
 from ._files import FileEntry, hash_stream
 from .manifest import ShardEntry
 from .shards import DatasetRef, ShardSource, StorageConfig
@@ -139,12 +139,11 @@ def verify_dataset(
 
     Raises:
         ManifestError: If the manifest cannot be read (nothing else can then be checked).
-        ConfigError: If ``storage_options`` is not a mapping.
+        ConfigError: If ``storage_options`` is not a mapping or ``cache_dir`` not a path.
     """
-    if storage_options is not None and not isinstance(storage_options, Mapping):
-        raise ConfigError(f"storage_options={storage_options!r} must be a mapping (a dict of fsspec options) or None")
+    config = StorageConfig(storage_options=storage_options, cache_dir=cache_dir, read_ahead=0)  # checks them
     report = VerifyReport(url)
-    ref = DatasetRef.open(url, StorageConfig(dict(storage_options or {}), cache_dir, read_ahead=0))
+    ref = DatasetRef.open(url, config)
     if cache_dir is not None and is_local(ref.data_url):
         warnings.warn(
             f"cache_dir={cache_dir!r} does nothing for the local dataset {url!r}: its files are checked in place",

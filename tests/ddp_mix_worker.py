@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from streamload import Stream, StreamingDataset
+from streamload import StorageConfig, Stream, StreamingDataset
 
 
 def tag(sample: dict[str, Any]) -> str:
@@ -36,7 +36,9 @@ def tag(sample: dict[str, Any]) -> str:
 def dataset(config: dict[str, Any]) -> StreamingDataset:
     streams = [
         Stream(config["tar"], weight=0.6, name="tar"),
-        Stream(config["lmdb"], weight=0.4, name="lmdb", storage_options=config["storage_options"]),
+        Stream(
+            config["lmdb"], weight=0.4, name="lmdb", storage=StorageConfig(storage_options=config["storage_options"])
+        ),
     ]
     return StreamingDataset(
         streams,
@@ -45,7 +47,7 @@ def dataset(config: dict[str, Any]) -> StreamingDataset:
         seed=17,
         batch_size=config["batch"],
         transform=tag,
-        cache_dir=config["cache"],
+        storage=StorageConfig(cache_dir=config["cache"]),
     )
 
 

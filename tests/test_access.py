@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader, DistributedSampler
 
-from streamload import SampleNotFoundError, SampleView, ShardedDataset, StreamingDataset
+from streamload import SampleNotFoundError, SampleView, ShardedDataset, StorageConfig, StreamingDataset
 from streamload import access as access_module
 from streamload.cli import main
 from tests.s3server import SeaweedS3
@@ -66,11 +66,11 @@ def check_random_access(ds: ShardedDataset, url: str, **options: Any) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_format_locally(local: dict[str, str], fmt: str, tmp_path: Path) -> None:
-    ds = ShardedDataset(local[fmt], cache_dir=str(tmp_path / "cache"))
+    ds = ShardedDataset(local[fmt], storage=StorageConfig(cache_dir=str(tmp_path / "cache")))
     check_random_access(ds, local[fmt])
     index_file = ds.key_index_path()
     assert index_file.startswith(str(tmp_path / "cache")) and os.path.exists(index_file)
-    again = ShardedDataset(local[fmt], cache_dir=str(tmp_path / "cache"))
+    again = ShardedDataset(local[fmt], storage=StorageConfig(cache_dir=str(tmp_path / "cache")))
 
     def no_build() -> Any:
         raise AssertionError("the key index must come from the file")
@@ -116,8 +116,8 @@ def test_every_format_through_s3(s3_server: SeaweedS3, tmp_path: Path) -> None:
     for fmt in FORMATS:
         url = write_dataset(f"s3://{bucket}/{fmt}", fmt, COUNTS, fmt[0], options)
         cache = str(tmp_path / "cache")
-        ds = ShardedDataset(url, storage_options=options, cache_dir=cache, cache_limit="1MB")
-        check_random_access(ds, url, storage_options=options, cache_dir=cache)
+        ds = ShardedDataset(url, storage=StorageConfig(storage_options=options, cache_dir=cache, cache_limit="1MB"))
+        check_random_access(ds, url, storage=StorageConfig(storage_options=options, cache_dir=cache))
         assert ds.key_index_path().startswith(os.path.join(cache, "keys"))
         ds.close()
 

@@ -154,7 +154,12 @@ def _read_shards(ref: DatasetRef, storage: RemoteStorage, per_shard: float) -> t
 
 
 def _ref(url: str, shaped: ShapedS3, cache: Path, limit: int | str, read_ahead: int) -> DatasetRef:
-    return DatasetRef.open(url, StorageConfig(shaped.storage_options(), str(cache), limit, read_ahead))
+    return DatasetRef.open(
+        url,
+        StorageConfig(
+            storage_options=shaped.storage_options(), cache_dir=cache, cache_limit=limit, read_ahead=read_ahead
+        ),
+    )
 
 
 @pytest.mark.slow
@@ -266,7 +271,9 @@ def _rank(
     """One rank: two epochs with two forked DataLoader workers; rank 0 records the bytes sent after each."""
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     try:
-        ds = StreamingDataset(url, storage_options=options, cache_dir=cache, shuffle=True, seed=7, transform=_key)
+        ds = StreamingDataset(
+            url, storage=StorageConfig(storage_options=options, cache_dir=cache), shuffle=True, seed=7, transform=_key
+        )
         loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
         lines = []
         for epoch in (0, 1):

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from streamload import StreamingDataset
+from streamload import StorageConfig, StreamingDataset
 from streamload._errors import ConfigError, PlanError
 from streamload._validate import check_samples_seen, parse_cache_limit
 from streamload.writer import DatasetWriter
@@ -67,6 +67,15 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"rank": -1}, "rank=-1 must be >= 0"),
     ({"rank": 0, "world_size": 0}, "world_size=0 must be >= 1"),
     ({"world_size": 2.0}, "world_size=2.0 must be an integer"),
+    ({"transform": 3}, "transform=3 must be callable"),
+    ({"collate": "stack", "batch_size": 2}, "collate='stack' must be callable"),
+    ({"on_error": "ignore"}, "on_error='ignore' must be 'raise' or 'skip'"),
+    ({"partitions": 0, "shuffle": True}, "partitions=0 must be >= 1"),
+    ({"storage": {"cache_dir": "/tmp"}}, "storage=.* must be a StorageConfig or None"),
+]
+
+#: Bad storage settings: a ``ConfigError`` when the :class:`StorageConfig` is made.
+BAD_STORAGE: list[tuple[dict[str, Any], str]] = [
     ({"storage_options": [("key", "x")]}, "storage_options=.* must be a mapping"),
     ({"storage_options": "anon=true"}, "storage_options=.* must be a mapping"),
     ({"read_ahead": -1}, "read_ahead=-1 must be >= 0"),
@@ -79,9 +88,9 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"cache_limit": float("inf")}, "cache_limit=inf must be a byte count"),
     ({"cache_limit": [1]}, r"cache_limit=\[1\] must be a byte count"),
     ({"cache_dir": 3}, "cache_dir=3 must be a path"),
-    ({"transform": 3}, "transform=3 must be callable"),
-    ({"collate": "stack", "batch_size": 2}, "collate='stack' must be callable"),
-    ({"on_error": "ignore"}, "on_error='ignore' must be 'raise' or 'skip'"),
+    ({"cache": "disk"}, "cache='disk' must be 'auto'"),
+    ({"stream_buffer": 0}, "stream_buffer=0 must be >= 1"),
+    ({"stream_buffer": "-1MB"}, "stream_buffer='-1MB'"),
 ]
 
 
@@ -91,12 +100,18 @@ def test_a_bad_value_is_a_config_error_at_construction(remote: str, kwargs: dict
         StreamingDataset(remote, **kwargs)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), BAD[:18], ids=[repr(k) for k, _ in BAD[:18]])
+@pytest.mark.parametrize(("kwargs", "message"), BAD, ids=[repr(k) for k, _ in BAD])
 def test_a_bad_value_is_a_config_error_for_a_local_dataset_too(
     local: str, kwargs: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         StreamingDataset(local, **kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), BAD_STORAGE, ids=[repr(k) for k, _ in BAD_STORAGE])
+def test_a_bad_storage_setting_is_a_config_error_when_made(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        StorageConfig(**kwargs)
 
 
 def _order(ds: StreamingDataset) -> list[str]:
@@ -132,12 +147,14 @@ def test_every_valid_value_keeps_working(local: str, remote: str, tmp_path: Path
         {"batch_size": 1, "drop_last": True},
         {"rank": 0},
         {"world_size": 1},
-        {"storage_options": {}},
+        {"storage": StorageConfig(storage_options={})},
         {"transform": dict, "on_error": "skip"},
     ):
         assert len(_order(StreamingDataset(local, **kwargs))) == len(StreamingDataset(local, **kwargs)), kwargs
     for limit in ("100MB", " 2GiB ", 10**9, np.int64(10**9), 2.5e9, "unbounded", "UNBOUNDED", None):
-        ds = StreamingDataset(remote, cache_dir=str(tmp_path), cache_limit=limit, read_ahead=np.int8(1))
+        ds = StreamingDataset(
+            remote, storage=StorageConfig(cache_dir=str(tmp_path), cache_limit=limit, read_ahead=np.int8(1))
+        )
         assert len(_order(ds)) == SAMPLES, limit
 
 
@@ -155,13 +172,17 @@ def test_set_epoch_takes_every_epoch_the_counter_holds(local: str) -> None:
         assert len(_order(ds)) == SAMPLES and ds.epoch == epoch
 
 
-@pytest.mark.parametrize("option", ["cache_dir", "cache_limit", "read_ahead", "storage_options"])
+@pytest.mark.parametrize("option", ["cache_dir", "cache_limit", "read_ahead", "storage_options", "stream_buffer"])
 def test_remote_only_options_warn_for_a_local_dataset(local: str, tmp_path: Path, option: str) -> None:
-    value: Any = {"cache_dir": str(tmp_path), "cache_limit": "1GB", "read_ahead": 4, "storage_options": {"anon": 1}}[
-        option
-    ]
+    value: Any = {
+        "cache_dir": str(tmp_path),
+        "cache_limit": "1GB",
+        "read_ahead": 4,
+        "storage_options": {"anon": 1},
+        "stream_buffer": "1MB",
+    }[option]
     with pytest.warns(UserWarning, match=rf"{option}=.* does nothing for the local dataset") as record:
-        ds = StreamingDataset(local, **{option: value})
+        ds = StreamingDataset(local, storage=StorageConfig(**{option: value}))
     assert record[0].filename == __file__  # points at the caller
     assert len(_order(ds)) == SAMPLES
 
@@ -169,8 +190,10 @@ def test_remote_only_options_warn_for_a_local_dataset(local: str, tmp_path: Path
 def test_no_warning_for_what_is_used(local: str, remote: str, tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        StreamingDataset(local, storage_options={})
-        StreamingDataset(remote, cache_dir=str(tmp_path), cache_limit="1GB", read_ahead=0, storage_options={})
+        StreamingDataset(local, storage=StorageConfig(storage_options={}))
+        StreamingDataset(
+            remote, storage=StorageConfig(cache_dir=str(tmp_path), cache_limit="1GB", read_ahead=0, storage_options={})
+        )
 
 
 def test_parse_cache_limit() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from streamload import StreamingDataset
+from streamload import StorageConfig, StreamingDataset
 from streamload._errors import CacheError, ConfigError, CorruptShardError
 from streamload.manifest import FileEntry
 from streamload.storage import open_storage
@@ -175,7 +175,7 @@ def test_a_dataset_rewritten_at_the_same_url_is_read_fresh(tmp_path: Path) -> No
             with DatasetWriter(url, max_samples=4) as w:
                 for i in range(8):
                     w.write({"__key__": f"k{i:03d}", "txt": version * 10})
-            ds = StreamingDataset(url, cache_dir=str(tmp_path))
+            ds = StreamingDataset(url, storage=StorageConfig(cache_dir=str(tmp_path)))
             assert [s["txt"] for s in ds] == [version * 10] * 8
     finally:
         fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
@@ -191,7 +191,7 @@ def test_a_download_longer_than_the_manifest_says_stops_at_the_reservation(tmp_p
         with DatasetWriter(url, max_samples=4) as w:
             for i in range(8):
                 w.write({"__key__": f"k{i:03d}", "txt": b"x" * 10})
-        ds = StreamingDataset(url, cache_dir=str(tmp_path))
+        ds = StreamingDataset(url, storage=StorageConfig(cache_dir=str(tmp_path)))
         shard = ds.manifest.shards[0].name
         fs = fsspec.filesystem("memory")
         path = f"{url.removeprefix('memory://')}/{shard}"
@@ -290,7 +290,7 @@ def memory_dataset() -> Iterator[str]:
 
 
 def test_memory_url_round_trip_and_second_epoch_from_cache(memory_dataset: str, tmp_path: Path) -> None:
-    ds = StreamingDataset(memory_dataset, cache_dir=str(tmp_path))
+    ds = StreamingDataset(memory_dataset, storage=StorageConfig(cache_dir=str(tmp_path)))
     first = [s["txt"] for s in ds]
     assert first == [f"sample {i}".encode() for i in range(23)]
     storage = ds._get_storages()[0]
@@ -301,7 +301,7 @@ def test_memory_url_round_trip_and_second_epoch_from_cache(memory_dataset: str, 
 
 
 def test_read_ahead_threads_end_when_the_iterator_is_closed_early(memory_dataset: str, tmp_path: Path) -> None:
-    ds = StreamingDataset(memory_dataset, cache_dir=str(tmp_path))
+    ds = StreamingDataset(memory_dataset, storage=StorageConfig(cache_dir=str(tmp_path)))
     it = iter(ds)
     next(it)
     it.close()  # type: ignore[attr-defined]
@@ -314,9 +314,9 @@ def test_read_ahead_threads_end_when_the_iterator_is_closed_early(memory_dataset
 
 def test_cache_limit_too_small_is_a_clear_error(memory_dataset: str, tmp_path: Path) -> None:
     with pytest.raises(CacheError, match="cache_limit=.* is too small"):
-        StreamingDataset(memory_dataset, cache_dir=str(tmp_path), cache_limit=100)
+        StreamingDataset(memory_dataset, storage=StorageConfig(cache_dir=str(tmp_path), cache_limit=100))
     with pytest.raises(ConfigError, match="is not a byte size"):
-        StreamingDataset(memory_dataset, cache_dir=str(tmp_path), cache_limit="lots")
+        StreamingDataset(memory_dataset, storage=StorageConfig(cache_dir=str(tmp_path), cache_limit="lots"))
 
 
 def test_missing_backend_package_says_what_to_install(tmp_path: Path) -> None:
@@ -338,11 +338,11 @@ def test_http_url(tar_dataset: Path, tmp_path: Path) -> None:
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        remote = StreamingDataset(url, cache_dir=str(tmp_path / "http-cache"))
+        remote = StreamingDataset(url, storage=StorageConfig(cache_dir=str(tmp_path / "http-cache")))
         local = StreamingDataset(str(tar_dataset))
         assert list(remote) == list(local)
         with pytest.raises(FileNotFoundError, match=f"{url}/nothing/index.json"):
-            StreamingDataset(f"{url}/nothing", cache_dir=str(tmp_path))
+            StreamingDataset(f"{url}/nothing", storage=StorageConfig(cache_dir=str(tmp_path)))
     finally:
         server.shutdown()
         server.server_close()

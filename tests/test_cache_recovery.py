@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 from torch.utils.data import DataLoader
 
-from streamload import StreamingDataset
+from streamload import StorageConfig, StreamingDataset
 from streamload._errors import CacheError, CorruptShardError
 from streamload.batch import RawCollate
 from streamload.cli import main
@@ -102,7 +102,7 @@ EXPECTED = [_payload(i) for i in range(SAMPLES)]
 
 
 def test_a_cached_shard_corrupted_on_disk_is_downloaded_again(memory_url: str, tmp_path: Path) -> None:
-    ds = StreamingDataset(memory_url, cache_dir=str(tmp_path), read_ahead=0)
+    ds = StreamingDataset(memory_url, storage=StorageConfig(cache_dir=str(tmp_path), read_ahead=0))
     assert _texts(ds) == EXPECTED
     storage = ds._get_storages()[0]
     downloads = storage.stats.downloads  # type: ignore[attr-defined]
@@ -119,7 +119,7 @@ def test_a_cached_shard_corrupted_on_disk_is_downloaded_again(memory_url: str, t
 
 def test_a_cached_sidecar_corrupted_on_disk_is_downloaded_again(memory_url: str, tmp_path: Path) -> None:
     """The sidecar's corruption shows when the shard is opened (its hash is checked there)."""
-    ds = StreamingDataset(memory_url, cache_dir=str(tmp_path))
+    ds = StreamingDataset(memory_url, storage=StorageConfig(cache_dir=str(tmp_path)))
     assert _texts(ds) == EXPECTED
     sidecar = _cache_root(tmp_path) / "data" / "shard-000002.tar.idx"
     data = bytearray(sidecar.read_bytes())
@@ -134,9 +134,9 @@ def test_a_cached_file_whose_size_or_record_no_longer_matches_is_downloaded_agai
     memory_url: str, tmp_path: Path, damage: str
 ) -> None:
     """At the smallest cache limit, so the stale file must not hold room the fresh one needs."""
-    probe = StreamingDataset(memory_url, cache_dir=str(tmp_path / "probe"))
+    probe = StreamingDataset(memory_url, storage=StorageConfig(cache_dir=str(tmp_path / "probe")))
     limit = 2 * probe.manifest.largest_shard_bytes
-    ds = StreamingDataset(memory_url, cache_dir=str(tmp_path / "c"), cache_limit=limit)
+    ds = StreamingDataset(memory_url, storage=StorageConfig(cache_dir=str(tmp_path / "c"), cache_limit=limit))
     assert _texts(ds) == EXPECTED
     root = _cache_root(tmp_path / "c")
     name = ds.manifest.shards[-1].name  # still cached: the last one read
@@ -150,7 +150,7 @@ def test_a_cached_file_whose_size_or_record_no_longer_matches_is_downloaded_agai
 
 
 def test_skip_mode_repairs_before_it_skips(memory_url: str, tmp_path: Path) -> None:
-    ds = StreamingDataset(memory_url, cache_dir=str(tmp_path), on_error="skip")
+    ds = StreamingDataset(memory_url, storage=StorageConfig(cache_dir=str(tmp_path)), on_error="skip")
     assert _texts(ds) == EXPECTED
     _flip(_cache_root(tmp_path) / "data" / "shard-000003.tar", b"<sample 017>")
     assert _texts(ds) == EXPECTED
@@ -159,7 +159,7 @@ def test_skip_mode_repairs_before_it_skips(memory_url: str, tmp_path: Path) -> N
 
 def test_batches_read_straight_from_the_shards_repair_a_corrupt_cached_copy(memory_url: str, tmp_path: Path) -> None:
     collate = RawCollate(field="txt", label_field=None)
-    ds = StreamingDataset(memory_url, cache_dir=str(tmp_path), batch_size=4, collate=collate)
+    ds = StreamingDataset(memory_url, storage=StorageConfig(cache_dir=str(tmp_path)), batch_size=4, collate=collate)
 
     def texts() -> list[bytes]:
         batches = list(ds)
@@ -197,7 +197,7 @@ def test_a_shard_bad_at_its_source_fails_without_a_useless_download(memory_url: 
     """The manifest's hash vouches for the bad bytes (a buggy writer): the cached copy is
     faithful, so downloading it again cannot help; the error names everything."""
     _rewrite_shard(memory_url, "shard-000001.tar", _flip_in, rehash=True)
-    ds = StreamingDataset(memory_url, cache_dir=str(tmp_path), read_ahead=0)
+    ds = StreamingDataset(memory_url, storage=StorageConfig(cache_dir=str(tmp_path), read_ahead=0))
     with pytest.raises(CorruptShardError) as info:
         list(ds)
     message = str(info.value)
@@ -212,7 +212,7 @@ def test_an_unhashed_shard_bad_at_its_source_is_downloaded_once_more_then_fails(
     _write(url, hash_algorithm=None)
     try:
         _rewrite_shard(url, "shard-000000.tar", _flip_at_2, rehash=False)
-        ds = StreamingDataset(url, cache_dir=str(tmp_path), read_ahead=0)
+        ds = StreamingDataset(url, storage=StorageConfig(cache_dir=str(tmp_path), read_ahead=0))
         with pytest.raises(CorruptShardError, match=rf"{url}/shard-000000.tar: .*'k002'") as info:
             list(ds)
         assert _cache_root(tmp_path).name in str(info.value) and "bad at its source" in str(info.value)
@@ -271,7 +271,7 @@ def test_a_copy_deleted_between_its_lookup_and_its_opening_is_fetched_again(
     """Another reader discarded the copy (as corrupt) just after this one looked it up."""
     from streamload.shards import ShardSource
 
-    ds = StreamingDataset(memory_url, cache_dir=str(tmp_path), read_ahead=0)
+    ds = StreamingDataset(memory_url, storage=StorageConfig(cache_dir=str(tmp_path), read_ahead=0))
     assert _texts(ds) == EXPECTED
     original = ShardSource.open_reader
     deleted: list[str] = []
@@ -291,7 +291,7 @@ def test_a_cache_directory_deleted_under_a_running_job_is_made_again(memory_url:
     """``rm -rf ~/.cache/streamload`` to free space while a job reads: the next epoch still works."""
     import shutil
 
-    ds = StreamingDataset(memory_url, cache_dir=str(tmp_path), cache_limit="1MB")
+    ds = StreamingDataset(memory_url, storage=StorageConfig(cache_dir=str(tmp_path), cache_limit="1MB"))
     assert _texts(ds) == EXPECTED
     for part in ("", "data", "pins", "tmp", "meta", "readers"):
         shutil.rmtree(_cache_root(tmp_path) / part)
@@ -299,7 +299,7 @@ def test_a_cache_directory_deleted_under_a_running_job_is_made_again(memory_url:
 
 
 def test_verify_api_repairs_a_corrupt_cached_copy_and_says_so(memory_url: str, tmp_path: Path) -> None:
-    assert _texts(StreamingDataset(memory_url, cache_dir=str(tmp_path))) == EXPECTED
+    assert _texts(StreamingDataset(memory_url, storage=StorageConfig(cache_dir=str(tmp_path)))) == EXPECTED
     cached = _cache_root(tmp_path) / "data" / "shard-000004.tar"
     for read_samples in (False, True):
         _flip(cached, b"<sample 021>")
@@ -323,7 +323,11 @@ def s3_url(s3_server: SeaweedS3) -> str:
 
 @pytest.mark.slow
 def test_s3_dataloader_workers_repair_corrupt_cached_copies(s3_server: SeaweedS3, s3_url: str, tmp_path: Path) -> None:
-    ds = StreamingDataset(s3_url, storage_options=s3_server.storage_options(), cache_dir=str(tmp_path), shuffle=True)
+    ds = StreamingDataset(
+        s3_url,
+        storage=StorageConfig(storage_options=s3_server.storage_options(), cache_dir=str(tmp_path)),
+        shuffle=True,
+    )
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=60)
     first = [s["__key__"] for s in loader]
     root = _cache_root(tmp_path)
@@ -341,7 +345,9 @@ def test_s3_verify_with_cache_dir_repairs_and_reports(
     s3_server: SeaweedS3, s3_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     cache = tmp_path / "cache"
-    ds = StreamingDataset(s3_url, storage_options=s3_server.storage_options(), cache_dir=str(cache))
+    ds = StreamingDataset(
+        s3_url, storage=StorageConfig(storage_options=s3_server.storage_options(), cache_dir=str(cache))
+    )
     assert _texts(ds) == EXPECTED
     cached = _cache_root(cache) / "data" / "shard-000002.tar"
     _flip(cached, b"<sample 011>")
@@ -359,8 +365,8 @@ def test_s3_verify_with_cache_dir_repairs_and_reports(
 # -- 2. admission: readers sharing a cache ------------------------------------------------
 
 
-def _largest(url: str, **options: Any) -> int:
-    return StreamingDataset(url, cache_dir=None, **options).manifest.largest_shard_bytes
+def _largest(url: str, storage: StorageConfig) -> int:
+    return StreamingDataset(url, storage=storage).manifest.largest_shard_bytes
 
 
 @pytest.mark.slow
@@ -371,9 +377,10 @@ def test_more_readers_than_the_smallest_cache_holds_fail_at_once(
     shard cached while it reads, and the DataLoader hands out samples in order, so the
     third would wait for the others' room until the 300 s wait ran out. It fails at once."""
     options = s3_server.storage_options()
-    limit = 2 * _largest(s3_url, storage_options=options)
+    limit = 2 * _largest(s3_url, StorageConfig(storage_options=options))
     ds = StreamingDataset(  # whole shards cached (cache="auto" would stream: 3 readers need 3 shards)
-        s3_url, storage_options=options, cache_dir=str(tmp_path), cache_limit=limit, cache="shards"
+        s3_url,
+        storage=StorageConfig(storage_options=options, cache_dir=str(tmp_path), cache_limit=limit, cache="shards"),
     )
     loader = DataLoader(ds, batch_size=None, num_workers=3, multiprocessing_context="fork", timeout=100)
     started = time.monotonic()
@@ -386,8 +393,10 @@ def test_more_readers_than_the_smallest_cache_holds_fail_at_once(
 @pytest.mark.slow
 def test_two_readers_at_the_smallest_cache_read_everything(s3_server: SeaweedS3, s3_url: str, tmp_path: Path) -> None:
     options = s3_server.storage_options()
-    limit = 2 * _largest(s3_url, storage_options=options)
-    ds = StreamingDataset(s3_url, storage_options=options, cache_dir=str(tmp_path), cache_limit=limit, shuffle=True)
+    limit = 2 * _largest(s3_url, StorageConfig(storage_options=options))
+    ds = StreamingDataset(
+        s3_url, storage=StorageConfig(storage_options=options, cache_dir=str(tmp_path), cache_limit=limit), shuffle=True
+    )
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=60)
     for _ in range(2):
         assert Counter(s["__key__"] for s in loader) == Counter(f"k{i:03d}" for i in range(SAMPLES))
@@ -462,7 +471,7 @@ def test_without_cache_limit_the_cache_is_bounded_by_half_the_free_space(
 
     free = shutil.disk_usage(tmp_path).free
     with caplog.at_level(logging.INFO, logger="streamload"):
-        ds = StreamingDataset(memory_url, cache_dir=str(tmp_path))
+        ds = StreamingDataset(memory_url, storage=StorageConfig(cache_dir=str(tmp_path)))
         assert _texts(ds) == EXPECTED
     limit = ds._get_storages()[0].limit  # type: ignore[attr-defined]
     assert limit is not None and abs(limit - free // 2) < free // 100
@@ -480,7 +489,9 @@ def test_the_default_bound_holds_at_least_two_of_the_largest_shards_and_is_enfor
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 1000, 1000))
     with caplog.at_level(logging.INFO, logger="streamload"):
-        ds = StreamingDataset(memory_url, cache_dir=str(tmp_path), cache="shards")  # "auto" would stream
+        ds = StreamingDataset(
+            memory_url, storage=StorageConfig(cache_dir=str(tmp_path), cache="shards")
+        )  # "auto" would stream
     assert "less than the" in caplog.text and "two of the largest shards need" in caplog.text
     largest = ds.manifest.largest_shard_bytes
     assert ds._get_storages()[0].limit == 2 * largest  # type: ignore[attr-defined]
@@ -489,7 +500,7 @@ def test_the_default_bound_holds_at_least_two_of_the_largest_shards_and_is_enfor
 
 
 def test_an_unbounded_cache_is_asked_for_explicitly(memory_url: str, tmp_path: Path) -> None:
-    ds = StreamingDataset(memory_url, cache_dir=str(tmp_path), cache_limit="unbounded")
+    ds = StreamingDataset(memory_url, storage=StorageConfig(cache_dir=str(tmp_path), cache_limit="unbounded"))
     assert ds._get_storages()[0].limit is None  # type: ignore[attr-defined]
     assert _texts(ds) == EXPECTED
 

@@ -21,12 +21,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from streamload.converters import ConvertOptions, DatasetSource, ImageFolderSource, TableSource, convert
-from streamload.converters.journal import JOB_NAME
 
-from streamload import StreamingDataset
+from streamload import StorageConfig, StreamingDataset
 from streamload._errors import ConfigError, SourceError
 from streamload.cli import main
+from streamload.converters import ConvertOptions, DatasetSource, ImageFolderSource, TableSource, convert
+from streamload.converters.journal import JOB_NAME
 from streamload.synthetic import make_image_folder, synthetic_jpeg
 from tests.s3server import SeaweedS3
 from tests.test_cluster import KillOnce
@@ -343,12 +343,12 @@ def test_append_in_a_bucket_then_read_exactly_once(
     dst = f"s3://{bucket}/data/ds"
     cli = [*CLI, *s3_server.cli_options()]
     assert main(["convert", f"s3://{bucket}/raw/first", dst, *cli]) == 0
-    old = StreamingDataset(dst, storage_options=so, cache_dir=str(tmp_path / "cache-old"))
+    old = StreamingDataset(dst, storage=StorageConfig(storage_options=so, cache_dir=str(tmp_path / "cache-old")))
     old_keys = [s["__key__"] for s in old]
     assert set(old_keys) == _input_keys(first)
     assert main(["convert", f"s3://{bucket}/raw/second", dst, "--append", *cli]) == 0
     expected = _input_keys(first) | _input_keys(second)
-    _exactly_once(_keys(dst, storage_options=so, cache_dir=str(tmp_path / "cache")), expected)
+    _exactly_once(_keys(dst, storage=StorageConfig(storage_options=so, cache_dir=str(tmp_path / "cache"))), expected)
     assert [s["__key__"] for s in old] == old_keys  # a reader of the old manifest still reads the old samples
     names = sorted(p.rpartition("/")[2] for p in s3_server.filesystem().ls(f"{bucket}/data/ds"))
     assert not [n for n in names if n.startswith(("_done-", "_streamload-convert", ".streamload-tmp"))]
@@ -359,7 +359,6 @@ def test_append_in_a_bucket_then_read_exactly_once(
 
 def test_list_tree_reads_the_bucket_listing_like_find(s3_server: SeaweedS3) -> None:
     from streamload.converters.remote import _found, list_tree
-
     from streamload.storage.filesystems import open_filesystem
 
     bucket = s3_server.make_bucket()

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
-from streamload import DatasetWriter, StreamingDataset
+from streamload import DatasetWriter, StorageConfig, StreamingDataset
 from streamload.batch import RawCollate
 from streamload.storage.cache import ShardCache
 from streamload.storage.parts import Landing, PartSlots
@@ -65,10 +65,9 @@ def test_a_cold_cached_start_asks_for_the_manifest_a_shard_and_its_sidecar(
     before = Counter(faulty_s3.proxy.requests)
     ds = StreamingDataset(
         dataset,
-        storage_options=faulty_s3.storage_options(),
-        cache_dir=str(tmp_path),
-        cache="shards",
-        read_ahead=0,
+        storage=StorageConfig(
+            storage_options=faulty_s3.storage_options(), cache_dir=str(tmp_path), cache="shards", read_ahead=0
+        ),
         batch_size=16,
         collate=RawCollate(field="bin"),
     )
@@ -87,10 +86,9 @@ def test_read_ahead_runs_beside_the_readers_own_download(faulty_s3: FaultyS3, da
     faulty_s3.inject(Fault("stall", match="shard-000000.tar", unless=".idx", at=100, seconds=1.5))
     ds = StreamingDataset(
         dataset,
-        storage_options=faulty_s3.storage_options(),
-        cache_dir=str(tmp_path),
-        cache="shards",
-        read_ahead=2,
+        storage=StorageConfig(
+            storage_options=faulty_s3.storage_options(), cache_dir=str(tmp_path), cache="shards", read_ahead=2
+        ),
         batch_size=16,
         collate=RawCollate(field="bin"),
     )
@@ -146,10 +144,9 @@ def test_a_batch_from_a_partly_downloaded_shard_equals_the_batch_from_the_finish
     def open_ds(cache: Path) -> Any:
         return StreamingDataset(
             url,
-            storage_options=faulty_s3.storage_options(),
-            cache_dir=str(cache),
-            cache="shards",
-            read_ahead=0,
+            storage=StorageConfig(
+                storage_options=faulty_s3.storage_options(), cache_dir=str(cache), cache="shards", read_ahead=0
+            ),
             batch_size=16,
             collate=RawCollate(field="bin"),
         )

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
-from streamload import DatasetWriter, StreamingDataset
+from streamload import DatasetWriter, StorageConfig, StreamingDataset
 from streamload._errors import CorruptShardError, StorageError
 from streamload._files import FileEntry
 from streamload.storage.remote import RemoteStorage
@@ -67,8 +67,12 @@ def _options(faulty: FaultyS3) -> dict[str, Any]:
     return faulty.storage_options(config_kwargs={"retries": {"max_attempts": 1}})
 
 
-def _read(url: str, faulty: FaultyS3, cache_dir: Path, mode: str, **kwargs: Any) -> list[tuple[str, bytes]]:
-    ds = StreamingDataset(url, storage_options=_options(faulty), cache_dir=str(cache_dir), cache=mode, **kwargs)
+def _read(
+    url: str, faulty: FaultyS3, cache_dir: Path, mode: str, read_ahead: int | None = None, **kwargs: Any
+) -> list[tuple[str, bytes]]:
+    options = _options(faulty)
+    storage = StorageConfig(storage_options=options, cache_dir=str(cache_dir), cache=mode, read_ahead=read_ahead)
+    ds = StreamingDataset(url, storage=storage, **kwargs)
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=90)
     return [(s["__key__"], s["bin"]) for s in loader]
 
@@ -98,8 +102,8 @@ def test_every_fault_is_ridden_out(faulty_s3: FaultyS3, dataset: str, tmp_path: 
     """Each fault in an epoch of 2 workers: every sample once with its bytes, and the fault did happen."""
     faults = faulty_s3.inject(*(replace(f) for f in FAULTS[name]))  # fresh counters
     # Without read-ahead every download is a reader's own (a read-ahead that fails is only logged).
-    ahead = {"read_ahead": 0} if name.startswith("flipped") else {}
-    got = _read(dataset, faulty_s3, tmp_path, mode, shuffle=True, seed=3, **ahead)
+    ahead = 0 if name.startswith("flipped") else None
+    got = _read(dataset, faulty_s3, tmp_path, mode, ahead, shuffle=True, seed=3)
     assert all(f.hits >= 1 for f in faults), [(f.kind, f.hits) for f in faults]
     _check_every_sample_once(got)
 
@@ -124,7 +128,7 @@ def test_a_shard_corrupt_at_its_source_names_it(
 
 
 def _shard_entry(url: str, faulty: FaultyS3, shard: int) -> FileEntry:
-    ds = StreamingDataset(url, storage_options=faulty.storage_options(), cache="shards")
+    ds = StreamingDataset(url, storage=StorageConfig(storage_options=faulty.storage_options(), cache="shards"))
     return ds.manifest.shards[shard]
 
 
@@ -165,9 +169,10 @@ def test_a_part_that_fails_its_retries_fails_the_read_and_leaves_no_half_file(
 _DOWNLOADER = textwrap.dedent(
     """
     import sys, json
-    from streamload import StreamingDataset
+    from streamload import StorageConfig, StreamingDataset
     url, cache_dir, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    for sample in StreamingDataset(url, storage_options=options, cache_dir=cache_dir, cache="shards", read_ahead=0):
+    storage = StorageConfig(storage_options=options, cache_dir=cache_dir, cache="shards", read_ahead=0)
+    for sample in StreamingDataset(url, storage=storage):
         pass
     """
 )

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from streamload import StreamingDataset
+from streamload import StorageConfig, StreamingDataset
 from streamload._errors import CacheError, ConfigError, StorageError, StreamloadError
 from streamload.storage.cache import ShardCache
 from streamload.storage.retry import RetryPolicy, is_permanent, is_transient
@@ -95,7 +95,7 @@ def test_a_shard_read_through_a_local_url_named_like_a_lock_reads(tar_dataset: P
         (ds / shard["sidecar"]["name"]).rename(ds / f"{new}.idx")
         shard["name"], shard["sidecar"]["name"] = new, f"{new}.idx"
     (ds / "index.json").write_text(json.dumps(manifest))
-    reader = ShardedDataset(f"local://{ds}", cache_dir=str(tmp_path / "cache"))
+    reader = ShardedDataset(f"local://{ds}", storage=StorageConfig(cache_dir=str(tmp_path / "cache")))
     n = len(reader)
 
     def read_interleaved() -> int:
@@ -231,7 +231,9 @@ def test_bodies_cut_short_several_times_are_retried(
 ) -> None:
     (cut,) = faulty_s3.inject(Fault("truncate", match=SHARD0, at=2000, times=5))
     ds = StreamingDataset(
-        bucket_tar, storage_options=faulty_s3.storage_options(), cache=cache, cache_dir=str(tmp_path), shuffle=False
+        bucket_tar,
+        storage=StorageConfig(storage_options=faulty_s3.storage_options(), cache=cache, cache_dir=str(tmp_path)),
+        shuffle=False,
     )
     keys = [s["__key__"] for s in ds]
     assert len(keys) == len(set(keys)) == ds.num_samples
@@ -246,7 +248,9 @@ def test_a_body_that_stalls_for_ever_ends_in_an_error_naming_the_url(
     monkeypatch.setenv("STREAMLOAD_RETRY_TIMEOUT", "3")
     (stall,) = faulty_s3.inject(Fault("stall", match=SHARD0, at=2000, seconds=30, times=10**6))
     ds = StreamingDataset(
-        bucket_tar, storage_options=faulty_s3.storage_options(), cache=cache, cache_dir=str(tmp_path), shuffle=False
+        bucket_tar,
+        storage=StorageConfig(storage_options=faulty_s3.storage_options(), cache=cache, cache_dir=str(tmp_path)),
+        shuffle=False,
     )
     err = _in_thread(lambda: list(ds), timeout=60)
     assert isinstance(err, StorageError), err
@@ -289,7 +293,10 @@ def test_a_full_cache_disk_is_a_cache_error_never_a_corrupt_shard_nor_a_skip(
 ) -> None:
     cache_dir = tmp_path / "cache"
     ds = StreamingDataset(
-        f"local://{tar_dataset}", cache="shards", cache_dir=str(cache_dir), on_error=on_error, shuffle=False
+        f"local://{tar_dataset}",
+        storage=StorageConfig(cache="shards", cache_dir=str(cache_dir)),
+        on_error=on_error,
+        shuffle=False,
     )
     monkeypatch.setattr(os, "pwrite", _NearlyFullDisk(free))
     with pytest.raises(CacheError) as caught:
@@ -521,9 +528,8 @@ def test_a_stand_in_for_a_skipped_sample_comes_from_its_own_stream(
 def test_messages_name_a_url_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from streamload.converters.remote import read_url
-
     from streamload.cli import main
+    from streamload.converters.remote import read_url
 
     with pytest.raises(StreamloadError) as caught:
         read_url("nosuchproto://b/x.png")
@@ -606,7 +612,7 @@ def test_a_dataset_without_hashes_rewritten_at_the_same_url_is_not_served_stale(
     assert (ds / f"{a}.idx").stat().st_size == (ds / f"{b}.idx").stat().st_size
 
     def keys() -> list[str]:
-        reader = ShardedDataset(f"local://{ds}", cache_dir=str(tmp_path / "cache"))
+        reader = ShardedDataset(f"local://{ds}", storage=StorageConfig(cache_dir=str(tmp_path / "cache")))
         try:
             return [reader.key_of(i) for i in range(len(reader))] + [reader[i]["__key__"] for i in range(len(reader))]
         finally:

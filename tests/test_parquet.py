@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 from torch.utils.data import DataLoader
 
-from streamload import CorruptShardError, ShardedDataset, Stream, StreamingDataset
+from streamload import CorruptShardError, ShardedDataset, StorageConfig, Stream, StreamingDataset
 from streamload.batch import RawCollate
 from streamload.cli import main
 from streamload.decode import DecodeBatch, ImageLabel
@@ -356,7 +356,9 @@ def test_from_seaweedfs_cached_and_streamed(s3_server: SeaweedS3, tmp_path: Path
     }
     for mode in ("shards", "none"):
         ds = StreamingDataset(
-            url, storage_options=options, cache=mode, cache_dir=str(tmp_path / f"cache-{mode}"), batch_size=8
+            url,
+            storage=StorageConfig(storage_options=options, cache=mode, cache_dir=str(tmp_path / f"cache-{mode}")),
+            batch_size=8,
         )
         got = {s["__key__"]: s.get("jpg", s.get("png")) for s in ds}
         assert got == expected, mode
@@ -370,7 +372,9 @@ def test_from_seaweedfs_cached_and_streamed(s3_server: SeaweedS3, tmp_path: Path
     assert at > 0
     raw[at + len(image) // 2] ^= 0x55
     fs.pipe_file(f"{url}/train-00001.parquet", bytes(raw))
-    ds = StreamingDataset(url, storage_options=options, cache="none", cache_dir=str(tmp_path / "cache-x"))
+    ds = StreamingDataset(
+        url, storage=StorageConfig(storage_options=options, cache="none", cache_dir=str(tmp_path / "cache-x"))
+    )
     with pytest.raises(CorruptShardError, match=r"train-00001\.parquet, row group 0, row 5 "):
         list(ds)
 

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from torch.utils.data import DataLoader
 
-from streamload import ConfigError, CorruptShardError, ManifestError, ShardedDataset, StreamingDataset
+from streamload import ConfigError, CorruptShardError, ManifestError, ShardedDataset, StorageConfig, StreamingDataset
 from streamload.cli import main
 from streamload.indexing import index_directory
 from streamload.manifest import Manifest
@@ -145,14 +145,18 @@ def test_index_apart_from_a_bucket_never_written(s3_server: SeaweedS3, tmp_path:
     for mode in ("shards", "none"):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the options apply: the files are remote
-            ds = StreamingDataset(str(ours), storage_options=options, cache=mode, cache_dir=str(tmp_path / mode))
+            ds = StreamingDataset(
+                str(ours), storage=StorageConfig(storage_options=options, cache=mode, cache_dir=str(tmp_path / mode))
+            )
         assert {s["__key__"]: s.get("jpg", s.get("png")) for s in ds} == want, mode
         cached = [p.name for p in (tmp_path / mode).rglob("*") if p.is_file()]
         assert any(n.endswith(".parquet") for n in cached) == (mode == "shards"), cached  # "none": ranged reads
 
     remote_index = f"s3://{s3_server.make_bucket()}/index"  # an index in our bucket, the files in theirs
     index_directory(theirs, "parquet", storage_options=options, output=remote_index)
-    ds = StreamingDataset(remote_index, storage_options=options, cache="shards", cache_dir=str(tmp_path / "c2"))
+    ds = StreamingDataset(
+        remote_index, storage=StorageConfig(storage_options=options, cache="shards", cache_dir=str(tmp_path / "c2"))
+    )
     assert {s["__key__"]: s.get("jpg", s.get("png")) for s in ds} == want
     assert main(["verify", remote_index, "--cache-dir", str(tmp_path / "c3"), *s3_server.cli_options()]) == 0
     assert sorted(fs.find(theirs.split("/")[2], detail=False)) == before  # their bucket: no sidecar, no lock
@@ -162,4 +166,4 @@ def test_index_apart_from_a_bucket_never_written(s3_server: SeaweedS3, tmp_path:
     forged["data_root"] = str(local)
     fs.pipe_file(f"{remote_index}/index.json", json.dumps(forged).encode())
     with pytest.raises(ManifestError, match="a remote manifest may not name local files"):
-        StreamingDataset(remote_index, storage_options=options, cache_dir=str(tmp_path / "c4"))
+        StreamingDataset(remote_index, storage=StorageConfig(storage_options=options, cache_dir=str(tmp_path / "c4")))

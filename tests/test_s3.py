@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from streamload.converters import path_to_key
 from torch.utils.data import DataLoader
 
-from streamload import StreamingDataset
+from streamload import StorageConfig, StreamingDataset
 from streamload._errors import (
     CacheError,
     CorruptShardError,
@@ -29,6 +28,7 @@ from streamload._errors import (
     StorageError,
 )
 from streamload.cli import main
+from streamload.converters import path_to_key
 from streamload.storage.remote import RemoteStorage
 from streamload.synthetic import make_image_folder
 from tests.conftest import expected_samples
@@ -112,7 +112,9 @@ def test_read_back_bytes_equal_the_source(
     folder: Path,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    ds = StreamingDataset(bucket_dataset, storage_options=endpoint.storage_options(), cache_dir=str(tmp_path))
+    ds = StreamingDataset(
+        bucket_dataset, storage=StorageConfig(storage_options=endpoint.storage_options(), cache_dir=str(tmp_path))
+    )
     got = {s["__key__"]: s["jpg"] for s in ds}
     assert got == _expected_keys(folder)
 
@@ -121,7 +123,9 @@ def _read_rank(
     url: str, options: dict[str, Any], cache: str, rank: int, out: dict[int, list[str]], errors: list[BaseException]
 ) -> None:
     try:
-        ds = StreamingDataset(url, storage_options=options, cache_dir=cache, rank=rank, world_size=2)
+        ds = StreamingDataset(
+            url, storage=StorageConfig(storage_options=options, cache_dir=cache), rank=rank, world_size=2
+        )
         loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
         out[rank] = [s["__key__"] for s in loader]
     except BaseException as exc:  # noqa: BLE001 - reported by the test
@@ -249,7 +253,7 @@ class _Sampler:
 
 
 def _largest(url: str, options: dict[str, Any]) -> int:
-    ds = StreamingDataset(url, storage_options=options, cache_dir=None)
+    ds = StreamingDataset(url, storage=StorageConfig(storage_options=options, cache_dir=None))
     return max(s.num_bytes + (s.sidecar.num_bytes if s.sidecar else 0) for s in ds.manifest.shards)
 
 
@@ -266,12 +270,9 @@ def test_cache_limit_of_three_shards_is_never_exceeded(
     cache = tmp_path / "small-cache"
     ds = StreamingDataset(  # whole shards cached (cache="auto" would stream: the window spans 12 shards)
         bucket_dataset,
-        storage_options=options,
-        cache_dir=str(cache),
-        cache_limit=limit,
+        storage=StorageConfig(storage_options=options, cache_dir=str(cache), cache_limit=limit, cache="shards"),
         shuffle=True,
         seed=3,
-        cache="shards",
     )
     before = _gets(s3_server)
     with _Sampler(cache) as sampler:
@@ -294,7 +295,8 @@ def test_cache_limit_below_two_shards_fails_at_start(
     limit = _largest(bucket_dataset, options) + 1
     with pytest.raises(CacheError, match="cache_limit=.*too small"):  # cache="auto" would stream instead
         StreamingDataset(
-            bucket_dataset, storage_options=options, cache_dir=str(tmp_path), cache_limit=limit, cache="shards"
+            bucket_dataset,
+            storage=StorageConfig(storage_options=options, cache_dir=str(tmp_path), cache_limit=limit, cache="shards"),
         )
 
 
@@ -307,9 +309,9 @@ def test_second_epoch_is_served_from_the_cache(
 ) -> None:
     ds = StreamingDataset(
         bucket_dataset,
-        storage_options=shaped_s3.storage_options(),
-        cache_dir=str(tmp_path),
-        cache_limit="100MB",
+        storage=StorageConfig(
+            storage_options=shaped_s3.storage_options(), cache_dir=str(tmp_path), cache_limit="100MB"
+        ),
         shuffle=True,
     )
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
@@ -328,13 +330,17 @@ def test_missing_shard_names_the_url(s3_server: SeaweedS3, folder: Path, tmp_pat
         main(["convert", str(folder), url, "--samples-per-shard", "48", "--no-progress", *s3_server.cli_options()]) == 0
     )
     s3_server.filesystem().rm_file(f"{bucket}/ds/shard-000001.tar")
-    ds = StreamingDataset(url, storage_options=s3_server.storage_options(), cache_dir=str(tmp_path))
+    ds = StreamingDataset(
+        url, storage=StorageConfig(storage_options=s3_server.storage_options(), cache_dir=str(tmp_path))
+    )
     started = time.monotonic()
     with pytest.raises(ShardNotFoundError, match=f"{url}/shard-000001.tar"):
         list(ds)
     assert time.monotonic() - started < 60  # permanent: not retried for the 120 s budget
     with pytest.raises(ManifestNotFoundError, match=f"s3://{bucket}/nothing-here/index.json"):
-        StreamingDataset(f"s3://{bucket}/nothing-here", storage_options=s3_server.storage_options())
+        StreamingDataset(
+            f"s3://{bucket}/nothing-here", storage=StorageConfig(storage_options=s3_server.storage_options())
+        )
 
 
 def test_bad_credentials_fail_at_once_with_the_url(
@@ -345,7 +351,7 @@ def test_bad_credentials_fail_at_once_with_the_url(
 ) -> None:
     bad = s3_server.storage_options(secret="not-the-secret")
     with pytest.raises(StorageError, match=f"{bucket_dataset}/index.json.*access denied") as info:
-        StreamingDataset(bucket_dataset, storage_options=bad, cache_dir=str(tmp_path))
+        StreamingDataset(bucket_dataset, storage=StorageConfig(storage_options=bad, cache_dir=str(tmp_path)))
     assert isinstance(info.value.__cause__, PermissionError)
     assert main(["info", bucket_dataset, *s3_server.cli_options(secret="wrong")]) == 2
     assert "access denied" in capsys.readouterr().err
@@ -390,7 +396,9 @@ def test_outage_mid_epoch_loses_and_repeats_nothing(
     try:
         options = s3_server.storage_options(client_kwargs={"endpoint_url": gateway.endpoint_url})
         limit = 3 * _largest(bucket_dataset, options)
-        ds = StreamingDataset(bucket_dataset, storage_options=options, cache_dir=str(tmp_path), cache_limit=limit)
+        ds = StreamingDataset(
+            bucket_dataset, storage=StorageConfig(storage_options=options, cache_dir=str(tmp_path), cache_limit=limit)
+        )
         loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=90)
         keys: list[str] = []
         last_sample = [time.monotonic()]
@@ -426,7 +434,9 @@ def test_index_tar_shards_in_a_bucket(s3_server: SeaweedS3, tar_dataset: Path, t
     url = f"s3://{bucket}/foreign"
     assert main(["index", url, *s3_server.cli_options()]) == 0
     local = StreamingDataset(str(tar_dataset))
-    remote = StreamingDataset(url, storage_options=s3_server.storage_options(), cache_dir=str(tmp_path))
+    remote = StreamingDataset(
+        url, storage=StorageConfig(storage_options=s3_server.storage_options(), cache_dir=str(tmp_path))
+    )
     assert [s["__key__"] for s in remote] == [s["__key__"] for s in local]
 
 
@@ -436,7 +446,9 @@ def test_storage_pickles_and_reopens_in_a_child(
     tmp_path: Path,
 ) -> None:
     storage = RemoteStorage(bucket_dataset, s3_server.storage_options(), cache_dir=str(tmp_path))
-    ds = StreamingDataset(bucket_dataset, storage_options=s3_server.storage_options(), cache_dir=str(tmp_path))
+    ds = StreamingDataset(
+        bucket_dataset, storage=StorageConfig(storage_options=s3_server.storage_options(), cache_dir=str(tmp_path))
+    )
     entry = ds.manifest.shards[0]
     storage.acquire(entry)  # the parent holds a pin and a live filesystem
     loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="spawn")
@@ -461,7 +473,9 @@ def test_a_replaced_object_fails_verification_with_its_url(
     data = bytearray(fs.cat_file(key))
     data[1000] ^= 0xFF  # same size, different bytes
     fs.pipe_file(key, bytes(data))
-    ds = StreamingDataset(url, storage_options=s3_server.storage_options(), cache_dir=str(tmp_path))
+    ds = StreamingDataset(
+        url, storage=StorageConfig(storage_options=s3_server.storage_options(), cache_dir=str(tmp_path))
+    )
     with pytest.raises(CorruptShardError, match=f"{url}/shard-000000.tar: .*sha256"):
         list(ds)
     assert not list((next(tmp_path.iterdir()) / "data").glob("shard-000000.tar"))  # never cached
@@ -499,5 +513,7 @@ def test_a_failed_conversion_into_a_bucket_publishes_no_manifest(
         )
         == 0
     )
-    ds = StreamingDataset(url, storage_options=s3_server.storage_options(), cache_dir=str(tmp_path / "c"))
+    ds = StreamingDataset(
+        url, storage=StorageConfig(storage_options=s3_server.storage_options(), cache_dir=str(tmp_path / "c"))
+    )
     assert len(ds.manifest.skipped) == 1 and ds.num_samples == SHARDS * PER_SHARD

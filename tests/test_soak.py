@@ -32,7 +32,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from streamload import StreamingDataset
+from streamload import StorageConfig, StreamingDataset
 from streamload.storage.cache import ShardCache
 from streamload.writer import DatasetWriter
 from tests.s3server import SeaweedS3
@@ -163,19 +163,16 @@ def test_soak_s3_with_eviction(s3_server: SeaweedS3, tmp_path: Path) -> None:
     options = s3_server.storage_options()
     url = f"s3://{s3_server.make_bucket()}/soak"
     _write(url, storage_options=options)
-    probe = StreamingDataset(url, storage_options=options, cache_dir=str(tmp_path / "probe"))
+    probe = StreamingDataset(url, storage=StorageConfig(storage_options=options, cache_dir=str(tmp_path / "probe")))
     limit = 3 * probe.manifest.largest_shard_bytes  # 3 of the 4 shards: evicts all along
     cache = tmp_path / "cache"
     ds = StreamingDataset(
         url,
-        storage_options=options,
-        cache_dir=str(cache),
-        cache_limit=limit,
+        storage=StorageConfig(storage_options=options, cache_dir=str(cache), cache_limit=limit, cache="shards"),
         shuffle=True,
         seed=5,
         shuffle_window=PER_SHARD,  # the default (the whole dataset here) would reopen a shard per run
         transform=_sample,
-        cache="shards",  # whole shards, evicted all along ("auto" would stream: 2 readers x 2 shards > 3)
     )
     usage = _soak(ds, next(p for p in cache.iterdir() if p.is_dir()), limit)
     _check_flat(usage)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
-from streamload import DatasetWriter, Stream, StreamingDataset
+from streamload import DatasetWriter, StorageConfig, Stream, StreamingDataset
 from streamload._errors import ConfigError, CorruptShardError
 from streamload.batch import RawCollate
 from streamload.storage.ranges import RangeFetcher, coalesce
@@ -82,13 +82,14 @@ def test_streaming_yields_the_cached_samples_in_the_same_order(
 ) -> None:
     """Shuffled, 2 DataLoader workers (fork for samples, spawn for RawCollate batches): same keys, bytes, order."""
     options = s3_server.storage_options()
-    kwargs: dict[str, Any] = {"storage_options": options, "shuffle": True, "seed": 7, "batch_size": 16}
+    kwargs: dict[str, Any] = {"shuffle": True, "seed": 7, "batch_size": 16}
     if collate:
         kwargs["collate"] = RawCollate(field="jpg", keys=True)
     context = "spawn" if collate else "fork"
 
     def epoch(cache: str) -> Any:
-        ds = StreamingDataset(dataset, cache_dir=str(tmp_path / cache), cache=cache, **kwargs)
+        storage = StorageConfig(storage_options=options, cache_dir=str(tmp_path / cache), cache=cache)
+        ds = StreamingDataset(dataset, storage=storage, **kwargs)
         if collate:
             loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context, timeout=120)
             return _batches(loader)
@@ -119,9 +120,11 @@ def test_streaming_ranks_read_what_cached_ranks_read(s3_server: SeaweedS3, datas
     """Each DDP rank's part (rank/world_size given, as torchrun would detect them) is the same in both modes."""
     options = s3_server.storage_options()
     for rank in range(2):
-        args: dict[str, Any] = {"storage_options": options, "shuffle": True, "seed": 3, "rank": rank, "world_size": 2}
-        cached = _samples(StreamingDataset(dataset, cache_dir=str(tmp_path / "c"), cache="shards", **args))
-        streamed = _samples(StreamingDataset(dataset, cache_dir=str(tmp_path / "s"), cache="none", **args))
+        args: dict[str, Any] = {"shuffle": True, "seed": 3, "rank": rank, "world_size": 2}
+        cache = StorageConfig(storage_options=options, cache_dir=str(tmp_path / "c"), cache="shards")
+        stream = StorageConfig(storage_options=options, cache_dir=str(tmp_path / "s"), cache="none")
+        cached = _samples(StreamingDataset(dataset, storage=cache, **args))
+        streamed = _samples(StreamingDataset(dataset, storage=stream, **args))
         assert streamed == cached and len(streamed) == TOTAL // 2
 
 
@@ -132,11 +135,18 @@ def test_a_mixture_streams_its_remote_stream_only(s3_server: SeaweedS3, dataset:
         for i in range(50):
             writer.write({"__key__": f"l{i:03d}", "jpg": _payload(1000 + i), "cls": b"0"})
     options = s3_server.storage_options()
-    streams = [Stream(dataset, weight=0.75, storage_options=options), Stream(str(local), weight=0.25)]
+    streams = [
+        Stream(dataset, weight=0.75, storage=StorageConfig(storage_options=options)),
+        Stream(str(local), weight=0.25),
+    ]
 
     def epoch(cache: str) -> list[tuple[str, bytes]]:
         ds = StreamingDataset(
-            streams, epoch_size=200, shuffle=True, seed=2, cache_dir=str(tmp_path / cache), cache=cache
+            streams,
+            epoch_size=200,
+            shuffle=True,
+            seed=2,
+            storage=StorageConfig(cache_dir=str(tmp_path / cache), cache=cache),
         )
         return _samples(ds)
 
@@ -161,10 +171,9 @@ def test_streaming_memory_stays_within_the_buffer(
     budget = 20_000
     ds = StreamingDataset(
         dataset,
-        storage_options=s3_server.storage_options(),
-        cache_dir=str(tmp_path),
-        cache="none",
-        stream_buffer=budget,
+        storage=StorageConfig(
+            storage_options=s3_server.storage_options(), cache_dir=str(tmp_path), cache="none", stream_buffer=budget
+        ),
         batch_size=16,
         collate=RawCollate(field="jpg"),
     )
@@ -187,9 +196,7 @@ def test_a_streaming_epoch_coalesces_its_requests(shaped_s3: ShapedS3, dataset: 
     """Through a far bucket: far fewer GETs than samples (a batch's neighbouring samples are one request)."""
     ds = StreamingDataset(
         dataset,
-        storage_options=shaped_s3.storage_options(),
-        cache_dir=str(tmp_path),
-        cache="none",
+        storage=StorageConfig(storage_options=shaped_s3.storage_options(), cache_dir=str(tmp_path), cache="none"),
         batch_size=32,
         collate=RawCollate(field="jpg"),
     )
@@ -209,11 +216,13 @@ def test_streaming_rides_out_an_outage(s3_server: SeaweedS3, dataset: str, tmp_p
     restarter: threading.Thread | None = None
     try:
         options = s3_server.storage_options(client_kwargs={"endpoint_url": gateway.endpoint_url})
-        args: dict[str, Any] = {"storage_options": options, "shuffle": True, "seed": 11}
-        ref = StreamingDataset(dataset, cache_dir=str(tmp_path / "ref"), cache="shards", **args)
+        args: dict[str, Any] = {"shuffle": True, "seed": 11}
+        cached = StorageConfig(storage_options=options, cache_dir=str(tmp_path / "ref"), cache="shards")
+        ref = StreamingDataset(dataset, storage=cached, **args)
         reference = _samples(DataLoader(ref, batch_size=None, num_workers=2, multiprocessing_context="fork"))
         # A tiny buffer: the workers fetch no unit ahead of the one they read, so they need the server all along.
-        ds = StreamingDataset(dataset, cache_dir=str(tmp_path / "s"), cache="none", stream_buffer=1, **args)
+        streamed = StorageConfig(storage_options=options, cache_dir=str(tmp_path / "s"), cache="none", stream_buffer=1)
+        ds = StreamingDataset(dataset, storage=streamed, **args)
         loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=90)
         got: list[tuple[str, bytes]] = []
         last = [time.monotonic()]
@@ -264,7 +273,9 @@ def test_a_corrupt_sample_in_the_bucket_names_shard_and_key(s3_server: SeaweedS3
     raw[at + 10 : at + 20] = bytes(10)
     fs.pipe_file(path, bytes(raw))
     for kwargs in ({}, {"batch_size": 8, "collate": RawCollate(field="jpg")}):
-        ds = StreamingDataset(url, storage_options=options, cache_dir=str(tmp_path), cache="none", **kwargs)
+        ds = StreamingDataset(
+            url, storage=StorageConfig(storage_options=options, cache_dir=str(tmp_path), cache="none"), **kwargs
+        )
         with pytest.raises(CorruptShardError, match=rf"{url}/shard-000001\.tar.*s0077.*bad at its source"):
             list(ds)
 
@@ -275,38 +286,49 @@ def test_lmdb_cannot_stream_and_auto_caches_it(s3_server: SeaweedS3, tmp_path: P
     url = f"s3://{s3_server.make_bucket()}/lmdb"
     _write(url, options, fmt="lmdb", count=PER_SHARD)
     with pytest.raises(ConfigError, match=r'cache="none" cannot stream .*lmdb shards'):
-        StreamingDataset(url, storage_options=options, cache_dir=str(tmp_path), cache="none")
-    ds = StreamingDataset(url, storage_options=options, cache_dir=str(tmp_path), cache="auto", shuffle=True)
+        StreamingDataset(url, storage=StorageConfig(storage_options=options, cache_dir=str(tmp_path), cache="none"))
+    ds = StreamingDataset(
+        url, storage=StorageConfig(storage_options=options, cache_dir=str(tmp_path), cache="auto"), shuffle=True
+    )
     assert len(_samples(ds)) == PER_SHARD
     assert any(name.endswith(".lmdb") for name in _cached_files(tmp_path))
 
 
 def test_auto_streams_when_the_cache_cannot_hold_a_window(s3_server: SeaweedS3, dataset: str, tmp_path: Path) -> None:
     options = s3_server.storage_options()
-    probe = StreamingDataset(dataset, storage_options=options, cache_dir=str(tmp_path / "probe"))
+    probe = StreamingDataset(dataset, storage=StorageConfig(storage_options=options, cache_dir=str(tmp_path / "probe")))
     largest = probe.manifest.largest_shard_bytes
     # Shuffled, the window spans every shard: two shards' room cannot hold it, so "auto" streams ...
     small = tmp_path / "small"
-    ds = StreamingDataset(dataset, storage_options=options, cache_dir=str(small), cache_limit=2 * largest, shuffle=True)
+    ds = StreamingDataset(
+        dataset,
+        storage=StorageConfig(storage_options=options, cache_dir=str(small), cache_limit=2 * largest),
+        shuffle=True,
+    )
     assert Counter(k for k, _ in _samples(ds)) == Counter(f"s{i:04d}" for i in range(TOTAL))
     assert all(name.endswith(".idx") for name in _cached_files(small))
     # ... below two shards, caching cannot work at all, and "auto" streams too (no CacheError) ...
     tiny = tmp_path / "tiny"
-    ds = StreamingDataset(dataset, storage_options=options, cache_dir=str(tiny), cache_limit=largest, cache="auto")
+    ds = StreamingDataset(
+        dataset, storage=StorageConfig(storage_options=options, cache_dir=str(tiny), cache_limit=largest, cache="auto")
+    )
     assert len(_samples(ds)) == TOTAL
     assert all(name.endswith(".idx") for name in _cached_files(tiny))
     # ... and a cache that holds the window caches whole shards.
     big = tmp_path / "big"
-    ds = StreamingDataset(dataset, storage_options=options, cache_dir=str(big), cache_limit="1GB", shuffle=True)
+    ds = StreamingDataset(
+        dataset, storage=StorageConfig(storage_options=options, cache_dir=str(big), cache_limit="1GB"), shuffle=True
+    )
     assert len(_samples(ds)) == TOTAL
     assert any(name.endswith(".tar") for name in _cached_files(big))
 
 
-def test_bad_cache_and_stream_buffer_values_fail_at_once(tmp_path: Path) -> None:
+def test_bad_cache_and_stream_buffer_values_fail_at_once() -> None:
     with pytest.raises(ConfigError, match="cache='disk' must be 'auto'"):
-        StreamingDataset(str(tmp_path), cache="disk")  # type: ignore[arg-type]
+        StorageConfig(cache="disk")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="stream_buffer=0 must be >= 1"):
-        StreamingDataset(str(tmp_path), stream_buffer=0)
+        StorageConfig(stream_buffer=0)
+    assert StorageConfig(stream_buffer="128MB").stream_buffer == 128 * 10**6
 
 
 def test_coalesce_merges_close_extents_and_caps_spans() -> None:

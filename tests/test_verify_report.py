@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from streamload import StreamingDataset
+from streamload import StorageConfig, StreamingDataset
 from streamload._errors import CorruptShardError
 from streamload.cli import main
 from streamload.manifest import FileEntry
@@ -87,7 +87,7 @@ def test_a_download_says_the_hash_algorithms_differ(tmp_path: Path) -> None:
     try:
         for path in local.iterdir():
             fs.pipe_file(f"{url.removeprefix('memory://')}/{path.name}", path.read_bytes())
-        ds = StreamingDataset(url, cache_dir=str(tmp_path / "cache"), read_ahead=0)
+        ds = StreamingDataset(url, storage=StorageConfig(cache_dir=str(tmp_path / "cache"), read_ahead=0))
         with pytest.raises(CorruptShardError, match=rf"{url}/shard-000000.tar.*hash algorithms differ"):
             list(ds)
         assert not list((tmp_path / "cache").glob("*/data/shard-*"))  # nothing cached on a mismatch

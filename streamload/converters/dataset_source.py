@@ -58,7 +58,7 @@ class DatasetSource(Source):
         self, url: str, storage_options: Mapping[str, Any] | None = None, cache_dir: str | None = None
     ) -> None:
         self.url = str(url).rstrip("/") or str(url)
-        self.ref = DatasetRef.open(self.url, StorageConfig(dict(storage_options or {}), cache_dir))
+        self.ref = DatasetRef.open(self.url, StorageConfig(storage_options=storage_options, cache_dir=cache_dir))
         self.manifest = self.ref.manifest
         self.format = self.ref.format
         self.classes = list(self.manifest.classes)

@@ -1,6 +1,6 @@
 """Streaming mode: byte ranges of remote objects fetched ahead, coalesced, within a memory budget.
 
-In streaming mode (``StreamingDataset(cache="none")``) a shard is never downloaded whole:
+In streaming mode (``StorageConfig(cache="none")``) a shard is never downloaded whole:
 its reader knows every sample's byte extent from the shard's index, so the bytes a planned
 batch needs are fetched by ranged GETs, several batches ahead, and the reader's
 positioned reads are served from them::
