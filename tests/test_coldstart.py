@@ -177,7 +177,7 @@ def test_a_reader_reads_the_parts_another_process_has_landed(
     with DatasetWriter(url, format="tar", max_samples=100, storage_options=s3_server.storage_options()) as w:
         for i in range(100):
             w.write({"__key__": f"f{i:04d}", "bin": _payload(i) * 6, "cls": b"0"})
-    ds = StreamingDataset(url, storage_options=faulty_s3.storage_options(), cache="shards")
+    ds = StreamingDataset(url, storage=StorageConfig(storage_options=faulty_s3.storage_options(), cache="shards"))
     entry = ds.manifest.shards[0]
     want = s3_server.filesystem().cat_file(f"{url.removeprefix('s3://')}/{entry.name}")
     faulty_s3.inject(Fault("stall", match=entry.name, unless=".idx", at=1 << 20, seconds=3.0))
