@@ -335,6 +335,9 @@ class CachedCopies(Protocol):
     def unregister_reader(self) -> None:
         """A reader ended."""
 
+    def acquire_early(self, entry: FileEntry) -> str | Landing:
+        """Pin ``entry``; a file not cached yet comes as its download in progress (read as its bytes land)."""
+
 
 @dataclass(frozen=True)
 class DatasetRef:
@@ -617,20 +620,19 @@ class ShardSource:
         before it counts as cached. ``None``: not applicable, or the shard is cached
         already (the caller opens it as usual).
         """
-        early = getattr(self.storage, "acquire_early", None)
+        copies = self._copies
         entry = self.ref.manifest.shards[shard]
         if (
-            early is None
+            copies is None
             or self.streaming
-            or self._copies is None
             or entry.sidecar is None
-            or self.ref.manifest.format != "tar"
+            or not self._format.ranged  # the reader must take its bytes as positioned reads (source=)
             or shard in self.recovered
             or self._opened_early
         ):
             return None
         self._opened_early = True
-        got = early(entry)  # a miss starts the shard's download in a thread and returns at once
+        got = copies.acquire_early(entry)  # a miss starts the shard's download in a thread and returns at once
         if not isinstance(got, Landing):  # cached: the usual reader (and its checks at open)
             self.storage.release(entry)
             return None
@@ -641,7 +643,8 @@ class ShardSource:
             self.storage.release(entry)
             raise
         try:
-            reader = TarShardReader(self.ref.where(entry), entry, sidecar, source=got, check_headers=False)
+            ranged: Any = self._format.reader  # a ranged format's reader takes source= (see open_reader)
+            reader: ShardReader = ranged(self.ref.where(entry), entry, sidecar, source=got, check_headers=False)
         except BaseException:
             got.close()
             self.release(shard)

@@ -94,6 +94,8 @@ DOWNLOAD_REFETCHES = 1
 _EARLY = "\0early"
 #: Seconds read-ahead waits at most for a reader's first bytes of a cold shard to be served.
 _FIRST_READ_HOLD = 1.0
+#: A download shows its progress to the other processes each time this many more bytes landed.
+_SHOW_EVERY = 1 << 20
 #: Cache directories whose default bound this process logged already.
 _LOGGED_DEFAULTS: set[str] = set()
 
@@ -104,11 +106,16 @@ class _Shown:
     def __init__(self, cache: ShardCache, name: str, part: str, attempt: int) -> None:
         self._cache, self._name, self._part, self._attempt = cache, name, part, attempt
         self._landed: list[tuple[int, int]] = []
+        self._unshown = 0
         self._lock = threading.Lock()
 
     def land(self, start: int, end: int) -> None:
         with self._lock:
             self._landed = merge_range(self._landed, start, end)
+            self._unshown += end - start
+            if self._unshown < _SHOW_EVERY:
+                return  # a follower sees the rest at the next step, or the whole file
+            self._unshown = 0
             self._cache.publish_landing(self._name, self._part, self._attempt, self._landed)
 
 
@@ -179,11 +186,11 @@ class RemoteStorage(Storage):
         self._stale: set[str] = set()  # pinned here, but discarded: the next acquire fetches again
         self._landings: dict[str, Landing] = {}  # name -> the download acquire_early last handed out
         self._early: list[threading.Thread] = []  # their download threads: close() lets them finish
-        # Set unless a reader waits for the first bytes of a cold shard (acquire_early): until
-        # they are served, read-ahead starts nothing (bounded by _FIRST_READ_HOLD), so the
-        # first batch's bytes do not share the link with other shards' parts.
+        # Clear while a reader waits for the first bytes of a cold shard (acquire_early), and
+        # until this process's first acquire (the reader names its first read-ahead window just
+        # before): read-ahead starts nothing meanwhile (at most _FIRST_READ_HOLD), so the first
+        # batch's bytes do not share the link with other shards' parts.
         self._first_read = threading.Event()
-        self._first_read.set()
         self._ahead = ReadAhead(self.read_ahead, self._fetch_ahead)
         self._depth = AheadDepth(self.read_ahead)
         self._blocked = 0.0  # seconds this process's acquires waited for a file to arrive
@@ -350,6 +357,8 @@ class RemoteStorage(Storage):
             CacheError: No room could be made within ``wait_timeout``.
         """
         self._check_process()
+        if not self._first_read.is_set() and not self._landings:
+            self._first_read.set()  # a whole-file acquire, not a cold start read early: no hold
         with self._lock:
             held = self._pins.get(entry.name)
             if held is not None and entry.name not in self._stale:

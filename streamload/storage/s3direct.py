@@ -34,8 +34,9 @@ __all__ = ["DIRECT_ENV", "DirectS3", "direct_s3"]
 
 #: Set to ``0`` to read shard bytes through s3fs instead (same options, slower).
 DIRECT_ENV = "STREAMLOAD_S3_DIRECT"
-#: Bytes read from a body per call while landing it into a file.
-_CHUNK = 1 << 20
+#: Bytes read from a body per call while landing it into a file: what a waiting reader sees
+#: land at once (a reader needing a few KB past a lead part does not wait for a whole MiB).
+_CHUNK = 256 << 10
 
 #: s3fs options that change nothing about a GET of a byte range (caching, listing, uploads).
 _NEUTRAL = frozenset(
