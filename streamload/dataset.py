@@ -520,20 +520,27 @@ class StreamingDataset(IterableDataset[Any]):
         start, first = progress.next_item, progress.first
         try:
             runs = readers.read_ahead(plan.runs(world, start, first), plan.worker_shards(world, start, first))
-            if self.collate is not None:
-                yield from self._read_batches(readers, runs, progress)
-            elif readers.streaming:  # samples one by one, their ranges fetched a unit ahead
-                from .batch import group_runs
-
-                for unit in self._fetch_ahead(readers, group_runs(runs, min(progress.chunk, _SAMPLE_UNIT))):
-                    for run in unit:
-                        yield from self._read_run(readers, run, progress)
-            else:
-                for run in runs:
-                    yield from self._read_run(readers, run, progress)
-            yield from progress.substitute.finish()
+            items = self._read_plan(readers, runs, progress)
+            for item in items:
+                yield item
+                readers.started()  # the first item is out: read-ahead may share the link now
+                yield from items
         finally:
             readers.close()
+
+    def _read_plan(self, readers: MixedSource, runs: Iterator[Run], progress: _Progress) -> Iterator[Any]:
+        if self.collate is not None:
+            yield from self._read_batches(readers, runs, progress)
+        elif readers.streaming:  # samples one by one, their ranges fetched a unit ahead
+            from .batch import group_runs
+
+            for unit in self._fetch_ahead(readers, group_runs(runs, min(progress.chunk, _SAMPLE_UNIT))):
+                for run in unit:
+                    yield from self._read_run(readers, run, progress)
+        else:
+            for run in runs:
+                yield from self._read_run(readers, run, progress)
+        yield from progress.substitute.finish()
 
     def _streaming(self, plan: EpochPlan, world: World, storages: list[Storage]) -> list[bool]:
         """Per stream: read its shards by ranged GETs (``cache="none"``, or ``"auto"`` when the cache is too small).

@@ -338,6 +338,9 @@ class CachedCopies(Protocol):
     def acquire_early(self, entry: FileEntry) -> str | Landing:
         """Pin ``entry``; a file not cached yet comes as its download in progress (read as its bytes land)."""
 
+    def started(self) -> None:
+        """The reader made its first item (read-ahead held until then may start)."""
+
 
 @dataclass(frozen=True)
 class DatasetRef:
@@ -651,6 +654,11 @@ class ShardSource:
             raise
         self.opens += 1
         return reader
+
+    def started(self) -> None:
+        """The reader made its first item: the storage's read-ahead, held for the first bytes, may start."""
+        if self._copies is not None:
+            self._copies.started()
 
     def acquire(self, shard: int) -> tuple[str, str | None]:
         """Acquire ``shard``'s files from the storage; return local ``(shard path, sidecar path)``.

@@ -367,6 +367,11 @@ class MixedSource:
         """True if some stream is read by ranged GETs (see :meth:`fetch_ahead`)."""
         return any(src.streaming for src in self.sources)
 
+    def started(self) -> None:
+        """The reader's first item is made (see :meth:`ShardSource.started`)."""
+        for src in self.sources:
+            src.started()
+
     def fetching(self) -> int:
         """Bytes of ranges fetched ahead and not forgotten yet, all streams."""
         return sum(src.fetcher.outstanding for src in self.sources if src.fetcher is not None)

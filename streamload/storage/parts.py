@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from .._errors import CorruptShardError
@@ -199,8 +198,6 @@ class Landing:
         self.early_reads = 0
         #: Download attempts (more than one: a copy failed its check and was fetched again).
         self.attempts = 0
-        #: Called once, when the first read is served (the reader has its first bytes).
-        self.on_first_read: Callable[[], None] | None = None
 
     def begin(self, part_path: str) -> None:
         """A (new) download attempt writes ``part_path``: what landed before is forgotten."""
@@ -268,23 +265,14 @@ class Landing:
                 self._cond.wait()
             return self._final
 
-    def _served(self) -> None:
-        callback, self.on_first_read = self.on_first_read, None
-        if callback is not None:
-            callback()
-
     def pread(self, n: int, offset: int) -> bytes:
         """Return ``n`` bytes at ``offset`` once they have landed."""
-        data = os.pread(self._wait(offset, offset + n), n, offset)
-        self._served()
-        return data
+        return os.pread(self._wait(offset, offset + n), n, offset)
 
     def preadv(self, buffers: list[memoryview], offset: int) -> int:
         """Fill ``buffers`` in order from ``offset`` once their span has landed; return the bytes read."""
         total = sum(len(b) for b in buffers)
-        done = os.preadv(self._wait(offset, offset + total), buffers, offset)
-        self._served()
-        return done
+        return os.preadv(self._wait(offset, offset + total), buffers, offset)
 
     def close(self) -> None:
         """Wait for the download to end (bounded by its retries), then close the descriptors.

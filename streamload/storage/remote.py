@@ -92,7 +92,7 @@ DEFAULT_CACHE_FRACTION = 0.5
 DOWNLOAD_REFETCHES = 1
 #: The "generation" of a file handed out by acquire_early (its parts, before its hash was checked).
 _EARLY = "\0early"
-#: Seconds read-ahead waits at most for a reader's first bytes of a cold shard to be served.
+#: Seconds read-ahead waits at most for a reader's first item from a cold shard.
 _FIRST_READ_HOLD = 1.0
 #: A download shows its progress to the other processes each time this many more bytes landed.
 _SHOW_EVERY = 1 << 20
@@ -186,10 +186,10 @@ class RemoteStorage(Storage):
         self._stale: set[str] = set()  # pinned here, but discarded: the next acquire fetches again
         self._landings: dict[str, Landing] = {}  # name -> the download acquire_early last handed out
         self._early: list[threading.Thread] = []  # their download threads: close() lets them finish
-        # Clear while a reader waits for the first bytes of a cold shard (acquire_early), and
-        # until this process's first acquire (the reader names its first read-ahead window just
-        # before): read-ahead starts nothing meanwhile (at most _FIRST_READ_HOLD), so the first
-        # batch's bytes do not share the link with other shards' parts.
+        # Clear while a reader makes its first item from a cold shard read early (acquire_early;
+        # set by started()), and until this process's first acquire (the reader names its first
+        # read-ahead window just before): read-ahead starts nothing meanwhile (at most
+        # _FIRST_READ_HOLD), so the first batch's bytes and CPU do not go to other shards.
         self._first_read = threading.Event()
         self._ahead = ReadAhead(self.read_ahead, self._fetch_ahead)
         self._depth = AheadDepth(self.read_ahead)
@@ -401,7 +401,6 @@ class RemoteStorage(Storage):
         pin = self.cache.pin(entry.name)
         landing = Landing(entry.name, entry.num_bytes)
         self._first_read.clear()
-        landing.on_first_read = self._first_read.set
         with self._lock:
             self._pins[entry.name] = (pin, 1)
             self._served[entry.name] = _EARLY
@@ -411,6 +410,10 @@ class RemoteStorage(Storage):
             self._early = [t for t in self._early if t.is_alive()] + [thread]
         thread.start()
         return landing
+
+    def started(self) -> None:
+        """The reader made its first item: read-ahead may start (see ``_first_read``)."""
+        self._first_read.set()
 
     def _land(self, entry: FileEntry, landing: Landing) -> None:
         try:

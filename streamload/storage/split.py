@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from .._files import FileEntry
 from .base import Storage
+from .parts import Landing
 
 __all__ = ["SplitStorage", "split_storage"]
 
@@ -109,6 +110,18 @@ class SplitCopies(SplitStorage):
         """Drop the corrupt copy of ``entry`` where it was cached."""
         discard = getattr(self._of(entry), "discard", None)
         return bool(discard(entry)) if discard is not None else False
+
+    def acquire_early(self, entry: FileEntry) -> str | Landing:
+        """:meth:`RemoteStorage.acquire_early` of the storage that holds ``entry`` (a path where it has none)."""
+        early = getattr(self._of(entry), "acquire_early", None)
+        return early(entry) if early is not None else self.acquire(entry)
+
+    def started(self) -> None:
+        """The reader made its first item: tell each remote storage."""
+        for storage in (self.data, self.index):
+            started = getattr(storage, "started", None)
+            if started is not None:
+                started()
 
     def register_reader(self, largest: int) -> None:
         """Register a reader with each remote storage (the index's holds sidecars only)."""
