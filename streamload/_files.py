@@ -17,6 +17,7 @@ from typing import Any, BinaryIO, Protocol
 from ._errors import ManifestError
 
 __all__ = [
+    "pwrite_all",
     "HASH_ALGORITHMS",
     "FileEntry",
     "algorithm_of",
@@ -133,3 +134,17 @@ class FileEntry:
                 f"{expected or 'unknown'} digest {self.hash[:16]}...)"
             )
         return f"{algorithm} is {digest[:16]}..., expected {self.hash[:16]}..."
+
+
+def pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` at ``offset``.
+
+    A short write (a nearly full disk) goes on until the disk says why it stopped
+    (``ENOSPC``, which the cache reports as a full disk).
+    """
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(28, "No space left on device (a write made no progress)")
+        view, offset = view[written:], offset + written

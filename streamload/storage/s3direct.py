@@ -30,6 +30,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .._files import pwrite_all
+
 __all__ = ["DIRECT_ENV", "DirectS3", "direct_s3"]
 
 #: Set to ``0`` to read shard bytes through s3fs instead (same options, slower).
@@ -140,7 +142,7 @@ class DirectS3:
                 chunk = body.read(min(_CHUNK, stop - offset))
                 if not chunk:
                     raise _CutShort(f"{path}: the body ended at byte {offset} of {start}-{stop}")
-                _pwrite_all(fd, chunk, offset)
+                pwrite_all(fd, chunk, offset)
                 if landed is not None:
                     landed(offset, offset + len(chunk))
                 offset += len(chunk)
@@ -165,15 +167,6 @@ class DirectS3:
             if status == 403 or code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
                 raise PermissionError(f"{path}: {code or status}") from exc
             raise
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        if written <= 0:
-            raise OSError(28, "No space left on device (a write made no progress)")
-        view, offset = view[written:], offset + written
 
 
 def direct_s3(protocol: str, options: Mapping[str, Any]) -> DirectS3 | None:

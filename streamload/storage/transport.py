@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .._errors import CorruptShardError, ManifestNotFoundError, ShardNotFoundError, StorageError, StreamloadError
-from .._files import check_file_name
+from .._files import check_file_name, pwrite_all
 from .filesystems import (
     detach_finalizers,
     filesystem_class,
@@ -73,20 +73,6 @@ def translate_error(exc: BaseException, url: str, action: str, *, not_found: str
         notes = "; ".join(getattr(exc, "__notes__", []))
         return StorageError(f"cannot {action} {url}: storage unavailable ({type(exc).__name__}: {exc}) {notes}".strip())
     return StorageError(f"cannot {action} {url}: {type(exc).__name__}: {exc}")
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    """Write all of ``data`` at ``offset``.
-
-    A short write (a nearly full disk) goes on until the disk says why it stopped
-    (``ENOSPC``, which the cache reports as a full disk).
-    """
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        if written <= 0:
-            raise OSError(28, "No space left on device (a write made no progress)")
-        view, offset = view[written:], offset + written
 
 
 class _EitherEvent(threading.Event):
@@ -359,7 +345,7 @@ class RemoteFiles:
         direct = self.direct
         if direct is None:
             data = self.call("download", name, lambda: self.fs.cat_file(path, start=start, end=end), stop=stop)
-            _pwrite_all(fd, data, start)
+            pwrite_all(fd, data, start)
             if landed is not None:
                 landed(start, start + len(data))
             return len(data)
