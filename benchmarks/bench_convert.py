@@ -35,7 +35,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from streamload.converters import ConvertOptions, ImageFolderSource, RemoteImageFolderSource, convert  # noqa: E402
-
 from streamload.synthetic import make_image_folder  # noqa: E402
 from tests.s3server import SeaweedS3  # noqa: E402
 

@@ -39,10 +39,10 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from streamload.converters import ConvertOptions, ImageFolderSource, convert
 from torch.utils.data import DataLoader
 
 from streamload import StreamingDataset
+from streamload.converters import ConvertOptions, ImageFolderSource, convert
 from streamload.formats import get_format
 from streamload.manifest import Manifest
 from streamload.synthetic import make_image_folder

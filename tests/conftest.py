@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from streamload.converters import ConvertOptions, ImageFolderSource, convert
 
+from streamload.converters import ConvertOptions, ImageFolderSource, convert
 from streamload.synthetic import make_image_folder, synthetic_jpeg
 
 # One SeaweedFS server per test session, shared by every module that asks for `s3_server`;

@@ -98,7 +98,6 @@ def test_benchmark_rows_smoke(tmp_path: Path) -> None:
     import sys
 
     from streamload.converters import ConvertOptions, ImageFolderSource, convert
-
     from streamload.synthetic import make_image_folder
 
     bench_dir = Path(__file__).resolve().parent.parent / "benchmarks"

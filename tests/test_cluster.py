@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from streamload.converters import ConvertOptions, ImageFolderSource, convert
-from streamload.converters.source import Item
 
 from streamload import StreamingDataset
 from streamload._errors import SourceError
 from streamload.cli import main
+from streamload.converters import ConvertOptions, ImageFolderSource, convert
+from streamload.converters.source import Item
 from streamload.synthetic import make_image_folder
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -7,10 +7,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from streamload.converters import ConvertOptions, ImageFolderSource, convert
 
 from streamload import ManifestError, ManifestNotFoundError, ShardNotFoundError, SourceError, StreamingDataset
 from streamload.cli import main
+from streamload.converters import ConvertOptions, ImageFolderSource, convert
 from streamload.synthetic import make_image_folder
 
 

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from streamload.converters import ConvertOptions, ImageFolderSource, Item, ScanResult, Source, convert, path_to_key
-from streamload.converters.journal import JOB_NAME
 
 from streamload import ConfigError, SourceError, StorageError, StreamingDataset
 from streamload.cli import main
+from streamload.converters import ConvertOptions, ImageFolderSource, Item, ScanResult, Source, convert, path_to_key
+from streamload.converters.journal import JOB_NAME
 from streamload.manifest import MANIFEST_NAME
 from streamload.storage.destination import STAGING_PREFIX
 from streamload.synthetic import make_image_folder, synthetic_jpeg

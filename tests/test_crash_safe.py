@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from streamload.converters import ConvertOptions, ImageFolderSource, convert
 
 from streamload import ConfigError
 from streamload.cli import main
+from streamload.converters import ConvertOptions, ImageFolderSource, convert
 from streamload.synthetic import make_image_folder
 
 ARGS = ["--samples-per-shard", "3", "--no-progress", "--shuffle", "--seed", "3"]

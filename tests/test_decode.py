@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from streamload.converters import ConvertOptions, ImageFolderSource, convert
 from torch.utils.data import DataLoader
 
 from streamload import ImageLabel, SampleError, StreamingDataset
+from streamload.converters import ConvertOptions, ImageFolderSource, convert
 from streamload.decode import DecodeBatch, ImageDecoder
 from streamload.decode.image import have_simplejpeg
 from streamload.synthetic import make_image_folder, synthetic_jpeg

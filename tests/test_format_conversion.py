@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import webdataset as wds
-from streamload.converters import ConvertOptions, convert, open_source
-from streamload.converters.dataset_source import DatasetSource
 
 from streamload import SourceError, StreamingDataset
 from streamload.cli import main
+from streamload.converters import ConvertOptions, convert, open_source
+from streamload.converters.dataset_source import DatasetSource
 
 from .conftest import expected_samples
 

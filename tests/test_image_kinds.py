@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from streamload.converters import ConvertOptions, ImageFolderSource, convert
 
 from streamload import SampleError, SourceError, StreamingDataset
 from streamload.cli import main
+from streamload.converters import ConvertOptions, ImageFolderSource, convert
 from streamload.decode import DecodeBatch, ImageLabel
 from streamload.sample import IMAGE_EXTENSIONS, IMAGE_FIELDS, image_warnings, sniff_image
 

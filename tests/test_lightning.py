@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 import torch
-from streamload.converters import ConvertOptions, ImageFolderSource, convert
 
+from streamload.converters import ConvertOptions, ImageFolderSource, convert
 from streamload.synthetic import make_image_folder
 
 NUM_SAMPLES = 99  # odd: two ranks need one padded sample per epoch

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from streamload.converters import ConvertOptions, ImageFolderSource, convert
 from torch.utils.data import DataLoader
 
 from streamload import PlanError, Stream, StreamingDataset, sample_generator, sample_seed
+from streamload.converters import ConvertOptions, ImageFolderSource, convert
 from streamload.synthetic import make_image_folder
 from tests.test_ddp import run_job
 from tests.test_split_basic import make_dataset

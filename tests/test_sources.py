@@ -13,6 +13,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
+from streamload._errors import ConfigError, SourceError
+from streamload.cli import main
 from streamload.converters import (
     ConvertOptions,
     DatasetSource,
@@ -22,9 +25,6 @@ from streamload.converters import (
     convert,
     open_source,
 )
-
-from streamload._errors import ConfigError, SourceError
-from streamload.cli import main
 from streamload.synthetic import make_image_folder
 from tests.s3server import SeaweedS3
 

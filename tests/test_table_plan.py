@@ -19,6 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
+from streamload._errors import ConversionInterrupted, SourceError
 from streamload.converters import ConvertOptions, DatasetSource, TableSource, convert, open_source
 from streamload.converters import table as table_module
 from streamload.converters.engine import _job
@@ -26,8 +28,6 @@ from streamload.converters.journal import plan_fingerprint
 from streamload.converters.table import RowList, RowSpan
 from streamload.converters.table import kinds as table_kinds
 from streamload.converters.table.blocks import TextBlocks
-
-from streamload._errors import ConversionInterrupted, SourceError
 from streamload.synthetic import make_image_folder
 
 ROOT = Path(__file__).resolve().parent.parent
