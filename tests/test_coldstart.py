@@ -139,7 +139,8 @@ def test_a_batch_from_a_partly_downloaded_shard_equals_the_batch_from_the_finish
     with DatasetWriter(url, format="tar", max_samples=count, storage_options=s3_server.storage_options()) as w:
         for i in range(count):
             w.write({"__key__": f"e{i:04d}", "bin": _payload(i) * 6, "cls": b"0"})
-    stall = faulty_s3.inject(Fault("stall", match="shard-000000.tar", unless=".idx", at=1 << 20, seconds=3.0))[0]
+    shard = f"{url.removeprefix('s3://')}/shard-000000.tar"
+    stall = faulty_s3.inject(Fault("stall", match=shard, unless=".idx", at=1 << 20, seconds=3.0))[0]
 
     def open_ds(cache: Path) -> Any:
         return StreamingDataset(
@@ -153,9 +154,8 @@ def test_a_batch_from_a_partly_downloaded_shard_equals_the_batch_from_the_finish
 
     batches = iter(open_ds(tmp_path))
     first = next(batches)
-    shard_events = [
-        e for e, _, path in faulty_s3.proxy.events if "shard-000000.tar?" in path or path.endswith("shard-000000.tar")
-    ]
+    ours = f"/{shard}"  # not another test's shard of that name, still landing
+    shard_events = [e for e, _, path in faulty_s3.proxy.events if f"{ours}?" in path or path.endswith(ours)]
     assert stall.hits == 1
     assert shard_events == ["start"], shard_events  # its one GET is still on its way
     rest = list(batches)
@@ -180,7 +180,9 @@ def test_a_reader_reads_the_parts_another_process_has_landed(
     ds = StreamingDataset(url, storage=StorageConfig(storage_options=faulty_s3.storage_options(), cache="shards"))
     entry = ds.manifest.shards[0]
     want = s3_server.filesystem().cat_file(f"{url.removeprefix('s3://')}/{entry.name}")
-    faulty_s3.inject(Fault("stall", match=entry.name, unless=".idx", at=1 << 20, seconds=3.0))
+    faulty_s3.inject(
+        Fault("stall", match=f"{url.removeprefix('s3://')}/{entry.name}", unless=".idx", at=1 << 20, seconds=3.0)
+    )
     # Two storages on one cache directory: the download lock and the progress they share are the
     # cache's (flock and files), as between two DataLoader workers.
     first, second = (
