@@ -9,9 +9,15 @@ a shard read by ranged requests straight from a bucket (any object with the
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
-__all__ = ["FileBytes", "ShardBytes"]
+__all__ = ["MAX_GAP", "FileBytes", "ShardBytes", "gather"]
+
+#: Bytes between two wanted ranges read along (into a scratch buffer) rather than split into two reads.
+MAX_GAP = 64 << 10
+#: Buffers one ``preadv`` takes at most (the kernel's IOV_MAX).
+_IOV_MAX = 1024
 
 
 class ShardBytes(Protocol):
@@ -58,3 +64,31 @@ class FileBytes:
                 self.close()
             except OSError:
                 pass
+
+
+def gather(
+    segments: Iterable[tuple[int, int, memoryview]],
+    scratch: memoryview,
+    preadv: Callable[[list[memoryview], int, int], None],
+) -> None:
+    """Read ``(file offset, size, destination)`` segments, in file order, with as few ``preadv`` as it takes.
+
+    Segments closer than :data:`MAX_GAP` share one read; the bytes between them land in
+    ``scratch`` (at least :data:`MAX_GAP` long). ``preadv(buffers, offset, expected)`` does
+    each read and raises if it came back short (the reader names the shard).
+    """
+    iov: list[memoryview] = []
+    first = end = 0
+    for off, size, dest in segments:
+        gap = off - end
+        if iov and (gap < 0 or gap > MAX_GAP or len(iov) >= _IOV_MAX - 2):
+            preadv(iov, first, end - first)
+            iov = []
+        if not iov:
+            first = end = off
+        elif gap:
+            iov.append(scratch[:gap])
+        iov.append(dest[:size])
+        end = off + size
+    if iov:
+        preadv(iov, first, end - first)

@@ -78,7 +78,7 @@ from .._errors import ConfigError, CorruptShardError, SampleError
 from .._units import parse_bytes
 from ..manifest import ShardEntry, algorithm_of, new_hasher
 from ..sample import IMAGE_EXTENSIONS, image_field_for, sniff_image
-from ._bytes import FileBytes, ShardBytes
+from ._bytes import MAX_GAP, FileBytes, ShardBytes, gather
 from ._record import open_regular_file
 from .base import FieldGroup, Format, Sample, ShardReader, ShardWriter
 
@@ -106,8 +106,6 @@ MAX_FOOTER_BYTES = 64 << 20
 _THRIFT_STRING_LIMIT = 16 << 20
 _THRIFT_CONTAINER_LIMIT = 1 << 20
 #: Bytes between rows read into a scratch buffer rather than splitting a ``preadv``; iovecs per call.
-_MAX_GAP = 64 << 10
-_IOV_MAX = 1024
 #: Largest sidecar read.
 MAX_SIDECAR_BYTES = 1 << 31
 #: Bytes of decoded row groups one process keeps, over all its readers (least recently
@@ -929,22 +927,10 @@ class ParquetShardReader(ShardReader):
         view = out.data.cast("B")
         scratch = self.__dict__.get("_scratch")
         if scratch is None:
-            scratch = self.__dict__.setdefault("_scratch", memoryview(bytearray(_MAX_GAP)))
-        iov: list[memoryview] = []
-        first = end = 0
-        for off, size, start in zip(offs[order].tolist(), sizes[order].tolist(), starts[order].tolist(), strict=True):
-            gap = off - end
-            if iov and (gap < 0 or gap > _MAX_GAP or len(iov) >= _IOV_MAX - 2):
-                self._preadv(source, iov, first, end - first)
-                iov = []
-            if not iov:
-                first = end = off
-            elif gap:
-                iov.append(scratch[:gap])
-            iov.append(view[start : start + size])
-            end = off + size
-        if iov:
-            self._preadv(source, iov, first, end - first)
+            scratch = self.__dict__.setdefault("_scratch", memoryview(bytearray(MAX_GAP)))
+        in_order = zip(offs[order].tolist(), sizes[order].tolist(), starts[order].tolist(), strict=True)
+        segments = ((off, size, view[start:]) for off, size, start in in_order)
+        gather(segments, scratch, lambda iov, offset, expected: self._preadv(source, iov, offset, expected))
         digest = xxhash.xxh3_64_intdigest
         for i, start, size in zip(rows, starts.tolist(), sizes.tolist(), strict=True):
             if digest(view[start : start + size]) != self._digests[i]:

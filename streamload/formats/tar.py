@@ -44,7 +44,7 @@ import xxhash
 
 from .._errors import CorruptShardError, SampleError
 from ..manifest import ShardEntry, algorithm_of, new_hasher
-from ._bytes import FileBytes, ShardBytes
+from ._bytes import MAX_GAP, FileBytes, ShardBytes, gather
 from ._record import check_field_names, open_regular_file
 from .base import MAX_KEY_BYTES, Format, Sample, ShardReader, ShardWriter, check_sample, unsafe
 
@@ -59,8 +59,6 @@ _MODE = 0o444
 _ZERO_BLOCK = bytes(_BLOCK)
 #: Batch reads: largest gap read into scratch rather than split into two preadv calls,
 #: and the most buffers one preadv takes (Linux IOV_MAX).
-_MAX_GAP = 64 << 10
-_IOV_MAX = 1024
 #: A member larger than this is treated as hostile (64 GiB).
 MAX_MEMBER_BYTES = 1 << 36
 #: A PAX or GNU long-name header larger than this is treated as hostile (they hold a name
@@ -463,21 +461,12 @@ class TarShardReader(ShardReader):
         views = [out.data.cast("B") for _, out, _ in groups]
         scratch = self.__dict__.get("_scratch")
         if scratch is None:
-            scratch = self.__dict__.setdefault("_scratch", memoryview(bytearray(_MAX_GAP)))
-        iov: list[memoryview] = []
-        first = end = 0
-        for off, size, start, group in zip(seg_off, seg_size, seg_start, seg_group, strict=True):
-            gap = off - end
-            if iov and (gap < 0 or gap > _MAX_GAP or len(iov) >= _IOV_MAX - 2):
-                self._preadv(source, iov, first, end - first)
-                iov = []
-            if not iov:
-                first = end = off
-            elif gap:
-                iov.append(scratch[:gap])
-            iov.append(views[group][start : start + size])
-            end = off + size
-        self._preadv(source, iov, first, end - first)
+            scratch = self.__dict__.setdefault("_scratch", memoryview(bytearray(MAX_GAP)))
+        segments = (
+            (off, size, views[group][start:])
+            for off, size, start, group in zip(seg_off, seg_size, seg_start, seg_group, strict=True)
+        )
+        gather(segments, scratch, lambda iov, offset, expected: self._preadv(source, iov, offset, expected))
         self._check_digests(indices, members, groups, starts)
 
     def _preadv(self, source: ShardBytes, iov: list[memoryview], offset: int, expected: int) -> None:
