@@ -16,6 +16,7 @@ Where a builtin exception has the same meaning, the error also derives from it, 
     ├── SourceError (ValueError)             a conversion input is unreadable or corrupt
     ├── StorageError (OSError)               remote storage failed after retries / permanently
     │   ├── CacheError                       the local shard cache cannot work as configured
+    │   ├── RangeResponseError               a ranged GET answered with other bytes than asked
     │   └── DestinationBusyError             another conversion is writing the destination
     ├── PlanError (ValueError)               the requested split or resume state is impossible
     ├── ConfigError (ValueError)             an option has a bad value or a missing extra
@@ -35,6 +36,7 @@ __all__ = [
     "ManifestError",
     "ManifestNotFoundError",
     "PlanError",
+    "RangeResponseError",
     "SampleError",
     "SampleNotFoundError",
     "ShardError",
@@ -96,6 +98,14 @@ class StorageError(StreamloadError, OSError):
 
 class CacheError(StorageError):
     """The local shard cache cannot work as configured (e.g. a limit below one shard)."""
+
+
+class RangeResponseError(StorageError):
+    """A server answered a ranged GET with more bytes than asked, or ignored the ``Range`` header.
+
+    Never retried (the same server answers the same way); the message names the URL, the
+    bytes asked for and what came (or was announced).
+    """
 
 
 class DestinationBusyError(StorageError):

@@ -197,6 +197,8 @@ class RangeFetcher:
 
         Raises:
             CorruptShardError: If the object holds fewer bytes there (it is shorter than its entry).
+            RangeResponseError: If the server answered with more bytes than asked or ignored
+                the range (no byte past the range is read into memory).
             ShardNotFoundError, StorageError: As :meth:`RemoteFiles.call`.
         """
         data = self.files.get_range(name, start, end)

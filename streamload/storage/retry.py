@@ -110,6 +110,7 @@ _TRANSIENT_CLASSES = frozenset(
 #: Class names that mean "this will never work": credentials and configuration.
 _PERMANENT_CLASSES = frozenset(
     {
+        "RangeResponseError",  # a server that answers a range with more bytes answers so again
         "NoCredentialsError",
         "PartialCredentialsError",
         "ParamValidationError",

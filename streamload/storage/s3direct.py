@@ -18,7 +18,10 @@ The client is made from the same ``storage_options`` as s3fs (``key``/``secret``
 does not know, or ``STREAMLOAD_S3_DIRECT=0`` in the environment, keep the ranged reads
 on s3fs. Errors come out as the rest of the package expects them: a missing object as
 ``FileNotFoundError``, access denied as ``PermissionError``, a range past the end as
-no bytes, everything else as botocore raised it (classified by :mod:`.retry`). botocore
+no bytes, an answer holding more than the range asked for (or the whole object: a server
+that ignores ``Range``) as a :class:`~streamload.RangeResponseError` before a byte past
+the range is read into memory or written (see :mod:`.bounded`), everything else as
+botocore raised it (classified by :mod:`.retry`). botocore
 does not retry (the retry policy does, and resumes a body cut short at the byte where it
 stopped).
 """
@@ -30,7 +33,9 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .._errors import RangeResponseError
 from .._files import pwrite_all
+from .bounded import check_answer, ignored_range, longer_than_asked
 
 __all__ = ["DIRECT_ENV", "DirectS3", "direct_s3"]
 
@@ -111,41 +116,82 @@ class DirectS3:
                 self._pid = os.getpid()
             return self._client
 
-    def get(self, path: str, start: int, end: int) -> bytes:
-        """The bytes ``[start, end)`` of ``bucket/key`` (fewer at the object's end; none past it)."""
+    def get(self, path: str, start: int, end: int, url: str | None = None) -> bytes:
+        """The bytes ``[start, end)`` of ``bucket/key`` (fewer at the object's end; none past it).
+
+        At most the bytes asked for (and one more) are read from the body, whatever it holds.
+
+        Raises:
+            RangeResponseError: If the server answered with more bytes than asked, or
+                ignored the range (``url`` names the object in the message).
+        """
         response = self._open(path, start, end)
         if response is None:
             return b""
+        where = url or f"s3://{path}"
+        body = response["Body"]
         try:
-            data: bytes = response["Body"].read()
+            status = _check(response, where, start, end)
+            data = bytearray()
+            while len(data) <= end - start:
+                chunk = body.read(min(_CHUNK, end - start + 1 - len(data)))
+                if not chunk:
+                    break
+                data += chunk
+            if len(data) > end - start:
+                raise _longer(where, start, end, status)
         finally:
-            response["Body"].close()
-        return data
+            body.close()
+        return bytes(data)
 
-    def land(self, path: str, start: int, end: int, fd: int, landed: Callable[[int, int], None] | None = None) -> int:
+    def land(
+        self,
+        path: str,
+        start: int,
+        end: int,
+        fd: int,
+        landed: Callable[[int, int], None] | None = None,
+        keep: int | None = None,
+        url: str | None = None,
+    ) -> int:
         """Write ``[start, end)`` of ``bucket/key`` into ``fd`` at the same offsets as it arrives.
 
         ``landed(a, b)`` is called after each chunk is written (a reader may read it).
         Returns the offset the bytes reached: ``end``, or less where the object ends
-        first. A body cut short raises a transient ``ConnectionError`` after writing (and
+        first. No byte at or past ``keep`` (default ``end``) is written: a caller that asks
+        for one byte more than it keeps learns from the offset that the object goes on. A
+        body cut short raises a transient ``ConnectionError`` after writing (and
         reporting) what came: the caller's retry asks for the rest only.
+
+        Raises:
+            RangeResponseError: If the server announces or sends more than ``[start, end)``,
+                or ignored the range; nothing past ``end`` (nor ``keep``) is written.
         """
         response = self._open(path, start, end)
         if response is None:
             return start
+        where = url or f"s3://{path}"
+        keep = end if keep is None else min(keep, end)
         body = response["Body"]
         offset = start
         try:
-            length = int(response.get("ContentLength", end - start))
-            stop = start + length
+            status = _check(response, where, start, end)
+            length = response.get("ContentLength")
+            stop = end if length is None else start + int(length)  # checked: never past end
             while offset < stop:
                 chunk = body.read(min(_CHUNK, stop - offset))
                 if not chunk:
+                    if length is None:
+                        break  # no length given: the object ended here
                     raise _CutShort(f"{path}: the body ended at byte {offset} of {start}-{stop}")
-                pwrite_all(fd, chunk, offset)
-                if landed is not None:
-                    landed(offset, offset + len(chunk))
+                kept = chunk[: max(0, keep - offset)]
+                if kept:
+                    pwrite_all(fd, kept, offset)
+                    if landed is not None:
+                        landed(offset, offset + len(kept))
                 offset += len(chunk)
+            if offset >= end and body.read(1):
+                raise _longer(where, start, end, status)
         finally:
             body.close()
         return offset
@@ -167,6 +213,20 @@ class DirectS3:
             if status == 403 or code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
                 raise PermissionError(f"{path}: {code or status}") from exc
             raise
+
+
+def _check(response: Mapping[str, Any], url: str, start: int, end: int) -> int | None:
+    """Check a GetObject answer's status and headers (:func:`.bounded.check_answer`); return its status."""
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    length = response.get("ContentLength")
+    check_answer(url, start, end, status, None if length is None else int(length), response.get("ContentRange"))
+    return None if status is None else int(status)
+
+
+def _longer(url: str, start: int, end: int, status: int | None) -> RangeResponseError:
+    if status == 200:
+        return ignored_range(url, start, end, "200 OK with a body longer than the range")
+    return longer_than_asked(url, start, end, f"more than {end - start}")
 
 
 def direct_s3(protocol: str, options: Mapping[str, Any]) -> DirectS3 | None:

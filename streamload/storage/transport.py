@@ -19,6 +19,7 @@ from typing import Any
 
 from .._errors import CorruptShardError, ManifestNotFoundError, ShardNotFoundError, StorageError, StreamloadError
 from .._files import check_file_name, pwrite_all
+from .bounded import read_range
 from .filesystems import (
     detach_finalizers,
     filesystem_class,
@@ -185,7 +186,8 @@ class RemoteFiles:
         if max_bytes is None:
             data = self.call("read", name, lambda: self.fs.cat_file(path), not_found=not_found)
         else:  # one ranged GET: a larger object shows itself by the byte past the limit
-            read = lambda: self.fs.cat_file(path, start=0, end=max_bytes + 1)  # noqa: E731
+            url = self.url_of(name)
+            read = lambda: read_range(self.fs, path, url, 0, max_bytes + 1)  # noqa: E731
             data = self.call("read", name, read, not_found=not_found)
             if len(data) > max_bytes:
                 raise StorageError(f"{self.url_of(name)} is larger than the {max_bytes} bytes accepted for it")
@@ -193,13 +195,21 @@ class RemoteFiles:
         return data
 
     def get_range(self, name: str, start: int, end: int) -> bytes:
-        """One retried GET of bytes ``[start, end)`` of file ``name`` (fewer where the file ends first)."""
+        """One retried GET of bytes ``[start, end)`` of file ``name`` (fewer where the file ends first).
+
+        Never more: at most the bytes asked for (and one more) are read from the answer.
+
+        Raises:
+            RangeResponseError: If the server answered with more bytes than asked, or
+                ignored the range (see :mod:`.bounded`); not retried.
+        """
         path = self.path(name)
+        url = self.url_of(name)
         direct = self.direct
         if direct is not None:
-            data: bytes = self.call("read", name, lambda: direct.get(path, start, end))
+            data: bytes = self.call("read", name, lambda: direct.get(path, start, end, url))
         else:
-            data = self.call("read", name, lambda: self.fs.cat_file(path, start=start, end=end))
+            data = self.call("read", name, lambda: read_range(self.fs, path, url, start, end))
         return data
 
     def size(self, name: str, *, not_found: str | None = None) -> int | None:
@@ -299,7 +309,7 @@ class RemoteFiles:
                 # The last part asks for one byte more: an object longer than its entry shows itself.
                 ask = end + 1 if end == size else end
                 try:
-                    got = self._fetch_part(name, path, fd, start, ask, failed, landed)
+                    got = self._fetch_part(name, path, fd, start, ask, failed, landed, size)
                     if got != end - start:
                         what = "longer" if got > end - start else "shorter"
                         raise CorruptShardError(
@@ -336,18 +346,26 @@ class RemoteFiles:
         end: int,
         stop: threading.Event,
         landed: Callable[[int, int], None] | None,
+        keep: int,
     ) -> int:
         """Write bytes ``[start, end)`` of ``name`` into ``fd`` at their offsets; return how many came.
 
-        Directly on S3 each chunk lands as it arrives, and a retry asks only for the bytes
-        not written yet; through fsspec the part comes whole, then lands.
+        No byte at or past ``keep`` (the file's size: the last part asks for one byte
+        more) is written, so the part file never outgrows the room reserved for it; an
+        answer longer than the range is a :class:`~streamload.RangeResponseError` before
+        any byte past it is read. Directly on S3 each chunk lands as it arrives, and a
+        retry asks only for the bytes not written yet; through fsspec the part comes whole
+        (at most its range), then lands.
         """
         direct = self.direct
+        url = self.url_of(name)
         if direct is None:
-            data = self.call("download", name, lambda: self.fs.cat_file(path, start=start, end=end), stop=stop)
-            pwrite_all(fd, data, start)
-            if landed is not None:
-                landed(start, start + len(data))
+            fetch = lambda: read_range(self.fs, path, url, start, end)  # noqa: E731
+            data = self.call("download", name, fetch, stop=stop)
+            kept = data[: max(0, keep - start)]
+            pwrite_all(fd, kept, start)
+            if landed is not None and kept:
+                landed(start, start + len(kept))
             return len(data)
         reached = [start]
 
@@ -357,7 +375,7 @@ class RemoteFiles:
                 landed(a, b)
 
         def attempt() -> None:
-            reached[0] = direct.land(path, reached[0], end, fd, written)
+            reached[0] = direct.land(path, reached[0], end, fd, written, keep, url)
 
         self.call("download", name, attempt, stop=stop)
         return reached[0] - start
@@ -391,7 +409,9 @@ class RemoteFiles:
                             return
                         if max_bytes is not None and state["offset"] + len(chunk) > max_bytes:
                             raise CorruptShardError(
-                                f"{name}: the object is longer than the {max_bytes} bytes the manifest says"
+                                f"{self.url_of(name)}: the object is longer than the {max_bytes} bytes its entry "
+                                f"says ({state['offset'] + len(chunk)} bytes came so far; nothing past "
+                                f"{max_bytes} was written)"
                             )
                         out.write(chunk)
                         state["offset"] += len(chunk)
