@@ -24,8 +24,36 @@ __all__ = [
     "check_file_name",
     "hash_file",
     "hash_stream",
+    "is_local",
+    "local_path_of",
     "new_hasher",
 ]
+
+#: fsspec protocols that read this machine's files (``local://`` is fsspec's alias of ``file://``).
+LOCAL_PROTOCOLS = ("file", "local")
+
+
+def _scheme(url: str) -> str | None:
+    """The protocol of ``url`` in lower case, or ``None`` for a plain path."""
+    return url.split("://", 1)[0].lower() if "://" in url else None
+
+
+def is_local(url: str) -> bool:
+    """True if ``url`` names this machine's files: a plain path, or a ``file://`` or ``local://`` URL (any case).
+
+    The one test of the package (storage, argument checks and the manifest's ``data_root``
+    all ask it). An fsspec chain (``simplecache::file://...``) is not a plain path; whether
+    it is accepted at all is up to the caller (a manifest's ``data_root`` may not be one).
+    """
+    scheme = _scheme(url)
+    return scheme is None or scheme in LOCAL_PROTOCOLS
+
+
+def local_path_of(url: str) -> str:
+    """Return the filesystem path of a local ``url`` (strips ``file://`` or ``local://``, any case)."""
+    scheme = _scheme(url)
+    return url.split("://", 1)[1] if scheme in LOCAL_PROTOCOLS else url
+
 
 HASH_ALGORITHMS = ("sha256", "xxh3_128")
 _DIGEST_LENGTHS = {"sha256": 64, "xxh3_128": 32}

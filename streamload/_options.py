@@ -38,7 +38,7 @@ def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
 
 
 def add_storage_option(p: argparse.ArgumentParser) -> None:
-    """Add the repeatable ``--storage-option/-o KEY=VALUE`` to a subcommand's parser."""
+    """Add the repeatable ``--storage-option/-o KEY=VALUE`` and ``--allow-data-root URL`` to a subcommand's parser."""
     p.add_argument(
         "--storage-option",
         "-o",
@@ -46,4 +46,11 @@ def add_storage_option(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="fsspec storage option for remote URLs (repeatable; dotted keys nest, "
         "e.g. client_kwargs.endpoint_url=http://127.0.0.1:8333)",
+    )
+    p.add_argument(
+        "--allow-data-root",
+        action="append",
+        metavar="URL",
+        help="let a manifest read from a URL name its files under URL although it is on another host or bucket "
+        "(repeatable; they are read with the -o options given here)",
     )

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple, SupportsIndex, cast
 
 from ._errors import ConfigError, PlanError
+from ._files import is_local
 from ._units import parse_bytes
 
 __all__ = [
@@ -28,7 +29,9 @@ __all__ = [
     "MAX_READ_AHEAD",
     "UNBOUNDED",
     "DatasetArgs",
+    "check_allowed_roots",
     "check_int",
+    "check_lock_timeout",
     "check_epoch",
     "check_cache_dir",
     "check_read_ahead",
@@ -48,12 +51,7 @@ MAX_EPOCH = 2**63 - 1
 #: Most shards downloaded ahead per process (one thread each; readers look no further ahead).
 MAX_READ_AHEAD = 64
 #: Options that only matter for a remote dataset (read through the cache).
-_REMOTE_ONLY = ("cache_dir", "cache_limit", "read_ahead", "storage_options", "stream_buffer")
-
-
-def _is_local(url: str) -> bool:
-    """True for a plain path or a ``file://`` URL (as :func:`streamload.storage.is_local`; this layer is below it)."""
-    return "://" not in url or url.startswith("file://")
+_REMOTE_ONLY = ("cache_dir", "cache_limit", "read_ahead", "storage_options", "stream_buffer", "lock_timeout")
 
 
 def _is_int(value: object) -> bool:
@@ -193,6 +191,50 @@ def check_read_ahead(value: object) -> int | None:
     return _optional_int("read_ahead", value, low=0, high=MAX_READ_AHEAD)
 
 
+def check_lock_timeout(value: object) -> float | None:
+    """Return ``lock_timeout`` in seconds (``None``, or a positive finite number).
+
+    Raises:
+        ConfigError: If it is not a positive finite number.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < math.inf:
+        raise ConfigError(f"lock_timeout={value!r} must be a positive number of seconds or None")
+    return float(value)
+
+
+def check_allowed_roots(value: object) -> dict[str, dict[str, Any]] | None:
+    """Return ``allow_data_roots`` as ``{URL prefix: storage_options}`` (a list gives each no options).
+
+    Each prefix must be a ``protocol://`` URL of a remote place (a manifest read from a URL
+    never reaches local files), without ``::`` chains; a trailing ``/`` is dropped.
+
+    Raises:
+        ConfigError: Naming the bad prefix or value.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, (Mapping, list, tuple)):
+        raise ConfigError(
+            f"allow_data_roots={value!r} must be a list of URL prefixes or a mapping from prefix to storage_options"
+        )
+    pairs = list(value.items()) if isinstance(value, Mapping) else [(prefix, None) for prefix in value]
+    out: dict[str, dict[str, Any]] = {}
+    for prefix, options in pairs:
+        if not isinstance(prefix, str) or "://" not in prefix or "::" in prefix or is_local(prefix):
+            raise ConfigError(
+                f"allow_data_roots: {prefix!r} must be the URL of a remote place (protocol://host/...), "
+                "not a path, a file:// or local:// URL or an fsspec chain"
+            )
+        if not prefix.split("://", 1)[1].split("/", 1)[0]:
+            raise ConfigError(f"allow_data_roots: {prefix!r} names no host (bucket)")
+        if options is not None and not isinstance(options, Mapping):
+            raise ConfigError(f"allow_data_roots[{prefix!r}]={options!r} must be a mapping of storage_options or None")
+        out[prefix.rstrip("/")] = dict(options or {})
+    return out
+
+
 class DatasetArgs(NamedTuple):
     """The checked arguments of ``StreamingDataset.__init__``, numbers as plain ``int``."""
 
@@ -244,7 +286,7 @@ def warn_remote_only(source: object, settings: Mapping[str, Any], data_url: str)
         data_url: Where the dataset's files are (an index kept apart from its files may
             name remote ones: then the settings apply).
     """
-    if not isinstance(source, (str, os.PathLike)) or not _is_local(os.fspath(source)) or not _is_local(data_url):
+    if not isinstance(source, (str, os.PathLike)) or not is_local(os.fspath(source)) or not is_local(data_url):
         return
     for name in _REMOTE_ONLY:
         value = settings.get(name)

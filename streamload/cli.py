@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -470,6 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         handler.setLevel(logging.WARNING)
         handler.setFormatter(_SafeFormatter("%(message)s"))
         logger.addHandler(handler)
+    allowed = _allow_data_roots(getattr(args, "allow_data_root", None))
     try:
         return func(args)
     except ConversionInterrupted as exc:
@@ -484,6 +486,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if handler is not None:
             logger.removeHandler(handler)
+        allowed()
+
+
+def _allow_data_roots(roots: list[str] | None) -> Callable[[], None]:
+    """Name ``--allow-data-root`` URLs to every reader of this command; return what undoes it."""
+    from .shards import ALLOW_DATA_ROOTS_ENV
+
+    before = os.environ.get(ALLOW_DATA_ROOTS_ENV)
+    if not roots:
+        return lambda: None
+    os.environ[ALLOW_DATA_ROOTS_ENV] = " ".join([before or "", *roots]).strip()
+
+    def undo() -> None:
+        if before is None:
+            os.environ.pop(ALLOW_DATA_ROOTS_ENV, None)
+        else:
+            os.environ[ALLOW_DATA_ROOTS_ENV] = before
+
+    return undo
 
 
 if __name__ == "__main__":  # pragma: no cover

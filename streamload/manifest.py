@@ -42,6 +42,7 @@ from typing import Any
 from ._errors import ManifestError
 from ._files import (
     HASH_ALGORITHMS,
+    LOCAL_PROTOCOLS,
     FileEntry,
     algorithm_of,
     check_file_name,
@@ -62,6 +63,8 @@ __all__ = [
     "SkippedInput",
     "algorithm_of",
     "check_data_root",
+    "data_root_place",
+    "is_under",
     "check_file_name",
     "hash_file",
     "hash_stream",
@@ -313,8 +316,9 @@ def check_data_root(value: object) -> str:
     """Return a valid ``data_root``: an absolute local path or a ``protocol://`` URL, normalised.
 
     It must be explicit and plain: no ``.`` or ``..`` segments, no empty segments, no query
-    or fragment, no control characters, at most :data:`MAX_DATA_ROOT` characters; a
-    trailing ``/`` is dropped. (Whether it may be used at all depends on the format and on
+    or fragment, no control characters, no fsspec chain (``::``), a lower-case protocol, an
+    absolute path after ``file://`` and ``local://``, at most :data:`MAX_DATA_ROOT`
+    characters; a trailing ``/`` is dropped. (Whether it may be used at all depends on the format and on
     where the manifest was read: see :meth:`streamload.shards.DatasetRef.open`.)
 
     Raises:
@@ -325,12 +329,15 @@ def check_data_root(value: object) -> str:
     root = value.rstrip("/") or "/"
     if any(ord(c) < 32 or c in "?#\\\x7f" for c in root):
         raise ManifestError(f"data_root={value!r} holds control characters, '?', '#' or a backslash")
+    if "::" in root:
+        raise ManifestError(f"data_root={value!r} is an fsspec chain ('::'); name one place: a path or one URL")
     match = re.fullmatch(r"([a-z][a-z0-9+.-]*)://(.+)", root)
     if match is not None:
         rest = match.group(2)
-        if match.group(1) == "file" and not rest.startswith("/"):
-            raise ManifestError(f"data_root={value!r}: a file:// root must be an absolute path")
-        segments = rest.lstrip("/").split("/") if match.group(1) == "file" else rest.split("/")
+        local = match.group(1) in LOCAL_PROTOCOLS
+        if local and not rest.startswith("/"):
+            raise ManifestError(f"data_root={value!r}: a {match.group(1)}:// root must be an absolute path")
+        segments = rest.lstrip("/").split("/") if local else rest.split("/")
     elif root.startswith("/"):
         segments = root[1:].split("/") if root != "/" else []
     else:
@@ -338,6 +345,23 @@ def check_data_root(value: object) -> str:
     if any(seg in ("", ".", "..") for seg in segments):
         raise ManifestError(f"data_root={value!r} has an empty, '.' or '..' path segment")
     return root
+
+
+def data_root_place(url: str) -> tuple[str, str]:
+    """The ``(scheme, host)`` of a URL, lower case: where its files are served from.
+
+    The host is everything between ``://`` and the next ``/``: the bucket of ``s3://`` and
+    ``gs://``, ``host:port`` of ``http(s)://``. A manifest read from a URL may send its
+    readers only to its own place (see :func:`streamload.shards.DatasetRef.open`).
+    """
+    scheme, _, rest = url.partition("://")
+    return scheme.lower(), rest.split("/", 1)[0].lower()
+
+
+def is_under(root: str, prefix: str) -> bool:
+    """True if ``root`` is ``prefix`` or a path below it (whole segments: ``s3://b/da`` is not under ``s3://b/d``)."""
+    prefix = prefix.rstrip("/")
+    return root == prefix or root.startswith(prefix + "/")
 
 
 def _meta(value: object) -> dict[str, Any]:

@@ -38,7 +38,7 @@ import logging
 import os
 import warnings
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Protocol, TypedDict, runtime_checkable
@@ -50,7 +50,9 @@ from ._files import FileEntry
 from ._units import format_bytes
 from ._validate import (
     CACHE_MODES,
+    check_allowed_roots,
     check_cache_dir,
+    check_lock_timeout,
     check_read_ahead,
     check_storage_options,
     parse_cache_limit,
@@ -59,7 +61,7 @@ from ._validate import (
 )
 from .formats import Format, ShardReader, get_format
 from .formats.tar import TarShardReader
-from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardEntry
+from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardEntry, data_root_place, is_under
 from .plan import Run
 from .storage import Storage, is_local, open_storage
 from .storage.parts import Landing
@@ -69,6 +71,7 @@ from .storage.split import split_storage
 from .storage.transport import RemoteFiles
 
 __all__ = [
+    "ALLOW_DATA_ROOTS_ENV",
     "CACHE_KEYWORDS",
     "CACHE_MODES",
     "CacheMode",
@@ -170,6 +173,18 @@ class StorageConfig:
         stream_buffer: Streaming mode: bytes of ranges each worker fetches ahead (an int
             or a string like ``"256MB"``, kept as bytes; ``None``: 64 MiB). A setting of
             the dataset, not of a single :class:`~streamload.Stream`.
+        lock_timeout: Most seconds a reader waits for one of the cache's locks (another
+            process's download of the same shard, an eviction) before a
+            :class:`~streamload.CacheError` naming the lock (``None``: 600). A reader that
+            waits logs once, after a few seconds, which lock and which process it waits for.
+        allow_data_roots: Where a manifest read from a URL may send its readers besides
+            its own scheme and host (bucket): URL prefixes, as a list (the files there are
+            read with no ``storage_options``) or as a mapping from prefix to the
+            ``storage_options`` to read them with. The dataset's own ``storage_options``
+            never go to another host unless given here. Prefixes in
+            ``$STREAMLOAD_ALLOW_DATA_ROOTS`` (separated by spaces; what the command line's
+            ``--allow-data-root`` sets) are allowed too, read with these ``storage_options``.
+            A manifest from a URL may never name local files. See ``docs/remote.md``.
 
     Raises:
         ConfigError: If a field's value is not one it can take.
@@ -186,6 +201,8 @@ class StorageConfig:
     read_ahead: int | None
     cache: CacheMode | None
     stream_buffer: int | None
+    lock_timeout: float | None
+    allow_data_roots: Mapping[str, Mapping[str, Any]] | None
 
     def __init__(
         self,
@@ -195,6 +212,8 @@ class StorageConfig:
         read_ahead: int | None = None,
         cache: CacheMode | None = None,
         stream_buffer: int | str | None = None,
+        lock_timeout: float | None = None,
+        allow_data_roots: Sequence[str] | Mapping[str, Mapping[str, Any] | None] | None = None,
     ) -> None:
         checked: dict[str, Any] = {
             "storage_options": check_storage_options(storage_options),
@@ -203,6 +222,8 @@ class StorageConfig:
             "read_ahead": check_read_ahead(read_ahead),
             "cache": None if cache is None else parse_cache_mode(cache),
             "stream_buffer": parse_stream_buffer(stream_buffer),
+            "lock_timeout": check_lock_timeout(lock_timeout),
+            "allow_data_roots": check_allowed_roots(allow_data_roots),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)  # frozen: set once, here
@@ -225,13 +246,47 @@ class StorageConfig:
         """Return these settings with ``cache`` set to ``default`` if it was left ``None``."""
         return self if self.cache is not None else replace(self, cache=default)
 
-    def open(self, url: str) -> Storage:
-        """Return a new storage for the dataset at ``url`` in this process."""
-        return open_storage(url, self.options, self.cache_dir, self.cache_limit, self.read_ahead)
+    def open(self, url: str, storage_options: Mapping[str, Any] | None = None) -> Storage:
+        """Return a new storage for the dataset at ``url`` in this process.
+
+        Args:
+            url: The dataset's (or a data root's) URL or path.
+            storage_options: fsspec options to use instead of :attr:`storage_options`
+                (a data root on another host gets its own, never the dataset's).
+        """
+        options = self.options if storage_options is None else dict(storage_options)
+        return open_storage(
+            url,
+            options,
+            self.cache_dir,
+            self.cache_limit,
+            self.read_ahead,
+            lock_timeout=self.lock_timeout,
+        )
+
+    def data_root_options(self, root: str) -> dict[str, Any] | None:
+        """The ``storage_options`` for a data root elsewhere that the caller allowed; ``None`` if not allowed.
+
+        The longest prefix of :attr:`allow_data_roots` that ``root`` is under decides (its
+        options; none for a prefix given in a list); then a prefix of
+        ``$STREAMLOAD_ALLOW_DATA_ROOTS``, read with this config's own ``storage_options``
+        (the command line's ``--allow-data-root``, named next to its ``-o`` options).
+        """
+        allowed = dict(self.allow_data_roots or {})
+        named = check_allowed_roots(os.environ.get(ALLOW_DATA_ROOTS_ENV, "").split()) or {}
+        for prefix in named:
+            allowed.setdefault(prefix, self.options)
+        matches = [prefix for prefix in allowed if is_under(root, prefix)]
+        if not matches:
+            return None
+        return dict(allowed[max(matches, key=len)])
 
 
+#: The environment variable naming data roots a manifest read from a URL may send readers to
+#: (URL prefixes separated by spaces; set by the command line's ``--allow-data-root``).
+ALLOW_DATA_ROOTS_ENV = "STREAMLOAD_ALLOW_DATA_ROOTS"
 #: The storage settings :class:`StorageConfig` groups, by the keyword names they had on their own.
-STORAGE_KEYWORDS = tuple(f.name for f in fields(StorageConfig))
+STORAGE_KEYWORDS = ("storage_options", "cache_dir", "cache_limit", "read_ahead", "cache", "stream_buffer")
 #: Those that every reader took (``Stream`` and ``ShardedDataset`` did not take ``cache`` and ``stream_buffer``).
 CACHE_KEYWORDS = ("storage_options", "cache_dir", "cache_limit", "read_ahead")
 
@@ -444,16 +499,43 @@ def _with_data_root(url: str, manifest: Manifest, config: StorageConfig, storage
             raise ManifestError(
                 f"{url}/{MANIFEST_NAME}: data_root is only for formats read in place (parquet), not {fmt.name}"
             )
-        if is_local(root) and not is_local(url):
-            raise ManifestError(
-                f"{url}/{MANIFEST_NAME}: a remote manifest may not name local files (data_root={root!r})"
-            )
-        data = config.open(root)
+        data = config.open(root, _data_root_options(url, root, config))
     except BaseException:
         storage.close()
         raise
     largest_sidecar = _largest_sidecar(manifest)
     return split_storage(storage, data, [s.name for s in manifest.shards], largest_sidecar)
+
+
+def _data_root_options(url: str, root: str, config: StorageConfig) -> dict[str, Any] | None:
+    """The ``storage_options`` a manifest's ``data_root`` is read with (``None``: the dataset's own).
+
+    A manifest read from a local path may name any root (it is the caller's own file).
+    One read from a URL may name only files under the same scheme and host (bucket) as
+    its own, read with the dataset's options; a root elsewhere only if the caller allowed
+    it (:attr:`StorageConfig.allow_data_roots`), read with the options given for it; and
+    never local files (a path, ``file://``, ``local://``).
+
+    Raises:
+        ManifestError: If the root may not be used, naming it and how to allow it.
+    """
+    if is_local(url):
+        return None
+    where = f"{url}/{MANIFEST_NAME}"
+    if is_local(root):
+        raise ManifestError(f"{where}: a manifest read from a URL may not name local files (data_root={root!r})")
+    if data_root_place(root) == data_root_place(url):
+        return None
+    options = config.data_root_options(root)
+    if options is None:
+        scheme, host = data_root_place(url)
+        raise ManifestError(
+            f"{where}: data_root={root!r} is not under {scheme}://{host}, where the manifest was read; "
+            f"a manifest read from a URL may only send readers to its own scheme and host (bucket). "
+            f"To read it anyway, name it: StorageConfig(allow_data_roots=[{root!r}]) "
+            f"(or --allow-data-root {root} on the command line)"
+        )
+    return options
 
 
 def _log_auto(url: str, why: str) -> None:

@@ -154,16 +154,20 @@ def test_index_apart_from_a_bucket_never_written(s3_server: SeaweedS3, tmp_path:
 
     remote_index = f"s3://{s3_server.make_bucket()}/index"  # an index in our bucket, the files in theirs
     index_directory(theirs, "parquet", storage_options=options, output=remote_index)
-    ds = StreamingDataset(
-        remote_index, storage=StorageConfig(storage_options=options, cache="shards", cache_dir=str(tmp_path / "c2"))
+    with pytest.raises(ManifestError, match="allow_data_roots"):  # another bucket: only when named
+        StreamingDataset(remote_index, storage=StorageConfig(storage_options=options, cache_dir=str(tmp_path / "c1")))
+    storage = StorageConfig(
+        storage_options=options, cache="shards", cache_dir=str(tmp_path / "c2"), allow_data_roots={theirs: options}
     )
+    ds = StreamingDataset(remote_index, storage=storage)
     assert {s["__key__"]: s.get("jpg", s.get("png")) for s in ds} == want
-    assert main(["verify", remote_index, "--cache-dir", str(tmp_path / "c3"), *s3_server.cli_options()]) == 0
+    verify = ["verify", remote_index, "--cache-dir", str(tmp_path / "c3"), *s3_server.cli_options()]
+    assert main([*verify, "--allow-data-root", theirs]) == 0
     assert sorted(fs.find(theirs.split("/")[2], detail=False)) == before  # their bucket: no sidecar, no lock
 
     # a manifest in a bucket may not send readers to local files
     forged = json.loads(fs.cat_file(f"{remote_index}/index.json"))
     forged["data_root"] = str(local)
     fs.pipe_file(f"{remote_index}/index.json", json.dumps(forged).encode())
-    with pytest.raises(ManifestError, match="a remote manifest may not name local files"):
+    with pytest.raises(ManifestError, match="a manifest read from a URL may not name local files"):
         StreamingDataset(remote_index, storage=StorageConfig(storage_options=options, cache_dir=str(tmp_path / "c4")))

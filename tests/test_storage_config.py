@@ -82,7 +82,16 @@ def test_each_field_is_checked_and_normalized_when_made(tmp_path: Path) -> None:
         storage.cache = "shards"  # type: ignore[misc]
     # None everywhere: the reader's defaults
     assert StorageConfig().settings() == dict.fromkeys(
-        ("storage_options", "cache_dir", "cache_limit", "read_ahead", "cache", "stream_buffer")
+        (
+            "storage_options",
+            "cache_dir",
+            "cache_limit",
+            "read_ahead",
+            "cache",
+            "stream_buffer",
+            "lock_timeout",
+            "allow_data_roots",
+        )
     )
 
 

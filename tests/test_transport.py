@@ -48,7 +48,7 @@ def _files(url: str, options: dict[str, Any], part_size: int) -> RemoteFiles:
 def _count_ranges(files: RemoteFiles, fail: set[int] | None = None) -> Counter[tuple[int, int]]:
     """Count every ranged read of ``files``; the first read of each start in ``fail`` raises a reset.
 
-    On the path the reads take: botocore's client on S3 (``files.direct``), else fsspec's ``cat_file``.
+    On the path the reads take: botocore's client on S3 (``files.direct``), else fsspec's (``files.ranged``).
     """
     calls: Counter[tuple[int, int]] = Counter()
     lock = threading.Lock()
@@ -70,15 +70,13 @@ def _count_ranges(files: RemoteFiles, fail: set[int] | None = None) -> Counter[t
 
         direct._open = open_range  # type: ignore[method-assign]
         return calls
-    fs = files.fs
-    real = fs.cat_file
+    real = files.ranged
 
-    def cat_file(path: str, start: int | None = None, end: int | None = None, **kw: Any) -> bytes:
+    def ranged(path: str, url: str, start: int, end: int) -> bytes:
         count(start, end)
-        data: bytes = real(path, start=start, end=end, **kw)
-        return data
+        return real(path, url, start, end)
 
-    fs.cat_file = cat_file
+    files.ranged = ranged  # type: ignore[method-assign]
     return calls
 
 

@@ -38,11 +38,14 @@ def open_storage(
     cache_dir: str | None = None,
     cache_limit: int | str | None = None,
     read_ahead: int | None = None,
+    *,
+    lock_timeout: float | None = None,
 ) -> Storage:
     """Return the :class:`Storage` for a dataset directory or URL prefix.
 
-    ``cache_dir``, ``cache_limit`` and ``read_ahead`` (shards downloaded ahead per
-    worker; ``None`` for the default) apply to remote URLs only.
+    ``cache_dir``, ``cache_limit``, ``read_ahead`` (shards downloaded ahead per
+    worker; ``None`` for the default) and ``lock_timeout`` (the longest wait for one of
+    the cache's locks; ``None`` for the default) apply to remote URLs only.
     """
     url = str(url)
     if is_local(url):
@@ -55,6 +58,7 @@ def open_storage(
         cache_dir=cache_dir,
         cache_limit=cache_limit,
         read_ahead=DEFAULT_READ_AHEAD if read_ahead is None else read_ahead,
+        lock_timeout=lock_timeout,
     )
 
 

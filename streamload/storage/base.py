@@ -17,19 +17,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
 from .._errors import CorruptShardError, ManifestNotFoundError, ShardNotFoundError, StorageError, UnsafeShardError
-from .._files import FileEntry, check_file_name
+from .._files import FileEntry, check_file_name, is_local, local_path_of
 
 __all__ = ["LocalStorage", "Storage", "is_local", "local_path_of"]
-
-
-def is_local(url: str) -> bool:
-    """True if ``url`` is a plain path or a ``file://`` URL."""
-    return "://" not in url or url.startswith("file://")
-
-
-def local_path_of(url: str) -> str:
-    """Return the filesystem path of a local ``url`` (strips ``file://``)."""
-    return url[len("file://") :] if url.startswith("file://") else url
 
 
 class Storage(ABC):

@@ -61,7 +61,7 @@ from .._units import format_bytes
 from .._validate import MAX_READ_AHEAD, UNBOUNDED, check_int, parse_cache_limit
 from .admission import Admission
 from .base import Storage
-from .cache import DEFAULT_WAIT_TIMEOUT, CacheStats, Pin, ShardCache
+from .cache import DEFAULT_LOCK_TIMEOUT, DEFAULT_WAIT_TIMEOUT, CacheStats, Pin, ShardCache
 from .cachedir import dataset_cache_key, default_cache_dir
 from .parts import FIRST_PART, Landing, merge_range
 from .readahead import AheadDepth, AheadStats, ReadAhead
@@ -141,6 +141,8 @@ class RemoteStorage(Storage):
         verify_hash: Hash every download against its entry (size is always checked).
         retry: How transient errors are retried (default: up to 120 s per call).
         wait_timeout: Seconds an acquire waits for other readers to free cache room.
+        lock_timeout: Most seconds a wait for one of the cache's locks lasts (``None``:
+            :data:`~.cache.DEFAULT_LOCK_TIMEOUT`).
     """
 
     def __init__(
@@ -154,6 +156,7 @@ class RemoteStorage(Storage):
         verify_hash: bool = True,
         retry: RetryPolicy | None = None,
         wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
+        lock_timeout: float | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.read_ahead = check_int("read_ahead", read_ahead, low=0, high=MAX_READ_AHEAD)
@@ -163,7 +166,13 @@ class RemoteStorage(Storage):
         self.cache_root = os.path.join(base, dataset_cache_key(self.url, storage_options))
         self._space = 0  # bytes the cache could use, measured for the default bound
         try:
-            self.cache = ShardCache(self.cache_root, None, verify_hash=verify_hash, wait_timeout=wait_timeout)
+            self.cache = ShardCache(
+                self.cache_root,
+                None,
+                verify_hash=verify_hash,
+                wait_timeout=wait_timeout,
+                lock_timeout=DEFAULT_LOCK_TIMEOUT if lock_timeout is None else lock_timeout,
+            )
             #: The bound this storage chose itself when no ``cache_limit`` was given, else ``None``.
             self.default_limit = self._default_limit() if limit is None else None
         except OSError as exc:

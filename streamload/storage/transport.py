@@ -187,12 +187,16 @@ class RemoteFiles:
             data = self.call("read", name, lambda: self.fs.cat_file(path), not_found=not_found)
         else:  # one ranged GET: a larger object shows itself by the byte past the limit
             url = self.url_of(name)
-            read = lambda: read_range(self.fs, path, url, 0, max_bytes + 1)  # noqa: E731
+            read = lambda: self.ranged(path, url, 0, max_bytes + 1)  # noqa: E731
             data = self.call("read", name, read, not_found=not_found)
             if len(data) > max_bytes:
                 raise StorageError(f"{self.url_of(name)} is larger than the {max_bytes} bytes accepted for it")
         assert isinstance(data, bytes)
         return data
+
+    def ranged(self, path: str, url: str, start: int, end: int) -> bytes:
+        """One GET (no retry) of ``[start, end)`` of ``path`` through fsspec, never more (see :mod:`.bounded`)."""
+        return read_range(self.fs, path, url, start, end)
 
     def get_range(self, name: str, start: int, end: int) -> bytes:
         """One retried GET of bytes ``[start, end)`` of file ``name`` (fewer where the file ends first).
@@ -209,7 +213,7 @@ class RemoteFiles:
         if direct is not None:
             data: bytes = self.call("read", name, lambda: direct.get(path, start, end, url))
         else:
-            data = self.call("read", name, lambda: read_range(self.fs, path, url, start, end))
+            data = self.call("read", name, lambda: self.ranged(path, url, start, end))
         return data
 
     def size(self, name: str, *, not_found: str | None = None) -> int | None:
@@ -360,7 +364,7 @@ class RemoteFiles:
         direct = self.direct
         url = self.url_of(name)
         if direct is None:
-            fetch = lambda: read_range(self.fs, path, url, start, end)  # noqa: E731
+            fetch = lambda: self.ranged(path, url, start, end)  # noqa: E731
             data = self.call("download", name, fetch, stop=stop)
             kept = data[: max(0, keep - start)]
             pwrite_all(fd, kept, start)
