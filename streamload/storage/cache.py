@@ -27,7 +27,9 @@ bookkeeping name can be a shard's: each kind of lock has a folder of its own (a 
 ``s.tar.dl`` and one named ``s.tar`` once shared ``pins/s.tar.dl``, and reading the second
 while the first was open waited for ever on its own lock), and the cache's own temporary
 names start with a dot, which no plain name does. Every lock wait is bounded
-(``lock_timeout``) and ends in a :class:`~streamload.CacheError` naming the lock file.
+(``lock_timeout``) and ends in a :class:`~streamload.CacheError` naming the lock file and
+the process holding it; a wait of more than a few seconds (:data:`LOCK_NOTICE`) is logged
+once, naming them too (a warning when the holder is a stopped process).
 
 Links. A cache directory may sit where others can write (a node-wide ``STREAMLOAD_CACHE``),
 so the cache never follows a link it did not make: its folders must be real directories
@@ -114,6 +116,8 @@ DEFAULT_LOG_EVERY = 10.0
 #: Longest wait for one of the cache's locks (another process's download of the same file
 #: holds its lock for that download, which its retry policy bounds) before a CacheError.
 DEFAULT_LOCK_TIMEOUT = 600.0
+#: Seconds a wait for one of the cache's locks lasts before it is logged (once).
+LOCK_NOTICE = 5.0
 #: The environment variable that allows a cache folder writable by its group (and owned by
 #: another user of it): a cache shared by several users.
 SHARED_ENV = "STREAMLOAD_CACHE_SHARED"
@@ -247,10 +251,15 @@ def _wait_lock(
     """Take a flock, waiting at most ``timeout`` seconds; else a :class:`CacheError` naming ``path``.
 
     ``tick`` is called between tries (at most every 50 ms) while the lock is held elsewhere.
+    A wait longer than :data:`LOCK_NOTICE` seconds (or half the timeout, if shorter) is
+    logged once, naming the lock and the processes holding it (a warning when one of them
+    is stopped: it will not let go before it is continued).
     """
     if _lock(fd, flags | fcntl.LOCK_NB):
         return
-    deadline = time.monotonic() + timeout
+    began = time.monotonic()
+    deadline = began + timeout
+    notice: float | None = began + min(LOCK_NOTICE, timeout / 2)
     delay = 0.001
     while True:
         time.sleep(delay)
@@ -258,12 +267,79 @@ def _wait_lock(
             return
         if tick is not None:
             tick()
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if notice is not None and now > notice:
+            notice = None
+            holders, stopped = _describe_holders(fd)
+            level = logging.WARNING if stopped else logging.INFO
+            log.log(
+                level,
+                "waiting for %s (%s), held by %s, for %.0f s so far; giving up after %.0f s (lock_timeout)",
+                path,
+                why,
+                holders,
+                now - began,
+                timeout,
+            )
+        if now > deadline:
+            holders, _ = _describe_holders(fd)
             raise CacheError(
-                f"{path}: still locked by another process after {timeout:.0f} s ({why}); "
+                f"{path}: still locked by {holders} after {timeout:.0f} s ({why}); "
                 "if no other process of this machine is reading this dataset, delete the cache directory"
             )
         delay = min(delay * 2, 0.05)
+
+
+def lock_holders(fd: int) -> list[int]:
+    """The process ids holding a ``flock`` on the file open as ``fd`` (from ``/proc/locks``; ``[]`` elsewhere)."""
+    try:
+        st = os.fstat(fd)
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return []
+    want = (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    pids: list[int] = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) < 6 or fields[1] == "->" or fields[1] != "FLOCK":
+            continue  # "->": a process blocked waiting, not a holder
+        try:
+            pid = int(fields[4])
+            major, minor, inode = fields[5].split(":")
+            key = (int(major, 16), int(minor, 16), int(inode))
+        except ValueError:
+            continue
+        if key == want and pid not in pids:
+            pids.append(pid)
+    return pids
+
+
+def _describe_holders(fd: int) -> tuple[str, bool]:
+    """``("pid 123 (stopped)", True)``: who holds the lock on ``fd``, and whether one of them is stopped."""
+    pids = lock_holders(fd)
+    if not pids:
+        return "another process (its pid is not known here)", False
+    described, stopped = [], False
+    for pid in pids:
+        state = _process_state(pid)
+        if state in ("T", "t"):
+            stopped = True
+            described.append(f"pid {pid} (stopped)")
+        else:
+            described.append(f"pid {pid}" + (" (this process)" if pid == os.getpid() else ""))
+    return ", ".join(described), stopped
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of process ``pid`` (``/proc/<pid>/stat``; ``""`` if unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    rest = text.rpartition(")")[2].split()
+    return rest[0] if rest else ""
 
 
 class ShardCache:
@@ -343,6 +419,14 @@ class ShardCache:
                 raise CacheError(
                     f"{path}: a folder of the cache belongs to another user; use a cache directory of your own, "
                     f"or set {SHARED_ENV}=1 if it is shared on purpose"
+                )
+            if st.st_mode & stat.S_IWOTH or (not self.shared and st.st_mode & stat.S_IWGRP):
+                who = "every user" if st.st_mode & stat.S_IWOTH else "its group"
+                raise CacheError(
+                    f"{path}: a folder of the cache is writable by {who} "
+                    f"(mode {stat.S_IMODE(st.st_mode):o}); another user could plant or replace its files. "
+                    f"chmod go-w {path} (after checking what it holds), or use a cache directory of your own"
+                    + ("" if self.shared else f"; set {SHARED_ENV}=1 if a group shares it on purpose")
                 )
             return
         if self.shared:
@@ -431,6 +515,8 @@ class ShardCache:
             return None
         if not stat.S_ISREG(st.st_mode):
             return None  # not a file this cache made (a planted link): replaced by the next download
+        if not self._trusted(st):
+            return None  # another user could have written it: replaced by the next download
         if st.st_size != entry.num_bytes:
             return None  # a stale file of another version; replaced by the next download
         if self._checks_hash(entry):
@@ -444,6 +530,16 @@ class ShardCache:
         with self._stats_lock:
             self.stats.hits += 1
         return path
+
+    def _trusted(self, st: os.stat_result) -> bool:
+        """Whether a cached file may be served: as the folders, no one else could have written it.
+
+        Never writable by every user; unless the cache is shared, ours and not writable by
+        the group either (the cache makes its files ``0o644``, owned by the reader).
+        """
+        if st.st_mode & stat.S_IWOTH:
+            return False
+        return self.shared or (st.st_uid == os.geteuid() and not st.st_mode & stat.S_IWGRP)
 
     @staticmethod
     def _checks_hash(entry: FileEntry) -> bool:
