@@ -12,7 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import pytest
+from fsspec.implementations.local import LocalFileSystem
 
 from streamload import StorageConfig, StreamingDataset
 from streamload._errors import CacheError, ConfigError, StorageError, StreamloadError
@@ -25,6 +27,23 @@ from tests.test_cache import _entry, _writer
 pytestmark = pytest.mark.timeout(120)
 
 SIZE = 1000
+
+
+class _ViaCache(LocalFileSystem):  # type: ignore[misc]
+    """Local files under a protocol of their own (``viacache://``), so a dataset here is read through the cache.
+
+    (``local://`` is this machine's files to streamload, read in place like a path.)
+    """
+
+    protocol = ("viacache",)
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> Any:
+        text = str(path)
+        return super()._strip_protocol(text[len("viacache://") :] if text.startswith("viacache://") else text)
+
+
+fsspec.register_implementation("viacache", _ViaCache, clobber=True)
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +97,7 @@ def test_a_pinned_shard_named_like_another_shards_download_lock_does_not_hang(tm
 
 
 def test_a_shard_read_through_a_local_url_named_like_a_lock_reads(tar_dataset: Path, tmp_path: Path) -> None:
-    """The same through the reader: a ``local://`` dataset whose shards are ``s.tar`` and ``s.tar.dl``."""
+    """The same through the reader: a ``viacache://`` dataset (via the cache), shards ``s.tar`` and ``s.tar.dl``."""
     import json
     import shutil
 
@@ -95,7 +114,7 @@ def test_a_shard_read_through_a_local_url_named_like_a_lock_reads(tar_dataset: P
         (ds / shard["sidecar"]["name"]).rename(ds / f"{new}.idx")
         shard["name"], shard["sidecar"]["name"] = new, f"{new}.idx"
     (ds / "index.json").write_text(json.dumps(manifest))
-    reader = ShardedDataset(f"local://{ds}", storage=StorageConfig(cache_dir=str(tmp_path / "cache")))
+    reader = ShardedDataset(f"viacache://{ds}", storage=StorageConfig(cache_dir=str(tmp_path / "cache")))
     n = len(reader)
 
     def read_interleaved() -> int:
@@ -293,7 +312,7 @@ def test_a_full_cache_disk_is_a_cache_error_never_a_corrupt_shard_nor_a_skip(
 ) -> None:
     cache_dir = tmp_path / "cache"
     ds = StreamingDataset(
-        f"local://{tar_dataset}",
+        f"viacache://{tar_dataset}",
         storage=StorageConfig(cache="shards", cache_dir=str(cache_dir)),
         on_error=on_error,
         shuffle=False,
@@ -612,7 +631,7 @@ def test_a_dataset_without_hashes_rewritten_at_the_same_url_is_not_served_stale(
     assert (ds / f"{a}.idx").stat().st_size == (ds / f"{b}.idx").stat().st_size
 
     def keys() -> list[str]:
-        reader = ShardedDataset(f"local://{ds}", storage=StorageConfig(cache_dir=str(tmp_path / "cache")))
+        reader = ShardedDataset(f"viacache://{ds}", storage=StorageConfig(cache_dir=str(tmp_path / "cache")))
         try:
             return [reader.key_of(i) for i in range(len(reader))] + [reader[i]["__key__"] for i in range(len(reader))]
         finally:
