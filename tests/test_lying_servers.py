@@ -77,7 +77,7 @@ def test_a_range_answered_with_more_bytes_is_refused_without_reading_them(s3: tu
     error, peak = _peak_while(lambda: s3_files.get_range("blob.bin", 5, 6))
     assert isinstance(error, RangeResponseError), error
     message = str(error)
-    assert "s3://bkt/d/blob.bin" in message and "(1 bytes)" in message and str(LIE + 1) in message
+    assert "s3://bkt/d/blob.bin" in message and "(1 byte)" in message and str(LIE + 1) in message
     assert peak < 4 * MIB, f"a 1-byte range held {peak} bytes of memory"
     assert len(server.seen("GET", "blob.bin")) == 2  # refused at once: a lie is not retried
 

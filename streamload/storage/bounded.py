@@ -34,7 +34,8 @@ _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 
 
 def _asked(start: int, end: int) -> str:
-    return f"bytes {start}-{end - 1} ({end - start} bytes)"
+    n = end - start
+    return f"bytes {start}-{end - 1} ({n} byte{'' if n == 1 else 's'})"
 
 
 def ignored_range(url: str, start: int, end: int, what: str) -> RangeResponseError:
@@ -71,8 +72,8 @@ def check_answer(
     """
     asked = end - start
     if status == 200:
-        if start == 0 and length is not None and length <= asked:
-            return  # the whole object, and no more than the range: nothing was ignored that mattered
+        if start == 0 and (length is None or length <= asked):
+            return  # the whole object, no more than the range (the body's read checks it when untold)
         size = "" if length is None else f" of {length} bytes"
         raise ignored_range(url, start, end, f"200 OK with the whole object{size}")
     if content_range:
