@@ -6,7 +6,8 @@ keeps a bounded local cache shared by every worker and rank on the machine. Conv
 write through a :class:`Destination`.
 
 Rooms: ``base`` (the interface, local directories), ``filesystems`` (fsspec instances per
-process), ``transport`` (remote files with retries), ``cache`` (the shared cache
+process), ``transport`` (remote files with retries), ``bounded`` (ranged GETs that keep
+no byte past their range), ``cache`` (the shared cache
 directory), ``readahead`` (background fetches), ``remote`` (:class:`RemoteStorage`),
 ``destination`` (writing), ``retry`` (the retry policy).
 """
