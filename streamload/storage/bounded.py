@@ -96,16 +96,23 @@ def read_range(fs: Any, path: str, url: str, start: int, end: int) -> bytes:
         return b""
     from fsspec.asyn import sync
 
-    name = type(fs).__name__
-    if name == "S3FileSystem" and hasattr(fs, "_call_s3"):
+    if callable(getattr(fs, "_call_s3", None)) and callable(getattr(fs, "split_path", None)):  # s3fs
         data: bytes = sync(fs.loop, _s3fs_range, fs, path, url, start, end)
-    elif name == "HTTPFileSystem" and hasattr(fs, "set_session"):
+    elif _is_http(fs):
         data = sync(fs.loop, _http_range, fs, path, url, start, end)
     else:
         data = fs.cat_file(path, start=start, end=end)
     if len(data) > end - start:
         raise longer_than_asked(url, start, end, len(data))
     return data
+
+
+def _is_http(fs: Any) -> bool:
+    try:
+        from fsspec.implementations.http import HTTPFileSystem
+    except ImportError:  # no aiohttp: no HTTP filesystem either
+        return False
+    return isinstance(fs, HTTPFileSystem)
 
 
 async def _read_body(read: Any, url: str, start: int, end: int, status: int | None) -> bytes:
