@@ -40,11 +40,17 @@ IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm"
 IMAGE_EXTENSIONS = frozenset(IMAGE_FIELDS)
 
 
+#: The first bytes of a TIFF: classic and BigTIFF (II+ and MM then NUL +), in the byte orders Pillow accepts.
+_TIFF_MAGIC = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+", b"MM*\x00", b"II\x00*")
+
+
 def sniff_image(data: bytes | bytearray | memoryview) -> str | None:
     """Return the field name of an encoded image by its magic bytes, or ``None`` if unknown.
 
     Knows every kind of :data:`IMAGE_FIELDS` (one name per kind: ``jpg``, ``png``,
-    ``webp``, ``gif``, ``bmp``, ``tif``, ``ppm``/``pgm``/``pbm``).
+    ``webp``, ``gif``, ``bmp``, ``tif``, ``ppm``/``pgm``/``pbm``). The one rule of what
+    bytes are an image: ``index`` keeps the rows it knows, and ``convert`` refuses (as a broken
+    input) an image it does not know even when Pillow opens it.
     """
     head = bytes(data[:12])
     if head[:3] == b"\xff\xd8\xff":
@@ -57,7 +63,7 @@ def sniff_image(data: bytes | bytearray | memoryview) -> str | None:
         return "gif"
     if head[:2] == b"BM":
         return "bmp"
-    if head[:4] in (b"II*\x00", b"MM\x00*"):
+    if head[:4] in _TIFF_MAGIC:
         return "tif"
     if len(head) > 2 and head[0:1] == b"P" and head[1:2] in b"123456" and head[2:3] in b" \t\r\n#":
         return {b"1": "pbm", b"4": "pbm", b"2": "pgm", b"5": "pgm"}.get(head[1:2], "ppm")

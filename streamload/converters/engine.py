@@ -52,9 +52,16 @@ __all__ = ["DEFAULT_SHARD_BYTES", "MAX_WORKERS", "ConvertOptions", "ConvertRepor
 
 
 def _without_prefix(message: str, origin: str) -> str:
-    """``message`` without a leading ``origin`` (a skipped input's path is recorded once)."""
+    """``message`` without a leading ``origin`` (a skipped input's path is recorded once).
+
+    The message may name the input by a longer path ending in ``origin`` (its absolute
+    path, where ``origin`` is relative to the source's root): that prefix goes too.
+    """
     if message.startswith(origin) and message != origin:
         return message[len(origin) :].lstrip(": ") or message
+    at = message.find("/" + origin + ": ")
+    if origin and at >= 0 and ": " not in message[:at]:
+        return message[at + len(origin) + 3 :] or message
     return message
 
 

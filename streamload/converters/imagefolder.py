@@ -9,6 +9,10 @@ unique by construction (:func:`path_to_key`).
 Images are the files whose extension is one of :data:`streamload.sample.IMAGE_EXTENSIONS`
 (JPEG, PNG, WebP, GIF, BMP, TIFF, PPM/PGM/PBM: the one list the readers share).
 
+Images directly in ROOT beside class folders have no class: the source refuses them,
+saying how many and what to do (``labels="none"``, or move them into class folders); they
+are never counted as files that are not inputs.
+
 Folders without classes: with ``labels="none"`` every image below ROOT, at any depth, is a
 sample without a ``cls`` field (sub-folders are only part of the key), and the dataset has
 no classes. ``labels="auto"`` (the default) does that for a flat folder (images and no
@@ -48,7 +52,18 @@ from .images import WARNINGS_KEY, ImageItem, assign_keys, check_image, escape_fo
 from .places import within
 from .source import Item, ScanResult, Source, printable
 
-__all__ = ["IMAGE_EXTENSIONS", "LABEL_MODES", "WARNINGS_KEY", "ImageFolderSource", "path_to_key"]
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "LABEL_MODES",
+    "WARNINGS_KEY",
+    "EMPTY_CLASS",
+    "ImageFolderSource",
+    "path_to_key",
+    "unclassed_images",
+]
+
+#: The reason recorded for a class folder without images (the report counts these apart).
+EMPTY_CLASS = "empty class folder: it holds no image"
 
 #: How an image folder's labels are found: ``"auto"``, ``"folders"`` or ``"none"``.
 LABEL_MODES = ("auto", "folders", "none")
@@ -106,6 +121,11 @@ class ImageFolderSource(Source):
                 f"{printable(root)}: no class sub-folders (expected ROOT/<class>/<image>; "
                 "for images without labels use --labels none)"
             )
+        if self.labelled:
+            loose = [e.name for e in entries if not e.name.startswith(".") and _extension(e.name) in IMAGE_EXTENSIONS]
+            loose = [name for name in loose if name not in folders]
+            if loose:
+                raise SourceError(unclassed_images(printable(root), loose, len(folders)))
 
     def describe(self) -> str:
         """Return the root path."""
@@ -145,8 +165,9 @@ class ImageFolderSource(Source):
     def scan(self) -> ScanResult:
         """List every image with its label, sorted by class and path.
 
-        Files that are not images by extension and files directly under the root are
-        ignored (listed and counted). An empty class folder, an entry that cannot be read
+        Files that are not images by extension and other files directly under the root
+        are ignored (listed and counted; images there were refused when the source was
+        made: they have no class). An empty class folder, an entry that cannot be read
         (a folder whose listing fails, a dangling link), a link loop and an image that is
         not a regular file are problems (an error unless skipping; a class's label is
         kept either way so labels stay stable).
@@ -195,7 +216,7 @@ class ImageFolderSource(Source):
                     unreadable |= relpath == cls + "/"
                     problems.append(SkippedInput(printable(relpath), str(info)))
             if not found and not unreadable:
-                problems.append(SkippedInput(printable(cls) + "/", f"class folder {printable(cls)!r} holds no image"))
+                problems.append(SkippedInput(printable(cls) + "/", EMPTY_CLASS))
         return ScanResult(assign_keys(items), ignored, problems)
 
     def _scan_unlabelled(self) -> ScanResult:
@@ -251,6 +272,16 @@ class ImageFolderSource(Source):
             if found:
                 sample[WARNINGS_KEY] = found
         return sample
+
+
+def unclassed_images(root: str, names: list[str], num_classes: int) -> str:
+    """The refusal of images lying beside the class folders: how many, which, and what to do."""
+    shown = ", ".join(printable(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    return (
+        f"{root}: {len(names)} image(s) lie directly in the folder, beside its {num_classes} class folder(s), "
+        f"so they have no class ({shown}): convert with --labels none to keep every image without labels, "
+        "or move them into class folders"
+    )
 
 
 def _is_dir(path: str) -> bool:

@@ -11,15 +11,25 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from streamload._errors import SourceError
-from streamload.sample import image_warnings
+from streamload.sample import image_warnings, sniff_image
 
 from .source import Item
 
-__all__ = ["WARNINGS_KEY", "ImageItem", "assign_keys", "check_image", "escape_folder", "escape_stem", "path_to_key"]
+__all__ = [
+    "WARNINGS_KEY",
+    "ImageItem",
+    "assign_keys",
+    "check_image",
+    "escape_folder",
+    "image_problem",
+    "escape_stem",
+    "path_to_key",
+]
 
 
 #: Key of a loaded sample under which a source hands the engine the library warnings its
@@ -103,17 +113,34 @@ def assign_keys(items: Sequence[ImageItem]) -> list[Item]:
     return out
 
 
+_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>")
+
+
+def image_problem(exc: BaseException) -> str:
+    """Why Pillow refused an image, for a person: no object reprs (``<_io.BytesIO object at 0x...>``)."""
+    text = _REPR.sub("", str(exc)).strip()
+    if type(exc).__name__ == "UnidentifiedImageError" or text == "cannot identify image file":
+        return "Pillow cannot identify its format (damaged, or a kind it cannot read)"
+    return text or type(exc).__name__
+
+
 def check_image(data: bytes, path: str, how: str) -> list[str]:
     """Check that ``data`` is an image: ``how`` is ``"decode"`` (at reduced size) or ``"header"``.
+
+    Bytes of no kind :func:`~streamload.sample.sniff_image` knows are refused first (the rule
+    ``index`` applies too), so both keep the same images.
 
     Returns:
         The library warnings the check raised (recorded, not printed), each once.
 
     Raises:
-        SourceError: Naming ``path``, if it is not a valid image.
+        SourceError: Naming ``path``, if it is not a valid image (the reason written for a
+            person, without the library's object reprs).
     """
     from PIL import Image
 
+    if sniff_image(data) is None:
+        raise SourceError(f"{path}: not a valid image: its first bytes are of no image kind streamload reads")
     with image_warnings() as found:
         try:
             with Image.open(io.BytesIO(data)) as img:
@@ -124,5 +151,5 @@ def check_image(data: bytes, path: str, how: str) -> list[str]:
                         img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
                     img.load()
         except Exception as exc:
-            raise SourceError(f"{path}: not a valid image: {exc}") from exc
+            raise SourceError(f"{path}: not a valid image: {image_problem(exc)}") from exc
     return list(dict.fromkeys(found))

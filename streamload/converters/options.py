@@ -124,6 +124,18 @@ class ConvertReport:
         """Inputs skipped because they were broken (under ``on_error="skip"``)."""
         return self.manifest.skipped
 
+    def skip_counts(self) -> str:
+        """What was left out, each kind counted apart: broken inputs, empty class folders, other folders, non-inputs."""
+        folders = [s for s in self.skipped if s.path.endswith("/")]
+        empty = sum(1 for s in folders if s.error.startswith("empty class folder"))
+        parts = [f"{len(self.skipped) - len(folders)} broken inputs skipped"]
+        if empty:
+            parts.append(f"{empty} empty class folders")
+        if len(folders) > empty:
+            parts.append(f"{len(folders) - empty} unreadable folders skipped")
+        parts.append(f"{len(self.ignored)} non-input files ignored")
+        return ", ".join(parts)
+
     def summary(self) -> str:
         """Return a one-paragraph human summary."""
         m = self.manifest
@@ -137,7 +149,7 @@ class ConvertReport:
             f"wrote {m.num_samples} samples in {len(m.shards)} {m.format} shards "
             f"({m.num_bytes / 1e6:.1f} MB) in {self.seconds:.2f} s: "
             f"{m.num_samples / max(self.seconds, 1e-9):.0f} samples/s, {rate:.1f} MB/s; "
-            f"{len(self.skipped)} broken inputs skipped, {len(self.ignored)} non-input files ignored"
+            + self.skip_counts()
             + (f", {len(self.warnings)} library warnings" if self.warnings else "")
             + (f"; {self.resumed} shards reused from the interrupted run" if self.resumed else "")
         )

@@ -26,6 +26,7 @@ from streamload.storage.filesystems import open_filesystem
 from streamload.storage.retry import RetryPolicy, retry_call
 from streamload.storage.transport import translate_error
 
+from .imagefolder import unclassed_images
 from .images import WARNINGS_KEY, ImageItem, assign_keys, check_image, escape_folder
 from .source import Item, ScanResult, Source, printable
 
@@ -154,6 +155,10 @@ class RemoteImageFolderSource(Source):
         self.classes = [escape_folder(n) for n in self._class_names]
         if not self.classes:
             raise SourceError(f"{self.url}: no class sub-folders (expected ROOT/<class>/<image>)")
+        loose = sorted(rel for rel in self._objects if "/" not in rel and not rel.startswith("."))
+        loose = [rel for rel in loose if rel.rpartition(".")[2].lower() in IMAGE_EXTENSIONS and "." in rel]
+        if loose:
+            raise SourceError(unclassed_images(self.url, loose, len(self.classes)))
 
     def describe(self) -> str:
         """Return the folder's URL."""
