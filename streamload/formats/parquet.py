@@ -89,6 +89,7 @@ __all__ = [
     "ParquetColumns",
     "ParquetIndex",
     "ParquetShardReader",
+    "class_label_names",
     "index_parquet",
     "relabel_sidecar",
 ]
@@ -229,6 +230,24 @@ def _hf_features(schema: Any) -> dict[str, Any]:
     return features if isinstance(features, dict) else {}
 
 
+def class_label_names(schema: Any, column: str, name: str) -> tuple[str, ...] | None:
+    """The names of column ``column``'s Hugging Face ``ClassLabel`` (``None`` if it is not one).
+
+    Raises:
+        ConfigError: Naming the file ``name``, if a class name is given twice.
+    """
+    feature = _hf_features(schema).get(column)
+    if not isinstance(feature, dict) or feature.get("_type") != "ClassLabel":
+        return None
+    found = feature.get("names")
+    if not isinstance(found, list) or not all(isinstance(n, str) for n in found):
+        return None
+    twice = sorted({n for n in found if found.count(n) > 1})
+    if twice:
+        raise ConfigError(f"{name}: the ClassLabel of column {column!r} names class {twice[0]!r} more than once")
+    return tuple(found)
+
+
 def _image_kind(t: Any) -> str | None:
     """``"binary"`` or ``"struct"`` if an arrow type can hold image bytes, else ``None``."""
     if pa.types.is_binary(t) or pa.types.is_large_binary(t):
@@ -305,11 +324,7 @@ def _plan(schema: Any, name: str, columns: ParquetColumns) -> _Plan:
             raise ConfigError(
                 f"{name}: label column {label!r} is {t}, not integers or class names (no labels: --label-column '')"
             )
-        feature = features.get(label)
-        if isinstance(feature, dict) and feature.get("_type") == "ClassLabel":
-            found_names = feature.get("names")
-            if isinstance(found_names, list) and all(isinstance(n, str) for n in found_names):
-                classes = tuple(found_names)
+        classes = class_label_names(schema, label, name)
     struct_type = schema.field(image).type
     has_path = kind == "struct" and "path" in [struct_type.field(i).name for i in range(struct_type.num_fields)]
     rest = tuple(c for c in names if c not in (image, label))

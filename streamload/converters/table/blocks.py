@@ -109,6 +109,10 @@ class BlockReader(ABC):
         except (OSError, ValueError, pa.ArrowException) as exc:
             raise self.fail(exc) from exc
 
+    def class_names(self, column: str) -> tuple[str, ...] | None:
+        """The class names the table's own schema gives ``column`` (a Hugging Face ``ClassLabel``), else ``None``."""
+        return None
+
     @abstractmethod
     def read_columns(self) -> dict[str, Any]:
         """Read the column names and types (errors of reading are named by :meth:`columns`)."""

@@ -40,7 +40,15 @@ class ParquetBlocks(BlockReader):
         with self.open() as f:
             schema = pq.ParquetFile(f).schema_arrow
         self.check_unique(schema.names)
+        self.schema = schema
         return {name: schema.field(name).type for name in schema.names}
+
+    def class_names(self, column: str) -> tuple[str, ...] | None:
+        """The names of ``column``'s Hugging Face ``ClassLabel`` (after :meth:`read_columns`), else ``None``."""
+        from streamload.formats.parquet import class_label_names
+
+        schema = getattr(self, "schema", None)
+        return class_label_names(schema, column, self.url) if schema is not None and column else None
 
     def image_column(self, columns: Mapping[str, Any]) -> str | None:
         """The first column of image bytes (see :func:`is_image_type`)."""

@@ -36,6 +36,14 @@ __all__ = ["NOMINAL_IMAGE_BYTES", "TableSource"]
 NOMINAL_IMAGE_BYTES = 100_000
 
 
+def stored_by_path(path: str) -> str:
+    """Why a row whose image struct holds a path but no bytes is not read, and what to do."""
+    return (
+        f"no image bytes, only a path ({printable(path)!r}): the images are stored by path, not embedded; "
+        "--root DIR reads such paths under DIR (or embed the images in the file first)"
+    )
+
+
 class TableSource(Source):
     """Rows of a Parquet, CSV or JSONL table (local or at a URL) naming or holding images.
 
@@ -107,6 +115,8 @@ class TableSource(Source):
                 "name them with --path-column, --label-column, --image-column, --keep-columns"
             )
         self.reader.fix_types(columns, {c for c in (self.path_column, self.label_column) if c})
+        #: A Hugging Face ``ClassLabel``'s names: the classes of integer labels (which must index them).
+        self._named_classes = self.reader.class_names(label_column) if label_column else None
         base = url.rstrip("/").rpartition("/")[2] if "://" in url else os.path.basename(url)
         self.prefix = escape_stem(os.path.splitext(base)[0]) or "row"
 
@@ -184,13 +194,21 @@ class TableSource(Source):
                 arr = arrow(col)
                 if arr is None:
                     arr = pa.array(col)
+                paths = None
                 if pa.types.is_struct(arr.type):
+                    names = [arr.type.field(i).name for i in range(arr.type.num_fields)]
+                    paths = pc.struct_field(arr, "path").to_pylist() if "path" in names else None
                     arr = pc.struct_field(arr, "bytes")
                 lengths = pc.binary_length(arr).to_numpy(zero_copy_only=False)
                 sizes = np.nan_to_num(lengths.astype(np.float64), nan=0).astype(np.int64)
                 ok = sizes > 0
                 for bad in np.flatnonzero(~ok).tolist():
-                    problems.append((first_row + bad, SkippedInput(self._where(first_row + bad), "no image bytes")))
+                    path = paths[bad] if paths is not None else None
+                    if path and self.root is not None:  # stored by path: read under --root
+                        ok[bad], sizes[bad] = True, NOMINAL_IMAGE_BYTES
+                        continue
+                    reason = stored_by_path(path) if path else "no image bytes"
+                    problems.append((first_row + bad, SkippedInput(self._where(first_row + bad), reason)))
             else:
                 ok = check_paths(block[self.path_column], first_row, n, problems, self._where)
                 sizes = np.full(n, NOMINAL_IMAGE_BYTES, dtype=np.int64)
@@ -212,7 +230,7 @@ class TableSource(Source):
         self._class_index = None
         if not self._force_names and all(int_label(v) is not None for v in values):
             self._int_labels = True
-            self.classes = []
+            self.classes = list(self._named_classes or ())
             return False
         self._int_labels = False
         self.classes = sorted({str(v) for v in values})
@@ -397,6 +415,11 @@ class TableSource(Source):
             index = int_label(value)
             if index is None or index < 0:
                 raise SourceError(f"{where}: label {value!r} is not a class index (has the table changed?)")
+            if self._named_classes is not None and index >= len(self._named_classes):
+                raise SourceError(
+                    f"{where}: label {index} is not one of the {len(self._named_classes)} classes of the "
+                    f"column's ClassLabel (0..{len(self._named_classes) - 1})"
+                )
             return str(index)
         if self._class_index is None:
             self._class_index = {name: i for i, name in enumerate(self.classes)}
@@ -429,19 +452,15 @@ class TableSource(Source):
             if isinstance(value, dict):
                 name = str(value.get("path") or "")
                 value = value.get("bytes")
-            if not value:
-                raise SourceError(f"{where}: no image bytes")
-            data = bytes(value)
-            ext = image_field_for(data, name)
+            if not value and name and self.root is not None:
+                data, ext, where = self._read_named(name, where)
+            elif not value:
+                raise SourceError(f"{where}: {stored_by_path(name) if name else 'no image bytes'}")
+            else:
+                data = bytes(value)
+                ext = image_field_for(data, name)
         else:
-            path = self.resolve(str(values[self.path_column]))
-            where = f"{where} ({printable(path)})"
-            if "\x00" in path:
-                raise SourceError(f"{where}: the path holds a NUL byte")
-            if self.root is not None and not inside(path, self.root):
-                raise SourceError(f"{where}: outside --root {printable(self.root)}")
-            data = self._read_image(path, where)
-            ext = ext_of(path)
+            data, ext, where = self._read_named(str(values[self.path_column]), where)
         sample: dict[str, Any] = {"__key__": item.key, ext: data}
         if self.check != "none":
             found = check_image(data, where, self.check)
@@ -453,6 +472,16 @@ class TableSource(Source):
             extra = {c: values[c] for c in self.keep_columns}
             sample["json"] = json.dumps(extra, sort_keys=True, default=str, ensure_ascii=False).encode()
         return sample
+
+    def _read_named(self, named: str, where: str) -> tuple[bytes, str, str]:
+        """The image a row names by path: its bytes, field, and the row's description with the path."""
+        path = self.resolve(named)
+        where = f"{where} ({printable(path)})"
+        if "\x00" in path:
+            raise SourceError(f"{where}: the path holds a NUL byte")
+        if self.root is not None and not inside(path, self.root):
+            raise SourceError(f"{where}: outside --root {printable(self.root)}")
+        return self._read_image(path, where), ext_of(path), where
 
     def _read_image(self, path: str, where: str) -> bytes:
         if "://" in path and not path.startswith("file://"):
