@@ -47,7 +47,8 @@ def open_source(
     """Return the source for ``src``, chosen by what it is.
 
     A Parquet, CSV or JSONL file (by extension) is a listing table (:class:`TableSource`);
-    a directory or URL holding ``index.json`` is an existing dataset; any other directory
+    a directory or URL holding ``index.json`` is an existing dataset; a folder ``datasets``'
+    ``save_to_disk`` wrote is refused, saying how to write it as Parquet; any other directory
     or URL is an image folder (local, or listed in one pass at the URL); ``labels`` says how
     a local image folder is labelled (see :class:`ImageFolderSource`). ``root`` confines
     the paths a listing table names (see :class:`TableSource`).
@@ -62,6 +63,8 @@ def open_source(
     from streamload.storage import is_local, local_path_of
     from streamload.storage.filesystems import open_filesystem
 
+    from .hf import saved_to_disk
+
     if not src or (is_local(src) and not local_path_of(src)):
         raise ConfigError(f"the source {src!r} names no folder or dataset")
     options = dict(storage_options or {})
@@ -71,6 +74,9 @@ def open_source(
     if is_local(src):
         if os.path.isfile(os.path.join(local_path_of(src), "index.json")):
             return DatasetSource(src, options)
+        saved = saved_to_disk(local_path_of(src))
+        if saved is not None:
+            raise ConfigError(saved)
         return ImageFolderSource(local_path_of(src), check, labels)
     try:
         fs, root = open_filesystem(src, options)
