@@ -196,6 +196,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="parquet: write index.json and the sidecars here instead (the files are read in place from "
         "DIRECTORY, which is never written: for a read-only folder or someone else's bucket)",
     )
+    p.add_argument(
+        "--split",
+        metavar="NAME",
+        help="parquet: index one split of a folder holding several (train-*.parquet, test-*.parquet): the files "
+        "matching NAME-* (or --match) into the sub-folder DIRECTORY/NAME (or --output), read as a dataset of "
+        "its own; one per split, side by side",
+    )
+    p.add_argument(
+        "--on-error",
+        choices=("raise", "skip"),
+        default="raise",
+        help="parquet: on a bad row (no image bytes, not an image, a bad label): stop (raise) or leave it out, "
+        "listed in the manifest (skip)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an index.json that streamload index wrote (never a converted dataset's or anyone else's)",
+    )
     add_storage_option(p)
     p.set_defaults(func=_cmd_index)
 
@@ -430,10 +449,25 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
+    classes = tuple(c for c in (args.classes or "").split(",") if c)
+    try:
+        manifest = _index(args, classes)
+    except StreamloadError:
+        raise
+    except OSError as exc:  # the environment (disk, permissions): one line, no traceback
+        raise StorageError(str(exc)) from exc
+    written = args.output or (f"{args.directory.rstrip('/')}/{args.split}" if args.split else args.directory)
+    skipped = f", {len(manifest.skipped)} bad rows skipped" if manifest.skipped else ""
+    _say(f"indexed {len(manifest.shards)} shards, {manifest.num_samples} samples{skipped}; wrote {written}/index.json")
+    for entry in manifest.skipped:
+        _say(f"  skipped {entry.path}: {entry.error}", file=sys.stderr)
+    return 0
+
+
+def _index(args: argparse.Namespace, classes: tuple[str, ...]) -> Any:
     from .indexing import index_directory
 
-    classes = tuple(c for c in (args.classes or "").split(",") if c)
-    manifest = index_directory(
+    return index_directory(
         args.directory,
         args.format,
         args.hash,
@@ -443,10 +477,10 @@ def _cmd_index(args: argparse.Namespace) -> int:
         image_column=args.image_column,
         label_column=args.label_column,
         output=args.output,
+        overwrite=args.overwrite,
+        split=args.split,
+        on_error=args.on_error,
     )
-    written = args.output if args.output is not None else args.directory
-    _say(f"indexed {len(manifest.shards)} shards, {manifest.num_samples} samples; wrote {written}/index.json")
-    return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -29,12 +30,17 @@ from typing import Any
 from ._errors import ConfigError, ShardNotFoundError
 from ._files import FileEntry, hash_file
 from .formats import Format, get_format
-from .manifest import MANIFEST_NAME, Manifest, ShardEntry, check_data_root
+from .manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedInput, check_data_root
 from .storage import Destination, RemoteDestination, is_local, local_path_of, open_destination
 from .storage.retry import RetryPolicy
 from .storage.transport import RemoteFiles
 
-__all__ = ["index_directory", "index_shard", "publish_index"]
+__all__ = ["INDEXED_BY", "index_directory", "index_shard", "publish_index"]
+
+#: ``meta["indexed_by"]`` of every manifest ``index`` writes: the only kind ``overwrite=True`` replaces.
+INDEXED_BY = "streamload index"
+#: How a split is named (``--split``): a folder name of letters, digits, ``_``, ``-`` and ``.``.
+_SPLIT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 
 
 def index_directory(
@@ -47,11 +53,25 @@ def index_directory(
     image_column: str | None = None,
     label_column: str | None = None,
     output: str | None = None,
+    *,
+    overwrite: bool = False,
+    split: str | None = None,
+    on_error: str = "raise",
 ) -> Manifest:
     """Write ``index.json`` (and sidecars) for shards written by another tool, in place.
 
     Every ``*.tar`` (``*.parquet``) file of the directory or URL prefix, in sorted name
     order, becomes a shard. The shards themselves are not rewritten.
+
+    An ``index.json`` already at the destination is replaced only with ``overwrite`` and
+    only if ``index`` wrote it (its ``meta["indexed_by"]``): a dataset ``convert`` wrote,
+    or anyone else's manifest, is never replaced.
+
+    Splits side by side (the Hugging Face layout, ``train-*.parquet`` and
+    ``test-*.parquet`` in one folder): ``split="train"`` indexes the files matching
+    ``train[-.]*`` (unless ``match`` says otherwise) into the sub-folder ``train/`` (its
+    ``index.json`` and sidecars; ``data_root`` names the folder of the files), so each split
+    is a dataset of its own: ``StreamingDataset("DIR/train")``.
 
     Args:
         url: The directory or URL prefix holding the shards.
@@ -68,15 +88,42 @@ def index_directory(
             instead, the manifest naming ``url`` as its ``data_root`` (for files in a
             read-only place). ``url`` is then only read. A remote output cannot name
             local files.
+        overwrite: Replace an index this function wrote before at the destination.
+        split: Parquet: index one split into the sub-folder ``url/split`` (see above).
+        on_error: Parquet: ``"raise"`` on a bad row, or ``"skip"`` it: the row is left
+            out, listed in the manifest's ``skipped``, and readers yield the others.
 
     Raises:
-        ConfigError: If the format cannot be indexed, the directory holds no shard, or
-            (Parquet) a file does not fit the sample model (naming file and column).
+        ConfigError: If the format cannot be indexed, the directory holds no shard, the
+            destination holds an index that may not be replaced (see above), an entry is
+            not a regular file, a class name is given twice, or (Parquet) a file does not
+            fit the sample model (naming file, column and row).
         DestinationBusyError: If a conversion or another writer holds the directory.
     """
     fmt = get_format(format)
     if fmt.indexer is None:
         raise ConfigError(f"format {format!r} cannot index shards written by other tools")
+    _check_classes(classes)
+    if match is not None and not match:
+        raise ConfigError("--match '' matches no file name: give a glob such as 'train-*.parquet'")
+    if on_error not in ("raise", "skip"):
+        raise ConfigError(f"on_error={on_error!r} must be 'raise' or 'skip'")
+    if on_error == "skip" and fmt.name != "parquet":
+        raise ConfigError(f"--on-error skip leaves out bad rows of Parquet files; a {fmt.name} shard is indexed whole")
+    if split is not None:
+        if fmt.name != "parquet":
+            raise ConfigError(f"--split is for Parquet files (read in place), not {fmt.name}")
+        if not _SPLIT.fullmatch(split):
+            raise ConfigError(f"--split {split!r}: a split name is letters, digits, '_', '-' and '.'")
+        if output is None:
+            output = os.path.join(url, split) if is_local(url) else f"{url.rstrip('/')}/{split}"
+        if match is None:
+            match = f"{split}[-.]*"
+    if is_local(url) and os.path.isfile(local_path_of(url)):
+        raise ConfigError(f"{url} is a file: index takes the folder holding it (--match NAME to index only this file)")
+    if output is not None and is_local(output) and os.path.lexists(local_path_of(output)):
+        if not os.path.isdir(local_path_of(output)):
+            raise ConfigError(f"--output {output} is not a folder (the index and its sidecars are written into one)")
     source = _Source(url, storage_options)
     data_root = None
     if output is not None and not source.same_place(output):
@@ -85,25 +132,86 @@ def index_directory(
         if is_local(url) and not is_local(output):
             raise ConfigError(f"{output}: a remote index cannot name the local files of {url}")
         data_root = source.root()
-    dest = open_destination(url if data_root is None else str(output), storage_options)
+    target = url if data_root is None else str(output)
+    dest = open_destination(target, storage_options)
     try:
         with dest.lock() as lock:  # one writer at a time, as for a conversion
+            _check_existing(dest, target, overwrite)
             names = [n for n in source.list_names() if n.endswith(fmt.extension) and not n.startswith(".")]
             if match is not None:
                 names = [n for n in names if fnmatch.fnmatchcase(n, match)]
+            where = local_path_of(url) if is_local(url) else url
             if not names:
-                where = local_path_of(url) if is_local(url) else url
+                from .converters.hf import saved_to_disk
+
+                saved = saved_to_disk(local_path_of(url)) if is_local(url) else None
+                if saved is not None:
+                    raise ConfigError(saved)
                 pattern = match if match is not None else f"*{fmt.extension}"
                 raise ConfigError(f"{where}: no {pattern} files to index")
+            meta: dict[str, Any] = {"indexed_by": INDEXED_BY}
+            if split is not None:
+                meta["split"] = split
+            if match is not None:
+                meta["match"] = match
             if fmt.name == "parquet":
+                source.check_regular(names)
                 return _index_parquet(
-                    source, dest, fmt, names, hash_algorithm, classes, image_column, label_column, lock, data_root
+                    source,
+                    dest,
+                    fmt,
+                    names,
+                    hash_algorithm,
+                    classes,
+                    image_column,
+                    label_column,
+                    lock,
+                    data_root,
+                    on_error,
+                    meta,
                 )
             indexed = [_index_one(fmt, dest, name, hash_algorithm) for name in names]
             lock.check()
-            return publish_index(dest, fmt, indexed, hash_algorithm, classes)
+            return publish_index(dest, fmt, indexed, hash_algorithm, classes, meta=meta)
     finally:
         dest.close()
+
+
+def _check_classes(classes: tuple[str, ...]) -> None:
+    """Refuse class names given twice (``--classes a,a``)."""
+    twice = sorted({c for c in classes if classes.count(c) > 1})
+    if twice:
+        raise ConfigError(f"--classes names class {twice[0]!r} more than once (each class is one label)")
+
+
+def _check_existing(dest: Destination, where: str, overwrite: bool) -> None:
+    """Refuse to replace an ``index.json`` at ``dest``, unless ``index`` wrote it and ``overwrite`` says so."""
+    if dest.exists(MANIFEST_NAME) is None:
+        return
+    try:
+        found: Manifest | None = Manifest.loads(dest.read_bytes(MANIFEST_NAME))
+    except Exception:  # unreadable: someone else's, in any case not ours
+        found = None
+    if found is not None and found.meta.get("indexed_by") == INDEXED_BY:
+        if overwrite:
+            return
+        split = found.meta.get("split")
+        what = f"split {split!r}" if isinstance(split, str) else f"{len(found.shards)} {found.format} file(s)"
+        raise ConfigError(
+            f"{where} already holds an index ({MANIFEST_NAME} of {what}, written by streamload index): "
+            "--overwrite replaces it; to index another split of the same folder beside it, use --split NAME "
+            "(its index goes to the sub-folder NAME)"
+        )
+    if found is not None and "converter" in found.meta:
+        raise ConfigError(
+            f"{where} holds a dataset written by streamload convert ({found.num_samples} samples, "
+            f"{len(found.classes)} classes): it is read as it is and needs no index; indexing it would replace "
+            "its manifest (classes and meta). Nothing was written"
+        )
+    raise ConfigError(
+        f"{where} holds another dataset's {MANIFEST_NAME} (not one streamload index wrote): index never "
+        "replaces it, --overwrite or not; write the index elsewhere (--output DIR)"
+    )
 
 
 class _Source:
@@ -142,6 +250,20 @@ class _Source:
         except ShardNotFoundError:
             return []
 
+    def check_regular(self, names: list[str]) -> None:
+        """Refuse (local files) a name that is a folder, a FIFO, a socket or a device: never opened."""
+        if self.files is not None:
+            return
+        for name in names:
+            try:
+                mode = os.stat(os.path.join(local_path_of(self.url), name)).st_mode
+            except OSError as exc:
+                raise ConfigError(f"{name}: cannot read: {exc.strerror or exc}") from exc
+            if stat.S_ISDIR(mode):
+                raise ConfigError(f"{name}: a directory, not a Parquet file (leave it out with --match)")
+            if not stat.S_ISREG(mode):
+                raise ConfigError(f"{name}: not a regular file (a FIFO, socket or device): not read")
+
     def local_copy(self, dest: Destination, name: str) -> tuple[str, bool]:
         """A local path of file ``name``, and whether it is a downloaded copy (staged at ``dest``, to discard)."""
         if self.files is None:
@@ -166,6 +288,8 @@ def _index_parquet(
     label_column: str | None,
     lock: Any,
     data_root: str | None,
+    on_error: str,
+    meta: dict[str, Any],
 ) -> Manifest:
     """Index Parquet files: every file checked and its sidecar staged before anything is published."""
     from .formats.parquet import ParquetColumns, index_parquet, relabel_sidecar
@@ -176,6 +300,7 @@ def _index_parquet(
     label_names: list[tuple[str, ...] | None] = []  # per file: its string labels, else None
     names_of_classes: tuple[str, ...] | None = None
     first_with_classes = ""
+    skipped: list[SkippedInput] = []
     try:
         for name in sorted(names):
             sidecar_name = fmt.sidecar_name(name)
@@ -184,7 +309,10 @@ def _index_parquet(
             staged.append((out, sidecar_name))
             local, remote = source.local_copy(dest, name)
             try:
-                info = index_parquet(local, name, out, columns)
+                info = index_parquet(
+                    local, name, out, columns, num_classes=len(classes) if classes else None, on_error=on_error
+                )
+                skipped.extend(SkippedInput(f"{name}: row {row}", why) for row, why in info.skipped)
                 digest, size = hash_file(local, hash_algorithm)
             finally:
                 if remote:
@@ -223,7 +351,9 @@ def _index_parquet(
         for out, _ in staged:
             dest.discard(out)
     classes = classes or label_classes
-    return publish_index(dest, fmt, found, hash_algorithm, classes or names_of_classes or (), data_root)
+    return publish_index(
+        dest, fmt, found, hash_algorithm, classes or names_of_classes or (), data_root, skipped=skipped, meta=meta
+    )
 
 
 def _string_labels(
@@ -319,8 +449,15 @@ def publish_index(
     hash_algorithm: str | None,
     classes: tuple[str, ...],
     data_root: str | None = None,
+    *,
+    skipped: list[SkippedInput] | None = None,
+    meta: dict[str, Any] | None = None,
 ) -> Manifest:
-    """Write ``index.json`` for shards indexed with :func:`index_shard`; return it (``data_root``: where they are)."""
+    """Write ``index.json`` for shards indexed with :func:`index_shard`; return it.
+
+    ``data_root``: where the files are; ``skipped``: rows left out; ``meta``: recorded in
+    the manifest (``indexed_by`` always).
+    """
     fields = sorted({f for _, shard_fields in indexed for f in shard_fields})
     manifest = Manifest(
         format=fmt.name,
@@ -328,7 +465,8 @@ def publish_index(
         fields=tuple(fields),
         classes=classes,
         hash_algorithm=hash_algorithm,
-        meta={"indexed_by": "streamload index"},
+        skipped=tuple(skipped or ()),
+        meta={**(meta or {}), "indexed_by": INDEXED_BY},
         data_root=data_root,
     )
     dest.write_bytes(MANIFEST_NAME, manifest.dumps())

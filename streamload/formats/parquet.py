@@ -32,6 +32,9 @@ is checked before use)::
     extent     int64[g, 2]  per row group, the byte span of the column chunks a read needs
     offset     int64[n]     per row, its image's offset in the file (only when every row's
                             bytes are stored as they are: meta ``direct``)
+    row        int64[n]     per sample, its row in the file, increasing (only when bad rows
+                            were left out, ``index --on-error skip``: meta ``kept`` = n;
+                            every other table then holds the kept rows only)
 
 **Integrity as for our own shards.** The file's size and hash are in the manifest (checked
 on every cached copy); every row's image and ``json`` bytes are checked against their
@@ -59,6 +62,7 @@ group must hold exactly the rows the footer declared.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import json
@@ -183,8 +187,9 @@ class ParquetColumns:
 class ParquetIndex:
     """What indexing one file found: its rows, fields and class names (Hugging Face ``ClassLabel``).
 
-    With a string label column, ``label_names`` holds the file's distinct labels, sorted,
-    and its sidecar's labels index them: :func:`relabel_sidecar` maps them to the
+    ``num_samples`` counts the rows kept (``skipped`` lists the others). With a string label
+    column, ``label_names`` holds the file's distinct labels, sorted, and its sidecar's labels
+    index them: :func:`relabel_sidecar` maps them to the
     dataset's labels once every file was read.
     """
 
@@ -192,6 +197,8 @@ class ParquetIndex:
     fields: list[str]
     classes: tuple[str, ...] | None
     label_names: tuple[str, ...] | None = None
+    #: Rows left out (``on_error="skip"``): ``(row, why)``, in row order.
+    skipped: list[tuple[int, str]] = dataclasses.field(default_factory=list)
 
 
 def _key_prefix(name: str) -> str:
@@ -346,6 +353,8 @@ def _check_footer(md: Any, size: int, name: str, columns: Sequence[str]) -> np.n
         if rg.num_rows < 0:
             raise _bad(name, f"row group {g} declares {rg.num_rows} rows")
         rows += rg.num_rows
+        if rg.num_rows == 0:  # nothing is read from an empty row group (pyarrow writes its chunks at 0)
+            continue
         lo, hi, stored, expanded = size, 0, 0, 0
         for j in range(rg.num_columns):
             col = rg.column(j)
@@ -419,15 +428,27 @@ def _json_texts(table: Any, plan: _Plan) -> list[bytes] | None:
     ]
 
 
-def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumns = ParquetColumns()) -> ParquetIndex:
+def index_parquet(
+    path: str,
+    name: str,
+    sidecar_out: str,
+    columns: ParquetColumns = ParquetColumns(),
+    *,
+    num_classes: int | None = None,
+    on_error: str = "raise",
+) -> ParquetIndex:
     """Read one Parquet file whole and write its sidecar to ``sidecar_out``.
 
-    Every row is checked: image bytes present and of a known image kind, label present and
-    in range (``0 <= label < len(classes)`` with Hugging Face class names, else ``>= 0``).
+    Every row is checked: image bytes present and of a known image kind
+    (:func:`~streamload.sample.sniff_image`, the rule ``convert`` applies too), label
+    present and in range (``0 <= label < num_classes``, else the Hugging Face ``ClassLabel``'s
+    count, else ``>= 0``). A bad row is an error, or with ``on_error="skip"`` left out and
+    listed (:attr:`ParquetIndex.skipped`; the sidecar then maps samples to the rows kept).
 
     Raises:
         ConfigError: Naming the file and column, for a table that does not fit the sample
-            model (no such column, a column that holds no images, bad labels).
+            model (no such column, a column that holds no images, bad labels), or a file
+            without rows (or, skipping, without a good one).
         CorruptShardError: Naming the file, for a damaged or hostile file.
     """
     size = os.path.getsize(path)
@@ -437,6 +458,16 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
     plan = _plan(pf.schema_arrow, name, columns)
     extents = _check_footer(md, size, name, [plan.image, *plan.json_columns])
     n = md.num_rows
+    if n == 0:
+        raise ConfigError(f"{name}: holds no rows (an empty table): nothing to index; leave it out with --match")
+    high = num_classes if num_classes is not None else (len(plan.classes) if plan.classes is not None else None)
+    bad: dict[int, str] = {}
+
+    def refuse(row: int, column: str, why: str) -> None:
+        if on_error != "skip":
+            raise ConfigError(f"{name}: column {column!r}: row {row} {why}")
+        bad.setdefault(row, f"column {column!r}: {why}")
+
     field_names: list[str] = []
     codes = np.zeros(n, dtype=np.uint8)
     sizes = np.zeros(n, dtype=np.int64)
@@ -472,37 +503,41 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
                 .to_numpy(zero_copy_only=False),
                 dtype=bool,
             )
-            if blank.any():
-                first = row + int(np.flatnonzero(blank)[0])
-                raise ConfigError(f"{name}: column {plan.label!r}: row {first} has no label")
-            encoded = label_col.dictionary_encode()
+            for r in np.flatnonzero(blank).tolist():
+                refuse(row + r, plan.label, "has no label")
+            good = np.flatnonzero(~blank)
+            encoded = label_col.filter(pa.array(~blank)).dictionary_encode()
             local = [seen.setdefault(v, len(seen)) for v in encoded.dictionary.to_pylist()]
             indices = np.asarray(encoded.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
-            labels[row : row + len(indices)] = np.asarray(local, dtype=np.int64)[indices]
+            labels[row + good] = np.asarray(local, dtype=np.int64)[indices]
         elif plan.label:
             label_col = table.column(plan.label)
-            if label_col.null_count:
-                first = row + int(np.flatnonzero(np.asarray(label_col.is_null()))[0])
-                raise ConfigError(f"{name}: column {plan.label!r}: row {first} has no label")
-            values = np.asarray(label_col.to_numpy(), dtype=np.int64)
-            high = len(plan.classes) if plan.classes is not None else None
-            bad = np.flatnonzero((values < 0) | (values >= high if high is not None else False))
-            if len(bad):
-                r = int(bad[0])
-                where = f"0..{high - 1}" if high is not None else ">= 0"
-                raise ConfigError(
-                    f"{name}: column {plan.label!r}: row {row + r} has label {int(values[r])} (expected {where})"
-                )
+            missing = np.asarray(label_col.is_null(), dtype=bool)
+            for r in np.flatnonzero(missing).tolist():
+                refuse(row + r, plan.label, "has no label")
+            raw = np.asarray(label_col.fill_null(0).to_numpy())
+            out_of_range = raw > np.iinfo(np.int64).max if raw.dtype.kind == "u" else raw < 0
+            if high is not None:
+                out_of_range |= raw >= high
+            where = f"0..{high - 1}" if high is not None else ">= 0"
+            for r in np.flatnonzero(out_of_range & ~missing).tolist():
+                refuse(row + r, plan.label, f"has label {int(raw[r])} (expected {where})")
+            values = np.where(out_of_range | missing, 0, raw).astype(np.int64)
             labels[row : row + len(values)] = values
         if offsets is not None:
             offsets = _locate_rows(path, md.row_group(g), _read_columns(plan)[0], images, row, offsets)
         for r, data in enumerate(images):
             i = row + r
             if not data:
-                raise ConfigError(f"{name}: column {plan.image!r}: row {i} has no image bytes")
+                named = str(paths[r] or "") if paths is not None else ""
+                refuse(i, plan.image, _stored_by_path(named) if named else "has no image bytes")
+                continue
             field = image_field_for(data, str(paths[r] or "") if paths is not None else "")
             if field not in IMAGE_EXTENSIONS or sniff_image(data) is None:
-                raise ConfigError(f"{name}: column {plan.image!r}: row {i} holds bytes that are not an image")
+                refuse(i, plan.image, "holds bytes that are not an image")
+                continue
+            if i in bad:
+                continue
             if field not in field_names:
                 if len(field_names) == 255:
                     raise ConfigError(f"{name}: column {plan.image!r}: more than 255 image kinds")
@@ -519,7 +554,17 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
         order = np.empty(len(seen), dtype=np.int64)
         for position, found in enumerate(label_names):
             order[seen[found]] = position
-        labels = order[labels] if n else labels
+        labels = order[labels] if len(seen) else labels
+    kept: np.ndarray | None = None
+    if bad:
+        kept = np.setdiff1d(np.arange(n, dtype=np.int64), np.fromiter(bad, dtype=np.int64, count=len(bad)))
+        if not len(kept):
+            first = min(bad)
+            raise ConfigError(f"{name}: no row holds a usable sample (row {first}: {bad[first]})")
+        codes, sizes, digests = codes[kept], sizes[kept], digests[kept]
+        labels = labels[kept] if plan.label else labels
+        json_digests = json_digests[kept] if plan.json_columns else json_digests
+        offsets = offsets[kept] if offsets is not None else None
     sink = pa.BufferOutputStream()
     md.write_metadata_file(sink)
     meta = {
@@ -535,6 +580,8 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
         "prefix": _key_prefix(name),
         "direct": offsets is not None,
     }
+    if kept is not None:
+        meta["kept"] = len(kept)
     arrays: dict[str, np.ndarray] = {
         "meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8),
         "footer": np.frombuffer(sink.getvalue().to_pybytes(), dtype=np.uint8),
@@ -543,6 +590,8 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
         "image_xxh3": digests,
         "extent": extents,
     }
+    if kept is not None:
+        arrays["row"] = kept
     if plan.label:
         arrays["label"] = labels
     if plan.json_columns:
@@ -552,7 +601,17 @@ def index_parquet(path: str, name: str, sidecar_out: str, columns: ParquetColumn
     with open(sidecar_out, "wb") as f:
         np.savez(f, **arrays)  # type: ignore[arg-type]
     fields = [*field_names, *(["cls"] if plan.label else []), *(["json"] if plan.json_columns else [])]
-    return ParquetIndex(n, sorted(fields), plan.classes, label_names)
+    skipped = sorted(bad.items())
+    return ParquetIndex(n - len(skipped), sorted(fields), plan.classes, label_names, skipped)
+
+
+def _stored_by_path(path: str) -> str:
+    """Why a row whose image struct names a path but holds no bytes cannot be read in place."""
+    return (
+        f"has no image bytes, only a path ({path!r}): the images are stored by path, not embedded in the "
+        "file, so they cannot be read in place; streamload convert FILE DST --root DIR reads them (the paths "
+        "under DIR), or embed them first (datasets: map datasets.table.embed_table_storage, then to_parquet)"
+    )
 
 
 def _locate_rows(
@@ -696,11 +755,14 @@ class ParquetShardReader(ShardReader):
             raise CorruptShardError(f"{name}: not a streamload Parquet sidecar (or another version)")
         groups = meta.get("row_groups")
         fields = meta.get("fields")
+        rows = meta.get("rows")
+        kept = arrays.get("row") if "kept" in meta else None  # rows left out at indexing: sample i is row[i]
         if (
-            meta.get("rows") != n
+            not isinstance(rows, int)
+            or (rows != n if kept is None else meta.get("kept") != n)
             or not isinstance(groups, list)
             or not all(isinstance(g, int) and g >= 0 for g in groups)
-            or sum(groups) != n
+            or sum(groups) != rows
             or not isinstance(fields, list)
             or not all(isinstance(f, str) and f in IMAGE_EXTENSIONS for f in fields)
         ):
@@ -712,10 +774,18 @@ class ParquetShardReader(ShardReader):
             expect["json_xxh3"] = (np.uint64, n)
         if meta.get("direct"):
             expect["offset"] = (np.int64, n)
+        if "kept" in meta:
+            expect["row"] = (np.int64, n)
         for key, (dtype, length) in expect.items():
             arr = arrays.get(key)
             if arr is None or arr.dtype != dtype or arr.shape != (length,):
                 raise CorruptShardError(f"{name}: Parquet sidecar table {key!r} is damaged")
+        if (
+            kept is not None
+            and n
+            and (int(kept[0]) < 0 or int(kept[-1]) >= rows or bool(np.any(kept[1:] <= kept[:-1])))
+        ):
+            raise CorruptShardError(f"{name}: Parquet sidecar table 'row' is damaged")
         extent = arrays.get("extent")
         if extent is None or extent.dtype != np.int64 or extent.shape != (len(groups), 2):
             raise CorruptShardError(f"{name}: Parquet sidecar table 'extent' is damaged")
@@ -727,6 +797,9 @@ class ParquetShardReader(ShardReader):
             if int(direct.min()) < 4 or int(ends.max()) > self.entry.num_bytes - 8 or bool(np.any(ends < direct)):
                 raise CorruptShardError(f"{name}: Parquet sidecar offsets lie outside the file")
         self._meta = meta
+        self._rows_total: int = rows
+        #: Per sample, its row in the file (``None``: sample ``i`` is row ``i``).
+        self._rows: np.ndarray | None = kept
         self._fields: list[str] = fields
         self._codes = arrays["field"]
         self._sizes = arrays["size"]
@@ -759,7 +832,7 @@ class ParquetShardReader(ShardReader):
             md = pq.read_metadata(pa.BufferReader(self._footer))
         except Exception as exc:
             raise CorruptShardError(f"{name}: Parquet footer in the sidecar is damaged ({exc})") from exc
-        if md.num_rows != self.entry.num_samples or md.num_row_groups != len(self._meta["row_groups"]):
+        if md.num_rows != self._rows_total or md.num_row_groups != len(self._meta["row_groups"]):
             raise CorruptShardError(f"{name}: Parquet footer in the sidecar does not match the sidecar's rows")
         if self._source is not None:
             handle: Any = _SourceFile(self._source)
@@ -783,8 +856,12 @@ class ParquetShardReader(ShardReader):
         self._pid = os.getpid()
         return self._file
 
+    def _row(self, index: int) -> int:
+        """Sample ``index``'s row in the file."""
+        return index if self._rows is None else int(self._rows[index])
+
     def _group_of(self, index: int) -> int:
-        return int(np.searchsorted(self._starts, index, side="right")) - 1
+        return int(np.searchsorted(self._starts, self._row(index), side="right")) - 1
 
     def _group(self, g: int) -> tuple[np.ndarray, np.ndarray, list[bytes] | None]:
         """Row group ``g`` decoded: its images' bytes and offsets (arrow buffers), its json texts."""
@@ -817,7 +894,7 @@ class ParquetShardReader(ShardReader):
     # -- samples ------------------------------------------------------------------------
 
     def _key(self, index: int) -> str:
-        return f"{self._meta['prefix']}/{index:010d}"
+        return f"{self._meta['prefix']}/{self._row(index):010d}"
 
     def _source_bytes(self) -> ShardBytes:
         """The file's bytes for positioned reads (this process's own descriptor; ranged reads when streaming)."""
@@ -848,7 +925,7 @@ class ParquetShardReader(ShardReader):
             self._check(g, index, field, raw if len(raw) == size else None, self._digests[index], size)
             return g, np.frombuffer(raw, dtype=np.uint8)
         data, offsets, _ = self._group(g)
-        r = index - int(self._starts[g])
+        r = self._row(index) - int(self._starts[g])
         view = data[int(offsets[r]) : int(offsets[r + 1])]
         self._check(
             g, index, self._fields[int(self._codes[index])], view, self._digests[index], int(self._sizes[index])
@@ -864,7 +941,7 @@ class ParquetShardReader(ShardReader):
             sample["cls"] = str(int(self._labels[index])).encode()
         texts = self._group(g)[2]
         if texts is not None and self._json_digests is not None:
-            text = texts[index - int(self._starts[g])]
+            text = texts[self._row(index) - int(self._starts[g])]
             self._check(g, index, "json", text, self._json_digests[index], len(text))
             sample["json"] = text
         return sample
@@ -966,7 +1043,7 @@ class ParquetShardReader(ShardReader):
     def _check(self, group: int, index: int, field: str, data: Any, digest: int, size: int) -> None:
         if data is None or len(data) != size or xxhash.xxh3_64_intdigest(data) != digest:
             raise CorruptShardError(
-                f"{self.path}: shard {self.entry.name}, row group {group}, row {index} "
+                f"{self.path}: shard {self.entry.name}, row group {group}, row {self._row(index)} "
                 f"(sample {self._key(index)!r}), field {field!r} does not match its checksum (corrupt bytes)"
             )
 
@@ -978,7 +1055,8 @@ class ParquetShardReader(ShardReader):
         if self._offsets is not None and not self._plan.json_columns:  # each row's own bytes
             starts = self._offsets[index]
             return np.stack([starts, starts + self._sizes[index]], axis=1)
-        groups = np.searchsorted(self._starts, index, side="right") - 1
+        rows = index if self._rows is None else self._rows[index]
+        groups = np.searchsorted(self._starts, rows, side="right") - 1
         out: np.ndarray = self._extent[groups]
         return out
 
