@@ -189,7 +189,11 @@ def test_labels_none_reads_a_tree_whose_folders_are_not_classes(tmp_path: Path) 
     by_key = {s["__key__"]: s for s in StreamingDataset(str(out))}
     assert by_key["2025/c"]["pgm"] == (root / "2025/c.pgm").read_bytes()
     assert all("cls" not in s for s in by_key.values())
-    # The default reads the sub-folders as classes; "folders" on a folder without any is refused.
+    # The default reads the sub-folders as classes, and then refuses the image beside them (it
+    # has no class); "folders" on a folder without any is refused.
+    with pytest.raises(SourceError, match=r"1 image\(s\) lie directly in the folder.*top\.webp.*--labels none"):
+        ImageFolderSource(str(root))
+    (root / "top.webp").unlink()
     assert ImageFolderSource(str(root)).classes == ["2024", "2025"]
     with pytest.raises(SourceError, match="--labels none"):
         ImageFolderSource(str(root / "2024" / "01"), labels="folders")
