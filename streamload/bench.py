@@ -8,8 +8,8 @@ Then it says where throughput stops growing and recommends the smallest setting 
 5 % of the best, and can plot samples/s against workers.
 
 Three modes: ``raw`` (zero-copy :class:`~streamload.batch.RawBatch` batches: the I/O
-ceiling), ``decode`` (:class:`~streamload.decode.DecodeBatch` to ``--size`` pixels:
-what training sees) and ``samples`` (per-sample dicts batched by the DataLoader, the
+ceiling), ``decode`` (:class:`~streamload.decode.DecodeBatch` to ``--size`` pixels,
+JPEGs by ``--backend``: what training sees) and ``samples`` (per-sample dicts batched by the DataLoader, the
 path without streamload's batching, for comparison).
 """
 
@@ -30,6 +30,8 @@ from ._units import format_bytes
 __all__ = ["BenchResult", "PeakMemory", "add_bench_parser", "recommend", "run_bench", "sweep"]
 
 MODES = ("raw", "decode", "samples")
+#: ``--backend`` choices: the JPEG decoder of the ``decode`` mode (see :class:`~streamload.decode.ImageDecoder`).
+BACKENDS = ("auto", "simplejpeg", "pillow")
 
 
 class PeakMemory:
@@ -100,6 +102,8 @@ class BenchResult:
     mb_per_s: float
     first_batch_s: float
     peak_pss: int
+    #: ``decode`` mode: JPEGs the fast backend refused and Pillow decoded (over the workers).
+    fallbacks: int = 0
 
 
 def _loader(
@@ -112,6 +116,7 @@ def _loader(
     size: int,
     storage_options: dict[str, Any],
     cache_dir: str | None,
+    backend: str = "auto",
 ) -> Any:
     from torch.utils.data import DataLoader
 
@@ -128,7 +133,7 @@ def _loader(
     if mode == "samples":
         ds = StreamingDataset(dataset, **common)
         return DataLoader(ds, batch_size=batch_size, collate_fn=_payloads, **extra)
-    collate: Any = RawCollate() if mode == "raw" else DecodeBatch(size)
+    collate: Any = RawCollate() if mode == "raw" else DecodeBatch(size, backend=backend)  # type: ignore[arg-type]
     ds = StreamingDataset(dataset, collate=collate, **common)
     return DataLoader(ds, batch_size=None, **extra)
 
@@ -163,9 +168,12 @@ def run_one(
     seconds: float,
     storage_options: dict[str, Any] | None = None,
     cache_dir: str | None = None,
+    backend: str = "auto",
 ) -> BenchResult:
     """Measure one setting: read for about ``seconds`` (at least one batch, epochs repeat)."""
-    loader = _loader(dataset, mode, workers, prefetch, pin, batch_size, size, dict(storage_options or {}), cache_dir)
+    loader = _loader(
+        dataset, mode, workers, prefetch, pin, batch_size, size, dict(storage_options or {}), cache_dir, backend
+    )
     samples = nbytes = 0
     first = steady = 0.0
     with PeakMemory() as memory:
@@ -185,6 +193,7 @@ def run_one(
             if not first:
                 raise ConfigError(f"dataset {dataset!r} yielded no batch")
         elapsed = max(time.perf_counter() - steady, 1e-9)
+    fallbacks = int(getattr(loader.dataset.collate, "fallbacks", 0))  # counted in shared memory by the workers
     del loader
     rate = samples / elapsed if samples else 0.0
     return BenchResult(
@@ -198,6 +207,7 @@ def run_one(
         nbytes / elapsed / 1e6,
         first,
         memory.peak,
+        fallbacks,
     )
 
 
@@ -213,16 +223,22 @@ def sweep(
     storage_options: dict[str, Any] | None = None,
     cache_dir: str | None = None,
     progress: bool = True,
+    backend: str = "auto",
 ) -> list[BenchResult]:
-    """Measure every combination; return the results in sweep order."""
+    """Measure every combination; return the results in sweep order.
+
+    ``backend``: the ``decode`` mode's JPEG decoder (:data:`BACKENDS`).
+    """
     if mode not in MODES:
         raise ConfigError(f"mode={mode!r} must be one of {MODES}")
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend={backend!r} must be one of {BACKENDS}")
     out: list[BenchResult] = []
     for bs in batch_sizes:
         for pin in pin_memory:
             for w in workers:
                 for pf in prefetch if w else (prefetch[0],):
-                    result = run_one(dataset, mode, w, pf, pin, bs, size, seconds, storage_options, cache_dir)
+                    result = run_one(dataset, mode, w, pf, pin, bs, size, seconds, storage_options, cache_dir, backend)
                     if progress:
                         print(_row(result), flush=True)
                     out.append(result)
@@ -325,6 +341,13 @@ def add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--pin-memory", choices=("off", "on", "both"), default="off", help="pin_memory (default: off)")
     p.add_argument("--batch-size", default="256", help="batch sizes (default: 256)")
     p.add_argument("--size", type=int, default=224, help="decode mode: output size (default: 224)")
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="decode mode: JPEG decoder (default: auto, simplejpeg when installed, else pillow); "
+        "JPEGs simplejpeg refuses are decoded by Pillow and counted",
+    )
     p.add_argument("--seconds", type=float, default=5.0, help="reading time per setting (default: 5)")
     p.add_argument("--cache-dir", help="local cache directory for remote shards")
     p.add_argument("--plot", metavar="FILE.png", help="draw samples/s against workers (needs matplotlib)")
@@ -340,9 +363,8 @@ def run_bench(args: argparse.Namespace) -> list[BenchResult]:
     pins = {"off": [False], "on": [True], "both": [False, True]}[args.pin_memory]
     quiet = bool(args.json)
     if not quiet:
-        print(
-            f"streamload bench {args.dataset}: mode {args.mode}, {args.seconds:g} s per setting, {os.cpu_count()} CPUs"
-        )
+        mode = args.mode if args.mode != "decode" else f"decode ({_backend_name(args.backend)})"
+        print(f"streamload bench {args.dataset}: mode {mode}, {args.seconds:g} s per setting, {os.cpu_count()} CPUs")
         print(_HEADER)
     results = sweep(
         args.dataset,
@@ -356,6 +378,7 @@ def run_bench(args: argparse.Namespace) -> list[BenchResult]:
         parse_storage_options(args.storage_option),
         args.cache_dir,
         progress=not quiet,
+        backend=args.backend,
     )
     best = recommend(results)
     flat = plateau(results)
@@ -367,6 +390,12 @@ def run_bench(args: argparse.Namespace) -> list[BenchResult]:
             )
         )
     else:
+        fallbacks = sum(r.fallbacks for r in results)
+        if fallbacks:
+            print(
+                f"{fallbacks} JPEG decodes fell back to Pillow (simplejpeg refused those files); "
+                "their time is in the rates above"
+            )
         if flat is not None:
             print(f"throughput stops growing at num_workers={flat} (the next step adds < 5 %)")
         else:
@@ -381,6 +410,15 @@ def run_bench(args: argparse.Namespace) -> list[BenchResult]:
         if not quiet:
             print(f"plot written to {args.plot}")
     return results
+
+
+def _backend_name(backend: str) -> str:
+    """``auto`` resolved: the JPEG decoder that runs."""
+    from .decode.image import have_simplejpeg
+
+    if backend != "auto":
+        return f"{backend} backend"
+    return f"auto backend: {'simplejpeg' if have_simplejpeg() else 'pillow'}"
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

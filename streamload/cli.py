@@ -171,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dataset", help="dataset directory or URL")
     p.add_argument("--no-read", action="store_true", help="only check sizes and hashes")
     p.add_argument(
+        "--decode",
+        action="store_true",
+        help="also decode every image (Pillow, full size): list the ones that do not decode and the "
+        "library warnings of each, named by shard and key",
+    )
+    p.add_argument(
         "--cache-dir",
         help="for a URL: check the copies in this cache (default: the usual cache); a corrupt one is "
         "downloaded again and reported REPAIRED",
@@ -426,11 +432,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         parse_storage_options(args.storage_option),
         read_samples=not args.no_read,
         cache_dir=args.cache_dir,
+        decode_images=args.decode and not args.no_read,
     )
     for _name, what in report.repaired:
         _say(f"REPAIRED {what}")
     for _name, problem in report.problems:
         _say(f"BAD  {problem}")
+    for _name, warned in report.warnings:
+        _say(f"WARN {warned}")
     if report.unhashed:
         shown = ", ".join(report.unhashed[:3]) + (", ..." if len(report.unhashed) > 3 else "")
         samples = "" if args.no_read else " (and their samples by their own checksums)"
@@ -439,12 +448,17 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             f"only their sizes were checked{samples}"
         )
     if not report.ok:
-        status = f"FAILED: {len(report.problems)} bad shard(s)"
+        status = f"FAILED: {len({name for name, _ in report.problems})} bad shard(s)"
     elif report.unhashed:
         status = f"NO HASH to check for {len(report.unhashed)} file(s), no other problem"
     else:
         status = "OK"
-    _say(f"{status}: {report.shards_checked} shards, {report.samples_checked} samples checked in {args.dataset}")
+    decoded = f", {report.images_decoded} images decoded" if args.decode and not args.no_read else ""
+    warned = f" ({len(report.warnings)} library warnings)" if report.warnings else ""
+    _say(
+        f"{status}: {report.shards_checked} shards, {report.samples_checked} samples checked{decoded} "
+        f"in {args.dataset}{warned}"
+    )
     return 0 if report.ok else 1
 
 

@@ -8,12 +8,14 @@ holds the few facts about fields that the formats, batches and decoders share.
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+from ._cstderr import c_stderr, wants_capture
 from ._errors import SampleError
 
 __all__ = [
@@ -92,7 +94,8 @@ class _WarningRecorder:
     :func:`warnings.catch_warnings` swaps process-wide state and is not safe across
     threads; this recorder is installed once while any thread is inside a block
     (reference-counted under a lock), records into the calling thread's list, and hands
-    other threads' warnings to the hook it replaced.
+    other threads' warnings to the hook it replaced. Pillow's own log records (its
+    ``PIL`` logger, warning and above) are recorded the same way.
     """
 
     def __init__(self) -> None:
@@ -101,6 +104,7 @@ class _WarningRecorder:
         self.local = threading.local()
         self.saved: Any = None
         self.filter: tuple[Any, ...] | None = None
+        self.handler = _PillowLogHandler(self)
 
     def show(self, message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
         sink = getattr(self.local, "sink", None)
@@ -109,45 +113,83 @@ class _WarningRecorder:
         elif self.saved is not None:
             self.saved(message, category, filename, lineno, file, line)
 
-    @contextmanager
-    def record(self) -> Iterator[list[str]]:
-        outer = getattr(self.local, "sink", None)
-        sink: list[str] = []
-        self.local.sink = sink
+    def _install(self) -> None:
         with self.lock:
             if self.depth == 0:
                 self.saved = warnings.showwarning
                 warnings.showwarning = self.show
                 warnings.simplefilter("always")  # every file's warning, not the first per location
                 self.filter = warnings.filters[0]
+                logging.getLogger("PIL").addHandler(self.handler)
             self.depth += 1
+
+    def _uninstall(self) -> None:
+        with self.lock:
+            self.depth -= 1
+            if self.depth == 0:
+                logging.getLogger("PIL").removeHandler(self.handler)
+                if warnings.showwarning == self.show:
+                    warnings.showwarning = self.saved
+                filters: list[Any] = warnings.filters  # type: ignore[assignment]
+                if self.filter in filters:
+                    filters.remove(self.filter)
+                    warnings._filters_mutated()  # type: ignore[attr-defined]
+                self.saved = self.filter = None
+
+    @contextmanager
+    def record(self, data: Any = None) -> Iterator[list[str]]:
+        outer = getattr(self.local, "sink", None)
+        sink: list[str] = []
+        self.local.sink = sink
+        self._install()
         try:
-            yield sink
+            if data is not None and wants_capture(data):
+                lines: list[str] = []
+                try:
+                    with c_stderr() as lines:
+                        yield sink
+                finally:  # also when the decode raised: the lines may say why
+                    sink.extend(f"libtiff: {line}" for line in lines)
+            else:
+                yield sink
         finally:
             self.local.sink = outer
             if outer is not None:
                 outer.extend(sink)
-            with self.lock:
-                self.depth -= 1
-                if self.depth == 0:
-                    if warnings.showwarning == self.show:
-                        warnings.showwarning = self.saved
-                    filters: list[Any] = warnings.filters  # type: ignore[assignment]
-                    if self.filter in filters:
-                        filters.remove(self.filter)
-                        warnings._filters_mutated()  # type: ignore[attr-defined]
-                    self.saved = self.filter = None
+            self._uninstall()
+
+
+class _PillowLogHandler(logging.Handler):
+    """Records Pillow's log records (``logging.getLogger("PIL")``) into the thread's sink."""
+
+    def __init__(self, recorder: _WarningRecorder) -> None:
+        super().__init__(logging.WARNING)
+        self.recorder = recorder
+
+    def emit(self, record: logging.LogRecord) -> None:
+        sink = getattr(self.recorder.local, "sink", None)
+        if sink is not None:
+            sink.append(f"{record.name}: {record.getMessage()}")
+        elif not logging.getLogger().handlers and logging.lastResort is not None:
+            logging.lastResort.handle(record)  # another thread's record: as if this handler were absent
 
 
 _RECORDER = _WarningRecorder()
 
 
-def image_warnings() -> Any:
+def image_warnings(data: Any = None) -> Any:
     """Context manager: the library warnings raised inside it, as ``"Category: message"`` strings.
 
     Pillow warns (``DecompressionBombWarning``, truncated or malformed files, TIFF tags,
     palette transparency) where we want a count and a line naming the file; inside the
-    block warnings are recorded, not printed. Safe to use from several threads at once.
+    block warnings are recorded, not printed. Pillow's log records (warning and above)
+    are recorded as ``"PIL.<module>: message"``. Safe to use from several threads at once.
+
+    Args:
+        data: The encoded image decoded inside the block. If it is a TIFF, what the C
+            library under Pillow (libtiff) writes straight to the process's stderr (fd 2)
+            meanwhile is captured too (see :mod:`streamload._cstderr`), one
+            ``"libtiff: message"`` string per line; other kinds write nothing there.
 
     Example:
         >>> with image_warnings() as found:
@@ -155,7 +197,7 @@ def image_warnings() -> Any:
         >>> found
         ['UserWarning: odd TIFF tag']
     """
-    return _RECORDER.record()
+    return _RECORDER.record(data)
 
 
 #: Labels must fit an ``int64`` tensor.

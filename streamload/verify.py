@@ -16,6 +16,12 @@ local dataset's files are never changed.
 A file the manifest gives no hash for can only be checked by its size (and its samples by
 their own checksums): :attr:`VerifyReport.unhashed` lists them, and the command says so
 instead of ``OK``.
+
+With ``decode_images`` (``verify --decode``) every sample's image is also decoded as the
+readers decode it (Pillow, full size): an image that does not decode is a problem naming
+its shard and key, and what the libraries say while decoding (Python warnings, Pillow's
+log, the lines libtiff writes to stderr) is listed per sample in
+:attr:`VerifyReport.warnings`, never printed raw.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any
 from ._errors import CorruptShardError, StreamloadError
 from ._files import FileEntry, hash_stream
 from .manifest import ShardEntry
+from .sample import IMAGE_FIELDS, image_warnings
 from .shards import DatasetRef, ShardSource, StorageConfig
 from .storage import is_local
 
@@ -45,7 +52,11 @@ class VerifyReport:
         unhashed: Names of files the manifest gives no hash for (only their size was checked).
         repaired: ``(shard name, message)`` for every shard whose cached copy was corrupt,
             and was downloaded again and checked (no problem of the dataset).
-        problems: ``(shard name, message)`` for every bad shard.
+        problems: ``(shard name, message)`` for every bad shard (and, decoding images, every
+            image that does not decode).
+        images_decoded: Images decoded (``decode_images``).
+        warnings: ``(shard name, message)`` for every library warning an image's decode
+            raised, the message naming the sample (``decode_images``).
     """
 
     url: str
@@ -54,6 +65,8 @@ class VerifyReport:
     unhashed: list[str] = field(default_factory=list)
     repaired: list[tuple[str, str]] = field(default_factory=list)
     problems: list[tuple[str, str]] = field(default_factory=list)
+    images_decoded: int = 0
+    warnings: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -76,7 +89,33 @@ def _check_file(path: str, entry: FileEntry, report: VerifyReport) -> None:
         raise CorruptShardError(f"{entry.name}: {problem}")
 
 
-def _check_shard(source: ShardSource, s: int, read_samples: bool, report: VerifyReport) -> None:
+def _check_images(entry: ShardEntry, samples: Any, report: VerifyReport) -> Any:
+    """Decode each sample's image as it passes; yield the samples (the count stays the reader's)."""
+    from .decode import decode_image
+
+    for sample in samples:
+        name = next((f for f in IMAGE_FIELDS if f in sample), None)
+        if name is not None:
+            where = f"{entry.name}: sample {sample.get('__key__')!r} field {name!r}"
+            data = bytes(sample[name])
+            found: list[str] = []
+            try:
+                with image_warnings(data) as found:
+                    decode_image(data)  # refused above the readers' default max_pixels, as they refuse it
+            except Exception as exc:  # any decoder error is this image's problem, named
+                said = "; ".join(dict.fromkeys(found))
+                report.problems.append(
+                    (entry.name, f"{where}: cannot decode image: {exc}" + (f" ({said})" if said else ""))
+                )
+            else:
+                report.warnings.extend((entry.name, f"{where}: {text}") for text in dict.fromkeys(found))
+            report.images_decoded += 1
+        yield sample
+
+
+def _check_shard(
+    source: ShardSource, s: int, read_samples: bool, report: VerifyReport, decode_images: bool = False
+) -> None:
     entry = source.ref.manifest.shards[s]
     path, sidecar = source.acquire(s)
     try:
@@ -87,7 +126,8 @@ def _check_shard(source: ShardSource, s: int, read_samples: bool, report: Verify
             return
         reader = source.open_reader(s, path, sidecar)
         try:
-            count = sum(1 for _ in reader.iter_range(0, len(reader)))
+            samples = reader.iter_range(0, len(reader))
+            count = sum(1 for _ in (_check_images(entry, samples, report) if decode_images else samples))
         finally:
             reader.close()
         if count != entry.num_samples:
@@ -97,14 +137,20 @@ def _check_shard(source: ShardSource, s: int, read_samples: bool, report: Verify
         source.release(s)
 
 
-def _check_or_repair(source: ShardSource, s: int, read_samples: bool, report: VerifyReport) -> None:
+def _check_or_repair(
+    source: ShardSource, s: int, read_samples: bool, report: VerifyReport, decode_images: bool = False
+) -> None:
     """Check shard ``s``; a corrupt cached copy is dropped, downloaded again and checked once more."""
     entry = source.ref.manifest.shards[s]
+    marks = (len(report.problems), len(report.warnings), report.images_decoded)
     try:
-        _check_shard(source, s, read_samples, report)
+        _check_shard(source, s, read_samples, report, decode_images)
     except CorruptShardError as exc:
         if not source.refetch([s], exc):
             raise
+        # What the corrupt copy's images said is checked again on the fresh copy.
+        del report.problems[marks[0] :], report.warnings[marks[1] :]
+        report.images_decoded = marks[2]
         report.repaired.append(
             (
                 entry.name,
@@ -112,7 +158,7 @@ def _check_or_repair(source: ShardSource, s: int, read_samples: bool, report: Ve
                 "deleted, downloaded again and checked",
             )
         )
-        _check_shard(source, s, read_samples, report)
+        _check_shard(source, s, read_samples, report, decode_images)
 
 
 def _message(entry: ShardEntry, exc: BaseException) -> str:
@@ -125,6 +171,7 @@ def verify_dataset(
     read_samples: bool = True,
     on_shard: Callable[[ShardEntry, str | None], None] | None = None,
     cache_dir: str | None = None,
+    decode_images: bool = False,
 ) -> VerifyReport:
     """Re-hash every shard and sidecar, check sizes and sample counts, and read every sample.
 
@@ -136,6 +183,9 @@ def verify_dataset(
         cache_dir: The cache a remote dataset is checked through (default: the usual one),
             so that ``verify`` checks the copies training will use. A corrupt copy there
             is repaired (downloaded again) and listed in :attr:`VerifyReport.repaired`.
+        decode_images: Also decode every sample's image (Pillow, full size, as the
+            readers do; needs ``read_samples``): one that does not decode is a problem,
+            and library warnings are listed in :attr:`VerifyReport.warnings`.
 
     Raises:
         ManifestError: If the manifest cannot be read (nothing else can then be checked).
@@ -154,7 +204,7 @@ def verify_dataset(
         for s, entry in enumerate(ref.manifest.shards):
             problem = None
             try:
-                _check_or_repair(source, s, read_samples, report)
+                _check_or_repair(source, s, read_samples, report, decode_images)
             except (StreamloadError, OSError, ValueError, OverflowError, MemoryError) as exc:
                 problem = _message(entry, exc)
                 report.problems.append((entry.name, problem))

@@ -131,18 +131,22 @@ def check_image(data: bytes, path: str, how: str) -> list[str]:
     ``index`` applies too), so both keep the same images.
 
     Returns:
-        The library warnings the check raised (recorded, not printed), each once.
+        The library warnings the check raised (recorded, not printed), each once: Python
+        warnings, Pillow's log records and, for a TIFF, the lines libtiff writes to the
+        process's stderr (``"libtiff: ..."``).
 
     Raises:
         SourceError: Naming ``path``, if it is not a valid image (the reason written for a
-            person, without the library's object reprs).
+            person, without the library's object reprs, with what the libraries said about
+            it, if anything).
     """
     from PIL import Image
 
     if sniff_image(data) is None:
         raise SourceError(f"{path}: not a valid image: its first bytes are of no image kind streamload reads")
-    with image_warnings() as found:
-        try:
+    found: list[str] = []
+    try:
+        with image_warnings(data) as found:
             with Image.open(io.BytesIO(data)) as img:
                 if how == "header":
                     img.verify()
@@ -150,6 +154,8 @@ def check_image(data: bytes, path: str, how: str) -> list[str]:
                     if img.format == "JPEG":
                         img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
                     img.load()
-        except Exception as exc:
-            raise SourceError(f"{path}: not a valid image: {image_problem(exc)}") from exc
+    except Exception as exc:
+        said = list(dict.fromkeys(found))
+        detail = f" ({'; '.join(said[:3])}{f'; and {len(said) - 3} more' if len(said) > 3 else ''})" if said else ""
+        raise SourceError(f"{path}: not a valid image: {image_problem(exc)}{detail}") from exc
     return list(dict.fromkeys(found))

@@ -17,7 +17,7 @@ import torch
 from .._errors import SampleError
 from ..randomness import sample_generator
 from ..sample import IMAGE_FIELDS, image_field, image_warnings, label_of, parse_label
-from .image import DEFAULT_MAX_PIXELS, Backend, Crop, ImageDecoder, open_image
+from .image import DEFAULT_MAX_PIXELS, Backend, Crop, ImageDecoder, SharedCount, open_image
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",
@@ -26,6 +26,7 @@ __all__ = [
     "DecodeBatch",
     "ImageDecoder",
     "ImageLabel",
+    "SharedCount",
     "decode_image",
     "decode_sample",
     "image_field",
@@ -41,6 +42,13 @@ def _report(sample: Mapping[str, Any], field: str, found: list[str]) -> int:
     for text in dict.fromkeys(found):
         _log.warning("sample %r field %r: %s", sample.get("__key__"), field, text)
     return len(found)
+
+
+def _cannot_decode(sample: Mapping[str, Any], field: str, exc: BaseException, found: list[str]) -> SampleError:
+    """The error of an image that cannot be decoded, with what the libraries said about it."""
+    said = list(dict.fromkeys(found))
+    detail = f" ({'; '.join(said[:3])}{f'; and {len(said) - 3} more' if len(said) > 3 else ''})" if said else ""
+    return SampleError(f"sample {sample.get('__key__')!r} field {field!r}: cannot decode image: {exc}{detail}")
 
 
 def _text(data: bytes) -> str:
@@ -93,10 +101,13 @@ def decode_sample(
         if decoder is None:
             out[name] = value
             continue
-        try:
-            out[name] = decoder(value)
-        except Exception as exc:
-            raise SampleError(f"sample {sample.get('__key__')!r} field {name!r}: cannot decode: {exc}") from exc
+        with image_warnings(value if name in IMAGE_FIELDS else None) as found:
+            try:
+                out[name] = decoder(value)
+            except Exception as exc:
+                raise SampleError(f"sample {sample.get('__key__')!r} field {name!r}: cannot decode: {exc}") from exc
+        if found:
+            _report(sample, name, found)
     return out
 
 
@@ -117,9 +128,10 @@ class ImageLabel:
         max_pixels: Largest image decoded (width x height, from its header); a larger
             one raises :class:`~streamload.SampleError`. ``None``: no limit.
 
-    Library warnings raised by a decode (Pillow's, for a malformed or huge file) are logged
-    once each on the ``streamload.decode`` logger naming the sample, and counted in
-    :attr:`warnings` (per process), never printed raw.
+    Library warnings raised by a decode (Pillow's, for a malformed or huge file, and what
+    libtiff writes to stderr for a TIFF) are logged once each on the ``streamload.decode``
+    logger naming the sample, and counted in :attr:`warnings` (per process), never printed
+    raw. JPEGs the fast backend refuses are decoded by Pillow: :attr:`fallbacks`.
 
     Example:
         >>> ds = StreamingDataset("shards/", transform=ImageLabel(size=224))  # doctest: +SKIP
@@ -139,18 +151,24 @@ class ImageLabel:
         self.warnings = 0
         self._decoder = None if size is None else ImageDecoder(size, backend=backend, max_pixels=max_pixels)
 
+    @property
+    def fallbacks(self) -> int:
+        """JPEGs the fast backend refused and Pillow decoded, here and in the DataLoader workers."""
+        return 0 if self._decoder is None else self._decoder.fallbacks.value
+
     def __call__(self, sample: Mapping[str, Any]) -> Any:
         """Decode one sample: ``(image, label)``, or the image alone when ``label_field`` is ``None``."""
         name = image_field(sample)
-        with image_warnings() as found:
-            try:
+        data = sample[name]
+        found: list[str] = []
+        try:
+            with image_warnings(data) as found:
                 if self._decoder is not None:
-                    array = self._decoder.decode(sample[name])
+                    array = self._decoder.decode(data, name=sample.get("__key__"))
                 else:
-                    array = np.asarray(decode_image(sample[name], max_pixels=self.max_pixels))
-            except Exception as exc:
-                key = sample.get("__key__")
-                raise SampleError(f"sample {key!r} field {name!r}: cannot decode image: {exc}") from exc
+                    array = np.array(decode_image(data, max_pixels=self.max_pixels))  # writable
+        except Exception as exc:
+            raise _cannot_decode(sample, name, exc, found) from exc
         if found:
             self.warnings += _report(sample, name, found)
         tensor = torch.from_numpy(np.ascontiguousarray(array)).permute(2, 0, 1)
@@ -185,6 +203,11 @@ class DecodeBatch:
             ``__epoch__``/``__position__``) draw from a per-process generator
             (seed, worker id; the worker's torch seed when ``seed`` is ``None``).
         max_pixels: Largest image decoded (see :class:`ImageDecoder`); ``None``: no limit.
+
+    Library warnings of a decode (Python's, Pillow's log, libtiff's stderr lines) are
+    logged naming the sample and counted in :attr:`warnings` (per process); JPEGs the
+    fast backend refused and Pillow decoded are counted in :attr:`fallbacks` (over the
+    DataLoader workers too), the first of each process logged.
 
     Example:
         >>> ds = StreamingDataset("shards/", batch_size=256, shuffle=True,
@@ -222,6 +245,11 @@ class DecodeBatch:
 
     def __repr__(self) -> str:
         return f"DecodeBatch({self.decoder!r}, label_field={self.label_field!r}, layout={self.layout!r})"
+
+    @property
+    def fallbacks(self) -> int:
+        """JPEGs the fast backend refused and Pillow decoded, here and in the DataLoader workers."""
+        return self.decoder.fallbacks.value
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -261,12 +289,13 @@ class DecodeBatch:
         random = self.decoder.crop == "random" or self.decoder.flip
         for i, sample in enumerate(samples):
             name = self._field_of(sample)
-            with image_warnings() as found:
-                try:
-                    decode_into(sample[name], slots[i], self.sample_rng(sample) if random else None)
-                except Exception as exc:
-                    key = sample.get("__key__")
-                    raise SampleError(f"sample {key!r} field {name!r}: cannot decode image: {exc}") from exc
+            data = sample[name]
+            found: list[str] = []
+            try:
+                with image_warnings(data) as found:
+                    decode_into(data, slots[i], self.sample_rng(sample) if random else None, name=sample.get("__key__"))
+            except Exception as exc:
+                raise _cannot_decode(sample, name, exc, found) from exc
             if found:
                 self.warnings += _report(sample, name, found)
         labels = None

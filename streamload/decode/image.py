@@ -6,7 +6,9 @@ One sample, step by step (``ImageDecoder.decode_into``)::
     geometry    source box, output size          -- center or random-resized crop
     decode      libjpeg-turbo, DCT-scaled        -- simplejpeg when installed, else Pillow
                 (the smallest scale M/8 that keeps the box >= the output: a 2-8x smaller
-                decode when the source is much larger than the output)
+                decode when the source is much larger than the output); a JPEG that
+                simplejpeg refuses (it is stricter than Pillow about extraneous bytes,
+                odd markers) is decoded by Pillow instead, counted in ``fallbacks``
     resize      Pillow, bilinear, box=...        -- resamples only the cropped region
     copy        into the caller's batch slot     -- flipped in the same copy
 
@@ -18,7 +20,9 @@ Python is the geometry (a few float operations) and two or three calls into C.
 from __future__ import annotations
 
 import io
+import logging
 import math
+import os
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -26,7 +30,18 @@ import numpy as np
 
 from .._errors import ConfigError, SampleError
 
-__all__ = ["DEFAULT_MAX_PIXELS", "Backend", "Crop", "ImageDecoder", "check_pixels", "have_simplejpeg", "open_image"]
+__all__ = [
+    "DEFAULT_MAX_PIXELS",
+    "Backend",
+    "Crop",
+    "ImageDecoder",
+    "SharedCount",
+    "check_pixels",
+    "have_simplejpeg",
+    "open_image",
+]
+
+_log = logging.getLogger("streamload.decode")
 
 Crop = Literal["center", "random"]
 Backend = Literal["auto", "simplejpeg", "pillow"]
@@ -93,6 +108,64 @@ def have_simplejpeg() -> bool:
     return True
 
 
+#: Slots of a :class:`SharedCount`: the main process (0) and DataLoader workers 0..1022.
+_SLOTS = 1024
+
+
+class SharedCount:
+    """A count kept in shared memory, one slot per process, so the main process sees its workers'.
+
+    Made before the DataLoader starts its workers (fork or spawn), it is the same memory
+    in all of them: :attr:`value` read in the training loop includes what every worker
+    added. Each process adds to its own slot (the main process 0, worker ``i`` slot
+    ``i + 1``), so no two processes write the same word.
+    """
+
+    def __init__(self) -> None:
+        import torch
+
+        self._slots = torch.zeros(_SLOTS, dtype=torch.int64)
+        self._slots.share_memory_()  # type: ignore[no-untyped-call]
+
+    def add(self, count: int = 1) -> None:
+        """Add ``count`` to this process's slot."""
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        self._slots[0 if info is None else min(info.id + 1, _SLOTS - 1)] += count
+
+    @property
+    def value(self) -> int:
+        """The sum over this process and its DataLoader workers."""
+        return int(self._slots.sum())
+
+    def __int__(self) -> int:
+        return self.value
+
+    def __repr__(self) -> str:
+        return f"SharedCount({self.value})"
+
+
+class _Once:
+    """Whether this process has logged a message yet (reset in a forked child)."""
+
+    def __init__(self) -> None:
+        self.done = False
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self.reset)
+
+    def reset(self) -> None:
+        self.done = False
+
+    def __call__(self) -> bool:
+        """True the first time in this process."""
+        first, self.done = not self.done, True
+        return first
+
+
+_FALLBACK_LOGGED = _Once()
+
+
 def _pair(size: int | Sequence[int]) -> tuple[int, int]:
     """``size`` as ``(height, width)``."""
     if isinstance(size, int):
@@ -115,11 +188,20 @@ class ImageDecoder:
         ratio: Random crop's range of aspect ratios.
         flip: Flip horizontally with probability 0.5.
         backend: ``"simplejpeg"`` (libjpeg-turbo with DCT scaling to any M/8),
-            ``"pillow"`` (``Image.draft``: scales 1/2, 1/4, 1/8), or ``"auto"``: simplejpeg
-            when installed. Non-JPEG images always go through Pillow.
+            ``"pillow"`` (``Image.draft``: scales 1/2, 1/4, 1/8), or ``"auto"`` (the
+            default): simplejpeg when installed (``pip install streamload[fast]``), else
+            Pillow. Non-JPEG images always go through Pillow. simplejpeg refuses some
+            JPEGs that Pillow reads (extraneous bytes before a marker, a bad ICC or EXIF
+            segment): each such image is decoded by Pillow instead, counted in
+            :attr:`fallbacks`, and logged once per process on the ``streamload.decode``
+            logger. So no backend decodes fewer images than Pillow.
         dct_scaling: Decode JPEGs at a reduced size when the output is smaller.
         max_pixels: Refuse (:class:`~streamload.SampleError`) an image whose header
             claims more than this many pixels, before decoding it; ``None``: no limit.
+
+    Attributes:
+        fallbacks: JPEGs simplejpeg refused and Pillow decoded, by this process and its
+            DataLoader workers (a :class:`SharedCount`; ``int(decoder.fallbacks)``).
     """
 
     def __init__(
@@ -157,6 +239,7 @@ class ImageDecoder:
         self.backend: Backend = backend
         self.dct_scaling = dct_scaling
         self._use_simplejpeg = backend == "simplejpeg" or (backend == "auto" and have_simplejpeg())
+        self.fallbacks = SharedCount()
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -222,23 +305,36 @@ class ImageDecoder:
 
         # -- decoding --------------------------------------------------------------------
 
-    def decode(self, data: bytes | memoryview | np.ndarray, rng: np.random.Generator | None = None) -> np.ndarray:
-        """Return the image as a new ``uint8`` array ``(height, width, 3)``."""
+    def decode(
+        self, data: bytes | memoryview | np.ndarray, rng: np.random.Generator | None = None, *, name: str | None = None
+    ) -> np.ndarray:
+        """Return the image as a new ``uint8`` array ``(height, width, 3)`` (``name``: see :meth:`decode_into`)."""
         out = np.empty(self.shape, dtype=np.uint8)
-        self.decode_into(data, out, rng)
+        self.decode_into(data, out, rng, name=name)
         return out
 
     def decode_into(
-        self, data: bytes | memoryview | np.ndarray, out: np.ndarray, rng: np.random.Generator | None = None
+        self,
+        data: bytes | memoryview | np.ndarray,
+        out: np.ndarray,
+        rng: np.random.Generator | None = None,
+        *,
+        name: str | None = None,
     ) -> None:
         """Decode ``data`` into ``out`` (a ``uint8`` array of :attr:`shape`, e.g. a batch slot).
+
+        Args:
+            data: The encoded image.
+            out: Where the pixels go.
+            rng: Generator of a random crop and flip.
+            name: What the log line of a fallback to Pillow names the image by (a sample key).
 
         Raises:
             ValueError: From the decoder, for data that is not a valid image (the caller
                 names the sample); ``OSError`` likewise, from Pillow.
         """
         if self._use_simplejpeg and bytes(data[:2]) == _JPEG_MAGIC:
-            img, box = self._simplejpeg(data, rng)
+            img, box = self._jpeg(data, rng, name)
         else:
             img, box = self._pillow(data, rng)
         from PIL import Image
@@ -251,13 +347,52 @@ class ImageDecoder:
         # np.asarray(img)[..., :3] costs ~0.5 ms.
         out[...] = np.frombuffer(img.tobytes("raw", "RGB"), dtype=np.uint8).reshape(self.height, self.width, 3)
 
-    def _simplejpeg(self, data: Any, rng: np.random.Generator | None) -> tuple[Any, tuple[float, ...]]:
+    def _jpeg(self, data: Any, rng: np.random.Generator | None, name: str | None) -> tuple[Any, tuple[float, ...]]:
+        """simplejpeg, or Pillow for a JPEG it refuses (with the same crop box)."""
+        import simplejpeg
+
+        try:
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        except ValueError as refused:
+            return self._fallback(data, rng, None, refused, name)
+        check_pixels(width, height, self.max_pixels)  # a refusal of ours, not simplejpeg's
+        box = self.box(width, height, rng)
+        try:
+            return self._simplejpeg(data, width, height, box)
+        except ValueError as refused:
+            return self._fallback(data, rng, box, refused, name)
+
+    def _fallback(
+        self,
+        data: Any,
+        rng: np.random.Generator | None,
+        box: tuple[float, float, float, float] | None,
+        refused: ValueError,
+        name: str | None,
+    ) -> tuple[Any, tuple[float, ...]]:
+        """Decode with Pillow a JPEG simplejpeg refused; count it, log the first of the process."""
+        try:
+            decoded = self._pillow(data, rng, box)
+        except SampleError:
+            raise
+        except Exception as exc:  # Pillow cannot read it either: its error, with simplejpeg's
+            raise ValueError(f"{exc} (simplejpeg: {refused})") from exc
+        self.fallbacks.add()
+        if _FALLBACK_LOGGED():
+            _log.warning(
+                "%s: simplejpeg refused this JPEG (%s); decoded with Pillow instead. Later ones of this "
+                "process are counted, not logged (the decoder's or transform's .fallbacks)",
+                "an image" if name is None else f"sample {name!r}",
+                refused,
+            )
+        return decoded
+
+    def _simplejpeg(
+        self, data: Any, width: int, height: int, box: tuple[float, float, float, float]
+    ) -> tuple[Any, tuple[float, ...]]:
         import simplejpeg
         from PIL import Image
 
-        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
-        check_pixels(width, height, self.max_pixels)
-        box = self.box(width, height, rng)
         factor = self._reduction(width, height, box)
         # RGBX: Pillow's own pixel layout, so the decoded array becomes an image without a copy.
         array = simplejpeg.decode_jpeg(
@@ -267,10 +402,13 @@ class ImageDecoder:
         img = Image.frombuffer("RGBX", (w, h), array, "raw", "RGBX", 0, 1)
         return img, _scaled(box, width, w)
 
-    def _pillow(self, data: Any, rng: np.random.Generator | None) -> tuple[Any, tuple[float, ...]]:
+    def _pillow(
+        self, data: Any, rng: np.random.Generator | None, box: tuple[float, float, float, float] | None = None
+    ) -> tuple[Any, tuple[float, ...]]:
         src = open_image(data, self.max_pixels)
         width, height = src.size
-        box = self.box(width, height, rng)
+        if box is None:
+            box = self.box(width, height, rng)
         factor = self._reduction(width, height, box)
         if factor > 1 and src.format == "JPEG":
             src.draft("RGB", (width // factor, height // factor))  # Pillow: size // request >= scale
