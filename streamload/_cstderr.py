@@ -57,13 +57,13 @@ class _Capture:
 
     def sink_fd(self) -> int:
         if self.sink < 0:
-            f = tempfile.TemporaryFile(prefix="streamload-stderr-")  # unlinked at once
-            self.sink = os.dup(f.fileno())
-            f.close()
-            # O_APPEND: writes always land at the end, so a truncate to 0 is a full reset.
-            import fcntl
-
-            fcntl.fcntl(self.sink, fcntl.F_SETFL, fcntl.fcntl(self.sink, fcntl.F_GETFL) | os.O_APPEND)
+            fd, path = tempfile.mkstemp(prefix="streamload-stderr-")
+            try:
+                # O_APPEND: writes always land at the end, so a truncate to 0 is a full reset.
+                self.sink = os.open(path, os.O_RDWR | os.O_APPEND)
+            finally:
+                os.close(fd)
+                os.unlink(path)
         return self.sink
 
     def after_fork_in_child(self) -> None:
@@ -94,12 +94,16 @@ def c_stderr() -> Iterator[list[str]]:
         yield lines  # an outer capture of this thread gets them
         return
     with state.lock:
-        sink = state.sink_fd()
+        try:
+            sink = state.sink_fd()
+            saved = os.dup(2)
+        except OSError:  # no temp file, or no fd 2 at all (a daemon): decode uncaptured
+            yield lines
+            return
         try:
             sys.stderr.flush()  # Python's own pending output is not the library's
         except (AttributeError, OSError, ValueError):
             pass
-        saved = os.dup(2)
         state.local.active = True
         try:
             os.dup2(sink, 2)
