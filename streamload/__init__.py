@@ -31,6 +31,7 @@ from .manifest import Manifest, ShardEntry
 from .randomness import sample_generator, sample_seed
 from .shards import StorageConfig
 from .streams import Stream
+from .watching import DataReport, Watch, watch
 from .writer import DatasetWriter
 
 __version__ = "0.1.0"
@@ -39,6 +40,7 @@ __all__ = [
     "CacheError",
     "ConfigError",
     "ConversionInterrupted",
+    "DataReport",
     "CorruptShardError",
     "DestinationBusyError",
     "DatasetWriter",
@@ -63,8 +65,10 @@ __all__ = [
     "StreamingDataset",
     "StreamloadError",
     "UnsafeShardError",
+    "Watch",
     "__version__",
     "decode_sample",
     "sample_generator",
     "sample_seed",
+    "watch",
 ]

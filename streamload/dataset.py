@@ -37,6 +37,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from ._errors import CacheError, ConfigError, CorruptShardError, PlanError, SampleError, StreamloadError
+from ._stages import SAMPLE_EVERY, Clock, StageTable
 from ._validate import check_epoch, check_samples_seen, dataset_args, warn_remote_only
 from .formats import Format, Sample, ShardReader
 from .manifest import Manifest, ShardEntry
@@ -200,6 +201,9 @@ class StreamingDataset(IterableDataset[Any]):
 
           This is the elastic path: resume on any number of ranks and workers.
     """
+
+    #: Stage seconds of the readers, for :func:`streamload.watch` (made only when a loader is watched).
+    _stages: StageTable | None = None
 
     def __init__(
         self,
@@ -521,6 +525,9 @@ class StreamingDataset(IterableDataset[Any]):
         try:
             runs = readers.read_ahead(plan.runs(world, start, first), plan.worker_shards(world, start, first))
             items = self._read_plan(readers, runs, progress)
+            if self._stages is not None:  # watched: time the readers' stages (streamload.watch)
+                progress.clock = self._stages.clock()
+                items = progress.clock.timed(items, 1 if self.collate is not None else SAMPLE_EVERY)
             for item in items:
                 yield item
                 readers.started()  # the first item is out: read-ahead may share the link now
@@ -638,7 +645,8 @@ class StreamingDataset(IterableDataset[Any]):
                         readers.recover_any(shards, again)
                         raise
             else:
-                batch = collate([s for run in batch_runs for s in self._read_run(readers, run, progress)])
+                samples = [s for run in batch_runs for s in self._read_run(readers, run, progress)]
+                batch = collate(samples) if progress.clock is None else progress.clock.collate(collate, samples)
             progress.next_item = int(batch_runs[-1].positions[-1]) + 1
             yield batch
 
@@ -671,7 +679,7 @@ class StreamingDataset(IterableDataset[Any]):
             self._skip(entry, None, exc, count=len(run.locals), source=where)
             yield from substitute.fail(len(run.locals), where)
             return
-        transform = self.transform
+        transform, clock = self.transform, progress.clock
         samples = self._samples(readers, reader, run, entry, url)
         epoch = progress.epoch
         # What a transform or collate sees carries its place in the epoch (the key of
@@ -692,7 +700,7 @@ class StreamingDataset(IterableDataset[Any]):
                 yield from substitute.good(sample, where)
                 continue
             try:
-                out = transform(sample)
+                out = transform(sample) if clock is None else clock.transform(transform, sample)
             except Exception as exc:  # noqa: BLE001 - re-raised with context or counted
                 if self.on_error == "raise":
                     if isinstance(exc, StreamloadError):
@@ -854,6 +862,8 @@ class _Progress:
     first: int = 0
     #: Replaces skipped samples so the count per rank stays equal.
     substitute: _Substitute = field(default_factory=lambda: _Substitute())
+    #: The stage clock of a watched iteration (``streamload.watch``), else ``None``.
+    clock: Clock | None = None
 
 
 @dataclass

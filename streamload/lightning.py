@@ -34,6 +34,7 @@ from ._errors import ConfigError
 from .dataset import StreamingDataset
 from .shards import STORAGE_KEYWORDS, StorageConfig, storage_config
 from .streams import StreamSource
+from .watching import Mark, Watch, watch
 
 try:
     import lightning.pytorch as pl
@@ -42,7 +43,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "streamload.lightning needs PyTorch Lightning: pip install 'streamload[lightning]' (or pip install lightning)"
     ) from exc
 
-__all__ = ["LoaderOptions", "SetEpochCallback", "StreamingDataModule", "streaming_datasets"]
+__all__ = ["DataWatchCallback", "LoaderOptions", "SetEpochCallback", "StreamingDataModule", "streaming_datasets"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,11 @@ class LoaderOptions:
             Lightning then stores the loader's position in every checkpoint and restores
             it, so a run resumed from a mid-epoch checkpoint continues at the first unseen
             batch instead of replaying the epoch from its start.
+        watch: Watch the training loader (:func:`streamload.watch`) and log its figures to
+            the trainer's loggers every logging step (:class:`DataWatchCallback`):
+            ``data/wait_fraction``, ``data/wait_p50_ms``, ``data/wait_p95_ms`` and each
+            stage's share, ``data/share_<stage>``. The data module's :attr:`watch` then
+            holds the whole run's :class:`~streamload.DataReport`.
     """
 
     pin_memory: bool = False
@@ -70,6 +76,7 @@ class LoaderOptions:
     drop_last: bool = False
     collate_fn: Callable[[list[Any]], Any] | None = None
     stateful: bool = False
+    watch: bool = True
 
 
 class StreamingDataModule(pl.LightningDataModule):
@@ -115,6 +122,9 @@ class StreamingDataModule(pl.LightningDataModule):
         >>> mixed = StreamingDataModule([Stream("s3://web", weight=0.7), Stream("/data/books", weight=0.3)],
         ...                             "shards/val", epoch_size=1_000_000, batch_size=64)  # doctest: +SKIP
     """
+
+    #: The training loader's watch (``LoaderOptions(watch=True)``): ``dm.watch.report()``.
+    watch: Watch[Any] | None = None
 
     def __init__(
         self,
@@ -187,6 +197,8 @@ class StreamingDataModule(pl.LightningDataModule):
         callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if not any(isinstance(cb, SetEpochCallback) for cb in callbacks):
             callbacks.append(SetEpochCallback())
+        if self.loader.watch and not any(isinstance(cb, DataWatchCallback) for cb in callbacks):
+            callbacks.append(DataWatchCallback())
 
     def _build(self, split: str) -> StreamingDataset:
         url = self.urls[split]
@@ -226,6 +238,8 @@ class StreamingDataModule(pl.LightningDataModule):
         loader = self._loader("train")
         if self.trainer is not None:
             loader.dataset.set_epoch(self.trainer.current_epoch)  # type: ignore[attr-defined]
+        if self.loader.watch:  # Lightning iterates the loader itself: time its own iterations
+            self.watch = watch(loader, attach=True)
         return loader
 
     def val_dataloader(self) -> DataLoader[Any]:
@@ -310,3 +324,51 @@ def streaming_datasets(loaders: Any) -> Iterator[StreamingDataset]:
     elif isinstance(loaders, list | tuple):
         for value in loaders:
             yield from streaming_datasets(value)
+
+
+class DataWatchCallback(pl.Callback):
+    """Log the figures of every watched training loader to the trainer's loggers, every logging step.
+
+    Every ``trainer.log_every_n_steps`` optimizer steps it logs, over the steps since its
+    last log, :meth:`streamload.DataReport.metrics`: ``data/wait_fraction`` (the share of
+    the loop spent waiting for the next batch), ``data/wait_p50_ms``, ``data/wait_p95_ms``
+    and each stage's share of the readers' time (``data/share_fetch``, ``data/share_read``,
+    ``data/share_transform``, ``data/share_collate``). :class:`StreamingDataModule` adds it
+    (``LoaderOptions(watch=True)``, the default); with loaders of your own, watch them with
+    ``streamload.watch(loader, attach=True)`` in ``train_dataloader`` and add this callback.
+    Each rank logs its own figures.
+    """
+
+    def __init__(self) -> None:
+        self._marks: dict[int, Mark] = {}
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Log the figures since the last log when this step is a logging step."""
+        every = max(1, int(getattr(trainer, "log_every_n_steps", 50)))
+        if trainer.global_step % every or not trainer.loggers:
+            return
+        for i, watched in enumerate(_watches(trainer.train_dataloader)):
+            mark = self._marks.get(id(watched))
+            self._marks[id(watched)] = watched.mark()
+            metrics = watched.report(since=mark).metrics("data/" if i == 0 else f"data/{i}/")
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def _watches(loaders: Any) -> list[Watch[Any]]:
+    """The watches attached to a loader or a collection of loaders (what ``trainer.train_dataloader`` holds)."""
+    flattened = getattr(loaders, "flattened", None)  # CombinedLoader
+    items = flattened if isinstance(flattened, list) else [loaders]
+    out: list[Watch[Any]] = []
+    for item in items:
+        if isinstance(item, Mapping):
+            out.extend(w for v in item.values() for w in _watches(v))
+        elif isinstance(item, list | tuple):
+            out.extend(w for v in item for w in _watches(v))
+        else:
+            found = getattr(item, "_streamload_watch", None)
+            if isinstance(found, Watch) and all(found is not w for w in out):
+                out.append(found)
+    return out

@@ -47,6 +47,7 @@ import numpy as np
 
 from ._errors import ConfigError, CorruptShardError, ManifestError, StreamloadError
 from ._files import FileEntry
+from ._stages import fetching
 from ._units import format_bytes
 from ._validate import (
     CACHE_MODES,
@@ -665,7 +666,8 @@ class ShardSource:
             old_shard, old = self._open.popitem(last=False)
             old.close()
             self.release(old_shard)
-        reader = self._open_files(shard)
+        with fetching():  # a watched loader's "fetch" stage: download or cache wait, and the open
+            reader = self._open_files(shard)
         self._open[shard] = reader
         return reader
 

@@ -18,7 +18,14 @@ CONVERTERS = ROOT / "streamload" / "converters"
 #: Layers, lowest first: a module may import only from its own layer or lower ones.
 #: Within a layer, the graph must still be acyclic (checked separately).
 LAYERS: list[tuple[str, ...]] = [
-    ("streamload._errors", "streamload._units", "streamload._files", "streamload._batchmem", "streamload._validate"),
+    (
+        "streamload._errors",
+        "streamload._units",
+        "streamload._files",
+        "streamload._batchmem",
+        "streamload._validate",
+        "streamload._stages",
+    ),
     (
         "streamload.sample",
         "streamload.randomness",
@@ -37,7 +44,13 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload.indexing",
         "streamload.access",
     ),
-    ("streamload.converters", "streamload.prefetch", "streamload.synthetic", "streamload._options"),
+    (
+        "streamload.converters",
+        "streamload.prefetch",
+        "streamload.synthetic",
+        "streamload._options",
+        "streamload.watching",
+    ),
     ("streamload.lightning", "streamload.bench", "streamload.demo"),
     ("streamload.cli", "streamload"),
 ]

@@ -1,0 +1,158 @@
+"""What ``streamload.watch`` costs: the same loop with and without it, runs interleaved.
+
+    python benchmarks/bench_watch.py                          # 4,000 JPEGs (~65 KB), tar, 2 workers
+    python benchmarks/bench_watch.py --modes samples --runs 9 --workers 0,2
+
+Modes (each a DataLoader over a ``StreamingDataset``, page cache warm):
+
+* ``samples``: per-sample dicts batched by the DataLoader (the path with the most hooks:
+  one sampled clock per sample in the reader, the ``collate_fn`` timed per batch);
+* ``transform``: the same with a cheap per-sample transform (the field's length), the
+  transform clock on top;
+* ``raw``: ``collate=RawCollate()`` batches (one clock per batch);
+* ``decode``: ``collate=DecodeBatch(64)`` batches (decoding dominates).
+
+Each run reads ``--batches`` batches after the first (start-up is left out of the rate),
+with a fresh dataset and loader, watched or not, in the order plain, watched, watched,
+plain, ... so drift in the machine's load falls on both alike. The overhead is
+``1 - median(watched rate) / median(plain rate)``; the spread of the plain runs
+(``(max - min) / median``) says how much of it is noise. On a busy machine the rate
+is mostly noise, so the CPU time each run spent (this process and its reaped workers,
+``getrusage``) per 1,000 samples is compared as well: what watching costs the machine,
+start-up included. The load average is printed with the figures: on a shared machine,
+compare only figures of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import _data  # noqa: E402
+
+
+def _length(sample: dict[str, Any]) -> int:
+    return len(sample.get("jpg", b""))
+
+
+def _loader(root: str, mode: str, workers: int, batch: int) -> Any:
+    from torch.utils.data import DataLoader
+
+    from streamload import StreamingDataset
+    from streamload.batch import RawCollate
+    from streamload.decode import DecodeBatch
+
+    if mode in ("samples", "transform"):
+        ds = StreamingDataset(root, batch_size=batch, transform=_length if mode == "transform" else None)
+        return DataLoader(ds, batch_size=batch, num_workers=workers, collate_fn=_keep)
+    collate: Any = RawCollate() if mode == "raw" else DecodeBatch(64)
+    ds = StreamingDataset(root, batch_size=batch, collate=collate)
+    return DataLoader(ds, batch_size=None, num_workers=workers)
+
+
+def _keep(samples: list[Any]) -> list[Any]:
+    return samples
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and its reaped children (the DataLoader workers)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def one_run(root: str, mode: str, workers: int, batch: int, batches: int, watched: bool) -> dict[str, Any]:
+    """Samples/s over ``batches`` batches after the first (epochs repeat if needed)."""
+    from streamload import watch
+
+    cpu0 = _cpu()
+    loader = _loader(root, mode, workers, batch)
+    source: Any = watch(loader) if watched else loader
+    seen = -1
+    start = 0.0
+    while seen < batches:
+        for _ in source:
+            if seen < 0:
+                start = time.perf_counter()
+            seen += 1
+            if seen >= batches:
+                break
+    seconds = time.perf_counter() - start
+    out: dict[str, Any] = {"rate": batches * batch / seconds}
+    if watched:
+        report = source.report()
+        out["wait_fraction"] = round(report.wait_fraction, 3)
+        out["stages"] = {k: round(v, 3) for k, v in report.stages.items()}
+    del source, loader  # the workers exit and are reaped: their CPU time counts below
+    gc.collect()
+    out["cpu_ms_per_1k"] = (_cpu() - cpu0) / (batches + 1) / batch * 1e6
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=4000)
+    ap.add_argument("--modes", default="samples,transform,raw,decode")
+    ap.add_argument("--workers", default="2")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batches", type=int, default=150, help="batches timed per run (decode: a fifth)")
+    ap.add_argument("--runs", type=int, default=6, help="runs of each kind (plain and watched)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    root = _data.dataset(args.images, "tar")
+    rows = []
+    print(f"load average before: {os.getloadavg()}", flush=True)
+    for mode in args.modes.split(","):
+        for workers in (int(w) for w in args.workers.split(",")):
+            batches = max(10, args.batches // 5) if mode == "decode" else args.batches
+            plain: list[float] = []
+            watched: list[float] = []
+            cpu: dict[bool, list[float]] = {False: [], True: []}
+            last: dict[str, Any] = {}
+            for i in range(2 * args.runs):
+                watch_it = i % 4 in (1, 2)  # plain, watched, watched, plain, ...
+                result = one_run(root, mode, workers, args.batch, batches, watch_it)
+                (watched if watch_it else plain).append(result["rate"])
+                cpu[watch_it].append(result["cpu_ms_per_1k"])
+                if watch_it:
+                    last = result
+            p, w = statistics.median(plain), statistics.median(watched)
+            cp, cw = statistics.median(cpu[False]), statistics.median(cpu[True])
+            row = {
+                "mode": mode,
+                "workers": workers,
+                "plain_samples_per_s": round(p),
+                "watched_samples_per_s": round(w),
+                "overhead_pct": round(100 * (1 - w / p), 2),
+                "plain_spread_pct": round(100 * (max(plain) - min(plain)) / p, 1),
+                "plain_cpu_ms_per_1k_samples": round(cp, 2),
+                "watched_cpu_ms_per_1k_samples": round(cw, 2),
+                "cpu_overhead_pct": round(100 * (cw / cp - 1), 2),
+                "runs": args.runs,
+                "last_watched": last,
+                "load_average": os.getloadavg(),
+            }
+            rows.append(row)
+            print(
+                f"{mode:>9} workers={workers}: plain {p:8.0f}/s  watched {w:8.0f}/s  "
+                f"overhead {row['overhead_pct']:+.2f} % "
+                f"(plain runs spread {row['plain_spread_pct']:.1f} %); CPU per 1k samples {cp:.1f} vs {cw:.1f} ms: "
+                f"{row['cpu_overhead_pct']:+.2f} % (load {os.getloadavg()[0]:.2f})",
+                flush=True,
+            )
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    os.system("uptime")  # noqa: S605, S607 - the load average, printed with the figures
+
+
+if __name__ == "__main__":
+    main()

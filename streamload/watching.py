@@ -1,0 +1,680 @@
+"""``streamload.watch``: is the training loop waiting on data, and which stage is to blame?
+
+Wrap the loader the loop iterates; the batches are the same ones::
+
+    watched = streamload.watch(loader)       # a DataLoader, a thread loader, any iterable
+    for batch in watched:
+        step(batch)
+    report = watched.report()
+    print(report)                            # a small table with percentages
+    report.verdict                           # one sentence: input-bound?, the stage, the knob
+
+Two things are measured, apart:
+
+* **The wait**, in the loop's own thread: the time each ``next()`` of the loader takes
+  (the first batch, start-up, is reported apart as ``first_batch_s``). Of the loop's wall
+  time after the first batch, ``wait_fraction`` is the share spent waiting.
+* **The stages**, in whoever reads: DataLoader workers, or the main process's threads.
+  Each reader times its own fetch, read, transform and collate (see
+  :mod:`streamload._stages`) into a row of a small table; a worker's row is shared
+  memory made when the loader is watched, so nothing is sent per sample or per batch.
+
+Under ``torch.distributed``, ``report(all_ranks=True)`` gathers every rank's figures (a
+collective: call it on every rank) and names the slowest rank. The Lightning data module
+watches its training loader and logs the figures (:class:`streamload.lightning.DataWatchCallback`).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from array import array
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from time import perf_counter
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from ._errors import ConfigError
+from ._stages import FIELDS, LOADER_COLLATE, STAGES, StageTable, stage_seconds
+from .dataset import StreamingDataset
+
+__all__ = ["DataReport", "Mark", "Watch", "watch"]
+
+T = TypeVar("T")
+
+#: Below this wait fraction the loop is not input-bound; at or above ``_BOUND`` it is.
+_CALM, _BOUND = 0.05, 0.20
+#: Readers busy less than this share of the time while the loop waits: the stages are not the bottleneck.
+_IDLE_READERS = 0.5
+
+
+@dataclass
+class DataReport:
+    """What a watched loop waited for, and where the readers' time went.
+
+    Attributes:
+        steps: Batches the loop received.
+        first_batch_s: Seconds until the first batch (start-up: workers, shard opens),
+            ``None`` in a report over a later window.
+        wall_s: The loop's wall time after the first batch (iterations only: time
+            between epochs is left out).
+        wait_s: Of ``wall_s``, the seconds spent waiting for the next batch.
+        wait_fraction: ``wait_s / wall_s``: the share of the loop spent waiting on data.
+        wait_p50_ms: Median wait per step (ms), the first batch left out.
+        wait_p95_ms: 95th percentile of the wait per step (ms).
+        wait_p99_ms: 99th percentile of the wait per step (ms).
+        stages: Seconds per stage summed over all readers (workers or threads):
+            ``"fetch"`` (bytes from storage, cache waits included), ``"read"`` (shards
+            parsed into samples), ``"transform"`` (the per-sample transform), ``"collate"``
+            (the dataset's collate, e.g. ``DecodeBatch``, and the DataLoader's).
+        readers: Worker processes or threads whose stage times arrived (0: none measured).
+        busy_fraction: Share of the readers' time spent in the stages (``None``: unknown).
+        settings: The loader's settings the verdict draws on (workers, prefetch, storage...).
+        verdict: One sentence: input-bound or not, the stage to blame, the knob to turn.
+        rank: This process's rank (0 without ``torch.distributed``).
+        ranks: With ``all_ranks=True``: every rank's report, in rank order.
+        slowest_rank: With ``all_ranks=True``: the rank that waited longest on data.
+        waits_ms: The wait of every step after the first (ms), for :meth:`plot`.
+    """
+
+    steps: int
+    first_batch_s: float | None
+    wall_s: float
+    wait_s: float
+    wait_fraction: float
+    wait_p50_ms: float
+    wait_p95_ms: float
+    wait_p99_ms: float
+    stages: dict[str, float]
+    readers: int
+    busy_fraction: float | None
+    settings: dict[str, Any] = field(default_factory=dict)
+    verdict: str = ""
+    rank: int = 0
+    ranks: list[DataReport] | None = None
+    slowest_rank: int | None = None
+    waits_ms: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def stage_shares(self) -> dict[str, float]:
+        """Each stage's share of the readers' stage time (0 to 1; all 0 when none was measured)."""
+        total = sum(self.stages.values())
+        return {name: (self.stages.get(name, 0.0) / total if total > 0 else 0.0) for name in STAGES}
+
+    def metrics(self, prefix: str = "data/") -> dict[str, float]:
+        """The figures a logger takes: wait fraction, p50/p95 wait (ms), first batch, and each stage's share."""
+        out = {
+            f"{prefix}wait_fraction": self.wait_fraction,
+            f"{prefix}wait_p50_ms": self.wait_p50_ms,
+            f"{prefix}wait_p95_ms": self.wait_p95_ms,
+        }
+        if self.first_batch_s is not None:
+            out[f"{prefix}first_batch_s"] = self.first_batch_s
+        if self.readers:
+            out.update({f"{prefix}share_{name}": share for name, share in self.stage_shares.items()})
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain values (JSON-safe), without the per-step waits."""
+        out = asdict(self)
+        out.pop("waits_ms")
+        out["ranks"] = None if self.ranks is None else [r.to_dict() for r in self.ranks]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DataReport:
+        """Rebuild a report from :meth:`to_dict`."""
+        values = dict(data)
+        ranks = values.pop("ranks", None)
+        report = cls(**values)
+        report.ranks = None if ranks is None else [cls.from_dict(r) for r in ranks]
+        return report
+
+    def __str__(self) -> str:
+        first = "-" if self.first_batch_s is None else f"{self.first_batch_s:.2f} s"
+        lines = [
+            f"DataReport: {self.steps} steps, first batch after {first}",
+            f"waiting for data  {_pct(self.wait_fraction)} of {self.wall_s:.2f} s after the first batch "
+            f"(per step: p50 {self.wait_p50_ms:.1f} ms, p95 {self.wait_p95_ms:.1f} ms, p99 {self.wait_p99_ms:.1f} ms)",
+            f"{'stage':<10} {'seconds':>9} {'share':>7}",
+        ]
+        shares = self.stage_shares
+        for name in STAGES:
+            lines.append(f"{name:<10} {self.stages.get(name, 0.0):>9.2f} {_pct(shares[name]):>7}")
+        if self.readers:
+            busy = "" if self.busy_fraction is None else f", busy {_pct(self.busy_fraction)} of the time"
+            lines.append(f"readers: {_readers(self)}{busy}")
+        else:
+            lines.append("readers: stage times not measured")
+        if self.ranks:
+            lines.append(f"{'rank':>4} {'steps':>6} {'waiting':>8} {'p95 ms':>8}  top stage")
+            for r in self.ranks:
+                top = _top_stage(r)
+                mark = "  <- slowest" if r.rank == self.slowest_rank else ""
+                lines.append(
+                    f"{r.rank:>4} {r.steps:>6} {_pct(r.wait_fraction):>8} {r.wait_p95_ms:>8.1f}  {top or '-'}{mark}"
+                )
+        lines.append(f"verdict: {self.verdict}")
+        return "\n".join(lines)
+
+    def plot(self, path: str | os.PathLike[str] | None = None) -> Any:
+        """Draw the waits per step and the stage breakdown (and each rank's wait); return the figure.
+
+        Needs matplotlib (``pip install streamload[plot]``), imported only here.
+
+        Args:
+            path: Also save the figure there (e.g. ``"report.png"``).
+        """
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError as exc:
+            raise ConfigError("DataReport.plot() needs matplotlib: pip install streamload[plot]") from exc
+        panels = 3 if self.ranks else 2
+        fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.4))
+        ax = axes[0]
+        ax.plot(range(2, len(self.waits_ms) + 2), self.waits_ms, lw=0.8, color="tab:red")
+        ax.axhline(self.wait_p95_ms, ls="--", lw=0.8, color="grey", label=f"p95 {self.wait_p95_ms:.1f} ms")
+        ax.set_xlabel("step")
+        ax.set_ylabel("wait for the batch (ms)")
+        ax.set_title(f"waiting {_pct(self.wait_fraction)} of the loop")
+        ax.legend(fontsize="small")
+        ax = axes[1]
+        shares = self.stage_shares
+        names = list(STAGES)[::-1]
+        ax.barh(names, [self.stages.get(n, 0.0) for n in names], color="tab:blue")
+        for i, name in enumerate(names):
+            ax.text(self.stages.get(name, 0.0), i, f" {_pct(shares[name])}", va="center", fontsize="small")
+        ax.set_xlabel("seconds, all readers")
+        ax.set_title("where the readers' time goes")
+        if self.ranks:
+            ax = axes[2]
+            colors = ["tab:red" if r.rank == self.slowest_rank else "tab:grey" for r in self.ranks]
+            ax.bar([str(r.rank) for r in self.ranks], [100 * r.wait_fraction for r in self.ranks], color=colors)
+            ax.set_xlabel("rank")
+            ax.set_ylabel("waiting (% of the loop)")
+            ax.set_title("per rank")
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(os.fspath(path), dpi=110)
+        return fig
+
+
+@dataclass(frozen=True)
+class Mark:
+    """A point of a watched run; ``watch.report(since=mark)`` covers what came after it."""
+
+    steps: int
+    waits: int
+    wait_s: float
+    wall_s: float
+    fields: tuple[tuple[float, ...], ...]
+
+
+class Watch(Generic[T]):
+    """An iterable of the loader's batches that measures the loop's waits and the readers' stages.
+
+    Made by :func:`watch`. Iterating it iterates the loader (each ``iter()`` an epoch);
+    :meth:`report` can be asked at any time, from the loop or after it.
+
+    Attributes:
+        loader: The watched loader.
+        settings: What the verdict knows of the loader (workers, prefetch, storage...).
+    """
+
+    def __init__(self, loader: Iterable[T], attach: bool = False) -> None:
+        self.loader = loader
+        datasets = _datasets(loader)
+        self.settings = _settings(loader, datasets)
+        started = _workers_started(loader)
+        self._tables = [_table(ds, _workers(loader, ds)) for ds in datasets]
+        self._base = tuple(tuple(t.fields()) for t in self._tables)
+        self._measured = bool(self._tables) and not started
+        if self._tables:
+            for dl in _dataloaders(loader):
+                table = next((t for ds, t in zip(datasets, self._tables, strict=True) if dl.dataset is ds), None)
+                if table is not None and not isinstance(dl.collate_fn, _TimedCollate):
+                    dl.collate_fn = _TimedCollate(dl.collate_fn, table)
+        self._steps = 0
+        self._first: float | None = None
+        self._waits = array("d")
+        self._wait_s = 0.0
+        self._wall_closed = 0.0
+        self._open: weakref.WeakSet[_Timed[T]] = weakref.WeakSet()
+        self._attached = False
+        if attach:
+            _attach(loader, self)
+            self._attached = True
+
+    def __iter__(self) -> Iterator[T]:
+        if self._attached:  # the loader's own iterators are timed already
+            return iter(self.loader)
+        return self._iterate(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def _iterate(self, loader: Iterable[T], make: Any = None) -> _Timed[T]:
+        start = perf_counter()
+        inner = iter(loader) if make is None else make()
+        timed = _Timed(self, inner, start, perf_counter() - start)
+        self._open.add(timed)
+        return timed
+
+    # -- bookkeeping, called by the iterators ---------------------------------------
+
+    def _batch(self, timed: _Timed[T], waited: float, now: float) -> None:
+        self._steps += 1
+        if self._first is None:
+            self._first = waited
+            timed.wall_start = now  # the loop's time is counted from its first batch
+            return
+        if timed.wall_start is None:
+            timed.wall_start = timed.started
+        self._waits.append(waited)
+        self._wait_s += waited
+
+    def _end(self, timed: _Timed[T], at: float) -> None:
+        if timed.wall_start is not None:
+            self._wall_closed += max(0.0, at - timed.wall_start)
+            timed.wall_start = None
+        self._open.discard(timed)
+
+    def _wall(self, now: float) -> float:
+        return self._wall_closed + sum(now - t.wall_start for t in list(self._open) if t.wall_start is not None)
+
+    # -- reports --------------------------------------------------------------------
+
+    def mark(self) -> Mark:
+        """The run so far, for a later ``report(since=...)`` over what comes after it."""
+        return Mark(
+            self._steps,
+            len(self._waits),
+            self._wait_s,
+            self._wall(perf_counter()),
+            tuple(tuple(t.fields()) for t in self._tables),
+        )
+
+    def report(self, all_ranks: bool = False, since: Mark | None = None) -> DataReport:
+        """The figures of the run so far (or since ``since``) and their verdict.
+
+        Args:
+            all_ranks: Gather every rank's figures (``torch.distributed``; a collective:
+                every rank must call it) into :attr:`DataReport.ranks` and name the
+                slowest rank in :attr:`DataReport.slowest_rank` and the verdict.
+            since: Only what came after this :meth:`mark` (e.g. since the last log).
+        """
+        wall = self._wall(perf_counter())
+        waits = np.frombuffer(self._waits, dtype=np.float64) if len(self._waits) else np.zeros(0)
+        base = self._base if since is None else since.fields
+        if since is not None:
+            waits = waits[since.waits :]
+            wall -= since.wall_s
+        wait_s = float(waits.sum())
+        summed = [0.0] * FIELDS
+        for table, before in zip(self._tables, base, strict=True):
+            for i, (now_v, then) in enumerate(zip(table.fields(), before, strict=True)):
+                summed[i] += now_v - then
+        stages = stage_seconds(summed) if self._measured else dict.fromkeys(STAGES, 0.0)
+        readers = sum(t.readers() for t in self._tables) if self._measured else 0
+        first = self._first if since is None else None
+        span = wall + (first or 0.0)
+        workers = self.settings.get("num_workers")
+        slots = workers if isinstance(workers, int) and workers > 0 else readers  # idle workers count too
+        busy = sum(stages.values()) / (slots * span) if slots and span > 0 else None
+        p50, p95, p99 = (float(x) * 1e3 for x in np.percentile(waits, [50, 95, 99])) if len(waits) else (0.0,) * 3
+        report = DataReport(
+            steps=self._steps - (since.steps if since is not None else 0),
+            first_batch_s=first,
+            wall_s=wall,
+            wait_s=wait_s,
+            wait_fraction=min(1.0, wait_s / wall) if wall > 0 else 0.0,
+            wait_p50_ms=p50,
+            wait_p95_ms=p95,
+            wait_p99_ms=p99,
+            stages=stages,
+            readers=readers,
+            busy_fraction=None if busy is None else min(1.0, busy),
+            settings=dict(self.settings),
+            rank=_rank(),
+            waits_ms=(waits * 1e3).tolist(),
+        )
+        report.verdict = verdict(report)
+        return _gathered(report) if all_ranks else report
+
+    def __repr__(self) -> str:
+        return f"Watch({self.loader!r}, steps={self._steps})"
+
+
+def watch(loader: Iterable[T], *, attach: bool = False) -> Watch[T]:
+    """Watch a loader: iterate the result as the loader, then ask it for a :class:`DataReport`.
+
+    Works with any iterable of batches: a ``DataLoader`` (or ``StatefulDataLoader``) over a
+    :class:`~streamload.StreamingDataset`, a loader whose readers are threads, a
+    Lightning ``CombinedLoader``, or the dataset itself. The stage times are measured for
+    the :class:`~streamload.StreamingDataset` behind it; other loaders get the waits only.
+    Watch a loader before its persistent workers start (its first ``iter()``): workers
+    already running cannot be given the stage table, and the report says so.
+
+    Args:
+        loader: The iterable the training loop reads.
+        attach: Also time iterations of ``loader`` itself (its class becomes a subclass
+            whose ``__iter__`` reports to the watch), for a framework that iterates the
+            loader it was given, as Lightning does; the returned :class:`Watch` then only
+            reports.
+
+    Example:
+        >>> watched = watch(DataLoader(ds, batch_size=None, num_workers=4))  # doctest: +SKIP
+        >>> for batch in watched: ...  # doctest: +SKIP
+        >>> print(watched.report())  # doctest: +SKIP
+    """
+    if attach:
+        existing = getattr(loader, "_streamload_watch", None)
+        if isinstance(existing, Watch):
+            return existing
+    return Watch(loader, attach=attach)
+
+
+class _Timed(Generic[T]):
+    """One iteration of a watched loader: each ``next()`` timed."""
+
+    __slots__ = ("__weakref__", "_inner", "_pending", "_watch", "started", "wall_start")
+
+    def __init__(self, owner: Watch[T], inner: Iterator[T], started: float, opening: float) -> None:
+        self._watch = owner
+        self._inner = inner
+        self._pending = opening  # the time iter() took (workers started) counts with the first batch
+        self.started = started
+        self.wall_start: float | None = None
+
+    def __iter__(self) -> _Timed[T]:
+        return self
+
+    def __next__(self) -> T:
+        start = perf_counter()
+        try:
+            batch = next(self._inner)
+        except StopIteration:
+            self._watch._end(self, start)
+            raise
+        now = perf_counter()
+        self._watch._batch(self, now - start + self._pending, now)
+        self._pending = 0.0
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:  # the inner iterator's own attributes
+        if name in _Timed.__slots__:
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def __del__(self) -> None:
+        try:
+            self._watch._end(self, perf_counter())
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown
+            pass
+
+
+class _TimedCollate:
+    """A DataLoader's ``collate_fn``, its time charged to the ``collate`` stage of the reader running it."""
+
+    def __init__(self, fn: Any, table: StageTable) -> None:
+        self.fn = fn
+        self.table = table
+
+    def __call__(self, batch: Any) -> Any:
+        return self.table.clock().collate(self.fn, batch, LOADER_COLLATE)
+
+    def __repr__(self) -> str:
+        return f"_TimedCollate({self.fn!r})"
+
+
+# -- the loader: its datasets, settings, attaching --------------------------------------
+
+
+def _children(obj: Any) -> list[Any]:
+    if isinstance(obj, Mapping):
+        return list(obj.values())
+    if isinstance(obj, list | tuple):
+        return list(obj)
+    flattened = getattr(obj, "flattened", None)  # Lightning's CombinedLoader
+    if isinstance(flattened, list):
+        return flattened
+    out = []
+    for name in ("dataset", "loader"):  # a DataLoader or a thread loader; a DevicePrefetcher, a Watch
+        child = getattr(obj, name, None)
+        if child is not None:
+            out.append(child)
+    return out
+
+
+def _walk(obj: Any, depth: int = 0) -> Iterator[Any]:
+    yield obj
+    if depth < 4 and not isinstance(obj, StreamingDataset):
+        for child in _children(obj):
+            yield from _walk(child, depth + 1)
+
+
+def _datasets(loader: Any) -> list[StreamingDataset]:
+    out: list[StreamingDataset] = []
+    for obj in _walk(loader):
+        if isinstance(obj, StreamingDataset) and all(obj is not d for d in out):
+            out.append(obj)
+    return out
+
+
+def _dataloaders(loader: Any) -> list[Any]:
+    from torch.utils.data import DataLoader
+
+    return [obj for obj in _walk(loader) if isinstance(obj, DataLoader)]
+
+
+def _owner(loader: Any, dataset: StreamingDataset) -> Any:
+    """The DataLoader that reads ``dataset``, if any."""
+    return next((dl for dl in _dataloaders(loader) if dl.dataset is dataset), None)
+
+
+def _workers(loader: Any, dataset: StreamingDataset) -> int:
+    dl = _owner(loader, dataset)
+    return int(dl.num_workers) if dl is not None else 0
+
+
+def _workers_started(loader: Any) -> bool:
+    """True if a DataLoader's persistent workers are running already (they cannot get the stage table)."""
+    for dl in _dataloaders(loader):
+        running = dl.num_workers > 0 and getattr(dl, "_iterator", None) is not None
+        if running and isinstance(dl.dataset, StreamingDataset) and dl.dataset._stages is None:
+            return True
+    return False
+
+
+def _table(dataset: StreamingDataset, workers: int) -> StageTable:
+    table = dataset._stages
+    if table is None or (workers > 0 and table.rows < workers):
+        table = dataset._stages = StageTable(workers)
+    return table
+
+
+def _settings(loader: Any, datasets: list[StreamingDataset]) -> dict[str, Any]:
+    from torch.utils.data import DataLoader
+
+    out: dict[str, Any] = {"loader": type(loader).__name__, "cpus": os.cpu_count() or 1}
+    dl = next((d for d in _dataloaders(loader)), None)
+    if isinstance(dl, DataLoader):
+        out["num_workers"] = int(dl.num_workers)
+        out["prefetch_factor"] = dl.prefetch_factor if dl.num_workers else None
+        out["persistent_workers"] = bool(dl.persistent_workers)
+        out["pin_memory"] = bool(dl.pin_memory)
+        out["loader_batches"] = dl.batch_size is not None  # the DataLoader collates samples
+    else:
+        out["num_workers"] = None  # a loader of threads, or the dataset itself
+    if datasets:
+        ds = datasets[0]
+        out["transform"] = None if ds.transform is None else type(ds.transform).__name__
+        out["collate"] = None if ds.collate is None else type(ds.collate).__name__
+        url = ds._ref.data_url
+        out["remote"] = "://" in url and not url.startswith("file://")
+        out["cache"] = ds.storage.cache
+        out["read_ahead"] = ds.storage.read_ahead
+        out["stream_buffer"] = ds.storage.stream_buffer
+    return out
+
+
+_WATCHED: dict[type, type] = {}
+
+
+def _attach(loader: Any, owner: Watch[Any]) -> None:
+    """Make ``loader``'s own iterations report to ``owner`` (its class becomes a subclass timing ``__iter__``)."""
+    cls = type(loader)
+    if cls not in _WATCHED.values():
+        sub = _WATCHED.get(cls)
+        if sub is None:
+
+            def __iter__(self: Any) -> Any:  # noqa: N807 - the subclass's iterator
+                make = super(sub, self).__iter__  # type: ignore[arg-type]
+                watcher = getattr(self, "_streamload_watch", None)
+                return make() if watcher is None else watcher._iterate(self, make)
+
+            sub = type(cls.__name__, (cls,), {"__iter__": __iter__, "__slots__": (), "__module__": cls.__module__})
+            sub.__qualname__ = cls.__qualname__
+            _WATCHED[cls] = sub
+        try:
+            loader.__class__ = sub
+        except TypeError as exc:
+            raise ConfigError(f"watch(attach=True) cannot time a {cls.__name__}: wrap it instead") from exc
+    loader._streamload_watch = owner
+
+
+# -- verdict ------------------------------------------------------------------------------
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %" if x < 0.995 or x == 1 else f"{100 * x:.0f} %"
+
+
+def _readers(r: DataReport) -> str:
+    workers = r.settings.get("num_workers")
+    if isinstance(workers, int):
+        return f"{workers} DataLoader worker{'s' if workers != 1 else ''}" if workers else "the main process"
+    return f"{r.readers} thread{'s' if r.readers != 1 else ''}"
+
+
+def _top_stage(r: DataReport) -> str | None:
+    shares = r.stage_shares
+    top = max(STAGES, key=lambda n: shares[n])
+    return top if shares[top] > 0 else None
+
+
+def _more_workers(s: Mapping[str, Any]) -> str:
+    workers, cpus = s.get("num_workers"), int(s.get("cpus") or 1)
+    if workers is None:
+        return "add reading threads"
+    if workers >= cpus:
+        return f"cut the CPU time per sample (num_workers={workers} already uses the {cpus} CPUs)"
+    return f"raise num_workers ({workers} now, {cpus} CPUs)"
+
+
+def _knob(stage: str, s: Mapping[str, Any]) -> str:
+    """The knob to turn when ``stage`` takes the readers' time, as an imperative phrase."""
+    more = _more_workers(s)
+    if stage == "fetch":
+        if s.get("remote"):
+            if s.get("cache") == "none":
+                return "fetch further ahead with a larger StorageConfig(stream_buffer=...)"
+            ahead = s.get("read_ahead") or 8
+            return (
+                f"raise the read-ahead (StorageConfig(read_ahead=...), {ahead} shards now), or stream byte "
+                'ranges with cache="none" when the cache is cold or too small'
+            )
+        return f"{more}, or put the shards on a faster disk"
+    if stage == "read":
+        if s.get("collate") is None:
+            return f"read whole batches in the workers (collate=RawCollate(), zero copy), or {more}"
+        return more
+    if stage == "transform":
+        return f"{more}, or decode whole batches with the fast decoder (collate=DecodeBatch(...), simplejpeg installed)"
+    if s.get("collate") == "DecodeBatch":
+        return f"{more}, or use the fast decoder (pip install simplejpeg; DecodeBatch(backend='simplejpeg'))"
+    return f"make the batches in the dataset (collate=RawCollate() or DecodeBatch(...)), or {more}"
+
+
+_WHAT = {
+    "fetch": "fetching shards",
+    "read": "reading samples",
+    "transform": "the per-sample transform",
+    "collate": "collating batches",
+}
+
+
+def verdict(r: DataReport) -> str:
+    """One sentence for a person, from the report's figures: input-bound or not, the stage, the knob."""
+    if r.steps < 2 or r.wall_s <= 0:
+        return "Too few steps to judge: read more batches before asking for a report."
+    s = r.settings
+    wf = r.wait_fraction
+    workers = s.get("num_workers")
+    top = _top_stage(r)
+    shares = r.stage_shares
+    if wf < _CALM:
+        head = f"Not input-bound: the loop waits {_pct(wf)} of its time for data (p95 {r.wait_p95_ms:.1f} ms)"
+        tail = ", so the step itself sets the pace: speed up the model or the device, not the loader"
+        if isinstance(workers, int) and workers > 1 and r.busy_fraction is not None and r.busy_fraction < 0.5:
+            tail += f" (the {workers} workers are busy {_pct(r.busy_fraction)} of the time: fewer would do)"
+        return head + tail + "."
+    kind = "Input-bound" if wf >= _BOUND else "Partly input-bound"
+    head = f"{kind}: the loop waits {_pct(wf)} of its time for data (p95 {r.wait_p95_ms:.1f} ms)"
+    if top is None:
+        return (
+            f"{head}; stage times were not measured (watch the loader before its workers start), "
+            "so try more workers or a larger prefetch_factor."
+        )
+    blame = f"{_WHAT[top]} takes {_pct(shares[top])} of the readers' time"
+    if workers == 0:
+        cpus = int(s.get("cpus") or 1)
+        return (
+            f"{head}, and {blame}, all in the main process between steps: set DataLoader(num_workers=...) "
+            f"(up to the {cpus} CPUs) so loading overlaps the step."
+        )
+    if r.busy_fraction is not None and r.busy_fraction < _IDLE_READERS:
+        pf = s.get("prefetch_factor")
+        return (
+            f"{head}, yet the readers are busy only {_pct(r.busy_fraction)} of the time: the batches are slow to "
+            "reach the loop, so make whole batches in the workers (collate=RawCollate() or DecodeBatch(...)) "
+            f"or raise prefetch_factor{'' if pf is None else f' ({pf} now)'}."
+        )
+    return f"{head}, and {blame}: {_knob(top, s)}."
+
+
+# -- ranks --------------------------------------------------------------------------------
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _gathered(report: DataReport) -> DataReport:
+    """Every rank's report (all_gather_object), the slowest named; returned on every rank."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        rows: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, report.to_dict())
+        ranks = [DataReport.from_dict(row) for row in rows]
+    else:
+        ranks = [DataReport.from_dict(report.to_dict())]
+    slowest = max(ranks, key=lambda r: (r.wait_s, r.wait_fraction))
+    report.ranks = ranks
+    report.slowest_rank = slowest.rank
+    others = [r.wait_fraction for r in ranks if r.rank != slowest.rank]
+    if others:
+        report.verdict = (
+            f"Rank {slowest.rank} is the slowest: it waits {_pct(slowest.wait_fraction)} of its time for data "
+            f"(the others at most {_pct(max(others))}), and the job runs at its pace. On rank {slowest.rank}: "
+            f"{slowest.verdict}"
+        )
+    return report
