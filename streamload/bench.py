@@ -104,6 +104,8 @@ class BenchResult:
     peak_pss: int
     #: ``decode`` mode: JPEGs the fast backend refused and Pillow decoded (over the workers).
     fallbacks: int = 0
+    #: Seconds per stage summed over the readers (``streamload.watch``): fetch, read, transform, collate.
+    stages: dict[str, float] | None = None
 
 
 def _loader(
@@ -171,9 +173,12 @@ def run_one(
     backend: str = "auto",
 ) -> BenchResult:
     """Measure one setting: read for about ``seconds`` (at least one batch, epochs repeat)."""
-    loader = _loader(
+    from .watching import watch
+
+    raw = _loader(
         dataset, mode, workers, prefetch, pin, batch_size, size, dict(storage_options or {}), cache_dir, backend
     )
+    loader = watch(raw)  # the stage breakdown of the setting (the same figures as a watched training loop)
     samples = nbytes = 0
     first = steady = 0.0
     with PeakMemory() as memory:
@@ -193,8 +198,9 @@ def run_one(
             if not first:
                 raise ConfigError(f"dataset {dataset!r} yielded no batch")
         elapsed = max(time.perf_counter() - steady, 1e-9)
-    fallbacks = int(getattr(loader.dataset.collate, "fallbacks", 0))  # counted in shared memory by the workers
-    del loader
+    fallbacks = int(getattr(raw.dataset.collate, "fallbacks", 0))  # counted in shared memory by the workers
+    stages = loader.report().stages
+    del loader, raw
     rate = samples / elapsed if samples else 0.0
     return BenchResult(
         workers,
@@ -208,6 +214,7 @@ def run_one(
         first,
         memory.peak,
         fallbacks,
+        {name: round(value, 4) for name, value in stages.items()},
     )
 
 
@@ -268,15 +275,25 @@ def plateau(results: Sequence[BenchResult], gain: float = 0.05) -> int | None:
 
 _HEADER = (
     f"{'workers':>7} {'prefetch':>8} {'pin':>5} {'batch':>5} {'samples/s':>10} {'MB/s':>8} "
-    f"{'1st batch':>9} {'peak PSS':>10}"
+    f"{'1st batch':>9} {'peak PSS':>10}  {'fetch/read/transform/collate %':>30}"
 )
+
+
+def stage_split(stages: dict[str, float] | None) -> str:
+    """Each stage's share of the readers' time, ``fetch/read/transform/collate`` in percent."""
+    from ._stages import STAGES
+
+    total = sum((stages or {}).values())
+    if not stages or total <= 0:
+        return "-"
+    return "/".join(f"{100 * stages.get(name, 0.0) / total:.0f}" for name in STAGES)
 
 
 def _row(r: BenchResult) -> str:
     prefetch = "-" if r.prefetch_factor is None else str(r.prefetch_factor)
     return (
         f"{r.workers:>7} {prefetch:>8} {str(r.pin_memory):>5} {r.batch_size:>5} {r.samples_per_s:>10.0f} "
-        f"{r.mb_per_s:>8.1f} {r.first_batch_s:>8.2f}s {format_bytes(r.peak_pss):>10}"
+        f"{r.mb_per_s:>8.1f} {r.first_batch_s:>8.2f}s {format_bytes(r.peak_pss):>10}  {stage_split(r.stages):>30}"
     )
 
 
@@ -405,6 +422,12 @@ def run_bench(args: argparse.Namespace) -> list[BenchResult]:
             f"recommended: DataLoader(num_workers={best.workers}{pf}, pin_memory={best.pin_memory}) with "
             f"batch_size={best.batch_size}: {best.samples_per_s:.0f} samples/s, peak {format_bytes(best.peak_pss)}"
         )
+        if best.stages:
+            total = sum(best.stages.values())
+            split = ", ".join(
+                f"{name} {100 * seconds / total:.0f} %" for name, seconds in best.stages.items() if total > 0
+            )
+            print(f"where its readers' time goes: {split} (streamload.watch stages; see docs/waiting.md)")
     if args.plot:
         plot(results, args.plot, f"streamload bench ({args.mode}): {os.path.basename(args.dataset.rstrip('/'))}")
         if not quiet:

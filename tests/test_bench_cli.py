@@ -37,6 +37,7 @@ def test_bench_sweeps_workers_and_plots(tar_dataset: Path, tmp_path: Path, capsy
     for r in results:
         assert r["samples"] > 0 and r["samples_per_s"] > 0 and r["first_batch_s"] > 0
         assert r["peak_pss"] > 10 * 2**20  # at least torch's share of a process
+        assert set(r["stages"]) == {"fetch", "read", "transform", "collate"} and r["stages"]["read"] > 0
     assert out["recommended"]["workers"] in (0, 1)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -63,6 +64,10 @@ def test_bench_decode_mode_prints_advice(tar_dataset: Path, capsys: pytest.Captu
     )
     text = capsys.readouterr().out
     assert "recommended: DataLoader(num_workers=0" in text and "samples/s" in text
+    assert "fetch/read/transform/collate %" in text  # the stage breakdown of each setting
+    split = text.split("where its readers' time goes: ")[1].splitlines()[0]
+    shares = {name: float(pct) for name, pct in (part.split()[:2] for part in split.split(" (")[0].split(", "))}
+    assert max(shares, key=shares.__getitem__) == "collate"  # DecodeBatch decodes in the collate
 
 
 def test_bench_bad_worker_list(tar_dataset: Path, capsys: pytest.CaptureFixture[str]) -> None:
