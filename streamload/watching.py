@@ -70,7 +70,8 @@ class DataReport:
             parsed into samples), ``"transform"`` (the per-sample transform), ``"collate"``
             (the dataset's collate, e.g. ``DecodeBatch``, and the DataLoader's).
         readers: Worker processes or threads whose stage times arrived (0: none measured).
-        busy_fraction: Share of the readers' time spent in the stages (``None``: unknown).
+        busy_fraction: Share of the readers' time after the first batch spent in the stages
+            (``None``: unknown); low while the loop waits: the batches are slow to reach it.
         settings: The loader's settings the verdict draws on (workers, prefetch, storage...).
         verdict: One sentence: input-bound or not, the stage to blame, the knob to turn.
         rank: This process's rank (0 without ``torch.distributed``).
@@ -238,6 +239,7 @@ class Watch(Generic[T]):
                     dl.collate_fn = _TimedCollate(dl.collate_fn, table)
         self._steps = 0
         self._first: float | None = None
+        self._at_first = self._base
         self._waits = array("d")
         self._wait_s = 0.0
         self._wall_closed = 0.0
@@ -269,6 +271,7 @@ class Watch(Generic[T]):
         if self._first is None:
             self._first = waited
             timed.wall_start = now  # the loop's time is counted from its first batch
+            self._at_first = tuple(tuple(t.fields()) for t in self._tables)  # the readers' busy share starts here
             return
         if timed.wall_start is None:
             timed.wall_start = timed.started
@@ -312,17 +315,14 @@ class Watch(Generic[T]):
             waits = waits[since.waits :]
             wall -= since.wall_s
         wait_s = float(waits.sum())
-        summed = [0.0] * FIELDS
-        for table, before in zip(self._tables, base, strict=True):
-            for i, (now_v, then) in enumerate(zip(table.fields(), before, strict=True)):
-                summed[i] += now_v - then
-        stages = stage_seconds(summed) if self._measured else dict.fromkeys(STAGES, 0.0)
+        stages = stage_seconds(self._fields_since(base)) if self._measured else dict.fromkeys(STAGES, 0.0)
         readers = sum(t.readers() for t in self._tables) if self._measured else 0
         first = self._first if since is None else None
-        span = wall + (first or 0.0)
         workers = self.settings.get("num_workers")
         slots = workers if isinstance(workers, int) and workers > 0 else readers  # idle workers count too
-        busy = sum(stages.values()) / (slots * span) if slots and span > 0 else None
+        # The readers' share of the loop's time after the first batch (start-up is no stage time).
+        after = stage_seconds(self._fields_since(self._at_first if since is None else since.fields))
+        busy = sum(after.values()) / (slots * wall) if self._measured and slots and wall > 0 else None
         p50, p95, p99 = (float(x) * 1e3 for x in np.percentile(waits, [50, 95, 99])) if len(waits) else (0.0,) * 3
         report = DataReport(
             steps=self._steps - (since.steps if since is not None else 0),
@@ -342,6 +342,14 @@ class Watch(Generic[T]):
         )
         report.verdict = verdict(report)
         return _gathered(report) if all_ranks else report
+
+    def _fields_since(self, base: tuple[tuple[float, ...], ...]) -> list[float]:
+        """Every table's fields summed, less ``base`` (the same tables' fields at an earlier point)."""
+        summed = [0.0] * FIELDS
+        for table, before in zip(self._tables, base, strict=True):
+            for i, (now, then) in enumerate(zip(table.fields(), before, strict=True)):
+                summed[i] += now - then
+        return summed
 
     def __repr__(self) -> str:
         return f"Watch({self.loader!r}, steps={self._steps})"

@@ -53,9 +53,10 @@ def test_notebook_runs_top_to_bottom(tmp_path: Path) -> None:
     accuracy = re.search(r"held-out accuracy after 3 epochs: ([0-9.]+) on 360 images", text)
     assert accuracy is not None and float(accuracy.group(1)) > 0.90
 
-    # The image grid and the workers plot were drawn; the sweep printed a row per format.
+    # The image grid, the workers plot and the watched loop's report were drawn; the sweep printed a row per format.
     pngs = [o for o in outputs if o.output_type == "display_data" and "image/png" in o.data]
-    assert len(pngs) == 2
+    assert len(pngs) == 3
+    assert "DataReport:" in text and "verdict: " in text  # streamload.watch's report of a real loop
     for fmt in names:
         assert re.search(rf"^{fmt}\s+(\d+\s+){{3}}\d+$", text, re.MULTILINE), fmt
     assert "recommended: DataLoader(num_workers=" in text  # `streamload bench` ran its sweep
