@@ -18,7 +18,8 @@ import torch
 from torch.utils.data import DataLoader
 
 import streamload
-from streamload import DataReport, StreamingDataset, watch
+from streamload import DataReport, StorageConfig, StreamingDataset, watch
+from tests.s3server import SeaweedS3
 
 SLOW = 0.004  # seconds per sample of the slow transform
 
@@ -79,6 +80,23 @@ def test_stage_times_arrive_from_two_workers(tar_dataset: Path) -> None:
     assert 0.5 * samples * SLOW < report.stages["transform"] < 3 * samples * SLOW
     assert report.stages["fetch"] > 0  # the workers opened shards
     assert report.settings["num_workers"] == 2
+
+
+@pytest.mark.parametrize("cache", ["shards", "none"])
+def test_fetch_stage_counts_the_bytes_from_a_bucket(
+    tar_dataset: Path, s3_server: SeaweedS3, s3_bucket: str, tmp_path: Path, cache: str
+) -> None:
+    fs = s3_server.filesystem()
+    for path in sorted(tar_dataset.iterdir()):
+        fs.put_file(str(path), f"{s3_bucket}/fetch-{cache}/{path.name}")
+    storage = StorageConfig(storage_options=s3_server.storage_options(), cache_dir=tmp_path, cache=cache)  # type: ignore[arg-type]
+    ds = StreamingDataset(f"s3://{s3_bucket}/fetch-{cache}", transform=keys, batch_size=16, storage=storage)
+    watched = watch(DataLoader(ds, batch_size=16, num_workers=1))
+    assert sum(len(b) for b in watched) >= 129
+    report = watched.report()
+    # downloads (cached) or ranged GETs (streamed) are fetch time; a local dataset's opens take next to none
+    assert report.stages["fetch"] > 0.01 and report.settings["remote"] is True
+    assert report.readers == 1
 
 
 def test_report_since_a_mark_and_unwatched_loaders(tar_dataset: Path) -> None:
