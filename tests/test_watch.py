@@ -99,6 +99,49 @@ def test_fetch_stage_counts_the_bytes_from_a_bucket(
     assert report.readers == 1
 
 
+class ThreadLoader:
+    """A loader whose readers are threads of the main process: each thread iterates the dataset into a queue."""
+
+    def __init__(self, dataset: StreamingDataset, threads: int) -> None:
+        self.dataset = dataset
+        self.threads = threads
+
+    def __iter__(self) -> Any:
+        import queue
+        import threading
+
+        out: queue.Queue[Any] = queue.Queue(maxsize=4)
+
+        def read() -> None:
+            for item in self.dataset:
+                out.put(item)
+            out.put(None)
+
+        workers = [threading.Thread(target=read) for _ in range(self.threads)]
+        for t in workers:
+            t.start()
+        done = 0
+        while done < self.threads:
+            item = out.get()
+            if item is None:
+                done += 1
+            else:
+                yield item
+        for t in workers:
+            t.join()
+
+
+def test_stage_times_arrive_from_reader_threads(tar_dataset: Path) -> None:
+    ds = StreamingDataset(str(tar_dataset), transform=slow_transform)
+    watched = watch(ThreadLoader(ds, threads=2))
+    samples = sum(1 for _ in watched)
+    report = watched.report()
+    assert samples == 2 * 129 and report.readers == 2  # a row per reading thread, no shared memory
+    assert report.settings["num_workers"] is None
+    assert 0.5 * samples * SLOW < report.stages["transform"] < 3 * samples * SLOW
+    assert report.verdict.startswith("Input-bound") and "reading threads" in report.verdict
+
+
 def test_report_since_a_mark_and_unwatched_loaders(tar_dataset: Path) -> None:
     ds = StreamingDataset(str(tar_dataset), transform=keys, batch_size=8)
     watched = watch(DataLoader(ds, batch_size=8, num_workers=0))
