@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload._batchmem",
         "streamload._validate",
         "streamload._stages",
+        "streamload._cstderr",
     ),
     (
         "streamload.sample",
