@@ -25,6 +25,7 @@ __all__ = [
     "hash_file",
     "hash_stream",
     "is_local",
+    "printable",
     "local_path_of",
     "new_hasher",
 ]
@@ -176,3 +177,15 @@ def pwrite_all(fd: int, data: bytes, offset: int) -> None:
         if written <= 0:
             raise OSError(28, "No space left on device (a write made no progress)")
         view, offset = view[written:], offset + written
+
+
+def printable(text: str) -> str:
+    r"""Return ``text`` safe to encode as UTF-8 (manifests, messages).
+
+    File names that are not valid UTF-8 reach Python as lone surrogates
+    (``surrogateescape``); their bytes are shown as ``\xff`` escapes instead.
+    """
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # surrogates no file name produces
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")

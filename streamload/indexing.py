@@ -142,7 +142,7 @@ def index_directory(
                 names = [n for n in names if fnmatch.fnmatchcase(n, match)]
             where = local_path_of(url) if is_local(url) else url
             if not names:
-                from .converters.hf import saved_to_disk
+                from ._hf import saved_to_disk
 
                 saved = saved_to_disk(local_path_of(url)) if is_local(url) else None
                 if saved is not None:

@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     (
         "streamload.sample",
+        "streamload._hf",
         "streamload.randomness",
         "streamload.manifest",
         "streamload.storage",

@@ -63,7 +63,7 @@ def open_source(
     from streamload.storage import is_local, local_path_of
     from streamload.storage.filesystems import open_filesystem
 
-    from .hf import saved_to_disk
+    from .._hf import saved_to_disk
 
     if not src or (is_local(src) and not local_path_of(src)):
         raise ConfigError(f"the source {src!r} names no folder or dataset")

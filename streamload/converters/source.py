@@ -23,6 +23,7 @@ from streamload._errors import SampleError
 from streamload.formats import check_sample
 from streamload.manifest import SkippedInput
 
+from .._files import printable
 from .planning import plan_shards
 
 __all__ = [
@@ -36,18 +37,6 @@ __all__ = [
     "printable_json",
     "unique_keys",
 ]
-
-
-def printable(text: str) -> str:
-    r"""Return ``text`` safe to encode as UTF-8 (manifests, messages).
-
-    File names that are not valid UTF-8 reach Python as lone surrogates
-    (``surrogateescape``); their bytes are shown as ``\xff`` escapes instead.
-    """
-    try:
-        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    except UnicodeEncodeError:  # surrogates no file name produces
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def printable_json(value: Any) -> Any:

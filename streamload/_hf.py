@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from .source import printable
+from ._files import printable
 
 __all__ = ["saved_to_disk"]
 
