@@ -43,6 +43,7 @@ from .formats import Format, Sample, ShardReader
 from .manifest import Manifest, ShardEntry
 from .plan import (
     EpochPlan,
+    Remainder,
     Run,
     Split,
     World,
@@ -50,9 +51,10 @@ from .plan import (
     detect_world,
     distributed_world,
     locality_warning,
-    samples_per_rank,
+    partition_count,
+    rank_samples,
 )
-from .plan.state import EpochState, WorkerPosition
+from .plan.state import EpochState, WorkerPosition, manifest_fingerprint
 from .shards import StorageConfig, StorageKeywords, storage_config
 from .storage import Storage
 from .storage.ranges import DEFAULT_STREAM_BUFFER
@@ -107,6 +109,14 @@ class StreamingDataset(IterableDataset[Any]):
         shuffle: Shuffle shard order and samples within a window each epoch.
         seed: Seed of the shuffle; the same (seed, epoch, world) gives the same order.
         drop_last: Drop the tail instead of padding so ranks get ``floor(N / world)``.
+        pad: Fill the last global batch by repeating the fewest samples (default), so
+            every rank yields the same count. ``pad=False`` (for evaluation): every sample
+            exactly once, the last global batch short (``N mod (batch_size * world_size)``
+            samples, shared among the ranks as evenly as possible), no repeats; ranks may
+            then yield counts that differ by one sample, and one batch where the short
+            batch has fewer samples than there are ranks. Under DDP, reduce sums and
+            counts over ranks (``all_reduce``) once at the end, never a collective per
+            batch (see ``docs/design.md``, *Evaluation without padding*).
         shuffle_window: Shuffle window in samples (default: four times the largest shard).
         batch_size: The DataLoader's batch size (per rank), if any. Workers then take
             batch-sized chunks in turn, so batches leave the DataLoader in the planned
@@ -213,6 +223,7 @@ class StreamingDataset(IterableDataset[Any]):
         shuffle: bool = False,
         seed: int = 0,
         drop_last: bool = False,
+        pad: bool = True,
         shuffle_window: int | None = None,
         batch_size: int | None = None,
         partitions: int | None = None,
@@ -230,6 +241,9 @@ class StreamingDataset(IterableDataset[Any]):
         self.shuffle = args.shuffle
         self.seed = args.seed
         self.drop_last = args.drop_last
+        if not isinstance(pad, bool):
+            raise ConfigError(f"pad={pad!r} must be True or False")
+        self.pad = pad
         self.shuffle_window = args.shuffle_window
         self.batch_size = args.batch_size
         self.partitions = args.partitions
@@ -258,6 +272,8 @@ class StreamingDataset(IterableDataset[Any]):
         self._iterations: tuple[int, int] = (os.getpid(), 0)
         #: Locality warnings already given by this process (once per world size).
         self._warned: set[int] = set()
+        #: Digest of the shards read (in resume states), computed when first asked for.
+        self._manifest_digest: str | None = None
         #: The state given to load_state_dict (applies to iterations of its epoch).
         self._resume: EpochState | None = None
         #: This process's current (or last) iteration: where it stands.
@@ -284,8 +300,8 @@ class StreamingDataset(IterableDataset[Any]):
         This is a whole epoch's count; an epoch resumed by :meth:`load_state_dict` yields
         only its unseen rest.
         """
-        _, world_size = detect_rank_world(self.rank, self.world_size, self._inherited_world)
-        per_rank = samples_per_rank(self.num_samples, world_size, self.drop_last, self.batch_size)
+        rank, world_size = detect_rank_world(self.rank, self.world_size, self._inherited_world)
+        per_rank = rank_samples(self.num_samples, world_size, rank, self.drop_last, self.batch_size, self.pad)
         if self.collate is not None and self.batch_size is not None:
             return -(-per_rank // self.batch_size)  # the planner's chunks are the batches
         return per_rank
@@ -370,6 +386,7 @@ class StreamingDataset(IterableDataset[Any]):
             window=self.shuffle_window,
             chunk=self.batch_size,
             partitions=self.partitions,
+            pad=self.pad,
         )
 
     def plan(self, epoch: int, world_size: int) -> EpochPlan:
@@ -377,13 +394,53 @@ class StreamingDataset(IterableDataset[Any]):
 
         An epoch resumed from a state whose partitions were one per rank (unshuffled, or
         without a batch size) keeps the saving world's partitions, so its remaining global
-        batches are those of the uninterrupted run on any world.
+        batches are those of the uninterrupted run on any world. One resumed with another
+        global batch (or other canonical partitions) reads the rest of the epoch
+        (:class:`~streamload.plan.Remainder`): every unread sample once, in the new
+        world's global batches.
         """
         split = self._split(epoch)
+        counts = self.streams.shard_counts
         resume = self._resume
-        if resume is not None and resume.epoch == epoch and not split.canonical:
-            split = replace(split, partitions=resume.partitions)
-        return EpochPlan(self.streams.shard_counts, world_size, split, self.streams.layout(split))
+        if resume is None or resume.epoch != epoch:
+            return EpochPlan(counts, world_size, split, self.streams.layout(split))
+        batch = world_size * (split.chunk or 1)
+        reshaped = resume.reshaped(batch, partition_count(split, world_size), split.canonical)
+        segments = resume.segments + ((resume.new_segment(),) if reshaped else ())
+        if not segments:
+            if not split.canonical:
+                split = replace(split, partitions=resume.partitions)
+            return EpochPlan(counts, world_size, split, self.streams.layout(split))
+        first_batch, first_parts, _ = segments[0]
+        base = replace(split, chunk=first_batch, partitions=first_parts, window=resume.window)
+        rest = Remainder(EpochPlan(counts, 1, base, self.streams.layout(base)), segments[0][2] // first_batch)
+        plain = Split(epoch=epoch, seed=self.seed, drop_last=self.drop_last, pad=self.pad)
+        for (batch_i, parts_i, begin), (_, _, end) in zip(segments, segments[1:], strict=False):
+            part = replace(plain, chunk=batch_i, partitions=parts_i)
+            rest = Remainder(EpochPlan(counts, 1, part, rest), (end - begin) // batch_i)
+        final = replace(plain, chunk=split.chunk, partitions=None if reshaped else resume.partitions)
+        plan = EpochPlan(counts, world_size, final, rest)
+        if not reshaped and resume.rest != rest.total:
+            raise PlanError(
+                f"state rest={resume.rest} does not match the rest of the epoch its segments leave ({rest.total})"
+            )
+        plan.segments, plan.reshaped = segments, reshaped
+        return plan
+
+    @property
+    def manifest_digest(self) -> str:
+        """A short digest of the shards this dataset reads (names, sizes, sample counts, hashes).
+
+        Stored in :meth:`state_dict`, so a state of another dataset of the same size is refused.
+        """
+        if self._manifest_digest is None:
+            self._manifest_digest = manifest_fingerprint(
+                [
+                    [(e.name, e.num_bytes, e.num_samples, str(e.hash)) for e in ref.manifest.shards]
+                    for ref in self.streams.refs
+                ]
+            )
+        return self._manifest_digest
 
     # -- stop and resume -----------------------------------------------------------
 
@@ -403,6 +460,7 @@ class StreamingDataset(IterableDataset[Any]):
         world = detect_world(self.rank, self.world_size, self._inherited_world)
         progress = self._progress
         worker = None
+        plan = self.plan(self.epoch, world.world_size)
         if samples_seen is None:
             if progress is None:
                 if int(self._epochs[_CLAIMED]) > 0:
@@ -412,6 +470,8 @@ class StreamingDataset(IterableDataset[Any]):
                     )
                 samples_seen = 0
             else:
+                origin = progress.origin
+                done = None if origin is None else plan.worker_done(world, origin, progress.first, progress.next_item)
                 worker = WorkerPosition(
                     world.rank,
                     world.world_size,
@@ -420,15 +480,19 @@ class StreamingDataset(IterableDataset[Any]):
                     progress.chunk,
                     progress.next_item,
                     progress.first,
+                    None if done is None else origin,
+                    done,
                 )
-                samples_seen = world.world_size * progress.next_item if world.num_workers == 1 else None
-        plan = self.plan(self.epoch, world.world_size)
+                samples_seen = None
+                if world.num_workers == 1 and (progress.next_item <= plan.per_rank or world.world_size == 1):
+                    begun = plan.segments[-1][2] if plan.segments else 0
+                    samples_seen = begun + world.world_size * progress.next_item
         state = EpochState(
             plan.split.epoch,
             self.seed,
             self.shuffle,
             self.drop_last,
-            plan.window,
+            plan.base_window,
             self.num_samples,
             world.world_size,
             samples_seen,
@@ -436,6 +500,10 @@ class StreamingDataset(IterableDataset[Any]):
             plan.partitions,
             worker,
             self.streams.fingerprint,
+            pad=self.pad,
+            manifest=self.manifest_digest,
+            segments=plan.segments,
+            rest=plan.total if plan.segments else None,
         )
         self._check_samples_seen(state)
         return state.normalized().to_dict()
@@ -459,6 +527,8 @@ class StreamingDataset(IterableDataset[Any]):
             window=self.shuffle_window or state.window,
             num_samples=self.num_samples,
             mixture=self.streams.fingerprint,
+            pad=self.pad,
+            manifest=self.manifest_digest,
         )
         self._check_samples_seen(state)
         state = state.normalized()
@@ -473,18 +543,25 @@ class StreamingDataset(IterableDataset[Any]):
         if state.samples_seen is not None:
             check_samples_seen(state.samples_seen, state.padded, state.world_size, state.global_batch)
 
-    def _resume_point(self, world: World, plan: EpochPlan) -> tuple[int, int]:
-        """Return the start item and first dealt chunk of ``plan`` for ``world`` (fresh: 0, 0)."""
+    def _resume_point(self, world: World, plan: EpochPlan) -> tuple[int, int, int | None]:
+        """Return the start item, first dealt chunk and iteration start of ``plan`` for ``world`` (fresh: 0, 0, 0).
+
+        A worker's own position is checked against the plan first (:meth:`WorkerPosition.check`).
+        """
         resume = self._resume
-        if resume is None or resume.epoch != plan.split.epoch:
-            return 0, 0
-        resume.check_world(world, plan.global_batch, plan.partitions)
-        if self.shuffle and resume.window != plan.window:
+        if resume is None or resume.epoch != plan.split.epoch or plan.reshaped:
+            return 0, 0, 0  # a new segment is read from its start
+        if self.shuffle and resume.window != plan.base_window:
             raise PlanError(
-                f"state saved with window={resume.window} cannot resume with window={plan.window}: "
+                f"state saved with window={resume.window} cannot resume with window={plan.base_window}: "
                 "pass the saving run's shuffle_window="
             )
-        return resume.resume(world, plan.chunk_size(world.num_workers))
+        chunk = plan.chunk_size(world.num_workers)
+        if resume.worker is not None and resume.worker.matches(world, chunk):
+            resume.worker.check(world, plan)
+        start, first = resume.resume(world, chunk)
+        origin, _ = resume.origin(world, chunk, start)
+        return start, first, None if origin < 0 or _ < 0 else origin
 
     # -- iteration -----------------------------------------------------------------
 
@@ -496,8 +573,8 @@ class StreamingDataset(IterableDataset[Any]):
 
     def _start(self, world: World, epoch: int) -> tuple[EpochPlan, _Progress]:
         plan = self.plan(epoch, world.world_size)
-        start, first = self._resume_point(world, plan)
-        progress = _Progress(epoch, plan.chunk_size(world.num_workers), start, first)
+        start, first, origin = self._resume_point(world, plan)
+        progress = _Progress(epoch, plan.chunk_size(world.num_workers), start, first, origin)
         self._progress = progress
         return plan, progress
 
@@ -510,8 +587,25 @@ class StreamingDataset(IterableDataset[Any]):
         yield from self._iter_plan(plan, world, progress)
 
     def _warn_locality(self, plan: EpochPlan, world: World) -> None:
-        """Warn once per world size (in the first reader of rank 0) if its ranks straddle partitions."""
-        if world.rank or world.worker or world.world_size in self._warned:
+        """Warn once per world size (in the first reader of rank 0) if its ranks straddle partitions.
+
+        Also once per resumed epoch whose global batch changed: its order differs from
+        the uninterrupted run's from the resume point on.
+        """
+        if world.rank or world.worker:
+            return
+        if plan.reshaped and -1 - plan.split.epoch not in self._warned:
+            self._warned.add(-1 - plan.split.epoch)
+            old_batch, old_parts, seen = plan.segments[-1]
+            warnings.warn(
+                f"resuming epoch {plan.split.epoch} after {seen} samples with global_batch={plan.global_batch} "
+                f"(partitions={plan.partitions}); it was read with global_batch={old_batch} "
+                f"(partitions={old_parts}): the rest of the epoch ({plan.total} samples) is read each once, "
+                "equal per rank, in an order that differs from the uninterrupted run's",
+                UserWarning,
+                stacklevel=3,
+            )
+        if world.world_size in self._warned:
             return
         self._warned.add(world.world_size)
         message = locality_warning(plan.split, world.world_size)
@@ -860,6 +954,8 @@ class _Progress:
     next_item: int
     #: The chunk from which this iteration dealt chunks to the workers.
     first: int = 0
+    #: The rank item this worker's iteration started from (``None``: unknown, an earlier state).
+    origin: int | None = 0
     #: Replaces skipped samples so the count per rank stays equal.
     substitute: _Substitute = field(default_factory=lambda: _Substitute())
     #: The stage clock of a watched iteration (``streamload.watch``), else ``None``.

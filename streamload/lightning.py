@@ -83,8 +83,9 @@ class StreamingDataModule(pl.LightningDataModule):
     """A ``LightningDataModule`` reading train/val/test splits with :class:`StreamingDataset`.
 
     Works with any strategy and device count, DDP included, without a
-    ``DistributedSampler``: each rank reads its own equal share of every epoch (padded
-    like ``DistributedSampler``, so no rank waits on another), and the training set is
+    ``DistributedSampler``: each rank reads its own equal share of every training epoch
+    (padded like ``DistributedSampler``, so no rank waits on another; validation and
+    test read every sample exactly once, ``pad=False``), and the training set is
     reshuffled every epoch through :class:`SetEpochCallback`, which :meth:`setup` adds to
     the trainer unless one is already there.
 
@@ -111,7 +112,11 @@ class StreamingDataModule(pl.LightningDataModule):
         storage: How every split's files are reached (a :class:`~streamload.StorageConfig`:
             fsspec options, cache, read-ahead, cached or streamed).
         dataset_options: Further :class:`StreamingDataset` keyword arguments for every
-            split, e.g. ``drop_last``, ``shuffle_window``, ``partitions``, ``on_error``.
+            split, e.g. ``drop_last``, ``shuffle_window``, ``partitions``, ``on_error``,
+            ``pad``. The validation and test sets default to ``pad=False``: each sample
+            scored once, the last batch short, ranks' counts differing by at most one
+            (Lightning's ``self.log(..., sync_dist=True)`` and torchmetrics reduce once
+            per epoch, which is what uneven ranks need); training keeps ``pad=True``.
             Storage settings given here (``storage_options``, ``cache_dir``...) are
             deprecated (a ``DeprecationWarning``; pass ``storage=``).
 
@@ -205,6 +210,8 @@ class StreamingDataModule(pl.LightningDataModule):
         assert url is not None
         rank, world_size = self._rank_world()
         train = split == "train"
+        options: dict[str, Any] = {} if train else {"pad": False}  # evaluation reads each sample once
+        options.update(self.dataset_options)
         return StreamingDataset(
             url,
             epoch_size=self.epoch_size if train else None,
@@ -216,7 +223,7 @@ class StreamingDataModule(pl.LightningDataModule):
             rank=rank,
             world_size=world_size,
             storage=self.storage,
-            **self.dataset_options,
+            **options,
         )
 
     def _rank_world(self) -> tuple[int | None, int | None]:

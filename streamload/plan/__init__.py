@@ -7,12 +7,15 @@ from .planner import (
     DEFAULT_PARTITIONS,
     EpochPlan,
     Layout,
+    Remainder,
     Run,
     ShardLayout,
     Split,
     default_window,
     global_batch,
     locality_warning,
+    partition_count,
+    rank_samples,
     samples_per_rank,
 )
 from .world import World, detect_rank_world, detect_world, distributed_world
@@ -22,6 +25,7 @@ __all__ = [
     "EpochPlan",
     "Layout",
     "MixLayout",
+    "Remainder",
     "Run",
     "ShardLayout",
     "Split",
@@ -35,5 +39,7 @@ __all__ = [
     "global_batch",
     "locality_warning",
     "mixture_fingerprint",
+    "partition_count",
+    "rank_samples",
     "samples_per_rank",
 ]

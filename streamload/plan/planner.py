@@ -80,12 +80,16 @@ __all__ = [
     "DEFAULT_WINDOW_RANGE",
     "EpochPlan",
     "Layout",
+    "Remainder",
     "Run",
     "ShardLayout",
     "Split",
     "default_window",
     "global_batch",
     "locality_warning",
+    "partition_count",
+    "rank_samples",
+    "tail_share",
     "samples_per_rank",
     "seeded_rng",
 ]
@@ -131,6 +135,7 @@ class Split:
     window: int | None = None
     chunk: int | None = None
     partitions: int | None = None
+    pad: bool = True
 
     def __post_init__(self) -> None:
         if self.epoch < 0:
@@ -192,6 +197,26 @@ def padded_total(total: int, batch: int, drop_last: bool) -> int:
 def samples_per_rank(total: int, world_size: int, drop_last: bool, chunk: int | None = None) -> int:
     """Return the number of samples every rank yields per epoch (whole global batches)."""
     return padded_total(total, global_batch(world_size, chunk), drop_last) // world_size
+
+
+def tail_share(tail: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Return rank ``rank``'s part ``[begin, end)`` of a short last global batch of ``tail`` items.
+
+    The parts are consecutive, in rank order, and differ in size by at most one.
+    """
+    return rank * tail // world_size, (rank + 1) * tail // world_size
+
+
+def rank_samples(
+    total: int, world_size: int, rank: int, drop_last: bool, chunk: int | None = None, pad: bool = True
+) -> int:
+    """Return the samples rank ``rank`` yields per epoch (equal on every rank unless ``pad=False``)."""
+    batch = global_batch(world_size, chunk)
+    if pad or drop_last:
+        return padded_total(total, batch, drop_last) // world_size
+    full = padded_total(total, batch, True)
+    begin, end = tail_share(total - full, world_size, rank)
+    return full // world_size + end - begin
 
 
 def default_window(shard_counts: Sequence[int]) -> int:
@@ -337,6 +362,20 @@ class _Partitions:
         out: np.ndarray = self.steps * low + j
         return out
 
+    def order_index(self, part: int, items: np.ndarray) -> np.ndarray:
+        """Return the partition-order indices of padded ``items`` of partition ``part`` (the inverse of the shuffle)."""
+        low, width = int(self.bounds[part]), int(self.bounds[part + 1] - self.bounds[part])
+        local = items - self.steps * low
+        if self.window is None or len(local) == 0:
+            return local
+        size, out = self.window, np.empty_like(local)
+        windows = local // size
+        for w in np.unique(windows).tolist():
+            mask = windows == w
+            inverse = np.argsort(self._perm(part, w, self.steps * width))
+            out[mask] = w * size + inverse[local[mask] - w * size]
+        return out
+
     def _permute(self, parts: np.ndarray, items: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         assert self.window is not None
         if len(items) == 0:
@@ -400,11 +439,22 @@ class EpochPlan:
         self.partitions = partition_count(split, world_size)
         self.layout: Layout = ShardLayout(counts, split) if layout is None else layout
         self.total = self.layout.total
-        #: Items of the padded sequence: whole global batches.
-        self.padded = padded_total(self.total, self.global_batch, split.drop_last)
+        #: Items of the padded sequence: whole global batches (without ``pad``: the whole
+        #: ones the epoch holds, then :attr:`tail`).
+        self.padded = padded_total(self.total, self.global_batch, split.drop_last or not split.pad)
+        #: Items of the short last global batch (``pad=False`` only), after the padded sequence.
+        self.tail = 0 if split.pad or split.drop_last else self.total - self.padded
         self.window = split.window or partition_window(counts.tolist(), self.partitions)
-        #: Items every rank yields in this epoch.
+        #: Items every rank yields in this epoch (before its share of :attr:`tail`).
         self.per_rank = self.padded // world_size
+        #: Shuffle window of the epoch this plan continues (itself, unless it reads a :class:`Remainder`).
+        self.base_window = self.layout.base_window if isinstance(self.layout, Remainder) else self.window
+        self._tail_order: np.ndarray | None = None
+        #: Earlier segments of a resumed epoch read with other global batches (see
+        #: :mod:`streamload.plan.state`): ``(global_batch, partitions, samples_seen)``.
+        self.segments: tuple[tuple[int, int, int], ...] = ()
+        #: True if this plan starts a new segment (the world changed the global batch).
+        self.reshaped = False
         self._rank_batch = split.chunk or 1
         self._parts = _Partitions(
             self.padded,
@@ -422,22 +472,51 @@ class EpochPlan:
             raise PlanError("cannot locate samples of an empty dataset")
         return self.layout.locate(positions)
 
+    def rank_count(self, rank: int) -> int:
+        """Items rank ``rank`` yields in this epoch (the same on every rank unless ``pad=False``)."""
+        begin, end = tail_share(self.tail, self.world_size, rank)
+        return self.per_rank + end - begin
+
+    def tail_items(self, t: np.ndarray) -> np.ndarray:
+        """Padded-sequence items of the short last global batch's ``t``-th items (permuted when shuffling)."""
+        if self.split.shuffle and self.tail > 1:
+            if self._tail_order is None:
+                self._tail_order = seeded_rng(self.split.seed, self.split.epoch, 0x5441494C).permutation(self.tail)
+            t = self._tail_order[t]
+        out: np.ndarray = self.padded + t
+        return out
+
     def global_items(self, begin: int, end: int) -> np.ndarray:
-        """Padded-sequence items of the global sequence's ``begin..end-1`` (global batch order)."""
-        if not 0 <= begin <= end <= self.padded:
-            raise PlanError(f"items [{begin}, {end}) outside the epoch's {self.padded}")
-        return self._parts.to_padded(np.arange(begin, end, dtype=np.int64))
+        """Padded-sequence items of the global sequence's ``begin..end-1`` (global batch order, then the tail)."""
+        if not 0 <= begin <= end <= self.padded + self.tail:
+            raise PlanError(f"items [{begin}, {end}) outside the epoch's {self.padded + self.tail}")
+        g = np.arange(begin, end, dtype=np.int64)
+        if end <= self.padded:
+            return self._parts.to_padded(g)
+        out = np.empty_like(g)
+        full = g < self.padded
+        out[full] = self._parts.to_padded(g[full])
+        out[~full] = self.tail_items(g[~full] - self.padded)
+        return out
 
     def rank_items(self, rank: int, begin: int, end: int) -> np.ndarray:
         """Padded-sequence items of rank ``rank``'s items ``begin..end-1`` (rank order)."""
-        if not 0 <= begin <= end <= self.per_rank:
-            raise PlanError(f"items [{begin}, {end}) outside the rank's per_rank={self.per_rank}")
         if not 0 <= rank < self.world_size:
             raise PlanError(f"{rank=} outside world_size={self.world_size}")
+        count = self.rank_count(rank)
+        if not 0 <= begin <= end <= count:
+            raise PlanError(f"items [{begin}, {end}) outside the rank's {count}")
         b = self._rank_batch
         i = np.arange(begin, end, dtype=np.int64)
-        g = (i // b) * self.global_batch + rank * b + i % b
-        return self._parts.to_padded(g)
+        if end <= self.per_rank:
+            return self._parts.to_padded((i // b) * self.global_batch + rank * b + i % b)
+        out = np.empty_like(i)
+        full = i < self.per_rank
+        j = i[full]
+        out[full] = self._parts.to_padded((j // b) * self.global_batch + rank * b + j % b)
+        first, _ = tail_share(self.tail, self.world_size, rank)
+        out[~full] = self.tail_items(first + i[~full] - self.per_rank)
+        return out
 
     def to_epoch(self, items: np.ndarray) -> np.ndarray:
         """Map padded-sequence items to epoch-sequence positions (padding wraps to the start)."""
@@ -455,7 +534,8 @@ class EpochPlan:
         """Items per chunk handed to a worker."""
         if self.split.chunk is not None:
             return self.split.chunk
-        return max(1, math.ceil(self.per_rank / num_workers))
+        most = self.per_rank + -(-self.tail // self.world_size)
+        return max(1, math.ceil(most / num_workers))
 
     def worker_items(self, world: World, start: int = 0, first: int = 0) -> Iterator[tuple[int, int]]:
         """Yield the ``[begin, end)`` rank-order item ranges of ``world``'s worker, in order.
@@ -469,13 +549,39 @@ class EpochPlan:
         """
         chunk = self.chunk_size(world.num_workers)
         n = world.num_workers
+        count = self.rank_count(world.rank)
         lowest = max(0, start // chunk)
         c = lowest + (first + world.worker - lowest) % n
-        while c * chunk < self.per_rank:
-            begin, end = max(c * chunk, start), min((c + 1) * chunk, self.per_rank)
+        while c * chunk < count:
+            begin, end = max(c * chunk, start), min((c + 1) * chunk, count)
             if begin < end:
                 yield begin, end
             c += n
+
+    def worker_done(self, world: World, start: int, first: int, next_item: int) -> int | None:
+        """Return the items ``world``'s worker has read when its next item is ``next_item``.
+
+        The worker dealt from chunk ``first`` and started at ``start`` (see
+        :meth:`worker_items`); ``None`` if it never stands at ``next_item`` (not the end of
+        one of its items, nor ``start``). O(1).
+        """
+        if next_item == start:
+            return 0
+        chunk, n = self.chunk_size(world.num_workers), world.num_workers
+        count = self.rank_count(world.rank)
+        if not 0 <= start < next_item <= count:
+            return None
+        lowest = start // chunk
+        c0 = lowest + (first + world.worker - lowest) % n
+        b0, e0 = max(c0 * chunk, start), min((c0 + 1) * chunk, count)
+        if b0 >= e0 or next_item <= b0:
+            return None
+        if next_item <= e0:
+            return next_item - b0
+        c = (next_item - 1) // chunk  # the chunk of the last item read
+        if (c - c0) % n:
+            return None
+        return (e0 - b0) + ((c - c0) // n - 1) * chunk + next_item - c * chunk
 
     def runs(self, world: World, start: int = 0, first: int = 0) -> Iterator[Run]:
         """Yield the worker's reads as runs within one shard, in reading order (see :meth:`worker_items`)."""
@@ -493,6 +599,8 @@ class EpochPlan:
                 bounds = [0, *cuts.tolist(), len(shards)]
                 positions = np.arange(lo, hi, dtype=np.int64)
                 heads: list[int] = shards[bounds[:-1]].tolist()
+                if isinstance(self.layout, Remainder):  # the key of per-sample randomness: the epoch's own item
+                    items = self.layout.keys(self.to_epoch(items))
                 for shard, a, b in zip(heads, bounds[:-1], bounds[1:], strict=True):
                     yield Run(shard, locals_[a:b], positions[a:b], items[a:b])
 
@@ -508,9 +616,102 @@ class EpochPlan:
         """Shards a rank reads at once, about: the shards each of its partitions' windows spans.
 
         ``share``: the fraction of the epoch sequence that the shards of ``mean_shard``
-        samples hold (a mixture's stream); 1 for a plain dataset.
+        samples hold (a mixture's stream); 1 for a plain dataset. A plan over a
+        :class:`Remainder` reads a contiguous part of it: the windows of about
+        ``P / R + 1`` of the interrupted epoch's partitions.
         """
+        if isinstance(self.layout, Remainder):
+            base = self.layout.base
+            mine = max(1, math.ceil(base.partitions / self.world_size) + 1)
+            return mine * base.open_shards(mean_shard, share) // max(1, base.partitions)
         mine = max(1, math.ceil(self.partitions / self.world_size))
         if not self.split.shuffle:
             return mine
         return mine * (math.ceil(self.window * share / max(1.0, mean_shard)) + 1)
+
+
+class Remainder:
+    """The unread rest of an interrupted epoch, as a :class:`Layout` for a plan of another global batch.
+
+    ``plan`` is the epoch as it was read (its global batch and partitions; any world of
+    them reads the same global batches) and ``steps`` the global batches consumed. The
+    rest is every item not yet read, each once: partition by partition, the suffix of
+    each partition's order that its first ``steps`` slices did not take (the padding
+    repeats left out), then the short last global batch of ``pad=False``. Position ``i``
+    of the rest maps to an item of ``plan``; a new :class:`EpochPlan` (unshuffled: the
+    rest is already in a shuffled order) cuts it into its own global batches, so each
+    rank reads a contiguous part, a few of the old partitions. Memory: O(partitions),
+    plus the windows that hold padding.
+    """
+
+    def __init__(self, plan: EpochPlan, steps: int) -> None:
+        parts = plan._parts
+        if not 0 <= steps <= parts.steps:
+            raise PlanError(f"{steps=} global batches outside the epoch's {parts.steps}")
+        self.plan = plan
+        self.steps = steps
+        widths = np.diff(parts.bounds)
+        self._begin = steps * widths  # first unread partition-order index of each partition
+        left = (parts.steps - steps) * widths
+        #: Per partition with padding: its unread padding's partition-order indices, sorted.
+        self._pads: dict[int, np.ndarray] = {}
+        if plan.padded > plan.total:
+            first = int(np.searchsorted(parts.steps * parts.bounds, plan.total, side="right")) - 1
+            for p in range(max(0, first), len(widths)):
+                low, high = parts.steps * int(parts.bounds[p]), parts.steps * int(parts.bounds[p + 1])
+                items = np.arange(max(low, plan.total), high, dtype=np.int64)
+                order = np.sort(parts.order_index(p, items))
+                order = order[order >= self._begin[p]]
+                if len(order):
+                    self._pads[p] = order
+                    left[p] -= len(order)
+        self._ends = np.cumsum(left)
+        self._starts = self._ends - left
+        self._in_parts = int(self._ends[-1]) if len(left) else 0
+        self._total = self._in_parts + plan.tail
+
+    @property
+    def total(self) -> int:
+        """Items of the rest of the epoch."""
+        return self._total
+
+    @property
+    def base(self) -> EpochPlan:
+        """The plan of the epoch as it started (before any change of global batch)."""
+        return self.plan.layout.base if isinstance(self.plan.layout, Remainder) else self.plan
+
+    @property
+    def base_window(self) -> int:
+        """The shuffle window of the epoch as it started."""
+        return self.base.window
+
+    def items(self, positions: np.ndarray) -> np.ndarray:
+        """Map positions of the rest to ``plan``'s padded-sequence items (each a sample, never padding)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if len(positions) and (int(positions.min()) < 0 or int(positions.max()) >= self._total):
+            raise PlanError(f"positions outside the rest of the epoch ({self._total} items)")
+        plan, parts = self.plan, self.plan._parts
+        out = np.empty_like(positions)
+        inner = positions < self._in_parts
+        pos = positions[inner]
+        p = np.searchsorted(self._ends, pos, side="right")
+        j = self._begin[p] + pos - self._starts[p]
+        for part, pads in self._pads.items():  # skip the padding: the i-th unread index that is not one
+            mask = p == part
+            if mask.any():
+                before = pads - self._begin[part] - np.arange(len(pads))
+                j[mask] += np.searchsorted(before, pos[mask] - self._starts[part], side="right")
+        widths = np.diff(parts.bounds)[p]
+        out[inner] = parts.to_padded((j // widths) * parts.batch + parts.bounds[p] + j % widths)
+        out[~inner] = plan.tail_items(positions[~inner] - self._in_parts)
+        return out
+
+    def keys(self, positions: np.ndarray) -> np.ndarray:
+        """Map positions of the rest to the items of the epoch as it started (per-sample randomness keys)."""
+        items = self.items(positions)
+        layout = self.plan.layout
+        return layout.keys(items) if isinstance(layout, Remainder) else items
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Map positions of the rest to ``(shard index, index within shard)`` arrays."""
+        return self.plan.layout.locate(self.items(positions))
