@@ -415,7 +415,7 @@ class StreamingDataset(IterableDataset[Any]):
         base = replace(split, chunk=first_batch, partitions=first_parts, window=resume.window)
         rest = Remainder(EpochPlan(counts, 1, base, self.streams.layout(base)), segments[0][2] // first_batch)
         plain = Split(epoch=epoch, seed=self.seed, drop_last=self.drop_last, pad=self.pad)
-        for (batch_i, parts_i, begin), (_, _, end) in zip(segments, segments[1:], strict=False):
+        for (_, _, begin), (batch_i, parts_i, end) in zip(segments, segments[1:], strict=False):
             part = replace(plain, chunk=batch_i, partitions=parts_i)
             rest = Remainder(EpochPlan(counts, 1, part, rest), (end - begin) // batch_i)
         final = replace(plain, chunk=split.chunk, partitions=None if reshaped else resume.partitions)

@@ -218,13 +218,16 @@ def test_ddp_fit_two_cpu_processes_equal_shares_cover_everything(
         assert loader["batches"] == per_rank // BATCH  # whole batches only
 
     seen = [_load(tmp_path, "seen", rank) for rank in (0, 1)]
+    full = NUM_SAMPLES // (2 * BATCH) * BATCH  # each rank's whole batches; 3 samples are left for the short one
     for epoch in range(EPOCHS):
-        for split in ("train", "val"):
-            shares = [s[f"{split}{epoch}"] for s in seen]
-            assert [len(share) for share in shares] == [per_rank, per_rank], (split, epoch)
-            repeats = _repeats(shares[0] + shares[1], keys, _padded(2))
-            if split == "val":  # read in order: the padding is the first samples in manifest order
-                assert repeats == sorted(keys)[: _padded(2) - NUM_SAMPLES]
+        train = [s[f"train{epoch}"] for s in seen]
+        assert [len(share) for share in train] == [per_rank, per_rank], epoch
+        _repeats(train[0] + train[1], keys, _padded(2))
+        # Validation reads every sample exactly once (pad=False): the short last global batch of
+        # 3 is shared 1 + 2, so both ranks run the same number of batches and nothing is repeated.
+        val = [s[f"val{epoch}"] for s in seen]
+        assert [len(share) for share in val] == [full + 1, full + 2], epoch
+        assert Counter(val[0] + val[1]) == Counter(keys)
     # set_epoch reached the (persistent) workers: the shuffled order changes between epochs.
     for s in seen:
         assert s["train0"] != s["train1"]
@@ -274,9 +277,21 @@ def test_datamodule_outside_a_trainer_builds_loaders(dataset: tuple[Path, set[st
     assert got == padded
     with pytest.raises(Exception, match="no val dataset"):
         dm.val_dataloader()
+    # Validation and test read every sample exactly once, in order: the last batch is short.
     test_dm = StreamingDataModule(test=str(data), batch_size=BATCH, transform=key_and_label)
     test_dm.setup("test")
-    assert [k for batch_keys, _ in test_dm.test_dataloader() for k in batch_keys] == padded
+    loader = test_dm.test_dataloader()
+    assert [k for batch_keys, _ in loader for k in batch_keys] == in_order
+    assert len(loader) == -(-NUM_SAMPLES // BATCH)
+    val_dm = StreamingDataModule(data, data, batch_size=BATCH, transform=key_and_label)
+    val_dm.setup("fit")
+    batches = [list(batch_keys) for batch_keys, _ in val_dm.val_dataloader()]
+    assert [len(b) for b in batches] == [BATCH] * (NUM_SAMPLES // BATCH) + [NUM_SAMPLES % BATCH]
+    assert Counter(k for b in batches for k in b) == Counter(keys)
+    assert len(val_dm.datasets["val"]) == NUM_SAMPLES and len(val_dm.datasets["train"]) == _padded(1)
+    padded_val = StreamingDataModule(test=str(data), batch_size=BATCH, dataset_options={"pad": True})
+    padded_val.setup("test")
+    assert len(padded_val.datasets["test"]) == _padded(1)  # pad=True asked for: as before
     with pytest.raises(Exception, match="dataset_options may not set"):
         StreamingDataModule(data, dataset_options={"shuffle": True})
 
