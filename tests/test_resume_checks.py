@@ -11,7 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy.random  # imported before DataLoader workers fork (they seed it)
 import pytest
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
