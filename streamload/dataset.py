@@ -197,8 +197,11 @@ class StreamingDataset(IterableDataset[Any]):
         continue that epoch at the first unseen sample, without reading the seen ones;
         the following epoch is unchanged. The rest of the epoch is exactly the
         uninterrupted run's, on the same world or, for a count of whole global batches,
-        on any world with the same global batch and ``partitions`` (another one is a
-        :class:`~streamload.PlanError` naming both values). Two ways to use it:
+        on any world with the same global batch and ``partitions``. A world of another
+        global batch (or ``partitions``) reads the epoch's unread rest, each sample once
+        and equal per rank, in another order (one ``UserWarning`` says so). A state of
+        another dataset, or a worker position outside its plan, is a
+        :class:`~streamload.PlanError`. Two ways to use it:
 
         * ``torchdata.stateful_dataloader.StatefulDataLoader`` calls ``state_dict`` and
           ``load_state_dict`` in its workers; save and load the loader's state (same

@@ -56,7 +56,15 @@ mixes samples of at least ``P`` shards.
 **Resume.** Because the global batches do not depend on the world, an epoch stopped after
 ``G`` samples (global count, all ranks) continues on any world with the same global batch
 at global batch ``G / B``: rank r' of the new world starts at its item ``G / R'``. On the
-same world any ``G`` that is a multiple of ``R`` continues each rank where it stopped.
+same world any ``G`` that is a multiple of ``R`` continues each rank where it stopped. A
+world of another global batch (or partition count) continues from the epoch's unread rest
+instead (:class:`Remainder`): each unread sample once, in another order.
+
+**Without padding** (``Split.pad=False``): the ``floor(N/B)`` whole global batches as
+above, then the ``t = N mod B`` samples left as one short last global batch (the
+:attr:`EpochPlan.tail`), rank r taking its part ``[floor(r t / R), floor((r+1) t / R))``
+after its whole batches (:func:`tail_share`): every sample exactly once, rank counts
+differing by at most one.
 
 Cost per worker: O(number of shards) to set up, then O(chunk) or O(window) memory while
 iterating; nothing is O(N).

@@ -22,8 +22,7 @@ batched epoch do not depend on the world (:mod:`streamload.plan.planner`), so a 
 whose ``samples_seen`` is a whole number of global batches resumes on any world with the
 same ``global_batch`` and ``partitions``, continuing the uninterrupted sequence of global
 batches exactly; on the same world any multiple of ``world_size`` resumes each rank
-where it stopped. Another global batch size or partition count is a :class:`PlanError`
-naming both values.
+where it stopped. Another global batch size or partition count reads the rest (below).
 
 ``worker`` is set in states saved inside a DataLoader worker (the
 ``torchdata.stateful_dataloader.StatefulDataLoader`` protocol): that worker's next rank
@@ -382,7 +381,9 @@ class EpochState:
         return replace(self, epoch=self.epoch + 1, samples_seen=0, worker=None, segments=(), rest=None)
 
     def check_world(self, world: World, batch: int, partitions: int) -> None:
-        """Raise :class:`PlanError` unless ``world`` (global ``batch``, ``partitions``) continues this state.
+        """Raise :class:`PlanError` unless ``world`` (global ``batch``, ``partitions``) continues this state exactly.
+
+        (The dataset reads the rest of the epoch instead, see :meth:`reshaped`.)
 
         The sequence of global batches is a function of the global batch size and the
         partition count: another value of either gives other batches, so the rest of the
