@@ -163,6 +163,9 @@ def test_a_rest_that_does_not_match_its_segments_is_refused(root: Path) -> None:
     resumed.load({**later, "rest": 71})
     with pytest.raises(PlanError, match="rest=71"):
         resumed.read()
+    for segments in ([[10**12, 10**12, 10**12]], [[12, 2, 24]] * 40, [[12, 2, 25]], [[12, 2, 24], [12, 2, 24]]):
+        with pytest.raises(PlanError, match="segment"):  # checked on load, before a plan is built from them
+            World(str(root), 3, 6, **kw).load({**later, "segments": segments})
     with pytest.raises(PlanError, match="whole number of global batches"):
         odd = World(str(root), 3, 6, **kw)
         odd.load(World(str(root), 2, 6, **kw).state(26))

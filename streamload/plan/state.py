@@ -75,6 +75,8 @@ __all__ = ["STATE_VERSION", "EpochState", "WorkerPosition", "manifest_fingerprin
 STATE_VERSION = 2
 #: Most changes of global batch one epoch's state records.
 MAX_SEGMENTS = 32
+#: Largest global batch and partition count of a recorded segment (its plan is rebuilt on load).
+_MAX_SEGMENT_BATCH, _MAX_SEGMENT_PARTS = 1 << 24, 1 << 16
 
 
 def manifest_fingerprint(shards: Sequence[Sequence[tuple[str, int, int, str]]]) -> str:
@@ -485,6 +487,11 @@ class EpochState:
             )
         if len(self.segments) >= MAX_SEGMENTS:
             raise PlanError(f"the epoch changed its global batch {MAX_SEGMENTS} times already: finish it first")
+        if self.global_batch > _MAX_SEGMENT_BATCH or self.partitions > _MAX_SEGMENT_PARTS:
+            raise PlanError(
+                f"state global_batch={self.global_batch} (partitions={self.partitions}) is too large to resume "
+                f"with another global batch (at most {_MAX_SEGMENT_BATCH}, {_MAX_SEGMENT_PARTS})"
+            )
         return self.global_batch, self.partitions, self.samples_seen
 
 
@@ -538,10 +545,16 @@ def _segments(raw: Any) -> tuple[tuple[int, int, int], ...]:
         ):
             raise PlanError(f"state segment {entry!r:.100} must be [global_batch, partitions, samples_seen]")
         batch, parts, seen = (int(v) for v in entry)
-        if batch < 1 or not 1 <= parts <= batch or seen <= last or (seen - last) % batch:
+        if (
+            not 1 <= batch <= _MAX_SEGMENT_BATCH
+            or not 1 <= parts <= min(batch, _MAX_SEGMENT_PARTS)
+            or seen <= last
+            or (seen - last) % batch
+        ):
             raise PlanError(
-                f"state segment {list(entry)} must have global_batch >= 1, 1 <= partitions <= global_batch and "
-                f"end after {last} by whole global batches"
+                f"state segment {list(entry)} must have 1 <= global_batch <= {_MAX_SEGMENT_BATCH}, "
+                f"1 <= partitions <= min(global_batch, {_MAX_SEGMENT_PARTS}) and end after {last} by whole "
+                "global batches"
             )
         out.append((batch, parts, seen))
         last = seen
