@@ -571,7 +571,14 @@ class StreamingDataset(IterableDataset[Any]):
     def __iter__(self) -> Iterator[Any]:
         world = detect_world(self.rank, self.world_size, self._inherited_world)
         key = self._iteration_key()
-        plan, progress = self._start(world, self._find_epoch(key))  # state_dict() may ask before the first sample
+        try:
+            plan, progress = self._start(world, self._find_epoch(key))  # state_dict() may ask before the first sample
+        except PlanError as exc:
+            if world.num_workers == 1:
+                raise
+            # In a DataLoader worker, raise with the first sample: the loader then hands the error to
+            # the main process at once (raised here, it kills the worker and is seen only after a timeout).
+            return _refused(exc)
         return self._iterate(world, key, plan, progress)
 
     def _start(self, world: World, epoch: int) -> tuple[EpochPlan, _Progress]:
@@ -902,6 +909,12 @@ class StreamingDataset(IterableDataset[Any]):
             f"StreamingDataset({self.source!r}, format={self.manifest.format!r}, "
             f"samples={self.num_samples}, shards={len(self.manifest.shards)}, shuffle={self.shuffle})"
         )
+
+
+def _refused(exc: StreamloadError) -> Iterator[Any]:
+    """An iterator that raises ``exc`` when asked for its first item."""
+    raise exc
+    yield  # a generator
 
 
 def _local_ranks() -> int:

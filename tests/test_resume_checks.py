@@ -7,7 +7,7 @@ the same size is refused by the fingerprint of its shards.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -59,24 +59,16 @@ def keys(batches: Any) -> list[str]:
     return [k for b in batches for k in b]
 
 
-# Each applied to the last worker's position (the first worker's is tampered with in process below).
-TAMPERING: dict[str, Callable[[dict[str, Any]], None]] = {
-    "past the end": lambda p: p.update(next_item=10**9),
-    "back to the start": lambda p: p.update(next_item=0),
-    "another first chunk": lambda p: p.update(first_chunk=3),
-    "one position 10**12": lambda p: p.update(next_item=10**12),
-    "a chunk not its own": lambda p: p.update(next_item=p["next_item"] + BATCH),
-}
-
-
-@pytest.mark.parametrize("how", sorted(TAMPERING))
-def test_tampered_worker_positions_are_refused(root: Path, how: str) -> None:
+def test_a_position_on_another_workers_chunk_is_refused(root: Path) -> None:
+    # Two real workers; the second one's position moved one chunk on, onto the first one's chunk.
     state = saved_state(root, workers=2, steps=5)
-    TAMPERING[how](positions(state)[-1])
+    positions(state)[-1]["next_item"] += BATCH
     resumed = loader(root, 2)
     resumed.load_state_dict(state)
-    with pytest.raises(PlanError, match="state worker position"):
+    with pytest.raises(PlanError, match="state worker position.*not in one of its chunks") as refused:
         keys(resumed)
+    del refused
+    gc.collect()  # the failed iterator's workers are shut down now, not in a later test
 
 
 def test_the_untouched_state_resumes(root: Path) -> None:
@@ -88,16 +80,30 @@ def test_the_untouched_state_resumes(root: Path) -> None:
     assert reference[: 5 * BATCH] + keys(good) == reference
 
 
-@pytest.mark.parametrize("next_item", [25, 0])
-def test_a_position_past_the_ranks_items_is_refused_in_process(root: Path, next_item: int) -> None:
-    # Two ranks of 24 items each; this rank's only worker (the main process) stopped after 3 batches.
+# Each applied to the position of a rank's only worker (the main process: num_workers=0), of
+# rank 1 of 2 (24 items each), saved after 3 batches (next_item 12).
+TAMPERING: dict[str, tuple[dict[str, int], str]] = {
+    "past the end": ({"next_item": 10**9}, "past the rank's 24 items"),
+    "one past the last item": ({"next_item": 25}, "past the rank's 24 items"),
+    "10**12": ({"next_item": 10**12}, "past the rank's 24 items"),
+    "back to the start": ({"next_item": 0}, "follows 0 items, not 12"),
+    "one batch back": ({"next_item": 8}, "follows 8 items, not 12"),
+    "another first chunk": ({"first_chunk": 3}, "first_chunk=3 is not the chunk of start=0"),
+    "a start after it": ({"start": 16}, "start=16 is after next_item=12"),
+}
+
+
+@pytest.mark.parametrize("how", sorted(TAMPERING))
+def test_tampered_worker_positions_are_refused(root: Path, how: str) -> None:
+    change, message = TAMPERING[how]
     state = saved_state(root, workers=0, steps=3, rank=1, world_size=2)
     assert positions(state)[0]["next_item"] == 12
-    positions(state)[0]["next_item"] = next_item
+    positions(state)[0].update(change)
     resumed = loader(root, 0, rank=1, world_size=2)
     resumed.load_state_dict(state)
-    with pytest.raises(PlanError, match="next_item=" + str(next_item)):
+    with pytest.raises(PlanError, match="state worker position") as refused:
         keys(resumed)
+    assert message in str(refused.value)
 
 
 def test_a_state_of_another_dataset_of_the_same_size_is_refused(root: Path, tmp_path: Path) -> None:
