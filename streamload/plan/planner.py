@@ -599,7 +599,10 @@ class EpochPlan:
             for lo in range(begin, end, _SLICE):
                 hi = min(lo + _SLICE, end)
                 items = self.rank_items(world.rank, lo, hi)
-                shards, locals_ = self.locate(self.to_epoch(items))
+                if isinstance(self.layout, Remainder):  # keys: the epoch's own items (per-sample randomness)
+                    shards, locals_, items = self.layout.locate_keys(self.to_epoch(items))
+                else:
+                    shards, locals_ = self.locate(self.to_epoch(items))
                 breaks = shards[1:] != shards[:-1]
                 if not self.split.shuffle:  # also where padding wraps around: runs stay ascending
                     breaks |= locals_[1:] <= locals_[:-1]
@@ -607,8 +610,6 @@ class EpochPlan:
                 bounds = [0, *cuts.tolist(), len(shards)]
                 positions = np.arange(lo, hi, dtype=np.int64)
                 heads: list[int] = shards[bounds[:-1]].tolist()
-                if isinstance(self.layout, Remainder):  # the key of per-sample randomness: the epoch's own item
-                    items = self.layout.keys(self.to_epoch(items))
                 for shard, a, b in zip(heads, bounds[:-1], bounds[1:], strict=True):
                     yield Run(shard, locals_[a:b], positions[a:b], items[a:b])
 
@@ -658,7 +659,7 @@ class Remainder:
             raise PlanError(f"{steps=} global batches outside the epoch's {parts.steps}")
         self.plan = plan
         self.steps = steps
-        widths = np.diff(parts.bounds)
+        widths = self._widths = np.diff(parts.bounds)
         self._begin = steps * widths  # first unread partition-order index of each partition
         left = (parts.steps - steps) * widths
         #: Per partition with padding: its unread padding's partition-order indices, sorted.
@@ -709,7 +710,7 @@ class Remainder:
             if mask.any():
                 before = pads - self._begin[part] - np.arange(len(pads))
                 j[mask] += np.searchsorted(before, pos[mask] - self._starts[part], side="right")
-        widths = np.diff(parts.bounds)[p]
+        widths = self._widths[p]
         out[inner] = parts.to_padded((j // widths) * parts.batch + parts.bounds[p] + j % widths)
         out[~inner] = plan.tail_items(positions[~inner] - self._in_parts)
         return out
@@ -723,3 +724,13 @@ class Remainder:
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Map positions of the rest to ``(shard index, index within shard)`` arrays."""
         return self.plan.layout.locate(self.items(positions))
+
+    def locate_keys(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`locate` and :meth:`keys` at once (one mapping through each level)."""
+        items = self.items(positions)
+        layout = self.plan.layout
+        if isinstance(layout, Remainder):
+            shards, locals_, keys = layout.locate_keys(items)
+            return shards, locals_, keys
+        shards, locals_ = layout.locate(items)
+        return shards, locals_, items
