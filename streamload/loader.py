@@ -286,12 +286,10 @@ class _Run:
         live = list(range(len(self.queues)))
         turn = 0
         while live:
-            w = live[turn % len(live)]
-            item = self._get(self.queues[w])
+            turn %= len(live)
+            item = self._get(self.queues[live[turn]])
             if item is _END:
-                live.remove(w)
-                if live:
-                    turn %= len(live)
+                del live[turn]  # the next reader in turn now stands at this index
                 continue
             if isinstance(item, _Raised):
                 raise item.error
