@@ -29,6 +29,7 @@ Nothing leaves the process: no child process, no shared-memory segment, no pickl
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Iterator, Mapping
@@ -221,6 +222,7 @@ class _Run:
         self.world_size = _world_size(ds)
         self.chunk = self.progress.chunk
         self.queues: list[queue.Queue[Any]] = [queue.Queue(loader.prefetch) for _ in readers]
+        self.gate = threading.BoundedSemaphore(_cores())
         collate = ds.collate is None
         for w, (reader, q) in enumerate(zip(readers, self.queues, strict=True)):
             thread = threading.Thread(
@@ -257,19 +259,37 @@ class _Run:
         from torch.utils.data import default_collate, default_convert
 
         size = self.chunk
+        # The first round of batches: no more at once than there are cores, so that batch 0
+        # is not slowed down by every other thread's first batch (the first batch comes as
+        # early as with one reader per core).
+        gate = self.gate
+        waiting = True
+        while not gate.acquire(timeout=_POLL):
+            if self.stopped.is_set():
+                waiting = False
+                break
         try:
+            if not waiting:
+                return
             if collate:
                 samples: list[Any] = []
                 for sample in reader:
                     samples.append(sample)
                     if len(samples) == size:
-                        if not self._put(q, default_collate(samples)):
+                        batch = default_collate(samples)
+                        if waiting:
+                            gate.release()
+                            waiting = False
+                        if not self._put(q, batch):
                             return
                         samples = []
                 if samples and not self._put(q, default_collate(samples)):
                     return
             else:
                 for batch in reader:
+                    if waiting:
+                        gate.release()
+                        waiting = False
                     # What DataLoader(batch_size=None) does to each item in its workers.
                     if self.stopped.is_set() or not self._put(q, default_convert(batch)):  # type: ignore[no-untyped-call]
                         return
@@ -277,6 +297,8 @@ class _Run:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, in order
             self._put(q, _Raised(exc))
         finally:
+            if waiting:
+                gate.release()
             close = getattr(reader, "close", None)
             if close is not None:
                 close()  # in this thread: the reader's shards and read-ahead end here
@@ -381,6 +403,14 @@ def _world_size(ds: StreamingDataset) -> int:
     from .plan import detect_rank_world
 
     return detect_rank_world(ds.rank, ds.world_size, ds._inherited_world)[1]
+
+
+def _cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def _accelerator_present() -> bool:
