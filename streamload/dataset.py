@@ -820,6 +820,10 @@ class StreamingDataset(IterableDataset[Any]):
         users[2 * free + 1] = kind
         return free
 
+    def _enter_threads(self) -> int:
+        """:meth:`_enter` for a :class:`streamload.Loader`'s iteration."""
+        return self._enter(_LOADER)
+
     def _leave(self, slot: int) -> None:
         """Unregister the slot :meth:`_enter` returned."""
         if slot >= 0 and int(self._users[2 * slot]) == os.getpid():

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ._errors import ConfigError, PlanError
-from .dataset import _LOADER, StreamingDataset
+from .dataset import StreamingDataset
 
 __all__ = ["Loader"]
 
@@ -212,7 +212,7 @@ class _Run:
         self.threads: list[threading.Thread] = []
         self.slot = -1
         ds = loader.dataset
-        self.slot = ds._enter(_LOADER)
+        self.slot = ds._enter_threads()
         try:
             self.progress, readers = ds._thread_iterations(loader.threads)
         except BaseException:
