@@ -27,6 +27,7 @@ from ._errors import (
 from .access import SampleView, ShardedDataset
 from .dataset import SkipCounts, StreamingDataset
 from .decode import ImageLabel, decode_sample
+from .loader import Loader
 from .manifest import Manifest, ShardEntry
 from .randomness import sample_generator, sample_seed
 from .shards import StorageConfig
@@ -45,6 +46,7 @@ __all__ = [
     "DestinationBusyError",
     "DatasetWriter",
     "ImageLabel",
+    "Loader",
     "Manifest",
     "ManifestError",
     "ManifestNotFoundError",

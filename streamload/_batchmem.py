@@ -157,15 +157,16 @@ class _LocalPool:
         return tensor
 
 
-_LOCAL: tuple[int, _LocalPool] | None = None
+#: One pool per thread (a :class:`streamload.Loader` makes batches on several threads at once).
+_LOCAL = threading.local()
 
 
 def _local_pool() -> _LocalPool:
-    global _LOCAL
     pid = os.getpid()
-    if _LOCAL is None or _LOCAL[0] != pid:
-        _LOCAL = (pid, _LocalPool())
-    return _LOCAL[1]
+    mine: tuple[int, _LocalPool] | None = getattr(_LOCAL, "pool", None)
+    if mine is None or mine[0] != pid:
+        mine = _LOCAL.pool = (pid, _LocalPool())
+    return mine[1]
 
 
 def _layout(parts: Sequence[tuple[Sequence[int], torch.dtype]]) -> tuple[list[int], int]:

@@ -89,6 +89,11 @@ _STREAM_READERS = 2
 #: samples are yielded one by one.
 _MAX_BATCHES_AHEAD = 32
 _SAMPLE_UNIT = 64
+#: Who is iterating the dataset now: ``(pid, kind)`` slots in shared memory, so that a
+#: :class:`streamload.Loader` (threads) and a DataLoader (processes) never read one dataset
+#: at once (their epochs would collide). Kinds: the dataset's own iterator, a Loader's.
+_USERS = 64
+_ITERATOR, _LOADER = 1, 2
 
 OnError = Literal["raise", "skip"]
 
@@ -289,6 +294,8 @@ class StreamingDataset(IterableDataset[Any]):
         self._skipped.share_memory_()  # type: ignore[no-untyped-call]
         #: This process's counts of samples skipped under ``on_error="skip"``, in all and per shard.
         self.errors = SkipCounts()
+        self._users = torch.zeros(2 * _USERS, dtype=torch.int64)
+        self._users.share_memory_()  # type: ignore[no-untyped-call]
 
     # -- sizes and epochs ----------------------------------------------------------
 
@@ -590,11 +597,15 @@ class StreamingDataset(IterableDataset[Any]):
 
     def _iterate(self, world: World, key: int, plan: EpochPlan, progress: _Progress) -> Iterator[Any]:
         """One iteration: its epoch is claimed when its first sample is asked for."""
-        epoch = self._claim_epoch(key)
-        if epoch != progress.epoch:  # another iteration claimed in between
-            plan, progress = self._start(world, epoch)
-        self._warn_locality(plan, world)
-        yield from self._iter_plan(plan, world, progress)
+        slot = self._enter(_ITERATOR)
+        try:
+            epoch = self._claim_epoch(key)
+            if epoch != progress.epoch:  # another iteration claimed in between
+                plan, progress = self._start(world, epoch)
+            self._warn_locality(plan, world)
+            yield from self._iter_plan(plan, world, progress)
+        finally:
+            self._leave(slot)
 
     def _warn_locality(self, plan: EpochPlan, world: World) -> None:
         """Warn once per world size (in the first reader of rank 0) if its ranks straddle partitions.
@@ -881,6 +892,73 @@ class StreamingDataset(IterableDataset[Any]):
         it over ranks for the job's total.
         """
         return int(self._skipped.sum())
+
+    # -- iteration on threads (streamload.Loader) -------------------------------------
+
+    def _enter(self, kind: int) -> int:
+        """Register this process as iterating the dataset as ``kind``; return its slot.
+
+        Raises:
+            ConfigError: If a reader of the other kind (a :class:`streamload.Loader`'s
+                threads, or the dataset's own iterator in a DataLoader) is iterating it now.
+        """
+        users, pid = self._users, os.getpid()
+        free = None
+        for i in range(_USERS):
+            slot = (pid + i) % _USERS
+            other, other_kind = int(users[2 * slot]), int(users[2 * slot + 1])
+            if other and other_kind != kind and _alive(other):
+                mine, theirs = ("a streamload.Loader", "a DataLoader (or a loop over it)")
+                if kind == _LOADER:
+                    mine, theirs = theirs, mine
+                raise ConfigError(
+                    f"{self.source}: this dataset is being iterated by {mine} (process {other}); "
+                    f"{theirs} cannot read it at the same time (the two would read the same samples): "
+                    "finish or delete the other iteration, or give each loader its own StreamingDataset"
+                )
+            if free is None and (not other or not _alive(other)):
+                free = slot
+        if free is None:  # every slot held by a live reader of this kind: not tracked
+            return -1
+        users[2 * free] = pid
+        users[2 * free + 1] = kind
+        return free
+
+    def _enter_threads(self) -> int:
+        """:meth:`_enter` for a :class:`streamload.Loader`'s iteration."""
+        return self._enter(_LOADER)
+
+    def _leave(self, slot: int) -> None:
+        """Unregister the slot :meth:`_enter` returned."""
+        if slot >= 0 and int(self._users[2 * slot]) == os.getpid():
+            self._users[2 * slot] = 0
+            self._users[2 * slot + 1] = 0
+
+    def _thread_iterations(self, threads: int) -> tuple[_Progress, list[Iterator[Any]]]:
+        """One iteration read by ``threads`` readers of this process (:class:`streamload.Loader`).
+
+        Claims the epoch now, and plans it as if this rank had ``threads`` DataLoader
+        workers: reader ``w`` reads exactly what worker ``w`` would, so taking their
+        batches in turn gives the DataLoader's batches for any number of workers. Returns
+        the rank's progress (set as this process's, its ``next_item`` advanced by the
+        caller as batches are consumed) and one lazy iterator per reader.
+        """
+        rank, world_size = detect_rank_world(self.rank, self.world_size, self._inherited_world)
+        storages = self._get_storages()  # opened here, once, not by the readers at once
+        del storages
+        epoch = self._claim_epoch(secrets.randbits(62) | 1)
+        plan = self.plan(epoch, world_size)
+        readers: list[Iterator[Any]] = []
+        start = first = 0
+        for worker in range(threads):
+            world = World(rank, world_size, worker, threads)
+            start, first = self._resume_point(world, plan)
+            if worker == 0:
+                self._warn_locality(plan, world)
+            progress = _Progress(epoch, plan.chunk_size(threads), start, first)
+            readers.append(self._iter_plan(plan, world, progress))
+        self._progress = _Progress(epoch, plan.chunk_size(threads), start, first)
+        return self._progress, readers
 
     # -- per-process resources -----------------------------------------------------
 

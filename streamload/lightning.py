@@ -26,12 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from torch.utils.data import DataLoader
 
 from ._errors import ConfigError
 from .dataset import StreamingDataset
+from .loader import Loader
 from .shards import STORAGE_KEYWORDS, StorageConfig, storage_config
 from .streams import StreamSource
 from .watching import Mark, Watch, watch
@@ -105,7 +106,10 @@ class StreamingDataModule(pl.LightningDataModule):
         eval_collate: Batch maker of the validation and test sets (default: ``collate``).
         shuffle: Shuffle the training set (validation and test are read in order).
         seed: Shuffle seed; with the epoch it fixes the order on every rank.
-        loader: Other DataLoader settings.
+        loader: Other DataLoader settings; or ``"threads"``: read with
+            :class:`streamload.Loader` on ``num_workers`` threads of each rank's process
+            instead of worker processes (the same batches; no ``/dev/shm``; see
+            ``docs/threads.md``). Its state is saved in Lightning's checkpoints.
         epoch_size: Samples per training epoch, all ranks (the training set only; see
             :class:`StreamingDataset`): subsamples or upsamples one dataset, or sets the
             size the training streams' weights share.
@@ -145,7 +149,7 @@ class StreamingDataModule(pl.LightningDataModule):
         eval_collate: Callable[[list[Any]], Any] | None = None,
         shuffle: bool = True,
         seed: int = 0,
-        loader: LoaderOptions | None = None,
+        loader: LoaderOptions | Literal["threads"] | None = None,
         epoch_size: int | None = None,
         storage: StorageConfig | None = None,
         dataset_options: Mapping[str, Any] | None = None,
@@ -172,7 +176,13 @@ class StreamingDataModule(pl.LightningDataModule):
         self.eval_transform = transform if eval_transform is None else eval_transform
         self.collate = collate
         self.eval_collate = collate if eval_collate is None else eval_collate
-        self.loader = loader or LoaderOptions()
+        #: ``True``: read on threads (:class:`streamload.Loader`), ``num_workers`` of them.
+        self.threads = loader == "threads"
+        if isinstance(loader, str) and not self.threads:
+            raise ConfigError(f"loader={loader!r} must be a LoaderOptions or 'threads'")
+        if self.threads and num_workers < 1:
+            raise ConfigError(f"loader='threads' reads on num_workers threads: {num_workers=} must be >= 1")
+        self.loader = loader if isinstance(loader, LoaderOptions) else LoaderOptions()
         if collate is not None and self.loader.collate_fn is not None:
             raise ConfigError("pass either collate= (batches made by the dataset) or LoaderOptions(collate_fn=)")
         self.shuffle = shuffle
@@ -234,7 +244,7 @@ class StreamingDataModule(pl.LightningDataModule):
 
     # -- loaders ---------------------------------------------------------------------
 
-    def train_dataloader(self) -> DataLoader[Any]:
+    def train_dataloader(self) -> DataLoader[Any] | Loader:
         """Return the training loader, its dataset set to the trainer's current epoch.
 
         Lightning creates the first epoch's iterator (and so starts the workers) in the
@@ -249,21 +259,25 @@ class StreamingDataModule(pl.LightningDataModule):
             self.watch = watch(loader, attach=True)
         return loader
 
-    def val_dataloader(self) -> DataLoader[Any]:
+    def val_dataloader(self) -> DataLoader[Any] | Loader:
         """Return the validation loader."""
         return self._loader("val")
 
-    def test_dataloader(self) -> DataLoader[Any]:
+    def test_dataloader(self) -> DataLoader[Any] | Loader:
         """Return the test loader."""
         return self._loader("test")
 
-    def _loader(self, split: str) -> DataLoader[Any]:
+    def _loader(self, split: str) -> DataLoader[Any] | Loader:
         dataset = self.datasets.get(split)
         if dataset is None:
             if self.urls[split] is None:
                 raise ConfigError(f"StreamingDataModule has no {split} dataset: pass {split}=URL")
             dataset = self.datasets[split] = self._build(split)
         opts = self.loader
+        if self.threads:
+            return Loader(
+                dataset, threads=self.num_workers, pin_memory=opts.pin_memory, prefetch=opts.prefetch_factor or 2
+            )
         workers = self.num_workers > 0
         extra: dict[str, Any] = {}
         if workers and opts.prefetch_factor is not None:
@@ -314,7 +328,7 @@ def streaming_datasets(loaders: Any) -> Iterator[StreamingDataset]:
     """Yield each :class:`StreamingDataset` behind a loader or a collection of loaders.
 
     Args:
-        loaders: A DataLoader, a Lightning ``CombinedLoader``, or a list, tuple or dict of
+        loaders: A DataLoader or :class:`streamload.Loader`, a Lightning ``CombinedLoader``, or a list, tuple or dict of
             them (what ``trainer.train_dataloader`` holds).
     """
     if loaders is None:
@@ -322,7 +336,7 @@ def streaming_datasets(loaders: Any) -> Iterator[StreamingDataset]:
     flattened = getattr(loaders, "flattened", None)  # CombinedLoader
     if isinstance(flattened, list):
         loaders = flattened
-    if isinstance(loaders, DataLoader):
+    if isinstance(loaders, DataLoader | Loader):
         if isinstance(loaders.dataset, StreamingDataset):
             yield loaders.dataset
     elif isinstance(loaders, Mapping):

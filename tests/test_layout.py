@@ -52,6 +52,7 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload.synthetic",
         "streamload._options",
         "streamload.watching",
+        "streamload.loader",
     ),
     ("streamload.lightning", "streamload.bench", "streamload.demo"),
     ("streamload.cli", "streamload"),

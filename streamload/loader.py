@@ -1,0 +1,492 @@
+"""``Loader``: the DataLoader's batches, made on threads of the calling process.
+
+A DataLoader worker is a process: under fork its pages are copied bit by bit as Python's
+reference counts touch them, under spawn it imports torch again, and every batch crosses
+to the training process through ``/dev/shm`` (64 MB in a default Docker container).
+Decoding an image (Pillow, simplejpeg) and reading a shard (``preadv``) run in C with the
+GIL released, so threads can do that work in parallel in one process instead.
+
+:class:`Loader` runs the dataset's own pipeline (plan, read, transform, ``collate``) on
+``threads`` threads. Thread ``w`` reads exactly what DataLoader worker ``w`` of
+``threads`` workers would read (the planner deals a rank's batches to its readers in
+turn), and the batches are taken from the threads in turn, as the DataLoader takes them
+from its workers. Since the dataset's batches do not depend on the number of workers,
+the result is the batches ``DataLoader(dataset, batch_size=None, num_workers=k)`` yields
+for any ``k``, bit for bit (random crops and flips are keyed by each sample's epoch and
+position, :func:`streamload.sample_generator`), for any number of threads::
+
+    thread 0:  plan -> read batch 0, 2, 4 ... -> collate   -> queue 0 (prefetch batches)
+    thread 1:  plan -> read batch 1, 3, 5 ... -> collate   -> queue 1
+    main:      queue 0, queue 1, queue 0, ...              -> [pin/copy thread] -> caller
+
+Each thread's work is a whole batch at a time (a :class:`~streamload.batch.RawCollate`
+reads it with one ``preadv`` per run; :class:`~streamload.decode.DecodeBatch` decodes
+each image into its slot of the batch buffer), so little Python runs per sample.
+
+Nothing leaves the process: no child process, no shared-memory segment, no pickling.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ._errors import ConfigError, PlanError
+from .dataset import StreamingDataset
+
+__all__ = ["Loader"]
+
+log = logging.getLogger("streamload")
+
+#: How often a blocked thread looks whether the iteration was stopped (seconds).
+_POLL = 0.1
+
+
+class _End:
+    """A reader thread's last queue item: it has no more batches."""
+
+
+class _Raised:
+    """A reader thread's error, re-raised in the caller when its batch is due."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_END = _End()
+
+
+class Loader:
+    """Iterate a :class:`~streamload.StreamingDataset`'s batches on threads, in this process.
+
+    Yields exactly the batches ``DataLoader(dataset, batch_size=None, num_workers=k)``
+    yields, for any ``k`` and any number of threads: the same keys at every step and
+    bit-identical tensors, random crops and flips included. The dataset needs a
+    ``batch_size``; with a ``collate`` (e.g. :class:`~streamload.decode.DecodeBatch`) its
+    batches are yielded as they are, without one each batch of ``batch_size`` samples is
+    put together by ``default_collate`` (the batches of ``DataLoader(dataset,
+    batch_size=dataset.batch_size)``).
+
+    Args:
+        dataset: The dataset to read; it must have a ``batch_size``.
+        threads: Threads that read and collate batches (each does a whole batch at a
+            time). The batches do not depend on it.
+        pin_memory: Copy each batch into page-locked memory (on a background thread), so
+            that a copy to the GPU can overlap with compute. Ignored (with a warning) when
+            no accelerator is present.
+        prefetch: Batches each thread makes ahead of the caller (the DataLoader's
+            ``prefetch_factor``); also the batches pinned or copied ahead.
+        device: Copy each batch to this device on a background thread (with a CUDA
+            device: on a stream of its own, the caller's stream waiting for the copy).
+
+    Raises:
+        ConfigError: If ``threads`` or ``prefetch`` is below 1, or the dataset has no
+            ``batch_size``.
+
+    ``set_epoch`` goes through the dataset (``loader.dataset.set_epoch(n)``, or
+    :meth:`set_epoch`). :meth:`state_dict` is the dataset's plain state with the samples
+    this loader's caller has consumed: :meth:`load_state_dict` resumes it exactly, on any
+    number of threads, and so does ``dataset.load_state_dict(state)`` followed by any
+    DataLoader (and back: a DataLoader run's dataset state, or a ``StatefulDataLoader``'s
+    own state, loads here).
+
+    A dataset iterated by a ``Loader`` may not be iterated by a DataLoader at the same
+    time (a :class:`~streamload.ConfigError` says so): their epochs would collide.
+
+    Example:
+        >>> ds = StreamingDataset("shards/", shuffle=True, batch_size=256,
+        ...                       collate=DecodeBatch(224, crop="random", flip=True))  # doctest: +SKIP
+        >>> for images, labels in Loader(ds, threads=8, device="cuda"):  # doctest: +SKIP
+        ...     ...
+    """
+
+    def __init__(
+        self,
+        dataset: StreamingDataset,
+        *,
+        threads: int = 4,
+        pin_memory: bool = False,
+        prefetch: int = 2,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not isinstance(dataset, StreamingDataset):
+            raise ConfigError(f"Loader reads a StreamingDataset, not {type(dataset).__name__}")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ConfigError(f"threads={threads!r} must be an integer >= 1")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+            raise ConfigError(f"prefetch={prefetch!r} must be an integer >= 1")
+        if dataset.batch_size is None:
+            raise ConfigError(
+                f"Loader needs a dataset with batch_size= (got {dataset!r}): the threads take whole batches in turn"
+            )
+        self.dataset = dataset
+        self.threads = threads
+        self.prefetch = prefetch
+        self.device = None if device is None else torch.device(device)
+        self.pin_memory = pin_memory and _accelerator_present()
+        if pin_memory and not self.pin_memory:
+            log.warning("Loader(pin_memory=True): no accelerator present, batches are not pinned")
+        self._run: _Run | None = None
+
+    # -- epochs and state ----------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (``len(dataset)`` for a collated dataset)."""
+        n = len(self.dataset)
+        if self.dataset.collate is None:
+            b = self.dataset.batch_size
+            assert b is not None
+            return -(-n // b)
+        return n
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch`` (:meth:`StreamingDataset.set_epoch`)."""
+        self.dataset.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return where the epoch stands: the dataset's plain state, counting the batches yielded.
+
+        The state (ints, bools and ``None``: JSON-safe) is the one
+        :meth:`StreamingDataset.state_dict` gives for the samples this loader's caller
+        has consumed, all ranks (``steps * batch_size * world_size``); batches made
+        ahead by the threads and not yet yielded do not count.
+        """
+        ds = self.dataset
+        run = self._run
+        if run is not None and ds._progress is run.progress:
+            return ds.state_dict(samples_seen=run.world_size * run.progress.next_item)
+        if ds._resume is not None and ds._progress is None:  # loaded, not iterated yet
+            return ds._resume.to_dict()
+        return ds.state_dict(samples_seen=0)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` at the next iteration (call it before iterating).
+
+        Args:
+            state: A state from :meth:`state_dict` or :meth:`StreamingDataset.state_dict`
+                (saved by any number of threads, DataLoader workers or ranks with the same
+                global batch), or a ``torchdata`` ``StatefulDataLoader``'s own
+                ``state_dict()`` of this dataset.
+
+        Raises:
+            PlanError: If the state is malformed or belongs to another dataset configuration.
+        """
+        self.close()
+        self.dataset.load_state_dict(_dataset_state(state))
+
+    # -- iteration -----------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        self.close()  # a new iteration ends the previous one, as a DataLoader's does
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[Any]:
+        run = _Run(self)
+        self._run = run
+        try:
+            yield from run
+        finally:
+            run.stop()
+
+    def close(self) -> None:
+        """Stop the current iteration's threads (a new iteration does it too)."""
+        if self._run is not None:
+            self._run.stop()
+
+    def __repr__(self) -> str:
+        return f"Loader({self.dataset!r}, threads={self.threads}, prefetch={self.prefetch})"
+
+
+class _Run:
+    """One iteration: the reader threads, their queues and the optional transfer thread."""
+
+    def __init__(self, loader: Loader) -> None:
+        self.loader = loader
+        self.stopped = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.slot = -1
+        ds = loader.dataset
+        self.slot = ds._enter_threads()
+        try:
+            self.progress, readers = ds._thread_iterations(loader.threads)
+        except BaseException:
+            ds._leave(self.slot)
+            self.slot = -1
+            raise
+        self.world_size = _world_size(ds)
+        self.chunk = self.progress.chunk
+        self.queues: list[queue.Queue[Any]] = [queue.Queue(loader.prefetch) for _ in readers]
+        self.gate = threading.BoundedSemaphore(_cores())
+        collate = ds.collate is None
+        for w, (reader, q) in enumerate(zip(readers, self.queues, strict=True)):
+            thread = threading.Thread(
+                target=self._read, args=(reader, q, collate), name=f"streamload-loader-{w}", daemon=True
+            )
+            self.threads.append(thread)
+        self.transfer: threading.Thread | None = None
+        self.out: queue.Queue[Any] | None = None
+        self.stream: Any = None
+        if loader.pin_memory or loader.device is not None:
+            self.out = queue.Queue(loader.prefetch)
+            if loader.device is not None and loader.device.type == "cuda":
+                self.stream = torch.cuda.Stream(loader.device)  # type: ignore[no-untyped-call]
+            self.transfer = threading.Thread(target=self._transfer, name="streamload-loader-copy", daemon=True)
+        for thread in self.threads:
+            thread.start()
+        if self.transfer is not None:
+            self.transfer.start()
+
+    # -- threads -------------------------------------------------------------------
+
+    def _put(self, q: queue.Queue[Any], item: Any) -> bool:
+        """Put ``item`` unless the iteration stops first; return False if it stopped."""
+        while not self.stopped.is_set():
+            try:
+                q.put(item, timeout=_POLL)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _read(self, reader: Iterator[Any], q: queue.Queue[Any], collate: bool) -> None:
+        """A reader thread: its batches, in its order, into its queue."""
+        from torch.utils.data import default_collate, default_convert
+
+        size = self.chunk
+        # The first round of batches: no more at once than there are cores, so that batch 0
+        # is not slowed down by every other thread's first batch (the first batch comes as
+        # early as with one reader per core).
+        gate = self.gate
+        waiting = True
+        while not gate.acquire(timeout=_POLL):
+            if self.stopped.is_set():
+                waiting = False
+                break
+        try:
+            if not waiting:
+                return
+            if collate:
+                samples: list[Any] = []
+                for sample in reader:
+                    samples.append(sample)
+                    if len(samples) == size:
+                        batch = default_collate(samples)
+                        if waiting:
+                            gate.release()
+                            waiting = False
+                        if not self._put(q, batch):
+                            return
+                        samples = []
+                if samples and not self._put(q, default_collate(samples)):
+                    return
+            else:
+                for batch in reader:
+                    if waiting:
+                        gate.release()
+                        waiting = False
+                    # What DataLoader(batch_size=None) does to each item in its workers.
+                    if self.stopped.is_set() or not self._put(q, default_convert(batch)):  # type: ignore[no-untyped-call]
+                        return
+            self._put(q, _END)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, in order
+            self._put(q, _Raised(exc))
+        finally:
+            if waiting:
+                gate.release()
+            close = getattr(reader, "close", None)
+            if close is not None:
+                close()  # in this thread: the reader's shards and read-ahead end here
+
+    def _ordered(self) -> Iterator[Any]:
+        """The readers' batches in turn (a finished reader drops out), as the DataLoader takes them."""
+        live = list(range(len(self.queues)))
+        turn = 0
+        while live:
+            turn %= len(live)
+            item = self._get(self.queues[live[turn]])
+            if item is _END:
+                del live[turn]  # the next reader in turn now stands at this index
+                continue
+            if isinstance(item, _Raised):
+                raise item.error
+            turn += 1
+            yield item
+
+    def _get(self, q: queue.Queue[Any]) -> Any:
+        while True:
+            try:
+                return q.get(timeout=_POLL)
+            except queue.Empty:
+                if self.stopped.is_set():
+                    raise _Stopped from None
+
+    def _transfer(self) -> None:
+        """The copy thread: pin each batch and copy it to the device, ahead of the caller."""
+        out = self.out
+        assert out is not None
+        loader = self.loader
+        try:
+            for batch in self._ordered():
+                if loader.pin_memory:
+                    from torch.utils.data._utils.pin_memory import pin_memory
+
+                    batch = pin_memory(batch, loader.device)  # type: ignore[no-untyped-call]
+                event = None
+                if loader.device is not None:
+                    if self.stream is not None:
+                        with torch.cuda.stream(self.stream):
+                            batch = _to_device(batch, loader.device)
+                        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                        event.record(self.stream)
+                    else:
+                        batch = _to_device(batch, loader.device)
+                if not self._put(out, (batch, event)):
+                    return
+            self._put(out, _END)
+        except _Stopped:
+            return
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            self._put(out, _Raised(exc))
+
+    # -- the caller's side -----------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        progress = self.progress
+        try:
+            if self.out is None:
+                for batch in self._ordered():
+                    progress.next_item += self.chunk
+                    yield batch
+                return
+            while True:
+                item = self._get(self.out)
+                if item is _END:
+                    return
+                if isinstance(item, _Raised):
+                    raise item.error
+                batch, event = item
+                if event is not None:
+                    current = torch.cuda.current_stream(self.loader.device)
+                    current.wait_event(event)
+                    for tensor in _tensors(batch):
+                        if tensor.is_cuda:
+                            tensor.record_stream(current)
+                progress.next_item += self.chunk
+                yield batch
+        except _Stopped:
+            return
+
+    def stop(self) -> None:
+        """Stop every thread of the iteration and unregister it from the dataset."""
+        if self.stopped.is_set():
+            return
+        self.stopped.set()
+        me = threading.current_thread()
+        for thread in [*self.threads, *([self.transfer] if self.transfer is not None else [])]:
+            if thread is not me and thread.is_alive():
+                thread.join()
+        self.loader.dataset._leave(self.slot)
+        self.slot = -1
+
+
+class _Stopped(Exception):
+    """The iteration was stopped while a thread waited for a batch."""
+
+
+def _world_size(ds: StreamingDataset) -> int:
+    from .plan import detect_rank_world
+
+    return detect_rank_world(ds.rank, ds.world_size, ds._inherited_world)[1]
+
+
+def _cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def _accelerator_present() -> bool:
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - a broken driver: no accelerator
+        return False
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    """Return ``batch`` with every tensor on ``device`` (batches with ``.to``, dicts, lists, tuples)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    to = getattr(batch, "to", None)
+    if to is not None and hasattr(batch, "pin_memory"):  # RawBatch, ImageBatch
+        return to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(_to_device(v, device) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of a batch (for ``record_stream``)."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            yield from _tensors(value)
+    elif isinstance(batch, list | tuple):
+        for value in batch:
+            yield from _tensors(value)
+    else:
+        for name in ("images", "labels", "data", "offsets"):
+            value = getattr(batch, name, None)
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+def _dataset_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Return the dataset state in ``state``: itself, or derived from a ``StatefulDataLoader``'s state.
+
+    A ``StatefulDataLoader`` keeps each worker's dataset state as of the last batch it
+    yielded (its rank-order position); the loader has consumed every batch before the
+    furthest of them, plus the steps since that snapshot.
+    """
+    if not isinstance(state, Mapping):
+        raise PlanError(f"state must be a dict, got {type(state).__name__}")
+    if "version" in state:
+        return state
+    if isinstance(state.get("dataset_state"), Mapping):  # StatefulDataLoader without workers
+        return dict(state["dataset_state"])
+    snapshot = state.get("_snapshot")
+    workers = snapshot.get("_worker_snapshots") if isinstance(snapshot, Mapping) else None
+    if not isinstance(workers, Mapping) or not workers:
+        raise PlanError(
+            "state is neither a StreamingDataset state nor a StatefulDataLoader state of one "
+            f"(keys: {sorted(map(str, state))[:8]})"
+        )
+    inner = [w.get("dataset_state") if isinstance(w, Mapping) else None for w in workers.values()]
+    if not all(isinstance(s, Mapping) and isinstance(s.get("worker"), Mapping) for s in inner):
+        raise PlanError("StatefulDataLoader state without a StreamingDataset worker position in every worker")
+    positions = [s["worker"] for s in inner]  # type: ignore[index]
+    nexts = [p.get("next_item") for p in positions]
+    chunk = positions[0].get("chunk")
+    since = state.get("_steps_since_snapshot", 0)
+    well_formed = all(isinstance(n, int) and n >= 0 for n in nexts)
+    if not well_formed or not isinstance(chunk, int) or not isinstance(since, int):
+        raise PlanError("StatefulDataLoader state with a malformed worker position")
+    first = dict(inner[0])  # type: ignore[arg-type]
+    world_size = first.get("world_size")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise PlanError(f"StatefulDataLoader state with world_size={world_size!r}")
+    first["worker"] = None
+    first["samples_seen"] = world_size * (max(nexts) + since * chunk)
+    return first
