@@ -42,6 +42,7 @@ import numpy as np
 import torch.utils.data
 import xxhash
 
+from ._atexit import close_at_exit
 from ._errors import ConfigError, SampleNotFoundError, StreamloadError
 from .formats import Sample
 from .manifest import Manifest
@@ -342,13 +343,14 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
             self._storage = self.ref.open_storage()
             self._readers = ShardSource(self.ref, self._storage, self.open_readers)
             self._pid = os.getpid()
+            close_at_exit(self)  # its shards are closed before the interpreter's teardown
         return self._readers
 
-    def close(self) -> None:
+    def close(self, _getpid: Callable[[], int] = os.getpid) -> None:
         """Close this process's open shards and storage (reopened on the next access)."""
         readers, storage = self._readers, self._storage
         self._readers = self._storage = None
-        if readers is not None and self._pid == os.getpid():
+        if readers is not None and self._pid == _getpid():  # bound at definition: usable at exit
             try:
                 readers.close()
             finally:
@@ -357,6 +359,7 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
 
     def __del__(self) -> None:
         # Shards left open by a dataset dropped without close(): their descriptors go with it.
+        # Never raises, also at interpreter exit (when the modules' globals may be gone).
         try:
             self.close()
         except Exception:  # noqa: BLE001, S110 - best effort at collection time

@@ -27,15 +27,17 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import sys
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
 from torch.utils.data import IterableDataset
 
+from ._atexit import close_at_exit
 from ._errors import CacheError, ConfigError, CorruptShardError, PlanError, SampleError, StreamloadError
 from ._stages import SAMPLE_EVERY, Clock, StageTable
 from ._validate import check_epoch, check_samples_seen, dataset_args, warn_remote_only
@@ -492,7 +494,9 @@ class StreamingDataset(IterableDataset[Any]):
         world = detect_world(self.rank, self.world_size, self._inherited_world)
         key = self._iteration_key()
         plan, progress = self._start(world, self._find_epoch(key))  # state_dict() may ask before the first sample
-        return self._iterate(world, key, plan, progress)
+        iterator = self._iterate(world, key, plan, progress)
+        close_at_exit(iterator)  # closed before the interpreter's teardown if still alive then
+        return iterator
 
     def _start(self, world: World, epoch: int) -> tuple[EpochPlan, _Progress]:
         plan = self.plan(epoch, world.world_size)
@@ -501,13 +505,22 @@ class StreamingDataset(IterableDataset[Any]):
         self._progress = progress
         return plan, progress
 
-    def _iterate(self, world: World, key: int, plan: EpochPlan, progress: _Progress) -> Iterator[Any]:
-        """One iteration: its epoch is claimed when its first sample is asked for."""
+    def _iterate(self, world: World, key: int, plan: EpochPlan, progress: _Progress) -> Generator[Any, None, None]:
+        """One iteration: its epoch is claimed when its first sample is asked for.
+
+        An iterator still alive at interpreter exit is closed after the modules' globals
+        are gone: what its cleanup raises then is dropped, not printed.
+        """
+        finalizing = sys.is_finalizing  # bound now: the module's globals may be gone at exit
         epoch = self._claim_epoch(key)
         if epoch != progress.epoch:  # another iteration claimed in between
             plan, progress = self._start(world, epoch)
         self._warn_locality(plan, world)
-        yield from self._iter_plan(plan, world, progress)
+        try:
+            yield from self._iter_plan(plan, world, progress)
+        except Exception:
+            if not finalizing():
+                raise
 
     def _warn_locality(self, plan: EpochPlan, world: World) -> None:
         """Warn once per world size (in the first reader of rank 0) if its ranks straddle partitions."""

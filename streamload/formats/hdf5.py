@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -541,14 +541,20 @@ class Hdf5ShardReader(ShardReader):
         keys = [blob[bounds[i] : bounds[i + 1]].decode("utf-8", "surrogateescape") for i in range(n)]
         return keys, sizes.tolist()
 
-    def close(self) -> None:
-        """Close the file descriptor and any open HDF5 handle."""
+    def close(self, _close: Callable[[int], None] = os.close) -> None:
+        """Close the file descriptor and any open HDF5 handle.
+
+        ``os.close`` is bound at definition: at interpreter exit this may run after the
+        module's globals are gone.
+        """
         fd, h5 = self._fd, self._h5
         self._fd, self._h5, self._pid = None, None, -1
-        if h5 is not None:
-            h5.close()
-        if fd is not None:
-            os.close(fd)
+        try:
+            if h5 is not None:
+                h5.close()
+        finally:
+            if fd is not None:
+                _close(fd)
 
 
 FORMAT = Format(

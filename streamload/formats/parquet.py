@@ -1074,13 +1074,18 @@ class ParquetShardReader(ShardReader):
         for i in range(start, stop):
             yield self.get(i)
 
-    def close(self) -> None:
-        """Drop the open file and the decoded row groups."""
-        if self._pid == os.getpid():
-            _CACHE.drop(self._token)
-            if self._bytes is not None:
-                self._bytes.close()
+    def close(self, _getpid: Callable[[], int] = os.getpid, _cache: _GroupCache = _CACHE) -> None:
+        """Drop the open file and the decoded row groups.
+
+        What it calls is bound at definition: at interpreter exit this may run after the
+        module's globals are gone.
+        """
+        source, mine = self._bytes, self._pid == _getpid()
         self._file, self._pid, self._bytes = None, -1, None
+        if mine:
+            _cache.drop(self._token)
+            if source is not None:
+                source.close()
 
 
 class _NoWriter(ShardWriter):
