@@ -91,3 +91,50 @@ def test_nothing_is_printed_at_exit_with_iterators_and_datasets_alive(datasets: 
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == list(FORMATS)
     assert done.stderr == ""
+
+
+def test_hundreds_of_live_datasets_fit_a_low_descriptor_limit(datasets: dict[str, Path]) -> None:
+    """600 StreamingDatasets alive under a soft limit of 256 descriptors, some iterated (also by
+    persistent workers that set_epoch reaches); with no descriptor left, a clear error."""
+    code = f"""
+        import os, resource
+        from torch.utils.data import DataLoader
+        import streamload as s
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        url = {str(datasets["tar"])!r}
+        many = [s.StreamingDataset(url, shuffle=True, seed=i) for i in range(600)]
+        for ds in many[::150]:
+            assert len(list(ds)) == 8
+        taken = []
+        try:
+            while True:
+                taken.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+        try:
+            s.StreamingDataset(url)
+        except s.StreamloadError as exc:
+            print(type(exc).__name__, exc)
+        from streamload._shared import ARENA_WORDS, shared_block
+        try:
+            shared_block(ARENA_WORDS)  # a new segment: what the next dataset's counters would need
+        except s.StreamloadError as exc:
+            print(type(exc).__name__, exc)
+        for fd in taken:
+            os.close(fd)
+        ds = many[-1]
+        loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True)
+        keys = [sorted(sample["__key__"] for sample in loader) for _ in range(2)]
+        assert keys[0] == keys[1] and len(keys[0]) == 8
+        ds.set_epoch(7)
+        assert sum(1 for _ in loader) == 8 and ds.epoch == 7, ds.epoch
+        print(len(many), "datasets")
+    """
+    done = run_python(code)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[2] == "600 datasets"
+    assert lines[0].startswith("StorageError cannot read ") and "Too many open files" in lines[0]
+    assert lines[1].startswith("StreamloadError cannot make shared memory for a dataset's counters: the process has ")
+    assert "file descriptors open, its limit (ulimit -n) is 256" in lines[1]
