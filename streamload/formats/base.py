@@ -33,6 +33,7 @@ __all__ = [
     "ShardReader",
     "ShardWriter",
     "check_sample",
+    "key_problem",
 ]
 
 #: A sample: ``{"__key__": str, field: bytes, ...}``.
@@ -54,6 +55,31 @@ def _check_label(key: str, name: str, value: bytes) -> None:
         raise SampleError(f"sample {key!r} field {name!r}: a label of {len(value)} characters does not fit in 64 bits")
 
 
+#: Characters a key may not hold: controls (C0, DEL, C1) and the bidirectional overrides,
+#: embeddings and isolates that make a printed key read as another (e.g. U+202E).
+_KEY_FORBIDDEN = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def key_problem(key: object) -> str | None:
+    """Return why ``key`` is not a safe sample key, or ``None`` if it is one.
+
+    The rules of tar member names (what a tar writer would extract): a non-empty str of at
+    most :data:`MAX_KEY_BYTES` UTF-8 bytes, not absolute, no empty, ``.`` or ``..`` path
+    component; and no control or bidirectional-override character (a key printed in a
+    log or a terminal must read as what it is).
+    """
+    if not isinstance(key, str) or not key:
+        return f"sample key {key!r} is not a non-empty str"
+    if len(key.encode("utf-8", "surrogateescape")) > MAX_KEY_BYTES:
+        return f"sample key {key[:60]!r}... is longer than {MAX_KEY_BYTES} bytes"
+    bad = _KEY_FORBIDDEN.search(key)
+    if bad is not None:
+        return f"sample key {key[:200]!r} holds the control or bidirectional character U+{ord(bad.group()):04X}"
+    if key.startswith("/") or any(part in ("", ".", "..") for part in key.split("/")):
+        return f"sample key {key[:200]!r} is absolute or has an empty, '.' or '..' path component"
+    return None
+
+
 def check_sample(sample: Mapping[str, Any]) -> tuple[str, list[tuple[str, bytes]]]:
     """Validate a sample for writing; return its key and its fields sorted by name.
 
@@ -68,6 +94,9 @@ def check_sample(sample: Mapping[str, Any]) -> tuple[str, list[tuple[str, bytes]
         raise SampleError(f"sample key {key!r}: its last component must be non-empty and dot-free")
     if any(part in ("", ".", "..") for part in key.split("/")):
         raise SampleError(f"sample key {key!r}: empty, '.' or '..' path components would escape an extracted tar")
+    problem = key_problem(key)
+    if problem is not None:
+        raise SampleError(problem)
     fields: list[tuple[str, bytes]] = []
     for name in sorted(sample):
         if name.startswith("__"):
@@ -117,6 +146,10 @@ class ShardReader(ABC):
     A reader is created lazily inside the process that reads (after the DataLoader
     forked or spawned its workers) and is never pickled.
     """
+
+    #: The dataset's number of classes when its manifest names them (set by whoever opens
+    #: the reader): labels kept in a shard's index (Parquet sidecars) must lie below it.
+    num_classes: int | None = None
 
     def __init__(self, path: str, entry: ShardEntry, sidecar_path: str | None = None) -> None:
         self.path = path

@@ -46,7 +46,7 @@ from .._errors import CorruptShardError, SampleError
 from ..manifest import ShardEntry, algorithm_of, new_hasher
 from ._bytes import MAX_GAP, FileBytes, ShardBytes, gather
 from ._record import check_field_names, open_regular_file
-from .base import MAX_KEY_BYTES, Format, Sample, ShardReader, ShardWriter, check_sample, unsafe
+from .base import MAX_KEY_BYTES, Format, Sample, ShardReader, ShardWriter, check_sample, key_problem, unsafe
 
 __all__ = ["FORMAT", "TarShardReader", "TarShardWriter", "index_tar"]
 
@@ -336,6 +336,9 @@ class TarShardReader(ShardReader):
         if source is None:
             raise ValueError(f"{self.entry.name}: reader is closed")
         key = self._keys[self._key_off[index] : self._key_off[index + 1]].decode("utf-8", "surrogateescape")
+        problem = key_problem(key)  # the sidecar's keys, as tar member names are checked
+        if problem is not None:
+            raise unsafe(self.entry.name, f"sample #{index}: {problem}")
         sample: Sample = {"__key__": key}
         offset, size, field, names = self._offset, self._msize, self._field, self._names
         for j in range(self._member[index], self._member[index + 1]):
