@@ -127,3 +127,32 @@ def test_tar_sidecar_keys_are_checked_as_tar_names(tar_dataset: Path, tmp_path: 
     keys = [s["__key__"] for s in skipping]
     assert len(keys) == len(skipping) and not any(".." in k for k in keys)
     assert [(s.shard, s.index) for s in skipping.errors.samples] == [("shard-000000.tar", 0)]
+
+
+def test_lmdb_record_keys_are_checked_as_tar_names(tmp_path: Path) -> None:
+    """An LMDB record whose key was rewritten (same length, checksum and manifest hash redone)."""
+    import lmdb
+
+    from streamload.converters import ConvertOptions, ImageFolderSource, convert
+    from streamload.formats._record import seal, unseal
+    from streamload.synthetic import make_image_folder
+
+    make_image_folder(str(tmp_path / "images"), num_classes=2, per_class=2, size=(8, 8), seed=2)
+    ds = tmp_path / "lmdb"
+    convert(ImageFolderSource(str(tmp_path / "images")), str(ds), ConvertOptions(format="lmdb", progress=False))
+    first = ShardedDataset(str(ds)).key_of(0)
+    hostile = ("a\u202e" + "x" * len(first))[: len(first.encode()) - 2]  # U+202E is 3 bytes: same length
+    assert len(hostile.encode()) == len(first.encode())
+    shard = ds / "shard-000000.lmdb"
+    env = lmdb.open(str(shard), subdir=False, lock=False)
+    with env.begin(write=True) as txn:
+        index = (0).to_bytes(8, "big")
+        payload = bytes(unseal(txn.get(index), "record"))
+        txn.put(index, seal(payload.replace(first.encode(), hostile.encode(), 1)))
+    env.close()
+    manifest = json.loads((ds / "index.json").read_text())
+    data = shard.read_bytes()
+    manifest["shards"][0]["bytes"], manifest["shards"][0]["hash"] = len(data), hashlib.sha256(data).hexdigest()
+    (ds / "index.json").write_text(json.dumps(manifest))
+    with pytest.raises(UnsafeShardError, match=r"shard-000000\.lmdb.*U\+202E"):
+        ShardedDataset(str(ds))[0]

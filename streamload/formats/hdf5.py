@@ -57,7 +57,17 @@ from h5py import h5d, h5z
 from .._errors import CorruptShardError, SampleError, ShardError, UnsafeShardError
 from ..manifest import ShardEntry
 from ._record import check_field_names, open_regular_file
-from .base import MAX_KEY_BYTES, FieldGroup, Format, Sample, ShardReader, ShardWriter, check_sample, unsafe
+from .base import (
+    MAX_KEY_BYTES,
+    FieldGroup,
+    Format,
+    Sample,
+    ShardReader,
+    ShardWriter,
+    check_sample,
+    key_problem,
+    unsafe,
+)
 
 __all__ = ["FORMAT", "Hdf5ShardReader", "Hdf5ShardWriter"]
 
@@ -435,6 +445,9 @@ class Hdf5ShardReader(ShardReader):
         self._ensure_open()
         bounds = self._key_bounds
         key = self._key_blob[bounds[index] : bounds[index + 1]].decode("utf-8", "surrogateescape")
+        problem = key_problem(key)  # the keys table's keys, as tar member names are checked
+        if problem is not None:
+            raise unsafe(self.entry.name, f"sample #{index}: {problem}")
         sample: Sample = {"__key__": key}
         for field in self._fields:
             if not field.present[index]:
