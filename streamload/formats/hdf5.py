@@ -65,8 +65,8 @@ from .base import (
     ShardReader,
     ShardWriter,
     check_sample,
-    key_problem,
     unsafe,
+    unsafe_keys,
 )
 
 __all__ = ["FORMAT", "Hdf5ShardReader", "Hdf5ShardWriter"]
@@ -318,6 +318,7 @@ class Hdf5ShardReader(ShardReader):
         self._fields: list[_Field] = []
         self._key_blob = b""
         self._key_bounds: list[int] = []
+        self._unsafe_keys: dict[int, str] = {}
 
     # -- opening ---------------------------------------------------------------------
 
@@ -362,6 +363,8 @@ class Hdf5ShardReader(ShardReader):
             h5.close()
             raise
         self._key_blob, self._key_bounds, self._fields = keys_blob, key_bounds, fields
+        #: Samples whose keys break the tar member name rules (refused when read, by index).
+        self._unsafe_keys = unsafe_keys(keys_blob, key_bounds)
         if all(f.file_offset is not None for f in fields):
             h5.close()  # the hot path needs only the fd
         else:
@@ -445,9 +448,8 @@ class Hdf5ShardReader(ShardReader):
         self._ensure_open()
         bounds = self._key_bounds
         key = self._key_blob[bounds[index] : bounds[index + 1]].decode("utf-8", "surrogateescape")
-        problem = key_problem(key)  # the keys table's keys, as tar member names are checked
-        if problem is not None:
-            raise unsafe(self.entry.name, f"sample #{index}: {problem}")
+        if self._unsafe_keys and index in self._unsafe_keys:  # the keys table's keys, checked as tar names
+            raise unsafe(self.entry.name, f"sample #{index}: {self._unsafe_keys[index]}")
         sample: Sample = {"__key__": key}
         for field in self._fields:
             if not field.present[index]:
