@@ -156,3 +156,15 @@ def test_lmdb_record_keys_are_checked_as_tar_names(tmp_path: Path) -> None:
     (ds / "index.json").write_text(json.dumps(manifest))
     with pytest.raises(UnsafeShardError, match=r"shard-000000\.lmdb.*U\+202E"):
         ShardedDataset(str(ds))[0]
+
+
+def test_a_blob_of_keys_is_checked_key_by_key() -> None:
+    from streamload.formats.base import unsafe_keys
+
+    keys = ["a/b", "../x", "ok.", "a/./b", "x\u202ey", "fine", "c//d", "/abs", "", "e\nf", "g/.."]
+    keys += [".hidden", "dotted.name", "k" * 5000, "ü/名前", "a/b/"]
+    blob = "".join(keys).encode()
+    bounds = np.concatenate([[0], np.cumsum([len(k.encode()) for k in keys])])
+    found = unsafe_keys(blob, bounds)
+    assert sorted(found) == [1, 3, 4, 6, 7, 8, 9, 10, 13, 15]
+    assert "U+202E" in found[4] and "longer than 4096" in found[13] and "'..'" in found[1]
