@@ -25,7 +25,7 @@ from ._errors import (
     UnsafeShardError,
 )
 from .access import SampleView, ShardedDataset
-from .dataset import SkipCounts, StreamingDataset
+from .dataset import SkipCounts, SkippedSample, StreamingDataset
 from .decode import ImageLabel, decode_sample
 from .loader import Loader
 from .manifest import Manifest, ShardEntry
@@ -60,6 +60,7 @@ __all__ = [
     "ShardNotFoundError",
     "ShardedDataset",
     "SkipCounts",
+    "SkippedSample",
     "SourceError",
     "StorageConfig",
     "StorageError",

@@ -23,17 +23,25 @@ returns the wrong sample. The arrays are one ``.npy`` file under
 ``<cache_dir>/keys/`` (default ``$STREAMLOAD_CACHE`` or ``~/.cache/streamload``), named by
 the dataset's URL and manifest digest, written atomically and memory-mapped, so every
 worker and rank on a machine shares one copy in the page cache and builds it at most once
-per process that finds it missing. For a remote dataset, building it reads every shard's
+per process that finds it missing. The cache's rules hold for it: ``keys/`` must be a real
+directory of this user (a link is refused and the index kept in memory), the file is
+opened with ``O_NOFOLLOW`` and replaced by a rename (a link there is never followed), and
+a file read back is checked (hashes ascending, each position once, a few samples' keys where
+it says); a key it says is missing is confirmed against the shards' own indexes once per
+process, and a file that disagrees is rebuilt. For a remote dataset, building it reads every shard's
 index through the cache (LMDB and HDF5 keep it inside the shard, so those are downloaded).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import logging
 import operator
 import os
-import tempfile
+import secrets
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, overload
@@ -42,6 +50,7 @@ import numpy as np
 import torch.utils.data
 import xxhash
 
+from ._atexit import close_at_exit
 from ._errors import ConfigError, SampleNotFoundError, StreamloadError
 from .formats import Sample
 from .manifest import Manifest
@@ -103,28 +112,116 @@ class KeyIndex:
         return [int(p) for p in self.positions[lo:hi]]
 
     def save(self, path: str) -> None:
-        """Write the index to ``path`` atomically (a ``.npy`` file)."""
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".keys-", suffix=".tmp")
+        """Write the index to ``path`` atomically (a ``.npy`` file), never through a link.
+
+        The folder must be a real directory of this user (see :func:`open_keys_dir`); the
+        file is written under a temporary name and renamed over ``path`` (a link there is
+        replaced, never followed).
+
+        Raises:
+            OSError: If the folder cannot be made or is refused (a link, another user's).
+        """
+        folder, name = os.path.split(path)
+        dir_fd = open_keys_dir(folder)
+        tmp = f".keys-{os.getpid()}-{secrets.token_hex(6)}.tmp"
         try:
-            with os.fdopen(fd, "wb") as f:
-                np.save(f, self.table, allow_pickle=False)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    np.save(f, self.table, allow_pickle=False)
+                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dir_fd)
+                raise
+        finally:
+            os.close(dir_fd)
 
     @classmethod
     def load(cls, path: str, expected: int) -> KeyIndex | None:
-        """Memory-map the index at ``path``; ``None`` if it is missing or not ``expected`` keys long."""
+        """Memory-map the index at ``path``; ``None`` if it is missing, not ``expected`` keys long, or unsafe.
+
+        Unsafe: a link (never followed), not a regular file, another user's file, or a file
+        in a folder that is a link (see :func:`open_keys_dir`). Its content is checked as
+        :meth:`check` does.
+        """
+        folder, name = os.path.split(path)
         try:
-            table = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError):
+            dir_fd = open_keys_dir(folder, create=False)
+        except OSError:
             return None
-        if table.ndim != 2 or table.shape != (2, expected) or table.dtype != np.uint64:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError:  # missing, or a link (ELOOP)
             return None
-        return cls(table)
+        finally:
+            os.close(dir_fd)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or (st.st_uid != os.geteuid() and not _shared_cache()):
+                return None
+            try:
+                version = np.lib.format.read_magic(f)
+                if version == (1, 0):
+                    shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+                elif version == (2, 0):
+                    shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+                else:
+                    return None
+            except ValueError:
+                return None
+            offset = f.tell()
+            if shape != (2, expected) or fortran or dtype != np.dtype(np.uint64):
+                return None
+            if st.st_size != offset + 16 * expected:
+                return None
+            if expected == 0:
+                return cls(np.empty((2, 0), dtype=np.uint64))
+            table = np.memmap(f, dtype=np.uint64, mode="r", offset=offset, shape=(2, expected))
+        keys = cls(table)
+        return keys if keys.check() else None
+
+    def check(self) -> bool:
+        """Return True if the table is well formed: hashes ascending, positions each index once."""
+        n = len(self)
+        if not n:
+            return True
+        if bool(np.any(self.hashes[1:] < self.hashes[:-1])) or int(self.positions.max()) >= n:
+            return False
+        return bool(np.all(np.bincount(self.positions.astype(np.int64), minlength=n) == 1))
+
+
+def open_keys_dir(folder: str, *, create: bool = True) -> int:
+    """Open the key index folder (``<cache_dir>/keys``) as a directory descriptor, never through a link.
+
+    The cache's own rules: the folder is made with mode ``0o755``, must be a real
+    directory (``O_NOFOLLOW``: a symbolic link is refused, not followed) and belong to this
+    user unless ``STREAMLOAD_CACHE_SHARED=1``.
+
+    Raises:
+        OSError: If it cannot be made or opened, or is refused (the message says why).
+    """
+    if create:
+        os.makedirs(os.path.dirname(folder) or ".", mode=0o755, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, 0o755)
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise OSError(exc.errno, f"{folder} is a link or not a directory; the cache never follows one") from exc
+        raise
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() and not _shared_cache():
+        os.close(fd)
+        raise OSError(errno.EPERM, f"{folder} belongs to another user (set STREAMLOAD_CACHE_SHARED=1 if on purpose)")
+    return fd
+
+
+def _shared_cache() -> bool:
+    from .storage.cache import SHARED_ENV
+
+    return os.environ.get(SHARED_ENV, "") in ("1", "true", "yes")
 
 
 class ShardedDataset(torch.utils.data.Dataset[Any]):
@@ -193,6 +290,8 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
         self._storage: Storage | None = None
         self._readers: ShardSource | None = None
         self._keys: KeyIndex | None = None
+        #: The key index in use was built (or compared with one built) by this process.
+        self._keys_checked = False
 
     # -- by index ----------------------------------------------------------------------
 
@@ -264,11 +363,21 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
         """
         if not isinstance(key, str):
             raise TypeError(f"sample keys are strings, not {type(key).__name__} ({key!r}); use ds[index] for an index")
-        for position in self.key_index().candidates(key):
+        found = self._find(self.key_index(), key)
+        if found is None and not self._keys_checked:
+            # A key index read from disk is confirmed against the shards' own indexes (once
+            # per process) before a key is called missing: a damaged or planted file is rebuilt.
+            found = self._find(self._confirm_key_index(), key)
+        if found is None:
+            raise SampleNotFoundError(f"no sample with key {key!r} in {self.source}")
+        return found
+
+    def _find(self, keys: KeyIndex, key: str) -> int | None:
+        for position in keys.candidates(key):
             shard, local = self.locate(position)
             if self._key_at(shard, local) == key:
                 return position
-        raise SampleNotFoundError(f"no sample with key {key!r} in {self.source}")
+        return None
 
     def get(self, key: str) -> Any:
         """Return the sample keyed ``key`` (transformed).
@@ -294,19 +403,46 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
             return self._keys
         path = self.key_index_path()
         if self.key_index_mode == "disk":
-            self._keys = KeyIndex.load(path, len(self))
-            if self._keys is not None:
-                return self._keys
-        keys = self._build_key_index()
+            loaded = KeyIndex.load(path, len(self))
+            if loaded is not None and self._spot_check(loaded):
+                self._keys, self._keys_checked = loaded, False
+                return loaded
+            if loaded is not None:
+                log.warning("the key index %s does not match %s: rebuilding it", path, self.source)
+        return self._keep(self._build_key_index())
+
+    def _keep(self, keys: KeyIndex) -> KeyIndex:
+        """Use ``keys`` (just built from the shards) and, in ``"disk"`` mode, keep it in its file."""
         if self.key_index_mode == "disk":
+            path = self.key_index_path()
             try:
                 keys.save(path)
                 loaded = KeyIndex.load(path, len(self))  # mapped: the pages are shared, not this process's
-                keys = loaded if loaded is not None else keys
+                if loaded is not None and np.array_equal(loaded.table, keys.table):
+                    keys = loaded
             except OSError as exc:
                 log.warning("cannot keep the key index of %s in %s (%s); it stays in memory", self.source, path, exc)
-        self._keys = keys
+        self._keys, self._keys_checked = keys, True
         return keys
+
+    def _spot_check(self, keys: KeyIndex, samples: int = 32) -> bool:
+        """Check that the keys of a few samples, spread over the dataset, are where ``keys`` says."""
+        n = len(self)
+        for position in sorted({int(p) for p in np.linspace(0, n - 1, min(n, samples))}):
+            shard, local = self.locate(position)
+            if position not in keys.candidates(self._key_at(shard, local)):
+                return False
+        return True
+
+    def _confirm_key_index(self) -> KeyIndex:
+        """Compare the key index read from disk with one built from the shards; keep the built one if they differ."""
+        built = self._build_key_index()
+        current = self._keys
+        if current is not None and np.array_equal(current.table, built.table):
+            self._keys_checked = True
+            return current
+        log.warning("the key index %s does not match %s: rebuilt", self.key_index_path(), self.source)
+        return self._keep(built)
 
     def key_index_path(self) -> str:
         """Return where the key index file of this dataset (URL and manifest) lives."""
@@ -342,13 +478,14 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
             self._storage = self.ref.open_storage()
             self._readers = ShardSource(self.ref, self._storage, self.open_readers)
             self._pid = os.getpid()
+            close_at_exit(self)  # its shards are closed before the interpreter's teardown
         return self._readers
 
-    def close(self) -> None:
+    def close(self, _getpid: Callable[[], int] = os.getpid) -> None:
         """Close this process's open shards and storage (reopened on the next access)."""
         readers, storage = self._readers, self._storage
         self._readers = self._storage = None
-        if readers is not None and self._pid == os.getpid():
+        if readers is not None and self._pid == _getpid():  # bound at definition: usable at exit
             try:
                 readers.close()
             finally:
@@ -357,6 +494,7 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
 
     def __del__(self) -> None:
         # Shards left open by a dataset dropped without close(): their descriptors go with it.
+        # Never raises, also at interpreter exit (when the modules' globals may be gone).
         try:
             self.close()
         except Exception:  # noqa: BLE001, S110 - best effort at collection time
@@ -368,6 +506,7 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
         state["_pid"] = -1
         if self.key_index_mode == "disk":
             state["_keys"] = None  # mapped again from the file in the receiving process
+            state["_keys_checked"] = False
         return state
 
     def __repr__(self) -> str:

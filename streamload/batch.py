@@ -31,7 +31,7 @@ and copying each field once into the buffer.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, Protocol, cast, overload, runtime_checkable
 
 import numpy as np
 import torch
@@ -134,7 +134,11 @@ class RawBatch:
 
 
 class ImageBatch:
-    """Decoded images of one batch; ``images, labels = batch`` unpacks like a tuple.
+    """Decoded images of one batch; a pair like ``(images, labels)``.
+
+    ``images, labels = batch`` unpacks it and ``batch[0]`` / ``batch[1]`` (or ``batch[-1]``,
+    ``batch[:]``) index it the same way, so code written for a DataLoader's
+    ``(images, labels)`` tuples works unchanged. ``len(batch)`` is the number of images.
 
     Attributes:
         images: ``uint8`` ``[B, 3, H, W]`` (a channels-last view of one ``[B, H, W, 3]``
@@ -151,6 +155,31 @@ class ImageBatch:
 
     def __iter__(self) -> Iterator[torch.Tensor | None]:
         return iter((self.images, self.labels))
+
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor | None: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[torch.Tensor | None, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> torch.Tensor | None | tuple[torch.Tensor | None, ...]:
+        """Return ``images`` (``0``) or ``labels`` (``1``), as unpacking gives them; a slice gives a tuple.
+
+        Raises:
+            IndexError: If ``index`` is not 0, 1, -1 or -2.
+            TypeError: If ``index`` is not an integer or a slice.
+        """
+        pair = (self.images, self.labels)
+        if isinstance(index, slice):
+            return pair[index]
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"an ImageBatch is the pair (images, labels): index it with 0 or 1, not {index!r}")
+        if not -2 <= index < 2:
+            raise IndexError(
+                f"an ImageBatch is the pair (images, labels): index {index} is out of range (use 0 or 1; "
+                "batch.images[i] is image i)"
+            )
+        return pair[int(index)]
 
     def __len__(self) -> int:
         return int(self.images.shape[0])

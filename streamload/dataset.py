@@ -27,16 +27,19 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import sys
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
-import torch
+import numpy as np
 from torch.utils.data import IterableDataset
 
+from ._atexit import close_at_exit
 from ._errors import CacheError, ConfigError, CorruptShardError, PlanError, SampleError, StreamloadError
+from ._shared import shared_block
 from ._stages import SAMPLE_EVERY, Clock, StageTable
 from ._validate import check_epoch, check_samples_seen, dataset_args, warn_remote_only
 from .formats import Format, Sample, ShardReader
@@ -63,7 +66,7 @@ from .streams import MixedSource, Mixture, StreamSource
 if TYPE_CHECKING:
     from typing import Unpack  # Python 3.11 (only read by type checkers here)
 
-__all__ = ["SkipCounts", "StreamingDataset"]
+__all__ = ["MAX_NAMED_SKIPS", "SkipCounts", "SkippedSample", "StreamingDataset"]
 
 log = logging.getLogger("streamload")
 
@@ -152,8 +155,10 @@ class StreamingDataset(IterableDataset[Any]):
         on_error: ``"raise"`` (default): a sample or shard that fails to read or
             transform raises an error naming the dataset URL, shard, key and field.
             ``"skip"``: it is counted (:attr:`skipped_samples`, shared with the workers),
-            logged once per shard, and replaced by a repeat of the last good sample, so
-            every rank still yields ``len(dataset)`` items and DDP cannot hang.
+            named with its shard, key and reason in the log and in :attr:`errors`
+            (``errors.samples``, the first :data:`MAX_NAMED_SKIPS` of a process), and
+            replaced by a repeat of the last good sample, so every rank still yields
+            ``len(dataset)`` items and DDP cannot hang.
 
     Example:
         >>> ds = StreamingDataset("/data/imagenet-shards", shuffle=True, seed=1)  # doctest: +SKIP
@@ -273,9 +278,9 @@ class StreamingDataset(IterableDataset[Any]):
         warn_remote_only(source, self.storage.settings(), self._ref.data_url)
         self.manifest: Manifest = self._ref.manifest
         self.format: Format = self._ref.format
-        # Shared across fork/spawn so set_epoch() reaches persistent workers.
-        self._epochs = torch.zeros(_TABLE + _CLAIM * _CLAIMS, dtype=torch.int64)
-        self._epochs.share_memory_()  # type: ignore[no-untyped-call]
+        # Shared across fork/spawn so set_epoch() reaches persistent workers (a block of a
+        # segment many datasets share: one file descriptor per arena, not two per dataset).
+        self._epochs = shared_block(_TABLE + _CLAIM * _CLAIMS)
         #: (pid, iterations started) of this process: part of a DataLoader worker's key.
         self._iterations: tuple[int, int] = (os.getpid(), 0)
         #: Locality warnings already given by this process (once per world size).
@@ -290,12 +295,11 @@ class StreamingDataset(IterableDataset[Any]):
         self._inherited_world: tuple[int, int] | None = None
         self._storages: list[Storage] | None = None
         #: Skipped samples per worker id (shared memory, so the main process sees them).
-        self._skipped = torch.zeros(_MAX_WORKERS, dtype=torch.int64)
-        self._skipped.share_memory_()  # type: ignore[no-untyped-call]
+        self._skipped = shared_block(_MAX_WORKERS)
         #: This process's counts of samples skipped under ``on_error="skip"``, in all and per shard.
         self.errors = SkipCounts()
-        self._users = torch.zeros(2 * _USERS, dtype=torch.int64)
-        self._users.share_memory_()  # type: ignore[no-untyped-call]
+        #: Who iterates this dataset (pid, kind) per slot: a Loader and a DataLoader at once are refused.
+        self._users = shared_block(2 * _USERS)
 
     # -- sizes and epochs ----------------------------------------------------------
 
@@ -586,7 +590,9 @@ class StreamingDataset(IterableDataset[Any]):
             # In a DataLoader worker, raise with the first sample: the loader then hands the error to
             # the main process at once (raised here, it kills the worker and is seen only after a timeout).
             return _refused(exc)
-        return self._iterate(world, key, plan, progress)
+        iterator = self._iterate(world, key, plan, progress)
+        close_at_exit(iterator)  # closed before the interpreter's teardown if still alive then
+        return iterator
 
     def _start(self, world: World, epoch: int) -> tuple[EpochPlan, _Progress]:
         plan = self.plan(epoch, world.world_size)
@@ -595,17 +601,30 @@ class StreamingDataset(IterableDataset[Any]):
         self._progress = progress
         return plan, progress
 
-    def _iterate(self, world: World, key: int, plan: EpochPlan, progress: _Progress) -> Iterator[Any]:
-        """One iteration: its epoch is claimed when its first sample is asked for."""
+    def _iterate(self, world: World, key: int, plan: EpochPlan, progress: _Progress) -> Generator[Any, None, None]:
+        """One iteration: its epoch is claimed when its first sample is asked for.
+
+        An iterator still alive at interpreter exit is closed after the modules' globals
+        are gone: what its cleanup raises then is dropped, not printed.
+        """
+        finalizing = sys.is_finalizing  # bound now: the module's globals may be gone at exit
         slot = self._enter(_ITERATOR)
         try:
             epoch = self._claim_epoch(key)
             if epoch != progress.epoch:  # another iteration claimed in between
                 plan, progress = self._start(world, epoch)
             self._warn_locality(plan, world)
-            yield from self._iter_plan(plan, world, progress)
+            try:
+                yield from self._iter_plan(plan, world, progress)
+            except Exception:
+                if not finalizing():
+                    raise
         finally:
-            self._leave(slot)
+            try:
+                self._leave(slot)
+            except Exception:
+                if not finalizing():
+                    raise
 
     def _warn_locality(self, plan: EpochPlan, world: World) -> None:
         """Warn once per world size (in the first reader of rank 0) if its ranks straddle partitions.
@@ -791,7 +810,7 @@ class StreamingDataset(IterableDataset[Any]):
             if self.on_error == "raise" or isinstance(exc, CacheError):  # the machine's fault: never a skip
                 _raise_located(exc, url, entry)
             progress.next_item = int(run.positions[-1]) + 1
-            self._skip(entry, None, exc, count=len(run.locals), source=where)
+            self._skip(entry, exc, run.locals.tolist(), [None] * len(run.locals), source=where)
             yield from substitute.fail(len(run.locals), where)
             return
         transform, clock = self.transform, progress.clock
@@ -800,10 +819,12 @@ class StreamingDataset(IterableDataset[Any]):
         # What a transform or collate sees carries its place in the epoch (the key of
         # per-sample randomness); dicts yielded as they are stay the stored sample.
         placed = transform is not None or self.collate is not None
-        for position, item, sample in zip(run.positions.tolist(), run.items.tolist(), samples, strict=True):
+        for position, item, local, sample in zip(
+            run.positions.tolist(), run.items.tolist(), run.locals.tolist(), samples, strict=True
+        ):
             progress.next_item = position + 1
             if isinstance(sample, _Failed):
-                self._skip(entry, sample.key, sample.error, source=where)
+                self._skip(entry, sample.error, [local], [sample.key], source=where)
                 yield from substitute.fail(1, where)
                 continue
             if placed:
@@ -823,7 +844,7 @@ class StreamingDataset(IterableDataset[Any]):
                     raise SampleError(
                         f"{url}/{entry.name}: sample {sample.get('__key__')!r}: transform failed: {exc}"
                     ) from exc
-                self._skip(entry, sample.get("__key__"), exc, source=where)
+                self._skip(entry, exc, [local], [sample.get("__key__")], source=where)
                 yield from substitute.fail(1, where)
                 continue
             yield from substitute.good(out, where)
@@ -859,29 +880,48 @@ class StreamingDataset(IterableDataset[Any]):
                 return
             if self.on_error == "raise" or isinstance(exc, CacheError):  # the machine's fault: never a skip
                 _raise_located(exc, url, entry)
-            yield _Failed(exc, None)
+            yield _Failed(exc, _key_of(reader, locals_[done]))
             for index in locals_[done + 1 :]:
                 try:
                     yield reader.get(index)
                 except StreamloadError as again:
-                    yield _Failed(again, None)
+                    yield _Failed(again, _key_of(reader, index))
 
     def _skip(
-        self, entry: ShardEntry, key: str | None, exc: BaseException, count: int = 1, source: str | None = None
+        self,
+        entry: ShardEntry,
+        exc: BaseException,
+        indices: list[int],
+        keys: list[str | None],
+        source: str | None = None,
     ) -> None:
-        """Count (and log once per shard) skipped samples; ``source``: a mixture's stream URL."""
+        """Count, name and log skipped samples (their indices in the shard and keys, ``None`` if unreadable).
+
+        ``source``: a mixture's stream URL. Each sample is named in :attr:`errors` and the
+        log, up to :data:`MAX_NAMED_SKIPS` per process; those past it are counted.
+        """
         from torch.utils.data import get_worker_info
 
         info = get_worker_info()
+        count = len(indices)
         self._skipped[0 if info is None else info.id] += count
-        if self.errors.add(entry.name if source is None else f"{source}/{entry.name}", count):
+        shard = entry.name if source is None else f"{source}/{entry.name}"
+        where = f"{self.source if source is None else source}/{entry.name}"
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        errors = self.errors
+        room = max(0, MAX_NAMED_SKIPS - len(errors.samples))
+        named = [SkippedSample(shard, i, k, reason) for i, k in zip(indices[:room], keys[:room], strict=True)]
+        errors.add(shard, count, named)
+        if named and all(k is None for k in keys):  # keys unreadable (the shard could not be opened)
+            span = f"#{indices[0]}" if count == 1 else f"#{indices[0]}..#{indices[-1]}"
+            log.warning("skipping %d sample(s) %s of %s (their keys could not be read): %s", count, span, where, reason)
+        else:
+            for sample in named:
+                log.warning("skipping sample %r (#%d) of %s: %s", sample.key, sample.index, where, reason)
+        if len(named) < count and room:
             log.warning(
-                "skipping %d sample(s) of %s/%s (%s): %s; later ones of this shard are counted",
-                count,
-                self.source if source is None else source,
-                entry.name,
-                f"first key {key!r}" if key is not None else "their keys could not be read",
-                exc,
+                "more than %d samples skipped: further ones are counted (errors.samples_skipped), not named",
+                MAX_NAMED_SKIPS,
             )
 
     @property
@@ -950,14 +990,15 @@ class StreamingDataset(IterableDataset[Any]):
         plan = self.plan(epoch, world_size)
         readers: list[Iterator[Any]] = []
         start = first = 0
+        origin: int | None = 0
         for worker in range(threads):
             world = World(rank, world_size, worker, threads)
-            start, first = self._resume_point(world, plan)
+            start, first, origin = self._resume_point(world, plan)
             if worker == 0:
                 self._warn_locality(plan, world)
-            progress = _Progress(epoch, plan.chunk_size(threads), start, first)
+            progress = _Progress(epoch, plan.chunk_size(threads), start, first, origin)
             readers.append(self._iter_plan(plan, world, progress))
-        self._progress = _Progress(epoch, plan.chunk_size(threads), start, first)
+        self._progress = _Progress(epoch, plan.chunk_size(threads), start, first, origin)
         return self._progress, readers
 
     # -- per-process resources -----------------------------------------------------
@@ -1015,26 +1056,53 @@ def _raise_located(exc: StreamloadError, source: str, entry: ShardEntry) -> NoRe
     raise exc
 
 
+#: Skipped samples a process names one by one (in ``errors.samples`` and the log); more are counted.
+MAX_NAMED_SKIPS = 1000
+
+
+@dataclass(frozen=True)
+class SkippedSample:
+    """One sample skipped under ``on_error="skip"``.
+
+    Attributes:
+        shard: The shard's name (``<stream URL>/<shard>`` in a mixture).
+        index: The sample's index within the shard.
+        key: The sample's key, or ``None`` if the shard's index could not be read.
+        reason: Why it was skipped (the error's message).
+    """
+
+    shard: str
+    index: int
+    key: str | None
+    reason: str
+
+
 @dataclass
 class SkipCounts:
     """Samples one process skipped under ``on_error="skip"`` (:attr:`StreamingDataset.errors`).
 
     Unlike :attr:`StreamingDataset.skipped_samples` (shared with the DataLoader workers),
-    these counts are the calling process's own.
+    these counts are the calling process's own (a DataLoader worker names its skips in its
+    own log lines).
 
     Attributes:
         samples_skipped: Samples skipped in all.
         shards: Samples skipped per shard, by shard name (``<stream URL>/<shard>`` in a mixture).
+        samples: Each skipped sample, named (shard, index, key, reason), in the order they
+            were skipped: the first :data:`MAX_NAMED_SKIPS`; ``samples_skipped`` counts
+            them all. Not part of equality (which compares the counts).
     """
 
     samples_skipped: int = 0
     shards: dict[str, int] = field(default_factory=dict)
+    samples: list[SkippedSample] = field(default_factory=list, compare=False)
 
-    def add(self, shard: str, count: int) -> bool:
-        """Count ``count`` skipped samples of ``shard``; return True if they are its first."""
+    def add(self, shard: str, count: int, named: list[SkippedSample] | None = None) -> bool:
+        """Count ``count`` skipped samples of ``shard`` (naming ``named``); return True if they are its first."""
         before = self.shards.get(shard, 0)
         self.samples_skipped += count
         self.shards[shard] = before + count
+        self.samples.extend(named or ())
         return before == 0
 
 
@@ -1062,6 +1130,14 @@ class _Failed:
 
     error: StreamloadError
     key: str | None
+
+
+def _key_of(reader: ShardReader, index: int) -> str | None:
+    """The key of sample ``index`` from the shard's index, if that can still be read."""
+    try:
+        return reader.keys_of(np.array([index], dtype=np.int64))[0]
+    except Exception:  # noqa: BLE001 - the shard's index is damaged too: the sample is named by its index
+        return None
 
 
 class _Substitute:

@@ -732,6 +732,7 @@ class ShardSource:
         try:
             ranged: Any = self._format.reader  # a ranged format's reader takes source= (see open_reader)
             reader: ShardReader = ranged(self.ref.where(entry), entry, sidecar, source=got, check_headers=False)
+            reader.num_classes = len(self.ref.manifest.classes) or None
         except BaseException:
             got.close()
             self.release(shard)
@@ -803,6 +804,7 @@ class ShardSource:
             reader: ShardReader = ranged(path, entry, sidecar, source=source, check_headers=False)
         else:
             reader = self._format.reader(path, entry, sidecar)
+        reader.num_classes = len(self.ref.manifest.classes) or None  # labels in an index are checked against it
         self.opens += 1
         return reader
 

@@ -140,3 +140,64 @@ def test_show_prints_a_sample_and_writes_its_image(
     assert "'no-such-key'" in err and str(tar_dataset) in err
     assert main(["show", str(tar_dataset), "100000"]) == 2
     assert "out of range" in capsys.readouterr().err
+
+
+def test_a_linked_key_folder_is_not_followed(local: dict[str, str], tmp_path: Path, caplog) -> None:
+    """A ``keys/`` folder that is a symbolic link: nothing is written where it points; lookups still work."""
+    cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
+    cache.mkdir()
+    elsewhere.mkdir()
+    (cache / "keys").symlink_to(elsewhere)
+    ds = ShardedDataset(local["tar"], storage=StorageConfig(cache_dir=str(cache)))
+    with caplog.at_level("WARNING", logger="streamload"):
+        assert ds.get(ds.key_of(12)) == ds[12]
+    assert list(elsewhere.iterdir()) == []
+    assert "is a link or not a directory" in caplog.text and "stays in memory" in caplog.text
+
+
+def test_a_linked_key_index_file_is_replaced_not_followed(local: dict[str, str], tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    path = Path(ShardedDataset(local["tar"], storage=StorageConfig(cache_dir=str(cache))).key_index_path())
+    path.parent.mkdir(parents=True)
+    good = ShardedDataset(local["tar"], key_index="memory").key_index()
+    target = tmp_path / "target.npy"
+    np.save(target, good.table)  # a valid index, but through a link: neither read nor written
+    before = target.read_bytes()
+    path.symlink_to(target)
+    ds = ShardedDataset(local["tar"], storage=StorageConfig(cache_dir=str(cache)))
+    calls = []
+    build = ds._build_key_index
+    ds._build_key_index = lambda: calls.append(1) or build()  # type: ignore[method-assign]
+    assert ds.index_of(ds.key_of(20)) == 20
+    assert calls == [1]  # the linked file was not used
+    assert not path.is_symlink() and path.is_file() and target.read_bytes() == before
+
+
+@pytest.mark.parametrize("plant", ["shuffled", "one_entry"])
+def test_a_planted_key_index_is_rebuilt_not_believed(
+    tar_dataset: Path, tmp_path: Path, plant: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A key index file of the right size but wrong content never makes a present key missing
+    (one wrong entry of 129 is found when that key is missed, and the file rebuilt)."""
+    url = str(tar_dataset)
+    storage = StorageConfig(cache_dir=str(tmp_path / "cache"))
+    first = ShardedDataset(url, storage=storage)
+    first.key_index()  # written to its file
+    path = Path(first.key_index_path())
+    table = np.load(path)
+    victim = first.key_of(17)
+    if plant == "shuffled":  # another dataset's index of the same size
+        table[1] = np.random.default_rng(1).permutation(table.shape[1]).astype(np.uint64)
+    else:  # one hash changed: only a lookup of that key can tell
+        row = int(np.flatnonzero(table[1] == 17)[0])
+        table[0, row] = table[0, row] + 1 if row == table.shape[1] - 1 else table[0, row + 1]
+    np.save(path, table)
+    ds = ShardedDataset(url, storage=storage)
+    with caplog.at_level("WARNING", logger="streamload"):
+        assert ds.index_of(victim) == 17 and ds.get(victim) == ds[17]
+        with pytest.raises(SampleNotFoundError):
+            ds.get("no/such-key")
+    # found by the few keys checked on load, or by confirming a missed key against the shards
+    assert ("rebuilding it" if plant == "shuffled" else "does not match " + url + ": rebuilt") in caplog.text
+    rebuilt = np.load(path)
+    assert np.array_equal(rebuilt, ShardedDataset(url, key_index="memory").key_index().table)

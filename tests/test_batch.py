@@ -272,3 +272,19 @@ def test_a_batch_interleaving_shards_reads_each_shard_once_and_keeps_batch_order
     assert _unpack(direct) == _unpack(generic)
     assert direct.keys == generic.keys and torch.equal(direct.offsets, generic.offsets)
     assert sorted(calls) == [0, 1], "one read per shard, not one per part"
+
+
+def test_image_batch_indexes_as_it_unpacks() -> None:
+    from streamload.batch import ImageBatch
+
+    images, labels = torch.zeros(4, 3, 2, 2, dtype=torch.uint8), torch.arange(4)
+    batch = ImageBatch(images, labels)
+    first, second = batch
+    assert batch[0] is first is images and batch[1] is second is labels
+    assert batch[-1] is labels and batch[-2] is images
+    assert batch[:] == (images, labels) and batch[np.int64(1)] is labels
+    assert ImageBatch(images, None)[1] is None
+    with pytest.raises(IndexError, match="pair"):
+        batch[2]
+    with pytest.raises(TypeError, match="pair"):
+        batch["images"]  # type: ignore[call-overload]

@@ -1,5 +1,5 @@
 """Corruption while reading: on_error="raise" names URL, shard, key and field;
-on_error="skip" counts, logs once per shard, and keeps every rank's count equal."""
+on_error="skip" counts, names each skipped sample, and keeps every rank's count equal."""
 
 from __future__ import annotations
 
@@ -82,6 +82,9 @@ def test_skip_a_missing_shard(tar_dataset: Path, tmp_path: Path) -> None:
     assert ds.skipped_samples == ds.manifest.shards[3].num_samples
     assert ds.errors.shards == {"shard-000003.tar": ds.manifest.shards[3].num_samples}
     assert ds.errors.samples_skipped == ds.skipped_samples
+    n = ds.manifest.shards[3].num_samples
+    assert [(s.shard, s.index, s.key) for s in ds.errors.samples] == [("shard-000003.tar", i, None) for i in range(n)]
+    assert all("shard-000003.tar" in s.reason for s in ds.errors.samples)
 
 
 def test_skip_a_shard_that_no_longer_matches_its_manifest(tar_dataset: Path, tmp_path: Path) -> None:
@@ -119,3 +122,30 @@ def test_everything_broken_is_an_error_not_an_empty_epoch(tar_dataset: Path, tmp
         shard.unlink()
     with pytest.raises(StreamloadError, match="failed; nothing to substitute"):
         list(StreamingDataset(str(ds_dir), on_error="skip"))
+
+
+def test_skip_names_every_skipped_sample(tar_dataset: Path, tmp_path: Path, caplog) -> None:
+    """Six damaged samples over two shards: each is named (shard, index, key, reason) in errors and the log."""
+    import tarfile
+
+    ds_dir = tmp_path / "ds"
+    shutil.copytree(tar_dataset, ds_dir)
+    damaged: dict[tuple[str, str], int] = {}
+    for name, picks in (("shard-000001.tar", (0, 3, 4, 9)), ("shard-000002.tar", (1, 15))):
+        shard = ds_dir / name
+        with tarfile.open(shard) as tar:
+            images = [m for m in tar.getmembers() if not m.name.endswith(".cls")]
+        data = bytearray(shard.read_bytes())
+        for i in picks:
+            data[images[i].offset_data + 50] ^= 0x01
+            damaged[(name, images[i].name.rsplit(".", 1)[0])] = i
+        shard.write_bytes(bytes(data))
+    ds = StreamingDataset(str(ds_dir), on_error="skip")
+    with caplog.at_level(logging.WARNING, logger="streamload"):
+        assert len(list(ds)) == len(ds)
+    assert ds.skipped_samples == ds.errors.samples_skipped == 6
+    named = {(s.shard, s.key): s.index for s in ds.errors.samples}
+    assert named == damaged
+    assert all(s.key is not None and s.key in s.reason for s in ds.errors.samples), ds.errors.samples
+    for (shard, key), _ in damaged.items():
+        assert sum(repr(key) in r.getMessage() and shard in r.getMessage() for r in caplog.records) == 1, key

@@ -13,6 +13,9 @@ it:
   pages' endpoint ``http://127.0.0.1:8333`` and their placeholder credentials (``any``)
   are replaced with that server's (which, unlike the pages' server, checks them).
   Skipped, with the reason, only if that module cannot be imported.
+- ``<!-- output -->`` (before a ``text`` block): the output the block above prints. The
+  block above runs and what it prints must be this text (whitespace runs compared as one
+  space, so a long line may be wrapped), so the page shows what the code really prints.
 - ``<!-- readme-test: no-run (reason) -->``: not run. Allowed only for the two setup
   commands (``bash scripts/...``, which would run this very test again), for starting a
   long-running ``weed server`` (the test starts its own), and for benchmarks
@@ -43,6 +46,8 @@ NO_RUN_ALLOWED = (
     re.compile(r"^(mkdir -p \S+ && )?weed server .*&$"),
     re.compile(r"^(python|bash) benchmarks/[\w/.-]+\b"),
 )
+#: The marker of a block that shows what the block above it prints.
+OUTPUT_MARKER = "<!-- output -->"
 README_ENDPOINT = "http://127.0.0.1:8333"
 #: The pages' placeholder credentials (SeaweedFS without identities takes any), by template.
 README_CREDENTIALS = {
@@ -141,6 +146,8 @@ class Reader:
     def __init__(self, workspace: Path, blocks: list[Block]) -> None:
         self.workspace = workspace
         self.runnable = [b for b in blocks if b.language in RUN_LANGUAGES]
+        #: The output block right after a runnable block, by the runnable block's index.
+        self.outputs = {b.index - 1: b for b in blocks if b.marker == OUTPUT_MARKER}
         self.done: set[int] = set()
 
     def run_through(self, block: Block, request: pytest.FixtureRequest) -> None:
@@ -165,6 +172,16 @@ class Reader:
             f"{block.where}: block {context}failed ({proc.returncode}):\n{code}\n"
             f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
         )
+        shown = self.outputs.get(block.index)
+        if shown is not None:
+            assert same_output(proc.stdout, shown.code), (
+                f"{shown.where}: the page shows an output the block above does not print; it prints:\n{proc.stdout}"
+            )
+
+
+def same_output(printed: str, shown: str) -> bool:
+    """True if ``shown`` is what was ``printed``, runs of whitespace (line wraps) counted as one space."""
+    return " ".join(printed.split()) == " ".join(shown.split())
 
 
 class Workspaces:
@@ -235,3 +252,30 @@ def test_license_file_matches_the_declared_license() -> None:
     assert text.split()[:5] == ["Apache", "License", "Version", "2.0,", "January"]
     assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
     assert "END OF TERMS AND CONDITIONS" in text
+
+
+def test_readme_launches_a_ddp_example_with_torchrun() -> None:
+    """The README shows a torchrun launch that runs (test_doc_block_runs runs it: 2 processes on gloo)."""
+    launches = [
+        b
+        for b in RUNNABLE
+        if b.page == "README.md" and not _no_run(b) and "torchrun --standalone --nproc_per_node 2" in b.code
+    ]
+    assert len(launches) == 1
+    assert 'init_process_group("gloo")' in launches[0].code and "DistributedDataParallel" in launches[0].code
+
+
+def test_output_blocks_follow_a_block_that_runs() -> None:
+    """Every ``<!-- output -->`` block is a ``text`` block right after a block that runs (so it is checked)."""
+    outputs = [b for blocks in BLOCKS.values() for b in blocks if b.marker == OUTPUT_MARKER]
+    assert any(b.page == "docs/resume.md" for b in outputs)
+    for shown in outputs:
+        assert shown.language == "text", shown.where
+        above = BLOCKS[shown.page][shown.index - 1]
+        assert above.language in RUN_LANGUAGES and not _no_run(above), shown.where
+
+
+def test_output_comparison_allows_wrapping_only() -> None:
+    printed = "{'a': 1, 'window': 312, 'b': 2}\n"
+    assert same_output(printed, "{'a': 1, 'window': 312,\n 'b': 2}")
+    assert not same_output(printed, "{'a': 1, 'window': 400,\n 'b': 2}")

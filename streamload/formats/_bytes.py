@@ -51,19 +51,24 @@ class FileBytes:
         """``os.preadv``."""
         return os.preadv(self.fd, buffers, offset)
 
-    def close(self) -> None:
-        """Close the descriptor (once)."""
+    def close(self, _close: Callable[[int], None] = os.close) -> None:
+        """Close the descriptor (once).
+
+        ``os.close`` is bound at definition: at interpreter exit this may run after the
+        module's globals are gone.
+        """
         fd, self.fd = self.fd, -1
         if fd >= 0:
-            os.close(fd)
+            _close(fd)
 
     def __del__(self) -> None:
-        # A reader dropped without close() must not leak its descriptor.
-        if getattr(self, "fd", -1) >= 0:
-            try:
+        # A reader dropped without close() must not leak its descriptor; never raises
+        # (also at interpreter exit).
+        try:
+            if getattr(self, "fd", -1) >= 0:
                 self.close()
-            except OSError:
-                pass
+        except Exception:  # noqa: BLE001, S110 - best effort at collection time
+            pass
 
 
 def gather(

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import xxhash
 
 from .._errors import CorruptShardError, ShardError, ShardNotFoundError, UnsafeShardError
-from .base import MAX_KEY_BYTES, Sample
+from .base import MAX_KEY_BYTES, Sample, key_problem
 
 __all__ = [
     "check_field_names",
@@ -211,6 +211,9 @@ def decode_record(value: bytes | memoryview, where: str) -> Sample:
         CorruptShardError: If the record does not match its checksum or its lengths.
     """
     view, key, fields = _parse(value, where)
+    problem = key_problem(key)  # the record's key, as tar member names are checked
+    if problem is not None:
+        raise UnsafeShardError(f"{where}: {problem}")
     sample: Sample = {"__key__": key}
     for name, at, size in fields:
         sample[name] = bytes(view[at : at + size])  # the one copy out of the map

@@ -33,6 +33,8 @@ __all__ = [
     "ShardReader",
     "ShardWriter",
     "check_sample",
+    "key_problem",
+    "unsafe_keys",
 ]
 
 #: A sample: ``{"__key__": str, field: bytes, ...}``.
@@ -54,6 +56,85 @@ def _check_label(key: str, name: str, value: bytes) -> None:
         raise SampleError(f"sample {key!r} field {name!r}: a label of {len(value)} characters does not fit in 64 bits")
 
 
+#: Characters a key may not hold: controls (C0, DEL, C1) and the bidirectional overrides,
+#: embeddings and isolates that make a printed key read as another (e.g. U+202E).
+_KEY_FORBIDDEN = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+#: Anything a key may not hold, in one search (the common, clean key costs one pass):
+#: a forbidden character, or an absolute path, an empty, ``.`` or ``..`` component.
+_KEY_BAD = re.compile(_KEY_FORBIDDEN.pattern + r"|^/|//|/$|(?:^|/)\.{1,2}(?:/|$)")
+
+
+def key_problem(key: object) -> str | None:
+    """Return why ``key`` is not a safe sample key, or ``None`` if it is one.
+
+    The rules of tar member names (what a tar writer would extract): a non-empty str of at
+    most :data:`MAX_KEY_BYTES` UTF-8 bytes, not absolute, no empty, ``.`` or ``..`` path
+    component; and no control or bidirectional-override character (a key printed in a
+    log or a terminal must read as what it is).
+    """
+    if not isinstance(key, str) or not key:
+        return f"sample key {key!r} is not a non-empty str"
+    if len(key) * 4 > MAX_KEY_BYTES and len(key.encode("utf-8", "surrogateescape")) > MAX_KEY_BYTES:
+        return f"sample key {key[:60]!r}... is longer than {MAX_KEY_BYTES} bytes"
+    if _KEY_BAD.search(key) is None:
+        return None
+    bad = _KEY_FORBIDDEN.search(key)
+    if bad is not None:
+        return f"sample key {key[:200]!r} holds the control or bidirectional character U+{ord(bad.group()):04X}"
+    return f"sample key {key[:200]!r} is absolute or has an empty, '.' or '..' path component"
+
+
+#: In a blob of UTF-8 keys back to back: bytes that may start an unsafe key's trouble (a
+#: forbidden character's encoding, an empty, ``.`` or ``..`` component inside a key).
+_BLOB_SUSPECT = re.compile(
+    rb"[\x00-\x1f\x7f]|\xc2[\x80-\x9f]|\xd8\x9c|\xe2\x80[\x8e\x8f\xaa-\xae]|\xe2\x81[\xa6-\xa9]|//|/\./|/\.\./"
+)
+
+
+def unsafe_keys(blob: bytes | memoryview, bounds: Any) -> dict[int, str]:
+    """Return ``{index: problem}`` for the unsafe keys (see :func:`key_problem`) of a blob of keys.
+
+    ``bounds`` holds ``n + 1`` offsets: key ``i`` is ``blob[bounds[i]:bounds[i + 1]]``. One
+    pass over the blob and a vectorised look at each key's first and last byte find the
+    usual shard clean, so a reader checks its index once when it opens the shard; only
+    suspect keys are decoded and checked one by one.
+    """
+    raw = bytes(blob)
+    ends = np.asarray(bounds, dtype=np.int64)
+    if len(ends) < 2:
+        return {}
+    first, last = ends[:-1], ends[1:]
+    data = np.frombuffer(raw, dtype=np.uint8)
+    suspect = (last <= first) | (last - first > MAX_KEY_BYTES)
+    edge = np.zeros(len(first), dtype=bool)
+    sized = ~suspect
+    if data.size and bool(np.any(sized)):
+        head, tail = data[first[sized]], data[last[sized] - 1]
+        edge[sized] = (head == ord("/")) | (head == ord(".")) | (tail == ord("/")) | (tail == ord("."))
+    candidates = set(np.flatnonzero(suspect | edge).tolist())
+    if data.size and (int(data.min()) < 0x20 or int(data.max()) >= 0x7F):
+        scan = True  # a control byte, DEL or non-ASCII keys: the regex looks
+    elif data.size:  # ASCII: only '//', '/./' or '/../' could be wrong inside a key
+        slash, dot = data == ord("/"), data == ord(".")
+        scan = bool(
+            np.any(slash[:-1] & slash[1:])
+            or np.any(slash[:-2] & dot[1:-1] & slash[2:])
+            or np.any(slash[:-3] & dot[1:-2] & dot[2:-1] & slash[3:])
+        )
+    else:
+        scan = False
+    if scan:
+        for match in _BLOB_SUSPECT.finditer(raw):
+            candidates.add(int(np.searchsorted(ends, match.start(), side="right")) - 1)
+    out = {}
+    for i in sorted(candidates):
+        if 0 <= i < len(first):
+            problem = key_problem(raw[int(first[i]) : int(last[i])].decode("utf-8", "surrogateescape"))
+            if problem is not None:
+                out[i] = problem
+    return out
+
+
 def check_sample(sample: Mapping[str, Any]) -> tuple[str, list[tuple[str, bytes]]]:
     """Validate a sample for writing; return its key and its fields sorted by name.
 
@@ -68,6 +149,9 @@ def check_sample(sample: Mapping[str, Any]) -> tuple[str, list[tuple[str, bytes]
         raise SampleError(f"sample key {key!r}: its last component must be non-empty and dot-free")
     if any(part in ("", ".", "..") for part in key.split("/")):
         raise SampleError(f"sample key {key!r}: empty, '.' or '..' path components would escape an extracted tar")
+    problem = key_problem(key)
+    if problem is not None:
+        raise SampleError(problem)
     fields: list[tuple[str, bytes]] = []
     for name in sorted(sample):
         if name.startswith("__"):
@@ -117,6 +201,10 @@ class ShardReader(ABC):
     A reader is created lazily inside the process that reads (after the DataLoader
     forked or spawned its workers) and is never pickled.
     """
+
+    #: The dataset's number of classes when its manifest names them (set by whoever opens
+    #: the reader): labels kept in a shard's index (Parquet sidecars) must lie below it.
+    num_classes: int | None = None
 
     def __init__(self, path: str, entry: ShardEntry, sidecar_path: str | None = None) -> None:
         self.path = path

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,7 +57,17 @@ from h5py import h5d, h5z
 from .._errors import CorruptShardError, SampleError, ShardError, UnsafeShardError
 from ..manifest import ShardEntry
 from ._record import check_field_names, open_regular_file
-from .base import MAX_KEY_BYTES, FieldGroup, Format, Sample, ShardReader, ShardWriter, check_sample, unsafe
+from .base import (
+    MAX_KEY_BYTES,
+    FieldGroup,
+    Format,
+    Sample,
+    ShardReader,
+    ShardWriter,
+    check_sample,
+    unsafe,
+    unsafe_keys,
+)
 
 __all__ = ["FORMAT", "Hdf5ShardReader", "Hdf5ShardWriter"]
 
@@ -308,6 +318,7 @@ class Hdf5ShardReader(ShardReader):
         self._fields: list[_Field] = []
         self._key_blob = b""
         self._key_bounds: list[int] = []
+        self._unsafe_keys: dict[int, str] = {}
 
     # -- opening ---------------------------------------------------------------------
 
@@ -352,6 +363,8 @@ class Hdf5ShardReader(ShardReader):
             h5.close()
             raise
         self._key_blob, self._key_bounds, self._fields = keys_blob, key_bounds, fields
+        #: Samples whose keys break the tar member name rules (refused when read, by index).
+        self._unsafe_keys = unsafe_keys(keys_blob, key_bounds)
         if all(f.file_offset is not None for f in fields):
             h5.close()  # the hot path needs only the fd
         else:
@@ -435,6 +448,8 @@ class Hdf5ShardReader(ShardReader):
         self._ensure_open()
         bounds = self._key_bounds
         key = self._key_blob[bounds[index] : bounds[index + 1]].decode("utf-8", "surrogateescape")
+        if self._unsafe_keys and index in self._unsafe_keys:  # the keys table's keys, checked as tar names
+            raise unsafe(self.entry.name, f"sample #{index}: {self._unsafe_keys[index]}")
         sample: Sample = {"__key__": key}
         for field in self._fields:
             if not field.present[index]:
@@ -541,14 +556,20 @@ class Hdf5ShardReader(ShardReader):
         keys = [blob[bounds[i] : bounds[i + 1]].decode("utf-8", "surrogateescape") for i in range(n)]
         return keys, sizes.tolist()
 
-    def close(self) -> None:
-        """Close the file descriptor and any open HDF5 handle."""
+    def close(self, _close: Callable[[int], None] = os.close) -> None:
+        """Close the file descriptor and any open HDF5 handle.
+
+        ``os.close`` is bound at definition: at interpreter exit this may run after the
+        module's globals are gone.
+        """
         fd, h5 = self._fd, self._h5
         self._fd, self._h5, self._pid = None, None, -1
-        if h5 is not None:
-            h5.close()
-        if fd is not None:
-            os.close(fd)
+        try:
+            if h5 is not None:
+                h5.close()
+        finally:
+            if fd is not None:
+                _close(fd)
 
 
 FORMAT = Format(

@@ -47,8 +47,9 @@ import mmap
 import os
 import stat
 import struct
+import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import lmdb
@@ -278,6 +279,7 @@ class LmdbShardReader(ShardReader):
         self._check_index(stop - 1)
         txn = self._transaction()
         cursor = txn.cursor()
+        error = lmdb.Error  # bound now: closed at interpreter exit, the module's globals may be gone
         try:
             self._prefetch_run(txn, start, stop)
             found = cursor.set_key(_INDEX.pack(start))
@@ -287,7 +289,7 @@ class LmdbShardReader(ShardReader):
                 sample = self._decode(cursor.value(), index)
                 found = cursor.next()
                 yield sample
-        except lmdb.Error as exc:
+        except error as exc:
             raise CorruptShardError(f"{self.entry.name}: LMDB read failed ({exc})") from exc
         finally:
             cursor.close()
@@ -450,18 +452,31 @@ class LmdbShardReader(ShardReader):
         keys = [keys_blob[bounds[i] : bounds[i + 1]].decode("utf-8", "surrogateescape") for i in range(n)]
         return keys, [int(s) for s in sizes]
 
-    def close(self) -> None:
-        """End the read transaction and release the environment."""
+    def close(
+        self,
+        _getpid: Callable[[], int] = os.getpid,
+        _error: type[Exception] = lmdb.Error,
+        _finalizing: Callable[[], bool] = sys.is_finalizing,
+    ) -> None:
+        """End the read transaction and release the environment.
+
+        What it calls first is bound at definition: at interpreter exit this may run after
+        the module's globals are gone; the environment is then left to the process's end.
+        """
         txn, shared = self._txn, self._env
         self._txn = self._env = None
         self._batch = {}  # views into the map die with the transaction
-        if shared is None or self._pid != os.getpid():
+        if shared is None or self._pid != _getpid():
             return  # handles inherited through fork: the registry closes them in this process
         try:
-            txn.abort()
-        except lmdb.Error:  # pragma: no cover - the environment was closed under it
-            pass
-        _release_env(self._env_id, shared)
+            try:
+                txn.abort()
+            except _error:  # pragma: no cover - the environment was closed under it
+                pass
+            _release_env(self._env_id, shared)
+        except Exception:
+            if not _finalizing():
+                raise
 
 
 # -- one environment per file and process ----------------------------------------------

@@ -78,13 +78,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import xxhash
 
-from .._errors import ConfigError, CorruptShardError, SampleError
+from .._errors import ConfigError, CorruptShardError, SampleError, UnsafeShardError
 from .._units import parse_bytes
 from ..manifest import ShardEntry, algorithm_of, new_hasher
 from ..sample import IMAGE_EXTENSIONS, image_field_for, sniff_image
 from ._bytes import MAX_GAP, FileBytes, ShardBytes, gather
 from ._record import open_regular_file
-from .base import FieldGroup, Format, Sample, ShardReader, ShardWriter
+from .base import FieldGroup, Format, Sample, ShardReader, ShardWriter, key_problem
 
 __all__ = [
     "FORMAT",
@@ -796,6 +796,10 @@ class ParquetShardReader(ShardReader):
             ends = direct + arrays["size"]
             if int(direct.min()) < 4 or int(ends.max()) > self.entry.num_bytes - 8 or bool(np.any(ends < direct)):
                 raise CorruptShardError(f"{name}: Parquet sidecar offsets lie outside the file")
+        prefix = meta.get("prefix")
+        problem = key_problem(f"{prefix}/{0:010d}") if isinstance(prefix, str) else "its key prefix is not a str"
+        if problem is not None:
+            raise UnsafeShardError(f"{name}: Parquet sidecar key prefix: {problem}")
         self._meta = meta
         self._rows_total: int = rows
         #: Per sample, its row in the file (``None``: sample ``i`` is row ``i``).
@@ -896,6 +900,18 @@ class ParquetShardReader(ShardReader):
     def _key(self, index: int) -> str:
         return f"{self._meta['prefix']}/{self._row(index):010d}"
 
+    def _label(self, index: int) -> bytes:
+        """Row ``index``'s label from the sidecar, as ``cls`` bytes: not negative, below the dataset's classes."""
+        assert self._labels is not None
+        value = int(self._labels[index])
+        classes = self.num_classes
+        if value < 0 or (classes is not None and value >= classes):
+            allowed = f"0..{classes - 1} (the dataset's {classes} classes)" if classes is not None else ">= 0"
+            raise SampleError(
+                f"{self.entry.name}: sample {self._key(index)!r}: label {value} in the sidecar is outside {allowed}"
+            )
+        return str(value).encode()
+
     def _source_bytes(self) -> ShardBytes:
         """The file's bytes for positioned reads (this process's own descriptor; ranged reads when streaming)."""
         if self._source is not None:
@@ -938,7 +954,7 @@ class ParquetShardReader(ShardReader):
         g, view = self._image(index)
         sample: Sample = {"__key__": self._key(index), self._fields[int(self._codes[index])]: view.tobytes()}
         if self._labels is not None:
-            sample["cls"] = str(int(self._labels[index])).encode()
+            sample["cls"] = self._label(index)
         texts = self._group(g)[2]
         if texts is not None and self._json_digests is not None:
             text = texts[self._row(index) - int(self._starts[g])]
@@ -963,8 +979,7 @@ class ParquetShardReader(ShardReader):
 
     def _value(self, index: int, name: str) -> Any:
         if name == "cls":
-            assert self._labels is not None
-            return str(int(self._labels[index])).encode()
+            return self._label(index)
         if name == "json":
             return self.get(index)["json"]
         return self._image(index)[1]
@@ -1074,13 +1089,18 @@ class ParquetShardReader(ShardReader):
         for i in range(start, stop):
             yield self.get(i)
 
-    def close(self) -> None:
-        """Drop the open file and the decoded row groups."""
-        if self._pid == os.getpid():
-            _CACHE.drop(self._token)
-            if self._bytes is not None:
-                self._bytes.close()
+    def close(self, _getpid: Callable[[], int] = os.getpid, _cache: _GroupCache = _CACHE) -> None:
+        """Drop the open file and the decoded row groups.
+
+        What it calls is bound at definition: at interpreter exit this may run after the
+        module's globals are gone.
+        """
+        source, mine = self._bytes, self._pid == _getpid()
         self._file, self._pid, self._bytes = None, -1, None
+        if mine:
+            _cache.drop(self._token)
+            if source is not None:
+                source.close()
 
 
 class _NoWriter(ShardWriter):

@@ -46,7 +46,7 @@ from .._errors import CorruptShardError, SampleError
 from ..manifest import ShardEntry, algorithm_of, new_hasher
 from ._bytes import MAX_GAP, FileBytes, ShardBytes, gather
 from ._record import check_field_names, open_regular_file
-from .base import MAX_KEY_BYTES, Format, Sample, ShardReader, ShardWriter, check_sample, unsafe
+from .base import MAX_KEY_BYTES, Format, Sample, ShardReader, ShardWriter, check_sample, unsafe, unsafe_keys
 
 __all__ = ["FORMAT", "TarShardReader", "TarShardWriter", "index_tar"]
 
@@ -280,6 +280,8 @@ class TarShardReader(ShardReader):
         self._start, self._member, self._key_off = start, member, key_off
         self._offset, self._msize, self._field, self._hash = offset, size, field, digest
         self._keys, self._names = keys, names
+        #: Samples whose keys break the tar member name rules (refused when read, by index).
+        self._unsafe_keys = unsafe_keys(keys, key_off)
 
     def _validate(
         self,
@@ -336,6 +338,8 @@ class TarShardReader(ShardReader):
         if source is None:
             raise ValueError(f"{self.entry.name}: reader is closed")
         key = self._keys[self._key_off[index] : self._key_off[index + 1]].decode("utf-8", "surrogateescape")
+        if self._unsafe_keys and index in self._unsafe_keys:  # the sidecar's keys, checked as tar names
+            raise unsafe(self.entry.name, f"sample #{index}: {self._unsafe_keys[index]}")
         sample: Sample = {"__key__": key}
         offset, size, field, names = self._offset, self._msize, self._field, self._names
         for j in range(self._member[index], self._member[index + 1]):
