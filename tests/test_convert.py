@@ -108,7 +108,7 @@ def test_corrupt_images_skipped_are_listed_and_counted(broken_folder: Path, tmp_
     assert skipped == {"class_000/truncated.jpg", "class_001/not-an-image.jpg"}
     assert manifest["num_samples"] == 10
     printed = capsys.readouterr()
-    assert "2 broken inputs skipped" in printed.out and "1 non-input files ignored" in printed.out
+    assert "2 broken inputs skipped" in printed.out and "1 non-input file ignored" in printed.out
     assert "truncated.jpg" in printed.err
 
 
