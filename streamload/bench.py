@@ -349,7 +349,14 @@ def add_bench_parser(subparsers: Any) -> None:
     """Add the ``bench`` subcommand to the ``streamload`` command line."""
     from ._options import add_storage_option
 
-    p = subparsers.add_parser("bench", help="sweep DataLoader settings on a dataset; recommend one")
+    p = subparsers.add_parser(
+        "bench",
+        help="sweep DataLoader settings on a dataset; recommend one",
+        epilog="Every number is checked before a worker starts: the time per setting must be positive and "
+        "finite; worker counts 0 to 8 per CPU or 64, whichever is larger (at most 1024, within ulimit -n); "
+        f"prefetch factors 1 to {MAX_PREFETCH}; batch sizes 1 to {MAX_BATCH}; image sizes 1 to {MAX_SIZE}; "
+        "and the batches in flight must fit in half of the memory.",
+    )
     p.add_argument("dataset", help="dataset directory or URL")
     p.add_argument(
         "--mode",

@@ -190,22 +190,43 @@ def build_parser() -> argparse.ArgumentParser:
     add_storage_option(p)
     p.set_defaults(func=_cmd_convert)
 
-    p = sub.add_parser("info", help="summarise a dataset")
+    p = sub.add_parser(
+        "info",
+        help="summarise a dataset",
+        epilog="Reads index.json only: for a URL through a throw-away folder, so nothing is kept in the shard "
+        "cache. Invisible and control characters in names are shown escaped (a zero-width space as \\u200b); "
+        "class names that differ only in Unicode normalization are marked [NFC twin] and [NFD twin].",
+    )
     p.add_argument("dataset", help="dataset directory or URL")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     add_storage_option(p)
     p.set_defaults(func=_cmd_info)
 
-    p = sub.add_parser("show", help="print one sample's fields (by key or index) and optionally write its image")
+    p = sub.add_parser(
+        "show",
+        help="print one sample's fields (by key or index) and optionally write its image",
+        epilog="For a URL, the sample's shard is downloaded into the cache (a key lookup also keeps the "
+        "dataset's key index there); how much was written, and where, is said on stderr.",
+    )
     p.add_argument("dataset", help="dataset directory or URL")
     p.add_argument("sample", metavar="KEY_OR_INDEX", help="a sample key, or an index (negative counts from the end)")
     p.add_argument("--key", action="store_true", help="read KEY_OR_INDEX as a key even if it is a number")
-    p.add_argument("--out", metavar="FILE", help="write the sample's image bytes (as stored) to FILE")
+    p.add_argument(
+        "--out",
+        metavar="FILE",
+        help="write the sample's image bytes (as stored) to FILE; a FILE inside the dataset, one of its files "
+        "(or a link to it) or its cache is refused",
+    )
     p.add_argument("--cache-dir", help="for a URL: the shard cache (default: the usual cache)")
     add_storage_option(p)
     p.set_defaults(func=_cmd_show)
 
-    p = sub.add_parser("verify", help="re-hash every shard and read every sample; exit 1 on any problem")
+    p = sub.add_parser(
+        "verify",
+        help="re-hash every shard and read every sample; exit 1 on any problem",
+        epilog="A URL's shards are checked through the cache (as training reads them); how much was written "
+        "there, and where, is said on stderr before the result line.",
+    )
     p.add_argument("dataset", help="dataset directory or URL")
     p.add_argument("--no-read", action="store_true", help="only check sizes and hashes")
     p.add_argument(
@@ -264,8 +285,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="make a small image folder, convert it, and read it back")
     p.add_argument("--dir", help="working directory (default: a temporary one, removed after)")
-    p.add_argument("--images", type=int, default=2000, help="number of images (default: 2000)")
-    p.add_argument("--workers", type=int, default=2, help="DataLoader workers (default: 2)")
+    p.add_argument(
+        "--images",
+        type=int,
+        default=2000,
+        help="number of images, 10 to 100000, rounded down to whole classes of the 10 (default: 2000)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="DataLoader workers (default: 2; up to 8 per CPU or 64, whichever is larger, within ulimit -n)",
+    )
     p.add_argument("--format", default="tar", help="shard format (default: tar)")
     p.add_argument(
         "--overwrite",
@@ -566,7 +597,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
         elif name in ("txt", "text", "json"):
             text = value[:60].decode("utf-8", "replace")
             detail = repr(text) + (" ..." if len(value) > 60 else "")
-        _say(f"field     {name:<8} {len(value):>9} bytes  {detail}".rstrip())
+        unit = "byte " if len(value) == 1 else "bytes"
+        _say(f"field     {name:<8} {len(value):>9} {unit}  {detail}".rstrip())
     if args.out:
         if image is None:
             _say(f"streamload show: error: sample {sample['__key__']!r} has no image field", file=sys.stderr)

@@ -10,6 +10,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import unicodedata
@@ -113,6 +114,8 @@ def test_counts_of_one_are_singular(one_shard: Path, tmp_path: Path, capsys: pyt
     assert f"OK: 1 shard, 6 samples checked in {one_shard}" in capsys.readouterr().out
     assert main(["info", str(one_shard)]) == 0
     assert "skipped   0 inputs at conversion" in capsys.readouterr().out
+    assert main(["show", str(one_shard), "0"]) == 0
+    assert re.search(r"^field     cls +1 byte +label 0", capsys.readouterr().out, re.MULTILINE)
 
 
 # -- the cache a URL is read through -------------------------------------------------------
