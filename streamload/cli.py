@@ -448,6 +448,28 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_root_of(url: str, storage_options: dict[str, Any]) -> str | None:
+    """The ``data_root`` the manifest at ``url`` names, if any, without validating a local manifest twice.
+
+    A local ``index.json`` is only searched for the field (validating a manifest of many
+    shards takes seconds, and ``verify`` does it anyway); a remote one is loaded.
+    """
+    from .manifest import MANIFEST_NAME
+    from .storage.base import is_local, local_path_of
+
+    if not is_local(url):
+        return _load_manifest(url, storage_options).data_root  # type: ignore[no-any-return]
+    try:
+        with open(os.path.join(local_path_of(url), MANIFEST_NAME), "rb") as f:
+            raw = f.read()
+        if b'"data_root"' not in raw:
+            return None
+        root = json.loads(raw).get("data_root")
+    except (OSError, ValueError, AttributeError):
+        return None  # verify says what is wrong with it
+    return root if isinstance(root, str) else None
+
+
 def _cache_dirs(url: str, data_root: str | None, storage_options: dict[str, Any], cache_dir: str | None) -> list[str]:
     """The shard-cache folders of a dataset (its URL's, its ``data_root``'s), and the key indexes' folder."""
     from .storage.base import is_local
@@ -635,7 +657,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from .verify import verify_dataset
 
     storage_options = parse_storage_options(args.storage_option)
-    data_root = _load_manifest(args.dataset, storage_options).data_root
+    data_root = _data_root_of(args.dataset, storage_options)
     folders = _cache_dirs(args.dataset, data_root, storage_options, args.cache_dir)
     cache = _CacheUse("verify", folders[:-1], any(not is_local(u) for u in (args.dataset, data_root) if u))
     report = verify_dataset(
@@ -780,6 +802,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for stream in gone:
             _to_devnull(stream)
         return EXIT_CLOSED_OUTPUT
+    except OSError as exc:  # the standard output cannot take what was written (`> /dev/full`)
+        try:
+            _to_devnull(sys.stdout)  # else Python's flush at exit fails again, with a traceback
+        except (AttributeError, OSError, ValueError):
+            pass
+        _say(f"streamload: error: cannot write the standard output: {exc.strerror or exc}", file=sys.stderr)
+        return 2
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -101,6 +101,22 @@ def test_every_command_ends_quietly_on_a_closed_stdout(
     assert capfd.readouterr().err == ""
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_stdout_is_one_line_on_stderr(one_shard: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """``streamload info DS > /dev/full``: status 2 and why, whether the output is buffered or not."""
+    for write_through in (False, True):
+        full = os.open("/dev/full", os.O_WRONLY)
+        saved = sys.stdout
+        sys.stdout = io.TextIOWrapper(io.FileIO(full, "w", closefd=False), write_through=write_through)
+        try:
+            assert main(["info", str(one_shard)]) == 2
+        finally:
+            sys.stdout = saved
+            os.close(full)
+        err = capfd.readouterr().err
+        assert "No space left on device" in err and err.count("\n") == 1, err
+
+
 # -- counts in words -----------------------------------------------------------------------
 
 
@@ -144,6 +160,16 @@ def test_info_leaves_no_cache_and_verify_says_where_it_wrote(
 
     assert main(["verify", url, *s3_server.cli_options()]) == 0  # again: the copies are there, nothing written
     assert "0 B written to the cache" in capsys.readouterr().err
+
+    other = own_cache.parent / "other-cache"
+    assert main(["show", url, "class_001/img_000000", "--cache-dir", str(other), *s3_server.cli_options()]) == 0
+    err = capsys.readouterr().err
+    assert "streamload show: " in err and "written to the cache" in err and str(other) in err
+    assert not re.search(r": 0 B written", err)  # the shard, its sidecar and the key index
+    copy = next(p for p in other.rglob("shard-*.tar") if p.is_file())
+    for out in (copy, other / "keys" / "x.jpg"):
+        assert main(["show", url, "0", "--cache-dir", str(other), "--out", str(out), *s3_server.cli_options()]) == 2
+        assert "lies inside the shard cache of" in capsys.readouterr().err
 
 
 # -- show --out ----------------------------------------------------------------------------

@@ -198,4 +198,4 @@ def test_verify_reports_every_bad_shard(tar_dataset: Path, tmp_path: Path, capsy
         (ds_dir / name).write_bytes(bytes(data))
     assert main(["verify", str(ds_dir)]) == 1
     out = capsys.readouterr().out
-    assert "shard-000001.tar" in out and "shard-000004.tar" in out and "FAILED: 2 bad shard(s)" in out
+    assert "shard-000001.tar" in out and "shard-000004.tar" in out and "FAILED: 2 bad shards" in out
