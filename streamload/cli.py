@@ -393,7 +393,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     import tempfile
 
     from .shards import DatasetRef, StorageConfig
-    from .storage.base import is_local
+    from .storage import is_local
 
     storage_options = parse_storage_options(args.storage_option)
     # Only index.json is read: a URL's manifest goes through a throw-away cache, so that
@@ -455,7 +455,7 @@ def _data_root_of(url: str, storage_options: dict[str, Any]) -> str | None:
     shards takes seconds, and ``verify`` does it anyway); a remote one is loaded.
     """
     from .manifest import MANIFEST_NAME
-    from .storage.base import is_local, local_path_of
+    from .storage import is_local, local_path_of
 
     if not is_local(url):
         return _load_manifest(url, storage_options).data_root  # type: ignore[no-any-return]
@@ -472,7 +472,7 @@ def _data_root_of(url: str, storage_options: dict[str, Any]) -> str | None:
 
 def _cache_dirs(url: str, data_root: str | None, storage_options: dict[str, Any], cache_dir: str | None) -> list[str]:
     """The shard-cache folders of a dataset (its URL's, its ``data_root``'s), and the key indexes' folder."""
-    from .storage.base import is_local
+    from .storage import is_local
     from .storage.cachedir import dataset_cache_key, default_cache_dir
 
     base = os.path.expanduser(cache_dir if cache_dir is not None else default_cache_dir())
@@ -533,7 +533,7 @@ def _check_out(out: str, ds: Any, folders: list[str]) -> None:
         ConfigError: Naming ``out`` and what it would overwrite.
     """
     from .manifest import MANIFEST_NAME
-    from .storage.base import is_local, local_path_of
+    from .storage import is_local, local_path_of
 
     if os.path.isdir(out):
         raise ConfigError(f"--out {out} is a directory: name the file to write the image to")
@@ -577,7 +577,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from .access import ShardedDataset
     from .sample import IMAGE_FIELDS, parse_label
     from .shards import StorageConfig
-    from .storage.base import is_local
+    from .storage import is_local
 
     storage_options = parse_storage_options(args.storage_option)
     storage = StorageConfig(storage_options=storage_options, cache_dir=args.cache_dir)
@@ -653,7 +653,7 @@ def _image_summary(data: bytes) -> str:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .storage.base import is_local
+    from .storage import is_local
     from .verify import verify_dataset
 
     storage_options = parse_storage_options(args.storage_option)
