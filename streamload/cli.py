@@ -393,18 +393,16 @@ def _cmd_info(args: argparse.Namespace) -> int:
     import tempfile
 
     from .shards import DatasetRef, StorageConfig
-    from .storage import is_local
 
     storage_options = parse_storage_options(args.storage_option)
-    # Only index.json is read: a URL's manifest goes through a throw-away cache, so that
-    # `info` leaves nothing behind in the shard cache.
-    scratch = None if is_local(args.dataset) else tempfile.mkdtemp(prefix="streamload-info-")
+    # Only index.json is read: a URL's manifest (or the files of a data_root on one) goes
+    # through a throw-away cache, so that `info` leaves nothing behind in the shard cache.
+    scratch = tempfile.mkdtemp(prefix="streamload-info-")
     try:
         config = StorageConfig(storage_options=storage_options, cache_dir=scratch, cache_limit="unbounded")
         manifest = DatasetRef.open(args.dataset, config).manifest
     finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     if args.json:
         summary = {
             "url": args.dataset,
