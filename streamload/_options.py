@@ -4,12 +4,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
 from ._errors import ConfigError
+from ._units import counted
 
-__all__ = ["add_storage_option", "parse_storage_options"]
+__all__ = [
+    "MAX_LOADER_WORKERS",
+    "add_storage_option",
+    "check_number",
+    "loader_worker_limit",
+    "parse_storage_options",
+]
+
+#: The most DataLoader workers a command starts, whatever the machine (``convert`` caps its processes the same).
+MAX_LOADER_WORKERS = 1024
+#: File descriptors a command keeps for itself, beside its DataLoader workers'.
+_RESERVED_FDS = 64
 
 
 def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
@@ -54,3 +68,55 @@ def add_storage_option(p: argparse.ArgumentParser) -> None:
         help="let a manifest read from a URL name its files under URL although it is on another host or bucket "
         "(repeatable; they are read with the -o options given here)",
     )
+
+
+def loader_worker_limit(prefetch: int = 2) -> tuple[int, str]:
+    """Return the most DataLoader workers a command starts on this machine, and what sets that bound.
+
+    The smallest of :data:`MAX_LOADER_WORKERS`; 8 per CPU (at least 64), past which workers
+    only contend for the cores; and what the soft open-file limit allows, with
+    ``_RESERVED_FDS`` kept for the rest: each worker holds about ``5 + prefetch``
+    descriptors in the main process (its queues, and its shared-memory batches in flight).
+
+    Args:
+        prefetch: The DataLoader's ``prefetch_factor``.
+    """
+    cpus = os.cpu_count() or 1
+    limit, why = MAX_LOADER_WORKERS, f"at most {MAX_LOADER_WORKERS}"
+    by_cpus = max(64, 8 * cpus)
+    if by_cpus < limit:
+        limit, why = by_cpus, f"the most for this machine's {counted(cpus, 'CPU')}: 8 per CPU, never fewer than 64"
+    try:
+        import resource
+
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not a Unix
+        return limit, why
+    if soft != resource.RLIM_INFINITY:
+        by_fds = max(1, (soft - _RESERVED_FDS) // (5 + prefetch))
+        if by_fds < limit:
+            limit, why = by_fds, f"the open-file limit (ulimit -n {soft}) allows {by_fds} with prefetch {prefetch}"
+    return limit, why
+
+
+def check_number(option: str, value: float, low: float, high: float | None = None, why: str = "") -> None:
+    """Refuse a command-line number that is not finite or lies outside ``[low, high]``.
+
+    Args:
+        option: The option as typed (``"--seconds"``), for the message.
+        value: Its value.
+        low: The smallest value allowed.
+        high: The largest (``None``: no bound).
+        why: What sets ``high``, added to the message.
+
+    Raises:
+        ConfigError: Naming the option, the value and the range.
+    """
+    if not math.isfinite(value) or value < low or (high is not None and value > high):
+        bound = f"between {_number(low)} and {_number(high)}" if high is not None else f">= {_number(low)}"
+        reason = f" ({why})" if why else ""
+        raise ConfigError(f"{option} {_number(value)} must be {bound}{reason}")
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"

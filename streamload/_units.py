@@ -1,4 +1,4 @@
-"""Parsing of human byte sizes such as ``"256MB"`` or ``"20GiB"``."""
+"""Human units: byte sizes such as ``"256MB"`` or ``"20GiB"``, and counts such as ``"1 shard"``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 from ._errors import ConfigError
 
-__all__ = ["format_bytes", "parse_bytes"]
+__all__ = ["counted", "format_bytes", "parse_bytes"]
 
 _UNITS = {
     "": 1,
@@ -57,3 +57,14 @@ def format_bytes(num: float) -> str:
             return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
         num /= 1000
     raise AssertionError("unreachable")
+
+
+def counted(number: int, noun: str, plural: str | None = None) -> str:
+    """Return ``number`` and ``noun`` in the number it takes: ``"1 shard"``, ``"2 shards"``, ``"0 shards"``.
+
+    Args:
+        number: How many.
+        noun: The singular (``"shard"``).
+        plural: The plural if it is not ``noun + "s"`` (``"classes"``).
+    """
+    return f"{number} {noun if number == 1 else plural or noun + 's'}"

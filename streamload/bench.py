@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import threading
 import time
@@ -25,13 +26,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ._errors import ConfigError
-from ._units import format_bytes
+from ._units import counted, format_bytes
 
 __all__ = ["BenchResult", "PeakMemory", "add_bench_parser", "recommend", "run_bench", "sweep"]
 
 MODES = ("raw", "decode", "samples")
 #: ``--backend`` choices: the JPEG decoder of the ``decode`` mode (see :class:`~streamload.decode.ImageDecoder`).
 BACKENDS = ("auto", "simplejpeg", "pillow")
+#: The largest ``--batch-size``, ``--size`` (pixels a side) and ``--prefetch`` the sweep takes.
+MAX_BATCH, MAX_SIZE, MAX_PREFETCH = 65536, 8192, 64
 
 
 class PeakMemory:
@@ -187,9 +190,10 @@ def run_one(
         while not done:
             for batch in loader:
                 n, b = _measure_batch(batch)
-                if not first:
+                if not first:  # the rate excludes start-up: it counts the batches after the first
                     first = time.perf_counter() - start
-                    steady, samples, nbytes = time.perf_counter(), 0, 0  # rate excludes start-up
+                    steady = time.perf_counter()
+                    continue
                 samples += n
                 nbytes += b
                 if time.perf_counter() - start >= seconds:
@@ -345,7 +349,14 @@ def add_bench_parser(subparsers: Any) -> None:
     """Add the ``bench`` subcommand to the ``streamload`` command line."""
     from ._options import add_storage_option
 
-    p = subparsers.add_parser("bench", help="sweep DataLoader settings on a dataset; recommend one")
+    p = subparsers.add_parser(
+        "bench",
+        help="sweep DataLoader settings on a dataset; recommend one",
+        epilog="Every number is checked before a worker starts: the time per setting must be positive and "
+        "finite; worker counts 0 to 8 per CPU or 64, whichever is larger (at most 1024, within ulimit -n); "
+        f"prefetch factors 1 to {MAX_PREFETCH}; batch sizes 1 to {MAX_BATCH}; image sizes 1 to {MAX_SIZE}; "
+        "and the batches in flight must fit in half of the memory.",
+    )
     p.add_argument("dataset", help="dataset directory or URL")
     p.add_argument(
         "--mode",
@@ -373,26 +384,100 @@ def add_bench_parser(subparsers: Any) -> None:
     p.set_defaults(func=_cmd_bench)
 
 
-def run_bench(args: argparse.Namespace) -> list[BenchResult]:
-    """Run the sweep described by parsed ``bench`` arguments; print the table and advice."""
-    from ._options import parse_storage_options
+def _checked(args: argparse.Namespace) -> tuple[list[int], list[int], list[int]]:
+    """Check every number of parsed ``bench`` arguments before anything starts; return the three lists.
 
+    Returns:
+        The ``--workers``, ``--prefetch`` and ``--batch-size`` values.
+
+    Raises:
+        ConfigError: Naming the option and the value: a time not positive and finite, a
+            list without values, a count out of its range (workers up to what
+            :func:`~streamload._options.loader_worker_limit` allows), or batches that
+            would take more than half of this machine's memory at once.
+    """
+    from ._options import check_number, loader_worker_limit
+
+    seconds = float(args.seconds)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ConfigError(f"--seconds {seconds:g} must be a positive, finite number of seconds")
+    lists = {}
+    for option, text in (("--workers", args.workers), ("--prefetch", args.prefetch), ("--batch-size", args.batch_size)):
+        values = _ints(text)
+        if not values:
+            raise ConfigError(f"{option} {text!r} names no value: give one or more, comma-separated")
+        lists[option] = values
+    for value in lists["--prefetch"]:
+        check_number("--prefetch", value, 1, MAX_PREFETCH)
+    limit, why = loader_worker_limit(max(lists["--prefetch"]))
+    for value in lists["--workers"]:
+        check_number("--workers", value, 0, limit, why)
+    for value in lists["--batch-size"]:
+        check_number("--batch-size", value, 1, MAX_BATCH)
+    check_number("--size", args.size, 1, MAX_SIZE)
+    return lists["--workers"], lists["--prefetch"], lists["--batch-size"]
+
+
+def _check_memory(
+    args: argparse.Namespace, workers: list[int], prefetch: list[int], batch_sizes: list[int], storage: Any
+) -> None:
+    """Refuse a sweep whose batches in flight would take more than half of this machine's memory.
+
+    A batch is ``batch x size x size x 3`` bytes decoded, or ``batch`` times the dataset's
+    mean sample size encoded; ``workers x prefetch`` of them are in flight, and two more
+    in the main process.
+    """
+    import psutil
+
+    from .shards import DatasetRef
+
+    if args.mode == "decode":
+        per_sample = 3 * args.size * args.size
+        what = f"{args.size}x{args.size} RGB images"
+    else:
+        manifest = DatasetRef.open(args.dataset, storage).manifest
+        per_sample = manifest.num_bytes // max(manifest.num_samples, 1)
+        what = f"samples of {format_bytes(per_sample)} on average"
+    need = max(batch_sizes) * per_sample * (max(workers) * max(prefetch) + 2)
+    have = psutil.virtual_memory().total
+    if need > have // 2:
+        raise ConfigError(
+            f"batches of {max(batch_sizes)} {what}, {max(workers) * max(prefetch) + 2} at once, would take "
+            f"{format_bytes(need)}: more than half of this machine's memory ({format_bytes(have)}); "
+            "lower --batch-size, --size, --workers or --prefetch"
+        )
+
+
+def run_bench(args: argparse.Namespace) -> list[BenchResult]:
+    """Run the sweep described by parsed ``bench`` arguments; print the table and advice.
+
+    Every number is checked first (:func:`_checked`), before a worker starts.
+    """
+    from ._options import parse_storage_options
+    from .shards import StorageConfig
+
+    workers, prefetch, batch_sizes = _checked(args)
+    storage_options = parse_storage_options(args.storage_option)
+    _check_memory(args, workers, prefetch, batch_sizes, StorageConfig(storage_options, args.cache_dir))
     pins = {"off": [False], "on": [True], "both": [False, True]}[args.pin_memory]
     quiet = bool(args.json)
     if not quiet:
         mode = args.mode if args.mode != "decode" else f"decode ({_backend_name(args.backend)})"
-        print(f"streamload bench {args.dataset}: mode {mode}, {args.seconds:g} s per setting, {os.cpu_count()} CPUs")
+        print(
+            f"streamload bench {args.dataset}: mode {mode}, {args.seconds:g} s per setting, "
+            f"{counted(os.cpu_count() or 1, 'CPU')}"
+        )
         print(_HEADER)
     results = sweep(
         args.dataset,
         args.mode,
-        _ints(args.workers),
-        _ints(args.prefetch),
+        workers,
+        prefetch,
         pins,
-        _ints(args.batch_size),
+        batch_sizes,
         args.size,
         args.seconds,
-        parse_storage_options(args.storage_option),
+        storage_options,
         args.cache_dir,
         progress=not quiet,
         backend=args.backend,

@@ -1,45 +1,83 @@
 """The ``streamload`` command line: ``convert``, ``info``, ``show``, ``verify``, ``index``, ``demo``, ``bench``.
 
 Every subcommand is a ``_cmd_<name>`` function and an entry of :func:`build_parser`;
-errors of the :class:`~streamload.StreamloadError` family print one line and exit 2.
+errors of the :class:`~streamload.StreamloadError` family print one line and exit 2, and so
+do errors of the environment (``OSError``: a full disk, a missing permission) and
+``MemoryError``. A closed standard output (``streamload info DS | head -1``) ends the command
+quietly with status 141 (128 + SIGPIPE, what a shell reports for a Unix tool that SIGPIPE
+stopped), no traceback; whatever it still writes goes to ``/dev/null``.
 
 Everything printed for a person (not ``--json``, which stays exact JSON with its control
 characters escaped by JSON itself) goes through :func:`terminal_safe`: class names, keys,
 paths, ``meta`` and error texts come from datasets others wrote, and an escape sequence
 there must not reach the terminal (set its title, clear the screen, write the clipboard by
-OSC 52, or forge a line).
+OSC 52, or forge a line), nor an invisible character hide in a name.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
-import re
 import sys
-from collections.abc import Callable, Sequence
+import unicodedata
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ._errors import ConversionInterrupted, StorageError, StreamloadError
+from ._errors import ConfigError, ConversionInterrupted, StorageError, StreamloadError
 from ._options import add_storage_option, parse_storage_options
-from ._units import format_bytes
+from ._units import counted, format_bytes
 
-__all__ = ["build_parser", "main", "terminal_safe"]
+__all__ = ["EXIT_CLOSED_OUTPUT", "build_parser", "main", "terminal_safe"]
 
-#: What a terminal may act on: C0 and C1 controls (ESC, CSI, OSC, BEL, CR, newline...), DEL,
-#: and the bidirectional overrides that reorder what is shown.
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\u200e\u200f\u061c]")
+#: Exit status when the reader of the standard output went away: 128 + SIGPIPE, as shells report ``yes | head``.
+EXIT_CLOSED_OUTPUT = 141
+
+#: Unicode categories a terminal acts on or shows as nothing: controls (C0, C1, DEL), format
+#: characters (bidirectional overrides and isolates, zero-width spaces and joiners, BOM, soft
+#: hyphen), lone surrogates (undecodable file names) and the line and paragraph separators.
+_UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+
+
+def _escape(char: str) -> str:
+    code = ord(char)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def terminal_safe(text: object) -> str:
-    """Return ``str(text)`` with every character a terminal would act on written as an escape (ESC as x1b)."""
+    r"""Return ``str(text)`` with every character a terminal would act on, or show as nothing, escaped.
 
-    def escape(match: re.Match[str]) -> str:
-        code = ord(match.group())
-        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    Controls, bidirectional marks and overrides, zero-width and other invisible format
+    characters, lone surrogates and line separators are written as Python escapes (ESC as
+    ``\x1b``, a zero-width space as ``\u200b``); everything printable is kept.
+    """
+    out = str(text)
+    if out.isprintable():  # the common case; non-printable is a superset of what is escaped
+        return out
+    return "".join(_escape(c) if unicodedata.category(c) in _UNSAFE_CATEGORIES else c for c in out)
 
-    return _UNSAFE.sub(escape, str(text))
+
+def _form(name: str) -> str:
+    """The Unicode normalization form ``name`` is written in: NFC, NFD or mixed."""
+    if unicodedata.is_normalized("NFC", name):
+        return "NFC"
+    return "NFD" if unicodedata.is_normalized("NFD", name) else "mixed"
+
+
+def _twin_marks(names: Sequence[str]) -> dict[int, str]:
+    """Return ``{position: "[NFC twin]"...}`` for the names that differ from another only in Unicode normalization.
+
+    ``"café"`` written with a precomposed ``é`` (NFC) and with ``e`` + a combining accent
+    (NFD) look identical but are different names (two classes, two keys).
+    """
+    groups: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        groups.setdefault(unicodedata.normalize("NFC", name), []).append(i)
+    return {i: f"[{_form(names[i])} twin]" for group in groups.values() if len(group) > 1 for i in group}
 
 
 def _say(*parts: object, file: Any = None) -> None:
@@ -152,22 +190,43 @@ def build_parser() -> argparse.ArgumentParser:
     add_storage_option(p)
     p.set_defaults(func=_cmd_convert)
 
-    p = sub.add_parser("info", help="summarise a dataset")
+    p = sub.add_parser(
+        "info",
+        help="summarise a dataset",
+        epilog="Reads index.json only: for a URL through a throw-away folder, so nothing is kept in the shard "
+        "cache. Invisible and control characters in names are shown escaped (a zero-width space as \\u200b); "
+        "class names that differ only in Unicode normalization are marked [NFC twin] and [NFD twin].",
+    )
     p.add_argument("dataset", help="dataset directory or URL")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     add_storage_option(p)
     p.set_defaults(func=_cmd_info)
 
-    p = sub.add_parser("show", help="print one sample's fields (by key or index) and optionally write its image")
+    p = sub.add_parser(
+        "show",
+        help="print one sample's fields (by key or index) and optionally write its image",
+        epilog="For a URL, the sample's shard is downloaded into the cache (a key lookup also keeps the "
+        "dataset's key index there); how much was written, and where, is said on stderr.",
+    )
     p.add_argument("dataset", help="dataset directory or URL")
     p.add_argument("sample", metavar="KEY_OR_INDEX", help="a sample key, or an index (negative counts from the end)")
     p.add_argument("--key", action="store_true", help="read KEY_OR_INDEX as a key even if it is a number")
-    p.add_argument("--out", metavar="FILE", help="write the sample's image bytes (as stored) to FILE")
+    p.add_argument(
+        "--out",
+        metavar="FILE",
+        help="write the sample's image bytes (as stored) to FILE; a FILE inside the dataset, one of its files "
+        "(or a link to it) or its cache is refused",
+    )
     p.add_argument("--cache-dir", help="for a URL: the shard cache (default: the usual cache)")
     add_storage_option(p)
     p.set_defaults(func=_cmd_show)
 
-    p = sub.add_parser("verify", help="re-hash every shard and read every sample; exit 1 on any problem")
+    p = sub.add_parser(
+        "verify",
+        help="re-hash every shard and read every sample; exit 1 on any problem",
+        epilog="A URL's shards are checked through the cache (as training reads them); how much was written "
+        "there, and where, is said on stderr before the result line.",
+    )
     p.add_argument("dataset", help="dataset directory or URL")
     p.add_argument("--no-read", action="store_true", help="only check sizes and hashes")
     p.add_argument(
@@ -226,8 +285,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="make a small image folder, convert it, and read it back")
     p.add_argument("--dir", help="working directory (default: a temporary one, removed after)")
-    p.add_argument("--images", type=int, default=2000, help="number of images (default: 2000)")
-    p.add_argument("--workers", type=int, default=2, help="DataLoader workers (default: 2)")
+    p.add_argument(
+        "--images",
+        type=int,
+        default=2000,
+        help="number of images, 10 to 100000, rounded down to whole classes of the 10 (default: 2000)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="DataLoader workers (default: 2; up to 8 per CPU or 64, whichever is larger, within ulimit -n)",
+    )
     p.add_argument("--format", default="tar", help="shard format (default: tar)")
     p.add_argument(
         "--overwrite",
@@ -320,7 +389,20 @@ def _load_manifest(url: str, storage_options: dict[str, Any]) -> Any:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    manifest = _load_manifest(args.dataset, parse_storage_options(args.storage_option))
+    import shutil
+    import tempfile
+
+    from .shards import DatasetRef, StorageConfig
+
+    storage_options = parse_storage_options(args.storage_option)
+    # Only index.json is read: a URL's manifest (or the files of a data_root on one) goes
+    # through a throw-away cache, so that `info` leaves nothing behind in the shard cache.
+    scratch = tempfile.mkdtemp(prefix="streamload-info-")
+    try:
+        config = StorageConfig(storage_options=storage_options, cache_dir=scratch, cache_limit="unbounded")
+        manifest = DatasetRef.open(args.dataset, config).manifest
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     if args.json:
         summary = {
             "url": args.dataset,
@@ -347,23 +429,164 @@ def _cmd_info(args: argparse.Namespace) -> int:
     _say(f"shards    {len(manifest.shards)} (samples per shard: min {min(counts)}, max {max(counts)})")
     _say(f"size      {format_bytes(manifest.num_bytes)}")
     _say(f"fields    {', '.join(manifest.fields) or '-'}")
-    classes = ", ".join(manifest.classes[:10]) + (" ..." if len(manifest.classes) > 10 else "")
-    _say(f"classes   {len(manifest.classes)}: {classes or '-'}")
+    names = list(manifest.classes)
+    twins = _twin_marks(names)
+    shown = [f"{name} {twins[i]}" if i in twins else name for i, name in enumerate(names[:10])]
+    classes = ", ".join(shown) + (" ..." if len(names) > 10 else "")
+    _say(f"classes   {len(names)}: {classes or '-'}")
+    if twins:
+        _say(
+            f"note      {counted(len(twins), 'class name')} look identical to another but differ in Unicode "
+            "normalization (marked NFC/NFD twin): they are different classes"
+        )
     _say(f"hash      {manifest.hash_algorithm or 'none'}")
-    _say(f"skipped   {len(manifest.skipped)} inputs at conversion")
+    _say(f"skipped   {counted(len(manifest.skipped), 'input')} at conversion")
     appends = manifest.meta.get("appends") or []
     _say(f"appends   {len(appends)}" + (f" (last: {appends[-1].get('source')})" if appends else ""))
     return 0
+
+
+def _data_root_of(url: str, storage_options: dict[str, Any]) -> str | None:
+    """The ``data_root`` the manifest at ``url`` names, if any, without validating a local manifest twice.
+
+    A local ``index.json`` is only searched for the field (validating a manifest of many
+    shards takes seconds, and ``verify`` does it anyway); a remote one is loaded.
+    """
+    from .manifest import MANIFEST_NAME
+    from .storage import is_local, local_path_of
+
+    if not is_local(url):
+        return _load_manifest(url, storage_options).data_root  # type: ignore[no-any-return]
+    try:
+        with open(os.path.join(local_path_of(url), MANIFEST_NAME), "rb") as f:
+            raw = f.read()
+        if b'"data_root"' not in raw:
+            return None
+        root = json.loads(raw).get("data_root")
+    except (OSError, ValueError, AttributeError):
+        return None  # verify says what is wrong with it
+    return root if isinstance(root, str) else None
+
+
+def _cache_dirs(url: str, data_root: str | None, storage_options: dict[str, Any], cache_dir: str | None) -> list[str]:
+    """The shard-cache folders of a dataset (its URL's, its ``data_root``'s), and the key indexes' folder."""
+    from .storage import is_local
+    from .storage.cachedir import dataset_cache_key, default_cache_dir
+
+    base = os.path.expanduser(cache_dir if cache_dir is not None else default_cache_dir())
+    remote = [u for u in (url, data_root) if u is not None and not is_local(u)]
+    return [os.path.join(base, dataset_cache_key(u, storage_options)) for u in remote] + [os.path.join(base, "keys")]
+
+
+def _tree_bytes(folders: Iterable[str]) -> int:
+    """Bytes of the regular files below ``folders`` (links not followed; a file linked twice counted once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    stack = list(folders)
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                elif entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    if (st.st_dev, st.st_ino) not in seen:
+                        seen.add((st.st_dev, st.st_ino))
+                        total += st.st_size
+            except OSError:
+                continue
+    return total
+
+
+class _CacheUse:
+    """What a command wrote into the shard cache, measured before and after; said on stderr."""
+
+    def __init__(self, command: str, folders: list[str], remote: bool) -> None:
+        self.command, self.folders, self.remote = command, folders, remote
+        self.before = _tree_bytes(folders)
+
+    def report(self) -> None:
+        """Say where the cache is and how much this command wrote there (if it is remote or wrote anything)."""
+        after = _tree_bytes(self.folders)
+        written = max(after - self.before, 0)
+        if not (self.remote or written):
+            return
+        used = [f for f in self.folders if os.path.isdir(f)] or self.folders[:1]
+        _say(
+            f"streamload {self.command}: {format_bytes(written)} written to the cache "
+            f"{', '.join(used)} ({format_bytes(after)} there now; --cache-dir DIR puts it elsewhere, "
+            "deleting the folder frees it)",
+            file=sys.stderr,
+        )
+
+
+def _check_out(out: str, ds: Any, folders: list[str]) -> None:
+    """Refuse an ``--out`` that is a directory or lies in the dataset (its folders, files or cached copies).
+
+    Raises:
+        ConfigError: Naming ``out`` and what it would overwrite.
+    """
+    from .manifest import MANIFEST_NAME
+    from .storage import is_local, local_path_of
+
+    if os.path.isdir(out):
+        raise ConfigError(f"--out {out} is a directory: name the file to write the image to")
+    manifest = ds.manifest
+    local = [local_path_of(u) for u in (ds.source, manifest.data_root) if u is not None and is_local(u)]
+    target = os.path.realpath(out)
+    for folder in [*local, *folders]:
+        real = os.path.realpath(folder)
+        if target == real or target.startswith(real.rstrip(os.sep) + os.sep):
+            what = "the dataset" if folder in local else "the shard cache of"
+            raise ConfigError(
+                f"--out {out} lies inside {what} {ds.source} ({real}): writing there would change it; "
+                "choose a file outside it"
+            )
+    if not os.path.exists(out):
+        return
+    mine = os.stat(out)
+    names = [MANIFEST_NAME] + [f.name for entry in manifest.shards for f in (entry, entry.sidecar) if f is not None]
+    for folder in local:
+        for name in names:
+            try:
+                st = os.stat(os.path.join(folder, name))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                raise ConfigError(
+                    f"--out {out} is the dataset's {name} (a hard link to it): writing there would change the dataset"
+                )
+
+
+def _write_out(out: str, data: bytes) -> None:
+    """Write ``data`` to ``out``; an error of the system is one line naming the file."""
+    try:
+        with open(out, "wb") as f:
+            f.write(data)
+    except OSError as exc:
+        raise StorageError(f"cannot write --out {out}: {exc.strerror or exc}") from exc
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
     from .access import ShardedDataset
     from .sample import IMAGE_FIELDS, parse_label
     from .shards import StorageConfig
+    from .storage import is_local
 
-    storage = StorageConfig(storage_options=parse_storage_options(args.storage_option), cache_dir=args.cache_dir)
+    storage_options = parse_storage_options(args.storage_option)
+    storage = StorageConfig(storage_options=storage_options, cache_dir=args.cache_dir)
     ds = ShardedDataset(args.dataset, storage=storage)
+    data_root = ds.manifest.data_root
+    folders = _cache_dirs(args.dataset, data_root, storage_options, args.cache_dir)
+    remote = not (is_local(args.dataset) and (data_root is None or is_local(data_root)))
     try:
+        if args.out:
+            _check_out(args.out, ds, folders)
+        cache = _CacheUse("show", folders, remote)
         index = ds.index_of(args.sample) if args.key or not _is_int(args.sample) else int(args.sample)
         shard, local = ds.locate(index)
         sample = ds[index]
@@ -376,6 +599,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     _say(f"dataset   {args.dataset}")
     _say(f"sample    {index} of {len(ds)}: key {sample['__key__']!r} ({ds.manifest.shards[shard].name}, index {local})")
     image = None
+    twins = _twin_marks(list(ds.manifest.classes))
     for name in sorted(k for k in sample if not k.startswith("__")):
         value = bytes(sample[name])
         detail = ""
@@ -383,7 +607,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
             try:
                 label = parse_label(value)
                 classes = ds.manifest.classes
-                detail = f"label {label}" + (f" ({classes[label]})" if 0 <= label < len(classes) else "")
+                twin = f" {twins[label]}" if label in twins else ""
+                detail = f"label {label}" + (f" ({classes[label]}{twin})" if 0 <= label < len(classes) else "")
             except (ValueError, UnicodeDecodeError):
                 detail = "not an integer label"
         elif name in IMAGE_FIELDS:
@@ -392,14 +617,15 @@ def _cmd_show(args: argparse.Namespace) -> int:
         elif name in ("txt", "text", "json"):
             text = value[:60].decode("utf-8", "replace")
             detail = repr(text) + (" ..." if len(value) > 60 else "")
-        _say(f"field     {name:<8} {len(value):>9} bytes  {detail}".rstrip())
+        unit = "byte " if len(value) == 1 else "bytes"
+        _say(f"field     {name:<8} {len(value):>9} {unit}  {detail}".rstrip())
     if args.out:
         if image is None:
             _say(f"streamload show: error: sample {sample['__key__']!r} has no image field", file=sys.stderr)
             return 2
-        with open(args.out, "wb") as f:
-            f.write(image)
+        _write_out(args.out, image)
         _say(f"wrote     {args.out} ({format_bytes(len(image))})")
+    cache.report()
     return 0
 
 
@@ -425,11 +651,16 @@ def _image_summary(data: bytes) -> str:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from .storage import is_local
     from .verify import verify_dataset
 
+    storage_options = parse_storage_options(args.storage_option)
+    data_root = _data_root_of(args.dataset, storage_options)
+    folders = _cache_dirs(args.dataset, data_root, storage_options, args.cache_dir)
+    cache = _CacheUse("verify", folders[:-1], any(not is_local(u) for u in (args.dataset, data_root) if u))
     report = verify_dataset(
         args.dataset,
-        parse_storage_options(args.storage_option),
+        storage_options,
         read_samples=not args.no_read,
         cache_dir=args.cache_dir,
         decode_images=args.decode and not args.no_read,
@@ -440,25 +671,25 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         _say(f"BAD  {problem}")
     for _name, warned in report.warnings:
         _say(f"WARN {warned}")
-    if report.unhashed:
-        shown = ", ".join(report.unhashed[:3]) + (", ..." if len(report.unhashed) > 3 else "")
-        samples = "" if args.no_read else " (and their samples by their own checksums)"
+    unhashed = len(report.unhashed)
+    if unhashed:
+        shown = ", ".join(report.unhashed[:3]) + (", ..." if unhashed > 3 else "")
+        samples = "" if args.no_read else f" (and {'its' if unhashed == 1 else 'their'} samples by their own checksums)"
         _say(
-            f"NOTE {len(report.unhashed)} file(s) have no hash in the manifest ({shown}): "
-            f"only their sizes were checked{samples}"
+            f"NOTE {counted(unhashed, 'file')} {'has' if unhashed == 1 else 'have'} no hash in the manifest "
+            f"({shown}): only {'its size was' if unhashed == 1 else 'their sizes were'} checked{samples}"
         )
     if not report.ok:
-        status = f"FAILED: {len({name for name, _ in report.problems})} bad shard(s)"
-    elif report.unhashed:
-        status = f"NO HASH to check for {len(report.unhashed)} file(s), no other problem"
+        status = f"FAILED: {counted(len({name for name, _ in report.problems}), 'bad shard')}"
+    elif unhashed:
+        status = f"NO HASH to check for {counted(unhashed, 'file')}, no other problem"
     else:
         status = "OK"
-    decoded = f", {report.images_decoded} images decoded" if args.decode and not args.no_read else ""
-    warned = f" ({len(report.warnings)} library warnings)" if report.warnings else ""
-    _say(
-        f"{status}: {report.shards_checked} shards, {report.samples_checked} samples checked{decoded} "
-        f"in {args.dataset}{warned}"
-    )
+    cache.report()
+    decoded = f", {counted(report.images_decoded, 'image')} decoded" if args.decode and not args.no_read else ""
+    warned = f" ({counted(len(report.warnings), 'library warning')})" if report.warnings else ""
+    checked = f"{counted(report.shards_checked, 'shard')}, {counted(report.samples_checked, 'sample')}"
+    _say(f"{status}: {checked} checked{decoded} in {args.dataset}{warned}")
     return 0 if report.ok else 1
 
 
@@ -504,12 +735,86 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Options and arguments that name a file or folder, by ``dest``: an empty one is refused (``''`` would
+#: name the root: ``info ''`` read ``/index.json``).
+_PATH_DESTS = ("dataset", "src", "dst", "directory", "dir", "out", "output", "cache_dir", "plot")
+
+
+def _refuse_empty_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with a usage error if an argument that names a file or folder is the empty string."""
+    sub = _subparser(parser, args.command)
+    for action in sub._actions:
+        if action.dest in _PATH_DESTS and getattr(args, action.dest, None) == "":
+            name = "/".join(action.option_strings) or action.metavar or action.dest
+            sub.error(f"argument {name}: an empty path names no file or folder")
+
+
+def _reader_gone(stream: Any) -> bool:
+    """Whether ``stream`` is a pipe or socket whose reading end was closed (``| head`` exited)."""
+    import select
+
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    if not hasattr(select, "poll"):  # pragma: no cover - not a Unix
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    try:
+        return any(events & (select.POLLERR | select.POLLHUP) for _fd, events in poller.poll(0))
+    except OSError:  # pragma: no cover
+        return False
+
+
+def _to_devnull(stream: Any) -> None:
+    """Point ``stream``'s descriptor at ``/dev/null``: what is still written or flushed (at exit too) is dropped."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, stream.fileno())
+    finally:
+        os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; return the exit status."""
+    """Run the command line; return the exit status.
+
+    A closed standard output (its reader exited, as ``head`` does) ends the command with
+    :data:`EXIT_CLOSED_OUTPUT` and no traceback, as the Python documentation recommends
+    for ``SIGPIPE``: the rest of the output is sent to ``/dev/null``.
+    """
+    try:
+        try:
+            return _main(argv)
+        except SystemExit as exc:  # --help and --version: argparse itself drops a failed write
+            if exc.code == 0 and _reader_gone(sys.stdout):
+                raise BrokenPipeError(errno.EPIPE, "the standard output was closed") from None
+            raise
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here, not at exit as "Exception ignored"
+    except BrokenPipeError as exc:
+        gone = [stream for stream in (sys.stdout, sys.stderr) if _reader_gone(stream)]
+        if not gone:  # another pipe or socket broke, not ours
+            _say(f"streamload: error: {exc}", file=sys.stderr)
+            return 2
+        for stream in gone:
+            _to_devnull(stream)
+        return EXIT_CLOSED_OUTPUT
+    except OSError as exc:  # the standard output cannot take what was written (`> /dev/full`)
+        try:
+            _to_devnull(sys.stdout)  # else Python's flush at exit fails again, with a traceback
+        except (AttributeError, OSError, ValueError):
+            pass
+        _say(f"streamload: error: cannot write the standard output: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # argparse would blame the top-level parser; the subcommand's usage is the useful one
         _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
+    _refuse_empty_paths(parser, args)
     func: Callable[[argparse.Namespace], int] = args.func
     logger = logging.getLogger("streamload")
     handler = None
@@ -527,6 +832,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except StreamloadError as exc:
         _say(f"streamload {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        raise  # main() tells a closed stdout from another broken pipe
+    except OSError as exc:  # the environment (disk, permissions, process limits): one line, no traceback
+        _say(f"streamload {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except MemoryError as exc:
+        _say(f"streamload {args.command}: error: out of memory {exc}".rstrip(), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         _say(f"streamload {args.command}: interrupted", file=sys.stderr)

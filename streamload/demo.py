@@ -18,6 +18,11 @@ __all__ = ["run_demo"]
 
 #: Written into a ``workdir`` the demo used: its ``images`` and ``shards-*`` are the demo's own.
 MARKER = ".streamload-demo"
+#: The demo's synthetic images come in this many classes, as many images each.
+CLASSES = 10
+#: The most images the demo makes (about 5 KB each, plus their shards); for more, use
+#: :func:`streamload.synthetic.make_image_folder` and ``streamload convert``.
+MAX_IMAGES = 100_000
 
 
 def run_demo(
@@ -39,8 +44,12 @@ def run_demo(
 
     Raises:
         ConfigError: If ``workdir`` holds an ``images`` or ``shards-<fmt>`` the demo did
-            not write, and ``overwrite`` is false.
+            not write, and ``overwrite`` is false; if ``workdir`` is empty or names a
+            file; if ``images`` is not between 10 and :data:`MAX_IMAGES` (a count not a
+            multiple of the 10 classes is rounded down, and said so), or ``workers`` is
+            negative or above what :func:`streamload._options.loader_worker_limit` allows.
     """
+    _check_arguments(workdir, images, workers)
     import torch
     from torch.utils.data import DataLoader
 
@@ -55,9 +64,11 @@ def run_demo(
     try:
         folder, shards = os.path.join(root, "images"), os.path.join(root, f"shards-{fmt}")
         _clear_previous(root, [folder, shards], overwrite)
-        print(f"[1/4] writing {images} synthetic JPEGs (10 classes) to {folder}")
+        per_class = images // CLASSES
+        rounded = "" if per_class * CLASSES == images else f" ({images} rounded down to whole classes)"
+        print(f"[1/4] writing {per_class * CLASSES} synthetic JPEGs ({CLASSES} classes){rounded} to {folder}")
         t = time.perf_counter()
-        made = make_image_folder(folder, num_classes=10, per_class=max(1, images // 10), size=(160, 120))
+        made = make_image_folder(folder, num_classes=CLASSES, per_class=per_class, size=(160, 120))
         print(f"      {len(made)} images in {time.perf_counter() - t:.1f} s")
 
         print(f"[2/4] converting to {fmt} shards in {shards}")
@@ -106,6 +117,28 @@ def run_demo(
         if own:
             shutil.rmtree(root, ignore_errors=True)
     return results
+
+
+def _check_arguments(workdir: str | None, images: object, workers: object) -> None:
+    """Refuse a ``workdir``, image count or worker count the demo cannot use, before it writes anything."""
+    from ._errors import ConfigError
+    from ._options import loader_worker_limit
+    from ._validate import check_int
+
+    if workdir is not None:
+        if not str(workdir):
+            raise ConfigError("--dir '' names no folder: give a directory, or leave --dir out for a temporary one")
+        if os.path.lexists(workdir) and not os.path.isdir(workdir):
+            raise ConfigError(f"--dir {workdir} is not a directory: give a directory to work in (it may not exist yet)")
+    count = check_int("images", images)
+    if not CLASSES <= count <= MAX_IMAGES:
+        raise ConfigError(
+            f"--images {count} must be between {CLASSES} (one image for each of the {CLASSES} classes) and {MAX_IMAGES}"
+        )
+    limit, why = loader_worker_limit()
+    count = check_int("workers", workers)
+    if not 0 <= count <= limit:
+        raise ConfigError(f"--workers {count} must be between 0 and {limit} ({why})")
 
 
 def _clear_previous(root: str, outputs: list[str], overwrite: bool) -> None:

@@ -108,7 +108,7 @@ def test_corrupt_images_skipped_are_listed_and_counted(broken_folder: Path, tmp_
     assert skipped == {"class_000/truncated.jpg", "class_001/not-an-image.jpg"}
     assert manifest["num_samples"] == 10
     printed = capsys.readouterr()
-    assert "2 broken inputs skipped" in printed.out and "1 non-input files ignored" in printed.out
+    assert "2 broken inputs skipped" in printed.out and "1 non-input file ignored" in printed.out
     assert "truncated.jpg" in printed.err
 
 
@@ -198,4 +198,4 @@ def test_verify_reports_every_bad_shard(tar_dataset: Path, tmp_path: Path, capsy
         (ds_dir / name).write_bytes(bytes(data))
     assert main(["verify", str(ds_dir)]) == 1
     out = capsys.readouterr().out
-    assert "shard-000001.tar" in out and "shard-000004.tar" in out and "FAILED: 2 bad shard(s)" in out
+    assert "shard-000001.tar" in out and "shard-000004.tar" in out and "FAILED: 2 bad shards" in out

@@ -107,7 +107,7 @@ def test_convert_keeps_every_kind_and_reports_warnings_per_file(
         warnings.simplefilter("error")  # a warning escaping the report would fail the conversion
         assert main(["convert", str(kinds_folder), str(out), "--no-progress", "--samples-per-shard", "5"]) == 0
     captured = capsys.readouterr()
-    assert "1 non-input files ignored" in captured.out
+    assert "1 non-input file ignored" in captured.out
     assert "2 library warnings" in captured.out
     lines = [line for line in captured.err.splitlines() if line.startswith("  warning ")]
     assert any(line.startswith("  warning a/tagged.tiff: UserWarning: Metadata Warning, tag 284") for line in lines)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from streamload._errors import ConfigError
-from streamload._units import parse_bytes
+from streamload._units import counted, parse_bytes
 from streamload.formats import get_format
 from streamload.manifest import HASH_ALGORITHMS, Manifest, SkippedInput
 
@@ -128,28 +128,29 @@ class ConvertReport:
         """What was left out, each kind counted apart: broken inputs, empty class folders, other folders, non-inputs."""
         folders = [s for s in self.skipped if s.path.endswith("/")]
         empty = sum(1 for s in folders if s.error.startswith("empty class folder"))
-        parts = [f"{len(self.skipped) - len(folders)} broken inputs skipped"]
+        parts = [f"{counted(len(self.skipped) - len(folders), 'broken input')} skipped"]
         if empty:
-            parts.append(f"{empty} empty class folders")
+            parts.append(counted(empty, "empty class folder"))
         if len(folders) > empty:
-            parts.append(f"{len(folders) - empty} unreadable folders skipped")
-        parts.append(f"{len(self.ignored)} non-input files ignored")
+            parts.append(f"{counted(len(folders) - empty, 'unreadable folder')} skipped")
+        parts.append(f"{counted(len(self.ignored), 'non-input file')} ignored")
         return ", ".join(parts)
 
     def summary(self) -> str:
         """Return a one-paragraph human summary."""
         m = self.manifest
+        held = f"{counted(m.num_samples, 'sample')} in {counted(len(m.shards), f'{m.format} shard')}"
         if self.already_complete:
             return (
                 f"nothing to do: the destination already holds this conversion, complete "
-                f"({m.num_samples} samples in {len(m.shards)} {m.format} shards, {m.num_bytes / 1e6:.1f} MB)"
+                f"({held}, {m.num_bytes / 1e6:.1f} MB)"
             )
         rate = self.payload_bytes / max(self.seconds, 1e-9) / 1e6
         return (
-            f"wrote {m.num_samples} samples in {len(m.shards)} {m.format} shards "
+            f"wrote {held} "
             f"({m.num_bytes / 1e6:.1f} MB) in {self.seconds:.2f} s: "
             f"{m.num_samples / max(self.seconds, 1e-9):.0f} samples/s, {rate:.1f} MB/s; "
             + self.skip_counts()
-            + (f", {len(self.warnings)} library warnings" if self.warnings else "")
-            + (f"; {self.resumed} shards reused from the interrupted run" if self.resumed else "")
+            + (f", {counted(len(self.warnings), 'library warning')}" if self.warnings else "")
+            + (f"; {counted(self.resumed, 'shard')} reused from the interrupted run" if self.resumed else "")
         )
