@@ -740,13 +740,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 _PATH_DESTS = ("dataset", "src", "dst", "directory", "dir", "out", "output", "cache_dir", "plot")
 
 
-def _refuse_empty_paths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Exit with a usage error if an argument that names a file or folder is the empty string."""
+def _empty_path(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """The error for an argument that names a file or folder by the empty string, else ``None``."""
     sub = _subparser(parser, args.command)
     for action in sub._actions:
         if action.dest in _PATH_DESTS and getattr(args, action.dest, None) == "":
             name = "/".join(action.option_strings) or action.metavar or action.dest
-            sub.error(f"argument {name}: an empty path names no file or folder")
+            return f"argument {name}: an empty path names no file or folder"
+    return None
 
 
 def _reader_gone(stream: Any) -> bool:
@@ -814,7 +815,10 @@ def _main(argv: Sequence[str] | None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # argparse would blame the top-level parser; the subcommand's usage is the useful one
         _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
-    _refuse_empty_paths(parser, args)
+    empty = _empty_path(parser, args)
+    if empty is not None:
+        _say(f"streamload {args.command}: error: {empty}", file=sys.stderr)
+        return 2
     func: Callable[[argparse.Namespace], int] = args.func
     logger = logging.getLogger("streamload")
     handler = None
