@@ -15,6 +15,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -176,13 +177,18 @@ def test_destination_inside_the_image_folder_is_refused(folder: Path, tmp_path: 
 
 # -- case 4: two conversions into one destination at once -----------------------------
 
-# A conversion slowed down (every image load sleeps) so that two of them overlap for sure.
+# A conversion slowed down (every image load sleeps) so that two of them overlap for sure;
+# with a gate file named, its loads also wait (at most a minute) until that file exists.
 _SLOW_CLI = """
-import sys, time
+import os, sys, time
 from streamload.converters import imagefolder
 _load = imagefolder.ImageFolderSource.load
+_gate = os.environ.get("SLOW_CLI_GATE")
 def load(self, item):
     time.sleep(0.2)
+    deadline = time.monotonic() + 60
+    while _gate and not os.path.exists(_gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return _load(self, item)
 imagefolder.ImageFolderSource.load = load
 from streamload.cli import main
@@ -190,22 +196,33 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _start_cli(*args: str) -> subprocess.Popen[bytes]:
+def _start_cli(*args: str, gate: Path | None = None) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, SLOW_CLI_GATE=str(gate)) if gate is not None else None
     return subprocess.Popen(
-        [sys.executable, "-c", _SLOW_CLI, "convert", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [sys.executable, "-c", _SLOW_CLI, "convert", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
     )
 
 
 def _race(first: list[str], second: list[str], wait_for: Any = None) -> tuple[list[int], list[bytes], list[int]]:
-    """Run two conversions; the second starts at once, or once ``wait_for()`` is true."""
-    a = _start_cli(*first)
+    """Run two conversions; the second starts at once, or once ``wait_for()`` is true.
+
+    With ``wait_for``, the first conversion holds its loads until the second has ended, so
+    the second meets it at work however slowly either process starts.
+    """
+    gate = Path(tempfile.mkdtemp()) / "go" if wait_for is not None else None
+    a = _start_cli(*first, gate=gate)
     if wait_for is not None:
         deadline = time.monotonic() + 60
         while not wait_for() and a.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert a.poll() is None, "the first conversion ended before the second started; make it slower"
     b = _start_cli(*second)
-    outs = [p.communicate(timeout=120) for p in (a, b)]
+    if gate is not None:
+        out_b = b.communicate(timeout=120)
+        gate.touch()
+        outs = [a.communicate(timeout=120), out_b]
+    else:
+        outs = [p.communicate(timeout=120) for p in (a, b)]
     errs = [err for _, err in outs]
     for err in errs:
         assert b"Traceback" not in err, err.decode()
