@@ -105,7 +105,8 @@ class BenchResult:
     mb_per_s: float
     first_batch_s: float
     peak_pss: int
-    #: ``decode`` mode: JPEGs the fast backend refused and Pillow decoded (over the workers).
+    #: ``decode`` mode: JPEGs the fast backend refused and Pillow decoded (over the workers), counted
+    #: from the first batch on, as ``samples`` is (with workers, those decoded ahead count too).
     fallbacks: int = 0
     #: Seconds per stage summed over the readers (``streamload.watch``): fetch, read, transform, collate.
     stages: dict[str, float] | None = None
@@ -162,6 +163,11 @@ def _measure_batch(batch: Any) -> tuple[int, int]:
     return len(batch), sum(len(b) for b in batch)
 
 
+def _fallbacks(loader: Any) -> int:
+    """JPEG decodes that fell back to Pillow so far (counted in shared memory by the workers)."""
+    return int(getattr(loader.dataset.collate, "fallbacks", 0))
+
+
 def run_one(
     dataset: str,
     mode: str,
@@ -182,7 +188,7 @@ def run_one(
         dataset, mode, workers, prefetch, pin, batch_size, size, dict(storage_options or {}), cache_dir, backend
     )
     loader = watch(raw)  # the stage breakdown of the setting (the same figures as a watched training loop)
-    samples = nbytes = 0
+    samples = nbytes = fallbacks_before = 0
     first = steady = 0.0
     with PeakMemory() as memory:
         start = time.perf_counter()
@@ -193,6 +199,7 @@ def run_one(
                 if not first:  # the rate excludes start-up: it counts the batches after the first
                     first = time.perf_counter() - start
                     steady = time.perf_counter()
+                    fallbacks_before = _fallbacks(raw)  # counted over the same batches as the rate
                     continue
                 samples += n
                 nbytes += b
@@ -202,7 +209,7 @@ def run_one(
             if not first:
                 raise ConfigError(f"dataset {dataset!r} yielded no batch")
         elapsed = max(time.perf_counter() - steady, 1e-9)
-    fallbacks = int(getattr(raw.dataset.collate, "fallbacks", 0))  # counted in shared memory by the workers
+    fallbacks = _fallbacks(raw) - fallbacks_before
     stages = loader.report().stages
     del loader, raw
     rate = samples / elapsed if samples else 0.0

@@ -28,6 +28,7 @@ import logging
 import os
 import secrets
 import sys
+import threading
 import warnings
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping
@@ -1077,6 +1078,9 @@ class SkippedSample:
     reason: str
 
 
+_SKIP_LOCK = threading.Lock()
+
+
 @dataclass
 class SkipCounts:
     """Samples one process skipped under ``on_error="skip"`` (:attr:`StreamingDataset.errors`).
@@ -1098,11 +1102,15 @@ class SkipCounts:
     samples: list[SkippedSample] = field(default_factory=list, compare=False)
 
     def add(self, shard: str, count: int, named: list[SkippedSample] | None = None) -> bool:
-        """Count ``count`` skipped samples of ``shard`` (naming ``named``); return True if they are its first."""
-        before = self.shards.get(shard, 0)
-        self.samples_skipped += count
-        self.shards[shard] = before + count
-        self.samples.extend(named or ())
+        """Count ``count`` skipped samples of ``shard`` (naming ``named``); return True if they are its first.
+
+        Safe to call from several threads (the readers of a :class:`streamload.Loader`).
+        """
+        with _SKIP_LOCK:
+            before = self.shards.get(shard, 0)
+            self.samples_skipped += count
+            self.shards[shard] = before + count
+            self.samples.extend(named or ())
         return before == 0
 
 

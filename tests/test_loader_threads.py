@@ -195,10 +195,11 @@ def test_no_child_process_and_no_shared_memory(tar_dataset: Path, reference: lis
 
     loader = Loader(images(tar_dataset), threads=2)
     before = shm()
+    children = {p.pid for p in psutil.Process().children(recursive=True)}  # servers of other tests
     seen = []
     for batch in loader:
         seen.append(batch)
-        assert psutil.Process().children(recursive=True) == []
+        assert {p.pid for p in psutil.Process().children(recursive=True)} <= children
         assert shm() <= before
     assert same(plain(seen), reference)
 

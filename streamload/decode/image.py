@@ -23,12 +23,14 @@ import io
 import logging
 import math
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
 
 from .._errors import ConfigError, SampleError
+from .._shared import shared_block
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",
@@ -108,6 +110,8 @@ def have_simplejpeg() -> bool:
     return True
 
 
+_ADD_LOCK = threading.Lock()
+
 #: Slots of a :class:`SharedCount`: the main process (0) and DataLoader workers 0..1022.
 _SLOTS = 1024
 
@@ -122,17 +126,16 @@ class SharedCount:
     """
 
     def __init__(self) -> None:
-        import torch
-
-        self._slots = torch.zeros(_SLOTS, dtype=torch.int64)
-        self._slots.share_memory_()  # type: ignore[no-untyped-call]
+        # A block of a shared arena: one descriptor for many counts, not one per decoder.
+        self._slots = shared_block(_SLOTS)
 
     def add(self, count: int = 1) -> None:
-        """Add ``count`` to this process's slot."""
+        """Add ``count`` to this process's slot (threads of one process add under a lock)."""
         from torch.utils.data import get_worker_info
 
         info = get_worker_info()
-        self._slots[0 if info is None else min(info.id + 1, _SLOTS - 1)] += count
+        with _ADD_LOCK:
+            self._slots[0 if info is None else min(info.id + 1, _SLOTS - 1)] += count
 
     @property
     def value(self) -> int:
