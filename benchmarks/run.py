@@ -102,8 +102,8 @@ def _mds_item(decode: bool, item: dict[str, Any]) -> tuple[Any, int]:
 # -- rows ---------------------------------------------------------------------------------
 
 
-def _loader(lib: str, mode: str, workers: int, paths: dict[str, str]) -> tuple[Any, str]:
-    """Return ``(iterable of batches, batch kind)`` for one row."""
+def _loader(lib: str, mode: str, workers: int, paths: dict[str, str], batch: int = BATCH) -> tuple[Any, str]:
+    """Return ``(iterable of batches, batch kind)`` for one row (``batch``: samples per batch)."""
     import torch
     from torch.utils.data import DataLoader
 
@@ -112,6 +112,12 @@ def _loader(lib: str, mode: str, workers: int, paths: dict[str, str]) -> tuple[A
     if workers:
         common.update(persistent_workers=True, prefetch_factor=2)
     collate = decode_collate if decode else bytes_collate
+    if lib == "streamload-plain":  # what most users write first: a per-sample transform, the default collate
+        from streamload import StreamingDataset
+        from streamload.decode import ImageLabel
+
+        ds = StreamingDataset(paths["tar"], transform=ImageLabel(CROP))
+        return DataLoader(ds, batch_size=batch, **common), "pair"
     if lib.startswith("streamload"):
         from streamload import StreamingDataset
         from streamload.batch import RawCollate
@@ -119,7 +125,7 @@ def _loader(lib: str, mode: str, workers: int, paths: dict[str, str]) -> tuple[A
 
         fmt = lib.split("-", 1)[1]
         maker = DecodeBatch(CROP, resize=RESIZE) if decode else RawCollate()
-        ds = StreamingDataset(paths[fmt], batch_size=BATCH, collate=maker)
+        ds = StreamingDataset(paths[fmt], batch_size=batch, collate=maker)
         return DataLoader(ds, batch_size=None, **common), "streamload"
     if lib == "webdataset":
         import webdataset as wds
@@ -127,11 +133,11 @@ def _loader(lib: str, mode: str, workers: int, paths: dict[str, str]) -> tuple[A
         urls = sorted(glob.glob(os.path.join(paths["tar"], "*.tar")))
         wd = wds.WebDataset(urls, shardshuffle=False, empty_check=False).to_tuple("jpg", "cls")
         wd = wd.map_tuple(pil_pipeline if decode else None, lambda c: int(c))
-        wd = wd.batched(BATCH, collation_fn=collate, partial=True)
+        wd = wd.batched(batch, collation_fn=collate, partial=True)
         return DataLoader(wd, batch_size=None, **common), "pair"
     if lib == "imagefolder":
         items = _data.folder_items(paths["folder"])
-        return DataLoader(FolderDataset(items, decode), batch_size=BATCH, collate_fn=collate, **common), "pair"
+        return DataLoader(FolderDataset(items, decode), batch_size=batch, collate_fn=collate, **common), "pair"
     if lib == "mosaicml-streaming":
         import functools
 
@@ -144,9 +150,9 @@ def _loader(lib: str, mode: str, workers: int, paths: dict[str, str]) -> tuple[A
             def __getitem__(self, index: int) -> Any:
                 return self._fn(super().__getitem__(index))
 
-        ds = Mapped(local=paths["mds"], batch_size=BATCH, shuffle=False)
+        ds = Mapped(local=paths["mds"], batch_size=batch, shuffle=False)
         ds._fn = functools.partial(_mds_item, decode)
-        return DataLoader(ds, batch_size=BATCH, collate_fn=collate, **common), "pair"
+        return DataLoader(ds, batch_size=batch, collate_fn=collate, **common), "pair"
     if lib == "litdata":
         import litdata
 
@@ -155,19 +161,20 @@ def _loader(lib: str, mode: str, workers: int, paths: dict[str, str]) -> tuple[A
                 return _mds_item(decode, super().__getitem__(index))
 
         ds = LitMapped(input_dir=paths["litdata"])
-        return litdata.StreamingDataLoader(ds, batch_size=BATCH, collate_fn=collate, **common), "pair"
+        return litdata.StreamingDataLoader(ds, batch_size=batch, collate_fn=collate, **common), "pair"
     raise SystemExit(f"unknown library {lib}")
     del torch
 
 
 def run_row(spec: dict[str, Any]) -> dict[str, Any]:
     """Inside the row's subprocess: read ``epochs`` epochs, check count and labels, time them."""
-    loader, kind = _loader(spec["lib"], spec["mode"], spec["workers"], spec["paths"])
+    batch = spec.get("batch", BATCH)
+    loader, kind = _loader(spec["lib"], spec["mode"], spec["workers"], spec["paths"], batch)
     expected = np.asarray(spec["histogram"], dtype=np.int64)
-    # streamload rows give the dataset batch_size=BATCH (one process): whole batches, padded.
+    # streamload rows give the dataset batch_size=batch (one process): whole batches, padded.
     from streamload.plan.planner import padded_total
 
-    total = padded_total(int(expected.sum()), BATCH, drop_last=False) if kind == "streamload" else int(expected.sum())
+    total = padded_total(int(expected.sum()), batch, drop_last=False) if kind == "streamload" else int(expected.sum())
     samples = first_n = nbytes = 0
     first = steady_start = 0.0
     ok = True
@@ -391,6 +398,7 @@ def main() -> None:
     parser.add_argument("--libs", default="", help="restrict to these rows (comma-separated names)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per row")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over all rows; best rate kept (default 2)")
+    parser.add_argument("--batch", type=int, default=BATCH, help=f"samples per batch (default {BATCH})")
     parser.add_argument("--json", default=os.path.join(_data.OUT, "results.json"))
     args = parser.parse_args()
     if args.row:
@@ -401,7 +409,7 @@ def main() -> None:
     print(f"machine: {machine()}")
     peers = available_peers()
     formats = our_formats()
-    libs = [f"streamload-{f}" for f in formats] + peers
+    libs = [f"streamload-{f}" for f in formats] + (["streamload-plain"] if "tar" in formats else []) + peers
     if args.libs:
         libs = [lib for lib in libs if lib in args.libs.split(",")]
     sets = {"bytes": args.images, "decode": args.decode_images}
@@ -434,12 +442,15 @@ def main() -> None:
             n = sets[mode]
             for workers in [int(w) for w in args.workers.split(",")]:
                 for lib in libs:
+                    if lib == "streamload-plain" and mode != "decode":
+                        continue  # the per-sample transform path: a decode row only
                     spec = {
                         "lib": lib,
                         "mode": mode,
                         "workers": workers,
                         "paths": paths[n],
                         "epochs": args.epochs if mode == "bytes" else 1,
+                        "batch": args.batch,
                         "histogram": _data.histogram(paths[n]),
                     }
                     result = spawn_row(spec, args.timeout)
@@ -462,7 +473,7 @@ def main() -> None:
         "decode_images": args.decode_images,
         "load_before": load_before,
         "load_after": load_after,
-        "batch_size": BATCH,
+        "batch_size": args.batch,
     }
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)

@@ -129,3 +129,27 @@ def test_decode_batch_hwc_and_corrupt_image(big_images: Path) -> None:
         DecodeBatch(32)([bad])
     with pytest.raises(SampleError, match="broken/one.*jpg"):
         ImageLabel(size=32)(bad)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_image_label_gives_contiguous_channels_first_pixels(big_images: Path, backend: str) -> None:
+    """ImageLabel's tensor is C-contiguous [3, H, W] with the decoder's pixels; so is a default-collated batch."""
+    samples = list(StreamingDataset(str(big_images)))[:6]
+    transform = ImageLabel(size=48, backend=backend)
+    decoder = ImageDecoder(48, backend=backend)
+    for sample in samples:
+        image, label = transform(sample)
+        assert image.shape == (3, 48, 48) and image.dtype == torch.uint8 and image.is_contiguous()
+        assert np.array_equal(image.numpy(), decoder.decode(sample["jpg"]).transpose(2, 0, 1))
+        assert label == int(sample["cls"])
+    # Without a size: the image's own size, channels first and contiguous too.
+    png = io.BytesIO()
+    Image.fromarray(np.arange(5 * 7 * 3, dtype=np.uint8).reshape(5, 7, 3)).save(png, "PNG")
+    whole = ImageLabel(label_field=None)({"__key__": "k", "png": png.getvalue()})
+    assert whole.shape == (3, 5, 7) and whole.is_contiguous()
+    assert np.array_equal(whole.numpy(), np.arange(5 * 7 * 3, dtype=np.uint8).reshape(5, 7, 3).transpose(2, 0, 1))
+    ds = StreamingDataset(str(big_images), transform=transform)
+    images, labels = next(iter(DataLoader(ds, batch_size=4)))
+    assert images.shape == (4, 3, 48, 48) and images.is_contiguous() and labels.dtype == torch.int64
+    for i, sample in enumerate(samples[:4]):
+        assert np.array_equal(images[i].numpy(), decoder.decode(sample["jpg"]).transpose(2, 0, 1))

@@ -17,7 +17,7 @@ import torch
 from .._errors import SampleError
 from ..randomness import sample_generator
 from ..sample import IMAGE_FIELDS, image_field, image_warnings, label_of, parse_label
-from .image import DEFAULT_MAX_PIXELS, Backend, Crop, ImageDecoder, SharedCount, open_image
+from .image import DEFAULT_MAX_PIXELS, Backend, Crop, ImageDecoder, SharedCount, open_image, planar
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",
@@ -164,14 +164,16 @@ class ImageLabel:
         try:
             with image_warnings(data) as found:
                 if self._decoder is not None:
-                    array = self._decoder.decode(data, name=sample.get("__key__"))
+                    array = self._decoder.decode_chw(data, name=sample.get("__key__"))
                 else:
-                    array = np.array(decode_image(data, max_pixels=self.max_pixels))  # writable
+                    array = planar(decode_image(data, max_pixels=self.max_pixels))
         except Exception as exc:
             raise _cannot_decode(sample, name, exc, found) from exc
         if found:
             self.warnings += _report(sample, name, found)
-        tensor = torch.from_numpy(np.ascontiguousarray(array)).permute(2, 0, 1)
+        # Channels-first and contiguous (planes packed by Pillow): the DataLoader's default
+        # collate stacks these with plain copies, not a transposing one per image.
+        tensor = torch.from_numpy(array)
         if self.label_field is None:
             return tensor
         return tensor, label_of(sample, self.label_field)
