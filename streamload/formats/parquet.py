@@ -46,18 +46,21 @@ no longer decompresses: the same error). Labels come from the sidecar.
 as Hugging Face ``datasets`` writes images: each value a 4-byte length and the bytes) are
 located at index time and read by positioned reads like tar members (``offset``), no
 pyarrow involved. Otherwise only the columns the sample model needs (``image.bytes`` of a struct, the json
-columns; never the label column nor the struct's ``path``), one row group at a time (the
-decoded row groups kept per process up to :data:`ROW_GROUP_CACHE_BYTES`): pyarrow reads
-just those column chunks, coalescing
-close ones into one ranged read. Through ``cache="shards"`` the reader opens the cached
-file; through ``cache="none"`` it reads by ranged GETs (:class:`~._bytes.ShardBytes`), the
-row groups' extents fetched ahead like tar samples'.
+columns; never the label column nor the struct's ``path``), one row group at a time: the
+image chunk read once and its pages decoded by :mod:`._pqpages` (each row a slice of its
+page or dictionary entry; pyarrow where that decoder does not apply, and for the json
+columns). A reader reading in row order keeps only its current row groups; shuffled reads
+keep the decoded row groups per process up to :data:`ROW_GROUP_CACHE_BYTES`. Through
+``cache="shards"`` the reader opens the cached file; through ``cache="none"`` it reads by
+ranged GETs (:class:`~._bytes.ShardBytes`), the row groups' extents fetched ahead like tar
+samples'.
 
 **Bounds** (hostile or broken files): the footer's size and its Thrift containers are
 bounded; every column chunk must lie inside the file; the column chunks one row-group read
 decompresses are bounded (:data:`MAX_ROW_GROUP_BYTES`, at most :data:`MAX_EXPANSION` times
-their stored size: a decompression bomb is refused before it is read); the decoded row
-group must hold exactly the rows the footer declared.
+their stored size: a decompression bomb is refused before it is read; the pages decoded
+here may not decompress past their chunk's declared size); the decoded row group must hold
+exactly the rows the footer declared.
 """
 
 from __future__ import annotations
@@ -743,6 +746,7 @@ class ParquetShardReader(ShardReader):
         self._current = -1  # the row group reads in row order are in (older ones are dropped)
         self._fast = True  # image chunks decoded from their pages (False: through pyarrow)
         self._handle: Any = None  # the open local file (pyarrow's), for the chunk reads
+        self._wanted: dict[tuple[str, ...], np.ndarray] = {}  # per field list: which image fields it takes
         self._last_row = -2
         self._streak = 0  # rows read in row order up to _last_row
 
@@ -1093,10 +1097,13 @@ class ParquetShardReader(ShardReader):
 
     def _image_rows(self, index: np.ndarray, fields: Sequence[str]) -> None:
         """Raise the ``SampleError`` of the first sample of ``index`` whose image field is not in ``fields``."""
-        wanted = [k for k, f in enumerate(self._fields) if f in fields]
-        missing = np.flatnonzero(~np.isin(self._codes[index], wanted))
-        if len(missing):
-            self._choice(int(index[int(missing[0])]), fields)
+        key = tuple(fields)
+        wanted = self._wanted.get(key)
+        if wanted is None:
+            wanted = self._wanted[key] = np.array([f in fields for f in self._fields] + [False] * 256)[:256]
+        ok = wanted[self._codes[index]]
+        if not bool(ok.all()):
+            self._choice(int(index[int(np.flatnonzero(~ok)[0])]), fields)
 
     def _label_texts(self, index: np.ndarray) -> list[bytes]:
         """The labels of samples ``index`` as ``cls`` bytes, each checked as :meth:`_label` does."""
@@ -1188,6 +1195,10 @@ class ParquetShardReader(ShardReader):
             one = bool(np.all(where == where[0])) and bool(np.all(lo[1:] == hi[:-1]))
             if last - first + 1 == len(sel) and one:  # one run: one copy
                 out[at[first] : at[last + 1]] = data[int(where[0])][int(lo[0]) : int(hi[-1])]
+                continue
+            if last - first + 1 == len(sel):  # together in the batch: one gather into place
+                parts = [data[p][a:b] for p, a, b in zip(where.tolist(), lo.tolist(), hi.tolist(), strict=True)]
+                np.concatenate(parts, out=out[at[first] : at[last + 1]])
                 continue
             for k, p, a, b in zip(sel.tolist(), where.tolist(), lo.tolist(), hi.tolist(), strict=True):
                 out[at[k] : at[k + 1]] = data[p][a:b]
