@@ -73,11 +73,91 @@ def hf_split(num_images: int) -> str:
     return root
 
 
-def converted(parquet: str) -> str:
+#: The layouts ``--codecs`` writes with pyarrow (``write_table`` options): small JPEGs as Spark
+#: and most pipelines store them.
+CODECS: dict[str, dict[str, Any]] = {
+    "plain": {"compression": "none", "use_dictionary": False},
+    "snappy": {"compression": "snappy"},
+    "zstd": {"compression": "zstd"},
+    # every value through the dictionary page (pyarrow falls back to PLAIN past 1 MB of dictionary)
+    "dict": {"compression": "snappy", "use_dictionary": True, "dictionary_pagesize_limit": 1 << 30},
+}
+SMALL_ROWS_PER_FILE = 500
+
+
+def small_jpegs(num_images: int, seed: int = 0) -> list[tuple[bytes, int]]:
+    """``num_images`` synthetic JPEGs of 160-260 px (~20 KB), with labels (built once, kept in OUT)."""
+    from streamload.synthetic import synthetic_jpeg
+
+    root = os.path.join(OUT, f"small-{num_images}-s{seed}")
+    done = os.path.join(root, ".done")
+    if not os.path.exists(done):
+        os.makedirs(root, exist_ok=True)
+        rng = np.random.default_rng(seed)
+        for i in range(num_images):
+            w = int(rng.uniform(160, 260))
+            with open(os.path.join(root, f"{i:06d}-{i % 10}.jpg"), "wb") as f:
+                f.write(synthetic_jpeg(rng, w, w, quality=90, noise=12.0))
+        open(done, "w").close()
+    out = []
+    for name in sorted(n for n in os.listdir(root) if n.endswith(".jpg")):
+        with open(os.path.join(root, name), "rb") as f:
+            out.append((f.read(), int(name[-5])))
+    return out
+
+
+def codec_splits(num_images: int, codecs: list[str]) -> dict[str, str]:
+    """The small JPEGs as pyarrow-written Parquet (one directory per codec, indexed) and as tar, same images."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from streamload.indexing import index_directory
+
+    items = small_jpegs(num_images)
+    base = os.path.join(OUT, f"pq-codecs-{num_images}")
+    roots = {}
+    for codec in codecs:
+        root = os.path.join(base, codec)
+        roots[codec] = root
+        if os.path.exists(os.path.join(root, "index.json")):
+            continue
+        os.makedirs(root, exist_ok=True)
+        for f, lo in enumerate(range(0, len(items), SMALL_ROWS_PER_FILE)):
+            part = items[lo : lo + SMALL_ROWS_PER_FILE]
+            image = pa.StructArray.from_arrays(
+                [pa.array([b for b, _ in part], pa.binary()), pa.array([None] * len(part), pa.string())],
+                names=["bytes", "path"],
+            )
+            table = pa.table({"image": image, "label": pa.array([lab for _, lab in part], pa.int64())})
+            pq.write_table(
+                table, os.path.join(root, f"train-{f:05d}.parquet"), row_group_size=ROW_GROUP, **CODECS[codec]
+            )
+        index_directory(root, "parquet", hash_algorithm="xxh3_128")
+    roots["tar"] = converted(roots[codecs[0]], os.path.join(base, "tar"))
+    return roots
+
+
+def raw_read_rate(root: str) -> float:
+    """Samples/s of reading the dataset's files whole from the page cache, one thread: the machine's raw read limit."""
+    files = [os.path.join(root, n) for n in sorted(os.listdir(root)) if n.endswith(".tar")]
+    with open(os.path.join(root, "index.json")) as f:
+        samples = int(json.load(f)["num_samples"])
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for path in files:
+            with open(path, "rb", buffering=0) as f:
+                while f.read(1 << 20):
+                    pass
+        best = max(best, samples / (time.perf_counter() - t0))
+    return best
+
+
+def converted(parquet: str, root: str | None = None) -> str:
     """The same samples converted to tar shards (``streamload convert``)."""
     from streamload.converters import ConvertOptions, DatasetSource, convert
 
-    root = parquet.rstrip("/") + "-tar"
+    root = root or parquet.rstrip("/") + "-tar"
     if not os.path.exists(os.path.join(root, "index.json")):
         convert(DatasetSource(parquet), root, ConvertOptions(samples_per_shard=ROWS_PER_FILE, progress=False))
     return root
@@ -160,6 +240,96 @@ def epoch(make: Callable[[], DataLoader[Any]]) -> tuple[float, float, int]:
     return count / (time.perf_counter() - t0), ttfb, count
 
 
+def codec_main(args: argparse.Namespace) -> None:
+    """``--codecs``: pyarrow-written Parquet (compressed, dictionary-encoded) against tar of the same images.
+
+    Bytes mode (``RawCollate``, batch 64), each configuration ``--passes`` epochs per round
+    (a fresh loader each), rounds interleaved (the machine is shared: best and median of
+    ``--repeat`` rounds), ratios to tar.
+    """
+    codecs = args.codecs.split(",")
+    roots = codec_splits(args.images, codecs)
+    limit = raw_read_rate(roots["tar"])
+    stop: list[Any] = []
+    storage: StorageConfig | None = None
+    urls = dict(roots)
+    if args.bucket:  # streamed by ranged GETs from the shaped bucket, cache="none"
+        server, proxy, _, tar_url, shaped = shaped_bucket(roots[codecs[0]], roots["tar"])
+        stop = [proxy, server]
+        urls = {"tar": tar_url}
+        for codec in codecs:
+            urls[codec] = upload(server, tar_url.split("/")[2], roots[codec], codec)
+        storage = StorageConfig(storage_options=shaped, cache="none")
+    names = ["tar", *codecs]
+    workers = [int(w) for w in args.workers.split(",")]
+    print(
+        f"{args.images} JPEGs (~{_mean_kb(roots['tar']):.0f} KB), "
+        f"row groups of {ROW_GROUP}, bytes (RawCollate, batch {BATCH}), "
+        f"{'bucket, cache=none' if args.bucket else 'local'}; "
+        f"raw read limit {limit:,.0f} samples/s; load {os.getloadavg()}"
+    )
+    rates: dict[tuple[str, int], list[float]] = {(n, w): [] for n in names for w in workers}
+    for w in workers:
+        for n in names:  # warm-up, not timed
+            epoch(lambda n=n, w=w: streamload_loader(urls[n], "bytes", w, storage))
+    for _ in range(args.repeat):
+        for w in workers:
+            for n in names:
+                seconds = 0.0
+                for _ in range(args.passes):
+                    rate, _, count = epoch(lambda n=n, w=w: streamload_loader(urls[n], "bytes", w, storage))
+                    assert count in (args.images, -(-args.images // BATCH) * BATCH), count
+                    seconds += count / rate
+                rates[n, w].append(args.passes * count / seconds)
+    results = []
+    for w in workers:
+        tar = rates["tar", w]
+        for n in names:
+            got = rates[n, w]
+            best, median = max(got), statistics.median(got)
+            row = {"layout": n, "workers": w, "best": best, "median": median}
+            row["best_vs_tar"], row["median_vs_tar"] = best / max(tar), median / statistics.median(tar)
+            results.append(row)
+            print(
+                f"  {w} workers  {n:<7} best {best:8,.0f}/s  median {median:8,.0f}/s   "
+                f"vs tar: best {row['best_vs_tar']:.2f}  median {row['median_vs_tar']:.2f}"
+            )
+    print(f"load {os.getloadavg()}")
+    for thing in stop:
+        thing.stop()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "images": args.images,
+                    "bucket": args.bucket,
+                    "raw_read_limit": limit,
+                    "load": os.getloadavg(),
+                    "repeat": args.repeat,
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
+
+
+def _mean_kb(tar_root: str) -> float:
+    with open(os.path.join(tar_root, "index.json")) as f:
+        manifest = json.load(f)
+    return sum(int(s["bytes"]) for s in manifest["shards"]) / max(1, int(manifest["num_samples"])) / 1000
+
+
+def upload(server: Any, bucket: str, root: str, prefix: str) -> str:
+    """Upload a dataset folder to ``bucket`` under ``prefix`` (straight to the server); its URL."""
+    import fsspec
+
+    fs = fsspec.filesystem("s3", **server.storage_options())
+    for name in sorted(os.listdir(root)):
+        if not name.startswith((".", "_")):
+            fs.put_file(os.path.join(root, name), f"s3://{bucket}/{prefix}/{name}")
+    return f"s3://{bucket}/{prefix}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=1000)
@@ -169,7 +339,15 @@ def main() -> None:
     parser.add_argument("--shuffle", action="store_true", help="shuffle (as in training)")
     parser.add_argument("--bucket", action="store_true", help="read from a shaped S3 bucket instead of local disk")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--passes", type=int, default=6, help="--codecs: epochs per configuration and round")
+    parser.add_argument(
+        "--codecs",
+        help=f"pyarrow-written layouts against tar instead (of {','.join(CODECS)}; ~20 KB JPEGs, bytes mode)",
+    )
     args = parser.parse_args()
+    if args.codecs:
+        codec_main(args)
+        return
     global SHUFFLE
     SHUFFLE = args.shuffle
     import datasets  # noqa: F401 - imported before any timing (pyarrow with it), for every reader alike

@@ -46,18 +46,21 @@ no longer decompresses: the same error). Labels come from the sidecar.
 as Hugging Face ``datasets`` writes images: each value a 4-byte length and the bytes) are
 located at index time and read by positioned reads like tar members (``offset``), no
 pyarrow involved. Otherwise only the columns the sample model needs (``image.bytes`` of a struct, the json
-columns; never the label column nor the struct's ``path``), one row group at a time (the
-decoded row groups kept per process up to :data:`ROW_GROUP_CACHE_BYTES`): pyarrow reads
-just those column chunks, coalescing
-close ones into one ranged read. Through ``cache="shards"`` the reader opens the cached
-file; through ``cache="none"`` it reads by ranged GETs (:class:`~._bytes.ShardBytes`), the
-row groups' extents fetched ahead like tar samples'.
+columns; never the label column nor the struct's ``path``), one row group at a time: the
+image chunk read once and its pages decoded by :mod:`._pqpages` (each row a slice of its
+page or dictionary entry; pyarrow where that decoder does not apply, and for the json
+columns). A reader reading in row order keeps only its current row groups; shuffled reads
+keep the decoded row groups per process up to :data:`ROW_GROUP_CACHE_BYTES`. Through
+``cache="shards"`` the reader opens the cached file; through ``cache="none"`` it reads by
+ranged GETs (:class:`~._bytes.ShardBytes`), the row groups' extents fetched ahead like tar
+samples'.
 
 **Bounds** (hostile or broken files): the footer's size and its Thrift containers are
 bounded; every column chunk must lie inside the file; the column chunks one row-group read
 decompresses are bounded (:data:`MAX_ROW_GROUP_BYTES`, at most :data:`MAX_EXPANSION` times
-their stored size: a decompression bomb is refused before it is read); the decoded row
-group must hold exactly the rows the footer declared.
+their stored size: a decompression bomb is refused before it is read; the pages decoded
+here may not decompress past their chunk's declared size); the decoded row group must hold
+exactly the rows the footer declared.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ from .._units import parse_bytes
 from ..manifest import ShardEntry, algorithm_of, new_hasher
 from ..sample import IMAGE_EXTENSIONS, image_field_for, sniff_image
 from ._bytes import MAX_GAP, FileBytes, ShardBytes, gather
+from ._pqpages import Unsupported, decode_chunk
 from ._record import open_regular_file
 from .base import FieldGroup, Format, Sample, ShardReader, ShardWriter, key_problem
 
@@ -120,7 +124,9 @@ MAX_SIDECAR_BYTES = 1 << 31
 ROW_GROUP_CACHE_BYTES = 1 << 30
 
 
-_Group = tuple[np.ndarray, np.ndarray, "list[bytes] | None"]
+#: A decoded row group: its image bytes (pages), per row its page and span there (starts,
+#: ends), its json texts.
+_Group = tuple["list[np.ndarray]", np.ndarray, np.ndarray, np.ndarray, "list[bytes] | None"]
 
 
 class _GroupCache:
@@ -150,20 +156,29 @@ class _GroupCache:
 
     def put(self, key: tuple[int, int], group: _Group) -> None:
         self._here()
-        texts = group[2]
-        nbytes = int(group[0].nbytes + group[1].nbytes) + (sum(map(len, texts)) if texts else 0)
+        texts = group[4]
+        nbytes = sum(int(a.nbytes) for a in (*group[0], group[1], group[2], group[3]))
+        nbytes += sum(map(len, texts)) if texts else 0
         self.items[key] = (group, nbytes)
         self.total += nbytes
         while self.total > self.budget and len(self.items) > 1:
             _, (_, dropped) = self.items.popitem(last=False)
             self.total -= dropped
 
-    def drop(self, reader: int) -> None:
-        for key in [k for k in self.items if k[0] == reader]:
+    def drop(self, reader: int, below: int | None = None) -> None:
+        """Drop ``reader``'s row groups (only those before row group ``below`` if given)."""
+        for key in [k for k in self.items if k[0] == reader and (below is None or k[1] < below)]:
             self.total -= self.items.pop(key)[1]
+
+    def held(self, reader: int) -> list[int]:
+        """The row groups of ``reader`` held now, least recently used first."""
+        self._here()
+        return [g for r, g in self.items if r == reader]
 
 
 _CACHE = _GroupCache()
+#: Rows read one after another in row order after which a reader drops the row groups before.
+_IN_ORDER = 8
 _READERS = itertools.count()
 
 
@@ -728,6 +743,12 @@ class ParquetShardReader(ShardReader):
         self._pid = -1
         self._file: Any = None
         self._token = next(_READERS)  # this reader's row groups in the process's cache
+        self._current = -1  # the row group reads in row order are in (older ones are dropped)
+        self._fast = True  # image chunks decoded from their pages (False: through pyarrow)
+        self._handle: Any = None  # the open local file (pyarrow's), for the chunk reads
+        self._wanted: dict[tuple[str, ...], np.ndarray] = {}  # per field list: which image fields it takes
+        self._last_row = -2
+        self._streak = 0  # rows read in row order up to _last_row
 
     # -- the sidecar ------------------------------------------------------------------
 
@@ -850,6 +871,7 @@ class ParquetShardReader(ShardReader):
             # Positioned reads, not a memory map: a file truncated while mapped would kill the
             # process with SIGBUS, where a short read is an error naming the file.
             handle = pa.OSFile(self.path)
+            self._handle = handle
         if size != self.entry.num_bytes:
             raise CorruptShardError(
                 f"{self.path}: shard {name} is {size} bytes, the manifest says {self.entry.num_bytes}"
@@ -867,33 +889,70 @@ class ParquetShardReader(ShardReader):
     def _group_of(self, index: int) -> int:
         return int(np.searchsorted(self._starts, self._row(index), side="right")) - 1
 
-    def _group(self, g: int) -> tuple[np.ndarray, np.ndarray, list[bytes] | None]:
-        """Row group ``g`` decoded: its images' bytes and offsets (arrow buffers), its json texts."""
+    def _group(self, g: int) -> _Group:
+        """Row group ``g`` decoded: its images' bytes and spans, its json texts."""
         kept = _CACHE.get((self._token, g)) if self._pid == os.getpid() else None
         if kept is not None:
             return kept
         pf = self._ensure_open()
         expected = int(self._starts[g + 1] - self._starts[g])
         direct = self._offsets is not None
-        columns = list(self._plan.json_columns) if direct else _read_columns(self._plan)
+        pages = None if direct or not self._fast else self._decode_pages(pf, g, expected)
+        columns = list(self._plan.json_columns) if direct or pages is not None else _read_columns(self._plan)
         try:
-            table = pf.read_row_group(g, columns=columns, use_threads=False)
-            if direct:  # the images are read from the file; offsets here only count the rows
-                data, offsets = np.zeros(0, dtype=np.uint8), np.zeros(table.num_rows + 1, dtype=np.int64)
+            table = pf.read_row_group(g, columns=columns, use_threads=False) if columns else None
+            if pages is not None:
+                data, page, starts, ends = pages
+            elif direct:  # the images are read from the file; spans here only count the rows
+                count = expected if table is None else table.num_rows
+                data, starts = [np.zeros(0, dtype=np.uint8)], np.zeros(count, dtype=np.int64)
+                page, ends = np.zeros(count, dtype=np.int32), starts
             else:
-                data, offsets = _flat(_image_array(table, self._plan))
-            texts = _json_texts(table, self._plan)
+                flat, offsets = _flat(_image_array(table, self._plan))
+                data, page, starts, ends = [flat], np.zeros(len(offsets) - 1, np.int32), offsets[:-1], offsets[1:]
+            texts = _json_texts(table, self._plan) if table is not None else None
         except Exception as exc:  # a damaged page: decompression or decoding fails
             raise CorruptShardError(
                 f"{self.path}: shard {self.entry.name}, row group {g} cannot be read ({type(exc).__name__}: {exc})"
             ) from exc
-        if len(offsets) != expected + 1:
+        if len(starts) != expected or (table is not None and table.num_rows != expected):
+            got = len(starts) if len(starts) != expected or table is None else table.num_rows
             raise CorruptShardError(
-                f"{self.path}: shard {self.entry.name}, row group {g} holds {len(offsets) - 1} rows, "
-                f"expected {expected}"
+                f"{self.path}: shard {self.entry.name}, row group {g} holds {got} rows, expected {expected}"
             )
-        _CACHE.put((self._token, g), (data, offsets, texts))
-        return data, offsets, texts
+        group = (data, page, starts, ends, texts)
+        _CACHE.put((self._token, g), group)
+        return group
+
+    def _decode_pages(
+        self, pf: Any, g: int, rows: int
+    ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray] | None:
+        """Row group ``g``'s image spans decoded from the column chunk's pages (``None``: read it through pyarrow)."""
+        md = pf.metadata
+        leaf = _read_columns(self._plan)[0]
+        rg = md.row_group(g)
+        j = next((j for j in range(rg.num_columns) if rg.column(j).path_in_schema == leaf), None)
+        if j is None:
+            return None
+        col = rg.column(j)
+        start = col.data_page_offset
+        if col.has_dictionary_page and col.dictionary_page_offset is not None and col.dictionary_page_offset > 0:
+            start = min(start, col.dictionary_page_offset)
+        size = int(col.total_compressed_size)
+        schema = md.schema.column(j)
+        try:
+            if self._source is not None:
+                chunk: Any = self._source.pread(size, int(start))
+            else:  # pyarrow's read: into its memory pool, no fresh pages to fault in
+                chunk = self._handle.read_at(size, int(start))
+            if len(chunk) != size:
+                return None  # a short file: pyarrow's read names it
+            return decode_chunk(chunk, col, schema.max_definition_level, schema.max_repetition_level, rows)
+        except Unsupported:
+            self._fast = False  # the same for every row group of this file
+            return None
+        except Exception:  # a page that does not decode (or a failed read): pyarrow reads it, or names the damage
+            return None
 
     # -- samples ------------------------------------------------------------------------
 
@@ -931,21 +990,48 @@ class ParquetShardReader(ShardReader):
                 )
         return self._bytes
 
+    def _went_on(self, first: int, last: int, g: int) -> None:
+        """Rows ``first..last`` (in row group ``g`` from ``first``) are read next.
+
+        After :data:`_IN_ORDER` rows read in row order (unshuffled), reaching a new row
+        group drops this reader's row groups before it: a reader so holds its current row
+        group only. A shuffle window's random order keeps the process's budget.
+        """
+        self._streak = self._streak + last - first + 1 if first == self._last_row + 1 else last - first + 1
+        self._last_row = last
+        if self._streak >= _IN_ORDER and g != self._current:
+            self._current = g
+            if self._pid == os.getpid():
+                _CACHE.drop(self._token, below=g)
+
+    def held_row_groups(self) -> list[int]:
+        """The decoded row groups this reader holds now (what a read in order keeps: one)."""
+        return _CACHE.held(self._token) if self._pid == os.getpid() else []
+
     def _image(self, index: int) -> tuple[int, np.ndarray]:
         """Row ``index``'s image bytes (a view into its row group), checked; and its row group."""
         g = self._group_of(index)
+        row = self._row(index)
+        self._went_on(row, row, g)
         if self._offsets is not None:
             size = int(self._sizes[index])
             raw = self._source_bytes().pread(size, int(self._offsets[index]))
             field = self._fields[int(self._codes[index])]
             self._check(g, index, field, raw if len(raw) == size else None, self._digests[index], size)
             return g, np.frombuffer(raw, dtype=np.uint8)
-        data, offsets, _ = self._group(g)
-        r = self._row(index) - int(self._starts[g])
-        view = data[int(offsets[r]) : int(offsets[r + 1])]
-        self._check(
-            g, index, self._fields[int(self._codes[index])], view, self._digests[index], int(self._sizes[index])
-        )
+        for attempt in (0, 1):
+            data, page, starts, ends, _ = self._group(g)
+            r = row - int(self._starts[g])
+            view = data[int(page[r])][int(starts[r]) : int(ends[r])]
+            try:
+                self._check(
+                    g, index, self._fields[int(self._codes[index])], view, self._digests[index], int(self._sizes[index])
+                )
+            except CorruptShardError:
+                if attempt or not self._retry_slow():
+                    raise
+                continue
+            break
         return g, view
 
     def get(self, index: int) -> Sample:
@@ -955,7 +1041,7 @@ class ParquetShardReader(ShardReader):
         sample: Sample = {"__key__": self._key(index), self._fields[int(self._codes[index])]: view.tobytes()}
         if self._labels is not None:
             sample["cls"] = self._label(index)
-        texts = self._group(g)[2]
+        texts = self._group(g)[4]
         if texts is not None and self._json_digests is not None:
             text = texts[self._row(index) - int(self._starts[g])]
             self._check(g, index, "json", text, self._json_digests[index], len(text))
@@ -986,9 +1072,15 @@ class ParquetShardReader(ShardReader):
 
     def field_sizes(self, indices: np.ndarray, fields: Sequence[str]) -> np.ndarray:
         """Return the sizes of each sample's first present field of ``fields`` (images: from the sidecar)."""
-        out = np.empty(len(indices), dtype=np.int64)
-        for k, i in enumerate(np.asarray(indices).tolist()):
-            self._check_index(i)
+        index = self._checked_indices(indices)
+        if "json" not in fields and "cls" not in fields:
+            self._image_rows(index, fields)
+            out: np.ndarray = self._sizes[index]
+            return out
+        if tuple(fields) == ("cls",) and self._labels is not None:
+            return np.fromiter(map(len, self._label_texts(index)), dtype=np.int64, count=len(index))
+        out = np.empty(len(index), dtype=np.int64)
+        for k, i in enumerate(index.tolist()):
             name = self._choice(i, fields)
             if name == "cls" or name == "json":
                 out[k] = len(self._value(i, name))
@@ -996,17 +1088,57 @@ class ParquetShardReader(ShardReader):
                 out[k] = int(self._sizes[i])
         return out
 
+    def _checked_indices(self, indices: np.ndarray) -> np.ndarray:
+        index = np.asarray(indices, dtype=np.int64)
+        if len(index) and (int(index.min()) < 0 or int(index.max()) >= self.entry.num_samples):
+            bad = index[(index < 0) | (index >= self.entry.num_samples)]
+            self._check_index(int(bad[0]))  # raises the reader's IndexError naming the sample
+        return index
+
+    def _image_rows(self, index: np.ndarray, fields: Sequence[str]) -> None:
+        """Raise the ``SampleError`` of the first sample of ``index`` whose image field is not in ``fields``."""
+        key = tuple(fields)
+        wanted = self._wanted.get(key)
+        if wanted is None:
+            wanted = self._wanted[key] = np.array([f in fields for f in self._fields] + [False] * 256)[:256]
+        ok = wanted[self._codes[index]]
+        if not bool(ok.all()):
+            self._choice(int(index[int(np.flatnonzero(~ok)[0])]), fields)
+
+    def _label_texts(self, index: np.ndarray) -> list[bytes]:
+        """The labels of samples ``index`` as ``cls`` bytes, each checked as :meth:`_label` does."""
+        assert self._labels is not None
+        values = self._labels[index]
+        classes = self.num_classes
+        bad = (values < 0) | (values >= classes) if classes is not None else values < 0
+        if len(values) and bool(bad.any()):
+            self._label(int(index[int(np.flatnonzero(bad)[0])]))  # raises, naming the sample
+        return [str(v).encode() for v in values.tolist()]
+
     def read_groups_into(self, indices: np.ndarray, groups: Sequence[FieldGroup]) -> None:
         """Copy each group's fields of samples ``indices`` into the group's ``out``, each row checked.
 
         Rows stored as they are (``offset`` in the sidecar) are read like tar members: one
         ``preadv`` per run of rows close together in the file, the 4-byte lengths between
-        them into a scratch buffer, each row's digest checked after.
+        them into a scratch buffer, each row's digest checked after. Other images are
+        sliced from their decoded row groups (each decoded once per call at most, runs of
+        consecutive rows copied at once) and checked after; labels come from the sidecar.
         """
-        rows = np.asarray(indices).tolist()
+        index = np.asarray(indices, dtype=np.int64)
+        rows = index.tolist()
         for fields, out, sizes in groups:
-            if self._offsets is not None and rows and "cls" not in fields and "json" not in fields:
+            plain = "cls" not in fields and "json" not in fields
+            if plain and rows and self._offsets is not None:
                 self._read_direct(rows, fields, out, np.asarray(sizes, dtype=np.int64))
+                continue
+            if plain and rows:
+                self._read_decoded(index, fields, out, np.asarray(sizes, dtype=np.int64))
+                continue
+            if tuple(fields) == ("cls",) and self._labels is not None and rows:
+                text = b"".join(self._label_texts(index))
+                if len(text) != int(np.sum(sizes)):
+                    raise CorruptShardError(f"{self.entry.name}: labels changed size while read")
+                out[: len(text)] = np.frombuffer(text, dtype=np.uint8)
                 continue
             pos = 0
             for i, n in zip(rows, np.asarray(sizes).tolist(), strict=True):
@@ -1015,6 +1147,67 @@ class ParquetShardReader(ShardReader):
                     raise CorruptShardError(f"{self.entry.name}: sample {self._key(i)!r} changed size while read")
                 out[pos : pos + n] = np.frombuffer(value, dtype=np.uint8) if isinstance(value, bytes) else value
                 pos += n
+
+    def _read_decoded(self, index: np.ndarray, fields: Sequence[str], out: np.ndarray, sizes: np.ndarray) -> None:
+        """Copy the images of samples ``index`` from their decoded row groups into ``out``, checked."""
+        self._image_rows(index, fields)
+        if not np.array_equal(self._sizes[index], sizes):
+            raise CorruptShardError(f"{self.entry.name}: samples changed size while read")
+        rows = index if self._rows is None else self._rows[index]
+        groups = np.searchsorted(self._starts, rows, side="right") - 1
+        if len(rows) and (len(rows) == 1 or bool(np.all(np.diff(rows) == 1))):
+            self._went_on(int(rows[0]), int(rows[-1]), int(groups[0]))
+        else:
+            self._streak = 0
+        at = np.zeros(len(index) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=at[1:])
+        try:
+            self._copy_rows(index, rows, groups, out, at)
+        except CorruptShardError:
+            if not self._retry_slow():
+                raise
+            self._copy_rows(index, rows, groups, out, at)
+
+    def _retry_slow(self) -> bool:
+        """After a checksum failure of rows decoded from pages: read this file through pyarrow from now on.
+
+        Returns whether a retry is worth it (the rows came from the page decoder).
+        """
+        if not self._fast or self._offsets is not None:
+            return False
+        self._fast = False
+        _CACHE.drop(self._token)
+        return True
+
+    def _copy_rows(
+        self, index: np.ndarray, rows: np.ndarray, groups: np.ndarray, out: np.ndarray, at: np.ndarray
+    ) -> None:
+        for g in np.unique(groups).tolist():
+            data, page, starts, ends, _ = self._group(g)
+            sel = np.flatnonzero(groups == g)
+            local = rows[sel] - int(self._starts[g])
+            lo, hi, where = starts[local], ends[local], page[local]
+            wrong = np.flatnonzero(hi - lo != at[sel + 1] - at[sel])
+            if len(wrong):
+                bad = int(index[int(sel[int(wrong[0])])])
+                self._check(g, bad, self._fields[int(self._codes[bad])], None, 0, 0)
+            first, last = int(sel[0]), int(sel[-1])
+            one = bool(np.all(where == where[0])) and bool(np.all(lo[1:] == hi[:-1]))
+            if last - first + 1 == len(sel) and one:  # one run: one copy
+                out[at[first] : at[last + 1]] = data[int(where[0])][int(lo[0]) : int(hi[-1])]
+                continue
+            if last - first + 1 == len(sel):  # together in the batch: one gather into place
+                parts = [data[p][a:b] for p, a, b in zip(where.tolist(), lo.tolist(), hi.tolist(), strict=True)]
+                np.concatenate(parts, out=out[at[first] : at[last + 1]])
+                continue
+            for k, p, a, b in zip(sel.tolist(), where.tolist(), lo.tolist(), hi.tolist(), strict=True):
+                out[at[k] : at[k + 1]] = data[p][a:b]
+        digest = xxhash.xxh3_64_intdigest
+        view = out.data.cast("B")
+        digests = self._digests
+        for k, (i, a, b) in enumerate(zip(index.tolist(), at[:-1].tolist(), at[1:].tolist(), strict=True)):
+            if digest(view[a:b]) != digests[i]:
+                self._check(int(groups[k]), i, self._fields[int(self._codes[i])], None, 0, b - a)
 
     def _read_direct(self, rows: list[int], fields: Sequence[str], out: np.ndarray, sizes: np.ndarray) -> None:
         """Read the images of ``rows`` straight from the file into ``out`` (their sizes: ``sizes``), checked."""
@@ -1095,12 +1288,14 @@ class ParquetShardReader(ShardReader):
         What it calls is bound at definition: at interpreter exit this may run after the
         module's globals are gone.
         """
-        source, mine = self._bytes, self._pid == _getpid()
-        self._file, self._pid, self._bytes = None, -1, None
+        source, handle, mine = self._bytes, self._handle, self._pid == _getpid()
+        self._file, self._pid, self._bytes, self._handle = None, -1, None, None
         if mine:
             _cache.drop(self._token)
             if source is not None:
                 source.close()
+            if handle is not None:
+                handle.close()
 
 
 class _NoWriter(ShardWriter):

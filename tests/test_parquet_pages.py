@@ -1,0 +1,142 @@
+"""Compressed and dictionary-encoded Parquet image columns: pages decoded directly, byte-identical, memory bounded."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from streamload import CorruptShardError, ShardedDataset, StreamingDataset
+from streamload.batch import RawCollate
+from streamload.formats import parquet
+from streamload.indexing import index_directory
+
+ROWS = 60
+#: How pyarrow (and Spark-like writers) lay out image columns: codecs, dictionary pages, page versions.
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "snappy": {"compression": "snappy"},
+    "zstd": {"compression": "zstd"},
+    "gzip": {"compression": "gzip", "use_dictionary": False},
+    "dictionary": {"compression": "snappy", "dictionary_pagesize_limit": 1 << 30},
+    "dictionary-plain": {"compression": "none", "dictionary_pagesize_limit": 1 << 30},
+    "v2-pages": {"compression": "zstd", "data_page_version": "2.0", "use_dictionary": False},
+    "small-pages": {"compression": "snappy", "use_dictionary": False, "data_page_size": 2000},
+}
+
+
+def image(i: int) -> bytes:
+    buf = io.BytesIO()
+    noise = np.random.default_rng(i).integers(0, 256, (12 + i % 5, 9, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(buf, "PNG" if i % 4 == 0 else "JPEG")
+    return buf.getvalue()
+
+
+def images(part: int) -> list[bytes]:
+    blobs = [image(part * 1000 + i) for i in range(ROWS)]
+    blobs[7] = blobs[3]  # a repeated image: one dictionary entry for two rows
+    return blobs
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
+    """One file per layout (an ``Image``-like struct, nullable, with a label), row groups of 16; keys -> bytes."""
+    root = tmp_path_factory.mktemp("pages")
+    expected: dict[str, bytes] = {}
+    for part, (name, options) in enumerate(LAYOUTS.items()):
+        blobs = images(part)
+        struct = pa.StructArray.from_arrays(
+            [pa.array(blobs, pa.binary()), pa.array([None] * ROWS, pa.string())], names=["bytes", "path"]
+        )
+        table = pa.table({"image": struct, "label": pa.array([i % 3 for i in range(ROWS)], pa.int64())})
+        pq.write_table(table, root / f"{name}.parquet", row_group_size=16, **options)
+        expected.update({f"{name}/{i:010d}": blob for i, blob in enumerate(blobs)})
+    index_directory(str(root), "parquet")
+    return root, expected
+
+
+def read_back(root: Path, workers: int, **options: Any) -> dict[str, bytes]:
+    ds = StreamingDataset(str(root), batch_size=8, collate=RawCollate(keys=True), **options)
+    got: dict[str, bytes] = {}
+    for batch in DataLoader(ds, batch_size=None, num_workers=workers):
+        offsets = batch.offsets.tolist()
+        for k, key in enumerate(batch.keys):
+            got[key] = batch.data[offsets[k] : offsets[k + 1]].numpy().tobytes()
+    return got
+
+
+def test_compressed_and_dictionary_columns_read_back_byte_identical_from_their_pages(
+    layouts: tuple[Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every layout's images come back as written, their pages decoded here rather than by pyarrow."""
+    root, expected = layouts
+    calls: list[int] = []
+    original = pq.ParquetFile.read_row_group
+
+    def counted(self: Any, i: int, *args: Any, **kwargs: Any) -> Any:
+        calls.append(i)
+        return original(self, i, *args, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counted)
+    assert read_back(root, 0) == expected
+    assert read_back(root, 0, shuffle=True, seed=3) == expected
+    assert calls == []  # no row group went through pyarrow: the image chunks were decoded from their pages
+    sharded = ShardedDataset(str(root))
+    assert sharded.get("dictionary/0000000007")["png" if 3 % 4 == 0 else "jpg"] == expected["dictionary/0000000003"]
+    assert sharded.get("v2-pages/0000000033")["jpg"] == expected["v2-pages/0000000033"]
+    assert read_back(root, 2) == expected  # two workers, each decoding the pages it reads
+
+
+def test_a_reader_in_row_order_holds_only_the_row_groups_of_its_current_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read in order, a reader keeps the row groups its latest batch spans (two at most), not the file's."""
+    blobs = [image(i) for i in range(96)]
+    table = pa.table({"image": pa.array(blobs, pa.binary()), "label": pa.array([1] * 96, pa.int64())})
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=10, compression="zstd")  # 10 row groups
+    index_directory(str(tmp_path), "parquet")
+    held: list[int] = []
+    ds = StreamingDataset(str(tmp_path), batch_size=8, collate=RawCollate())
+    for batch in ds:  # 8-row batches straddle the 10-row groups
+        held.append(len(parquet._CACHE.items))
+        assert len(batch.offsets) == 9
+    assert max(held) <= 2 and len(held) == 12, held
+    # shuffled: the process's budget keeps the window's row groups (each decoded once)
+    before = len(parquet._CACHE.items)
+    decoded: list[int] = []
+    original = parquet.decode_chunk
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        decoded.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(parquet, "decode_chunk", counted)
+    list(StreamingDataset(str(tmp_path), batch_size=8, collate=RawCollate(), shuffle=True, seed=1))
+    assert len(decoded) == 10, (before, decoded)
+
+
+def test_a_damaged_compressed_page_names_file_row_group_and_row(tmp_path: Path) -> None:
+    blobs = [image(i) for i in range(40)]
+    for codec in ("snappy", "none"):  # a compressed page, and a dictionary page stored as is
+        root = tmp_path / codec
+        root.mkdir()
+        table = pa.table({"image": pa.array(blobs, pa.binary()), "label": pa.array([0] * 40, pa.int64())})
+        path = root / "x.parquet"
+        pq.write_table(table, path, row_group_size=10, compression=codec, dictionary_pagesize_limit=1 << 30)
+        index_directory(str(root), "parquet")
+        raw = bytearray(path.read_bytes())
+        at = raw.find(blobs[23][-40:-2])  # row 23's own scan data (tiny JPEGs share their headers)
+        assert at > 0
+        assert raw.find(blobs[23][-40:-2], at + 1) < 0
+        raw[at + 5] ^= 0x40
+        path.write_bytes(bytes(raw))
+        with pytest.raises(CorruptShardError, match=r"x\.parquet, row group 2, row 23 .*checksum"):
+            list(StreamingDataset(str(root), batch_size=8, collate=RawCollate()))
+        with pytest.raises(CorruptShardError, match=r"x\.parquet, row group 2"):
+            ShardedDataset(str(root))[23]
