@@ -61,9 +61,14 @@ class _Arenas:
         self.pid = os.getpid()
         self.arenas: list[_Arena] = []
         self.lock = threading.Lock()
+        #: Blocks collected since the last :meth:`block`. A finalizer only appends here (no
+        #: lock): it may run inside :meth:`block` itself, when an allocation there collects
+        #: garbage, and taking the lock then would deadlock.
+        self.returned: list[tuple[_Arena, int, int]] = []
 
     def block(self, n: int) -> torch.Tensor:
         with self.lock:
+            self._take_back()
             for arena in self.arenas:
                 offset = arena.take(n)
                 if offset is not None:
@@ -77,14 +82,19 @@ class _Arenas:
         weakref.finalize(view, self._give_back, arena, offset, n)
         return view
 
-    def _give_back(self, arena: _Arena, offset: int, n: int) -> None:
-        if self.pid != os.getpid():  # a finalizer inherited through fork: the parent's block
-            return
-        with self.lock:
+    def _take_back(self) -> None:
+        """Return the collected blocks to their arenas (under the lock)."""
+        while self.returned:
+            arena, offset, n = self.returned.pop()
             arena.free.setdefault(n, []).append(offset)
             arena.used -= 1
             if not arena.used and arena in self.arenas:
                 self.arenas.remove(arena)  # its descriptor closes with the last view
+
+    def _give_back(self, arena: _Arena, offset: int, n: int) -> None:
+        if self.pid != os.getpid():  # a finalizer inherited through fork: the parent's block
+            return
+        self.returned.append((arena, offset, n))  # atomic; taken back by the next block()
 
 
 _ARENAS: _Arenas | None = None
