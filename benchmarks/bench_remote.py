@@ -50,11 +50,13 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import json
 import logging
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -135,6 +137,8 @@ def _streamload_loader(spec: dict[str, Any]) -> tuple[Iterable[Any], str]:
         cache = "none" if spec["variant"].startswith("stream") else "shards"
         options, cache_dir = spec["storage_options"], spec["cache_dir"]
         kwargs["storage"] = StorageConfig(storage_options=options, cache_dir=cache_dir, cache=cache)
+    if spec.get("shuffle"):
+        kwargs["shuffle"] = True
     batch, workers = spec["batch"], spec["workers"]
     common: dict[str, Any] = {"num_workers": workers}
     if workers:
@@ -624,13 +628,15 @@ class Bench:
         self.histogram = np.bincount(labels).tolist()
         self.payload = sum(Path(p).stat().st_size for p, _ in self.items)
         shard_bytes = a.shard_mb << 20
-        base = Path(a.data) / f"sets-{a.images}-{a.shard_mb}mb"
+        base = Path(a.data) / f"sets-{a.images}-{a.shard_mb}mb-{a.hash}"
         self.tar = base / "tar"
         if not (self.tar / "index.json").exists():
             src = ImageFolderSource(str(self.folder))
             src.check = "none"
             workers = 1 if a.smoke else 2
-            options = ConvertOptions(shard_bytes=shard_bytes, workers=workers, progress=False, overwrite=True)
+            options = ConvertOptions(
+                shard_bytes=shard_bytes, workers=workers, progress=False, overwrite=True, hash_algorithm=a.hash
+            )
             convert(src, str(self.tar), options)
         self.paths = {"streamload": self.tar, "mosaicml": base / "mds", "litdata": base / "litdata"}
         if self.peers:
@@ -687,8 +693,8 @@ class Bench:
         stream = stream_mode_available()
         for workers in a.workers:
             for batch in a.batch:
-                for mode in a.modes:
-                    at = {"mode": mode, "workers": workers, "batch": batch}
+                for mode, shuffle in itertools.product(a.modes, a.shuffle):
+                    at = {"mode": mode, "workers": workers, "batch": batch, "shuffle": shuffle}
                     for v in variants[mode]:
                         if "local" in a.caches:
                             rows.append({"loader": "streamload", "variant": v, "source": "local", "cache": "-", **at})
@@ -707,7 +713,7 @@ class Bench:
                                     **at,
                                 }
                             )
-                    for peer in self.peers:
+                    for peer in self.peers if not shuffle else ():
                         for cache in [c for c in ("cold", "warm") if c in a.caches]:
                             rows.append(
                                 {"loader": peer, "variant": "samples", "source": "bucket", "cache": cache, **at}
@@ -717,7 +723,9 @@ class Bench:
     def run(self, row: dict[str, Any]) -> dict[str, Any]:
         a = self.args
         loader, source = row["loader"], row["source"]
-        key = f"{loader}-{row['variant']}-{row['mode']}-w{row['workers']}-b{row['batch']}"
+        key = f"{loader}-{row['variant']}-{row['mode']}-w{row['workers']}-b{row['batch']}" + (
+            "-shuffled" if row.get("shuffle") else ""
+        )
         cache_dir = self.work / "cache" / key
         if row["cache"] in ("cold", "none"):
             shutil.rmtree(cache_dir, ignore_errors=True)
@@ -791,18 +799,19 @@ class Bench:
         return mine.user + mine.system, server
 
     def reference(self, row: dict[str, Any]) -> dict[str, Any] | None:
-        """The ``streamload local`` row this row is compared with."""
+        """The ``streamload local`` row this row is compared with (the latest: the same round)."""
         variant = row["variant"].removeprefix("stream-")
         if row["loader"] != "streamload":
             variant = "samples" if row["mode"] == "bytes" else "batch"
-        for r in self.rows:
-            if (r["loader"], r["source"], r["variant"], r["mode"], r["workers"], r["batch"]) == (
+        for r in reversed(self.rows):
+            if (r["loader"], r["source"], r["variant"], r["mode"], r["workers"], r["batch"], r.get("shuffle")) == (
                 "streamload",
                 "local",
                 variant,
                 row["mode"],
                 row["workers"],
                 row["batch"],
+                row.get("shuffle"),
             ):
                 return r
         return None
@@ -821,8 +830,33 @@ def _name(r: dict[str, Any]) -> str:
     return f"streamload {label[v]}" + (" local" if r["source"] == "local" else "")
 
 
+def _shuffled(r: dict[str, Any]) -> str:
+    return " shuffled" if r.get("shuffle") else ""
+
+
+def summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Per configuration over the rounds: best and median of samples/s, of x local and of the first batch."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("samples_per_s"):
+            groups.setdefault(
+                f"{r['mode']} w={r['workers']} b={r['batch']} {_name(r)}{_shuffled(r)} {r['cache']}", []
+            ).append(r)
+    out = []
+    for name, rs in groups.items():
+        rates = [r["samples_per_s"] for r in rs]
+        text = f"{name:62} n={len(rs)} samp/s best {max(rates):6.0f} median {statistics.median(rates):6.0f}"
+        xs = [r["x_local"] for r in rs if r.get("x_local")]
+        if xs:
+            text += f"  x local best {max(xs):.2f} median {statistics.median(xs):.2f}"
+        firsts = [r["first_batch_s"] for r in rs]
+        text += f"  1st(s) best {min(firsts):.2f} median {statistics.median(firsts):.2f}"
+        out.append(text)
+    return out
+
+
 def line(r: dict[str, Any]) -> str:
-    head = f"{r['mode']:6} w={r['workers']} b={r['batch']:<4} {_name(r):34} {r['cache']:5}"
+    head = f"{r['mode']:6} w={r['workers']} b={r['batch']:<4} {_name(r) + _shuffled(r):34} {r['cache']:5}"
     if not r.get("samples_per_s"):
         return f"{head} FAILED: {r.get('error', 'wrong count or labels')}"
     gets = f"{r['gets_per_shard']:6.1f}" if "gets_per_shard" in r else "     -"
@@ -860,7 +894,8 @@ def targets(rows: list[dict[str, Any]], link_bytes_per_s: float | None = None) -
         if r["mode"] == "decode":
             verdict = "met" if r["x_local"] >= 0.85 else "MISSED"
             out.append(
-                f"{_name(r)} decode w={r['workers']} {r['cache']}: x{r['x_local']:.2f} of local (>= 0.85) {verdict}"
+                f"{_name(r)}{_shuffled(r)} decode w={r['workers']} {r['cache']}: x{r['x_local']:.2f} of local "
+                f"(>= 0.85) {verdict}"
             )
         elif link_bytes_per_s:
             x_link = r["mb_per_s"] * 1e6 / link_bytes_per_s
@@ -869,7 +904,7 @@ def targets(rows: list[dict[str, Any]], link_bytes_per_s: float | None = None) -
         if r["cache"] in ("cold", "none"):
             verdict = "met" if r["first_batch_s"] <= 1.0 else "MISSED"
             out.append(
-                f"{_name(r)} {r['mode']} w={r['workers']} {r['cache']}: first batch "
+                f"{_name(r)}{_shuffled(r)} {r['mode']} w={r['workers']} {r['cache']}: first batch "
                 f"{r['first_batch_s']:.2f} s (<= 1 s) {verdict}"
             )
     for peer in PEERS:
@@ -905,6 +940,22 @@ def main(argv: list[str] | None = None, server: Any = None) -> int:
     parser.add_argument("--modes", default="bytes,decode")
     parser.add_argument(
         "--caches", default="local,cold,warm,none", help="cache states to run (default local,cold,warm,none)"
+    )
+    parser.add_argument(
+        "--shuffle", default="off", help="off, on or off,on: streamload rows unshuffled and/or shuffled (default off)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every row this many times, rows interleaved (local, cold, ... then again): a busy machine "
+        "distorts each round differently; the summary gives best and median",
+    )
+    parser.add_argument(
+        "--hash",
+        default="xxh3_128",
+        choices=("xxh3_128", "sha256"),
+        help="digest of the dataset written (default xxh3_128)",
     )
     parser.add_argument("--backend", default="pillow", help="ImageDecoder backend of the decode work (default pillow)")
     parser.add_argument("--latency-ms", type=float, default=50.0, help="proxy: time to first byte (default 50)")
@@ -949,6 +1000,7 @@ def main(argv: list[str] | None = None, server: Any = None) -> int:
     args.workers = [int(w) for w in args.workers.split(",")]
     args.modes = args.modes.split(",")
     args.caches = args.caches.split(",")
+    args.shuffle = [{"off": False, "on": True}[s] for s in args.shuffle.split(",")]
     if not args.no_peers and not PEERS_PYTHON.exists():
         raise SystemExit(f"no peers venv at {PEERS_PYTHON}: run bash benchmarks/setup_peers.sh, or pass --no-peers")
     load_start = os.getloadavg()
@@ -985,10 +1037,18 @@ def main(argv: list[str] | None = None, server: Any = None) -> int:
             )
         print()
         print(HEADER)
-        for row in bench.plan():
+        for round_, row in [(n, r) for n in range(args.rounds) for r in bench.plan()]:
+            if row["source"] == "local" and args.rounds > 1:
+                load = os.getloadavg()
+                print(f"-- round {round_ + 1}: load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
             result = bench.run(row)
             ref = bench.reference(result)
-            if ref is not None and ref is not result and ref.get("samples_per_s") and result.get("samples_per_s"):
+            if (
+                ref is not None
+                and result["source"] != "local"
+                and ref.get("samples_per_s")
+                and result.get("samples_per_s")
+            ):
                 result["x_local"] = result["samples_per_s"] / ref["samples_per_s"]
             bench.rows.append(result)
             print(line(result), flush=True)
@@ -997,6 +1057,10 @@ def main(argv: list[str] | None = None, server: Any = None) -> int:
             if result.get("profile") and Path(result["profile"]).exists():
                 print_profile(Path(result["profile"]))
         verdicts = targets(bench.rows, link.get("parallel_bytes_per_s") if link else None)
+        if args.rounds > 1:
+            print()
+            for text in summary(bench.rows):
+                print(text)
         print()
         for v in verdicts:
             print(v)

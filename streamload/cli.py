@@ -134,7 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="raise",
         help="on a broken input: stop (raise) or skip it, listed in the manifest",
     )
-    p.add_argument("--hash", choices=("sha256", "xxh3_128"), default="sha256", help="shard hash")
+    p.add_argument(
+        "--hash",
+        choices=("xxh3_128", "sha256"),
+        default=None,
+        help="shard hash (default: xxh3_128; with --append, the dataset's own)",
+    )
     p.add_argument(
         "--check",
         choices=("decode", "header", "none"),
@@ -254,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="parquet: the label column, integers or class names (default: label, or the Hugging Face "
         "ClassLabel; '' for none)",
     )
-    p.add_argument("--hash", choices=("sha256", "xxh3_128"), default="sha256", help="shard hash")
+    p.add_argument("--hash", choices=("xxh3_128", "sha256"), default="xxh3_128", help="shard hash (default: xxh3_128)")
     p.add_argument(
         "--output",
         metavar="DIR_OR_URL",

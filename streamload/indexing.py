@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import Any
 
 from ._errors import ConfigError, ShardNotFoundError
-from ._files import FileEntry, hash_file
+from ._files import DEFAULT_HASH_ALGORITHM, FileEntry, hash_file
 from .formats import Format, get_format
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedInput, check_data_root
 from .storage import Destination, RemoteDestination, is_local, local_path_of, open_destination
@@ -46,7 +46,7 @@ _SPLIT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 def index_directory(
     url: str,
     format: str = "tar",
-    hash_algorithm: str | None = "sha256",
+    hash_algorithm: str | None = DEFAULT_HASH_ALGORITHM,
     classes: tuple[str, ...] = (),
     storage_options: Mapping[str, Any] | None = None,
     match: str | None = None,

@@ -10,7 +10,7 @@ On disk (version 1)::
       "streamload": 1,
       "format": "tar",
       "num_samples": 5000,
-      "hash": "sha256",
+      "hash": "xxh3_128",
       "fields": ["cls", "jpg"],
       "classes": ["cat", "dog"],
       "shards": [
@@ -41,6 +41,7 @@ from typing import Any
 
 from ._errors import ManifestError
 from ._files import (
+    DEFAULT_HASH_ALGORITHM,
     HASH_ALGORITHMS,
     LOCAL_PROTOCOLS,
     FileEntry,
@@ -52,6 +53,7 @@ from ._files import (
 )
 
 __all__ = [
+    "DEFAULT_HASH_ALGORITHM",
     "HASH_ALGORITHMS",
     "MANIFEST_NAME",
     "MAX_MANIFEST_BYTES",
@@ -198,7 +200,7 @@ class Manifest:
     shards: tuple[ShardEntry, ...]
     fields: tuple[str, ...] = ()
     classes: tuple[str, ...] = ()
-    hash_algorithm: str | None = "sha256"
+    hash_algorithm: str | None = DEFAULT_HASH_ALGORITHM
     skipped: tuple[SkippedInput, ...] = ()
     meta: Mapping[str, Any] = field(default_factory=dict)
     data_root: str | None = None

@@ -623,7 +623,7 @@ class ShardSource:
         self._own_storage = own_storage
         self._format = ref.format
         self._open: OrderedDict[int, ShardReader] = OrderedDict()
-        self._opened_early = False  # a shard was opened over its download in progress (the first only)
+        self._started = False  # the reader made its first item: no more shards opened over their downloads
         self._copies = storage if isinstance(storage, CachedCopies) else None
         self.streaming = streaming and self._copies is not None
         if self.streaming and not can_stream(ref.manifest):
@@ -695,10 +695,11 @@ class ShardSource:
                 raise
 
     def _open_early(self, shard: int) -> ShardReader | None:
-        """Cached mode, the first shard this source opens, not cached yet: a reader over its download in progress.
+        """Cached mode, a shard opened before the first item, not cached yet: a reader over its download in progress.
 
-        Only the first (the cold start: later shards are fetched ahead of the reader, and
-        read-ahead's cache room is planned for whole files).
+        Only before the reader's first item (the cold start: the shards its first batch
+        draws on, whose downloads read-ahead started side by side; later shards are
+        fetched ahead of the reader, and read-ahead's cache room is planned for whole files).
 
         The shard's download starts in a thread of the storage, the sidecar is acquired
         meanwhile, and the reader reads each sample as soon as the part holding it has
@@ -715,10 +716,9 @@ class ShardSource:
             or entry.sidecar is None
             or not self._format.ranged  # the reader must take its bytes as positioned reads (source=)
             or shard in self.recovered
-            or self._opened_early
+            or self._started
         ):
             return None
-        self._opened_early = True
         got = copies.acquire_early(entry)  # a miss starts the shard's download in a thread and returns at once
         if not isinstance(got, Landing):  # cached: the usual reader (and its checks at open)
             self.storage.release(entry)
@@ -742,6 +742,7 @@ class ShardSource:
 
     def started(self) -> None:
         """The reader made its first item: the storage's read-ahead, held for the first bytes, may start."""
+        self._started = True
         if self._copies is not None:
             self._copies.started()
 
@@ -969,10 +970,16 @@ class ShardSource:
         two stay in step; ``upcoming`` holds what was read from it early. How many are
         named is asked of the storage at each shard opened (:meth:`Storage.ahead_depth`:
         a remote storage adapts it to the measured download and reading times).
+
+        At the iteration's first shard, the shards the reader's plan comes back to before
+        it leaves them (a shuffled reader's first batches draw on all of its partitions'
+        shards: :meth:`_working_set`) are named too, in order of use, to be fetched at once
+        and side by side: the first batch needs every one of them.
         """
         enabled = self.storage.read_ahead > 0
         upcoming: deque[int] = deque()
         current = -1
+        first = True
         for run in runs:
             if run.shard != current:
                 current = run.shard
@@ -981,11 +988,42 @@ class ShardSource:
                 else:
                     next(ahead, None)
                 if enabled and run.shard not in self:
-                    wanted = self._next_shards(upcoming, ahead, current, max(1, self.storage.ahead_depth()))
+                    together = self._working_set(upcoming, ahead, current, self.capacity - 1) if first else []
+                    depth = max(1, self.storage.ahead_depth(), len(together))
+                    wanted = self._next_shards(upcoming, ahead, current, depth)
                     if wanted:
                         shards = self.ref.manifest.shards
-                        self.storage.prefetch([f for s in wanted for f in shards[s].files])
+                        names = [f.name for s in together for f in shards[s].files]
+                        self.storage.prefetch([f for s in wanted for f in shards[s].files], names)
+                first = False
             yield run
+
+    def _working_set(self, upcoming: deque[int], ahead: Iterator[int], current: int, most: int) -> list[int]:
+        """The unopened shards read together with ``current``, in order of first use; ``[]`` if none.
+
+        The distinct shards after ``current`` up to the first the plan comes back to (one
+        named already, or ``current`` itself): the reader holds them all open and reads
+        them in turn, as a shuffled reader does with its partitions' shards. An unshuffled
+        reader leaves each shard for good: nothing comes back, and nothing is named here.
+        Nor when more than ``most`` shards come before the plan comes back (the reader
+        could not keep them all open).
+        """
+        seen = [current]
+        index = 0
+        while index < _READ_AHEAD_SCAN:
+            if index == len(upcoming):
+                shard = next(ahead, None)
+                if shard is None:
+                    break
+                upcoming.append(shard)
+            shard = upcoming[index]
+            index += 1
+            if shard in seen:
+                return [s for s in seen[1:] if s not in self]
+            if len(seen) > most:
+                break
+            seen.append(shard)
+        return []
 
     def _next_shards(self, upcoming: deque[int], ahead: Iterator[int], current: int, count: int) -> list[int]:
         """Return up to ``count`` distinct unopened shards that come after ``current``, in order of first use."""

@@ -22,7 +22,7 @@ from typing import Any
 from ._errors import ConfigError
 from ._units import parse_bytes
 from .formats import Format, check_sample, get_format
-from .manifest import MANIFEST_NAME, FileEntry, Manifest, ShardEntry, SkippedInput, hash_file
+from .manifest import DEFAULT_HASH_ALGORITHM, MANIFEST_NAME, FileEntry, Manifest, ShardEntry, SkippedInput, hash_file
 from .storage import Destination, open_destination
 
 __all__ = ["DatasetWriter", "ShardResult", "publish_manifest", "sample_nbytes", "write_shard"]
@@ -50,7 +50,7 @@ def write_shard(
     dest: Destination,
     name: str,
     samples: Iterable[Mapping[str, Any]],
-    hash_algorithm: str | None = "sha256",
+    hash_algorithm: str | None = DEFAULT_HASH_ALGORITHM,
 ) -> ShardResult:
     """Write ``samples`` into shard ``name`` at ``dest``.
 
@@ -131,7 +131,7 @@ class DatasetWriter:
         max_samples: int | None = None,
         max_bytes: int | str | None = "128MB",
         classes: Sequence[str] = (),
-        hash_algorithm: str | None = "sha256",
+        hash_algorithm: str | None = DEFAULT_HASH_ALGORITHM,
         storage_options: Mapping[str, Any] | None = None,
         meta: Mapping[str, Any] | None = None,
         overwrite: bool = False,

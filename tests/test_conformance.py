@@ -25,6 +25,7 @@ from streamload.manifest import Manifest, ShardEntry
 from streamload.storage import open_destination
 from streamload.verify import verify_dataset
 from streamload.writer import publish_manifest, write_shard
+from tests.digests import digest
 
 FORMATS = ["tar", "lmdb", "hdf5"]
 
@@ -280,7 +281,7 @@ class TestFormat:
         path.write_bytes(data)
         # Patch the manifest so the storage layer's size check lets the shard reach its reader.
         entry["bytes"] = len(data)
-        entry["hash"] = hashlib.sha256(data).hexdigest()
+        entry["hash"] = digest(data, manifest)
         (root / "index.json").write_text(json.dumps(manifest))
         with pytest.raises(StreamloadError, match=entry["name"]) as info:
             list(StreamingDataset(str(root)))

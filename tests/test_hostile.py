@@ -19,6 +19,7 @@ from streamload import (
     UnsafeShardError,
 )
 from streamload.indexing import index_directory
+from tests.digests import digest
 
 
 def _tar(path: Path, build: Callable[[tarfile.TarFile], None]) -> None:
@@ -154,10 +155,8 @@ def test_sidecar_pointing_outside_the_shard_is_refused(tar_dataset: Path, tmp_pa
     with pytest.raises(CorruptShardError, match="shard-000000.tar.*does not match its manifest hash"):
         list(StreamingDataset(str(ds)))
     # A hostile writer also fixes the manifest's hash: the offsets themselves are refused.
-    import hashlib
-
     manifest = json.loads((ds / "index.json").read_text())
-    manifest["shards"][0]["sidecar"]["hash"] = hashlib.sha256(bytes(raw)).hexdigest()
+    manifest["shards"][0]["sidecar"]["hash"] = digest(bytes(raw), manifest)
     (ds / "index.json").write_text(json.dumps(manifest))
     with pytest.raises(CorruptShardError, match="shard-000000.tar.*member extents"):
         list(StreamingDataset(str(ds)))

@@ -3,7 +3,6 @@ leave the dataset, hang, crash with a raw traceback or allocate absurd memory.""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from streamload import CorruptShardError, DatasetWriter, ShardError, UnsafeShard
 from streamload.formats import get_format
 from streamload.manifest import Manifest, ShardEntry
 from streamload.verify import verify_dataset
+from tests.digests import digest
 
 Sample = dict[str, Any]
 
@@ -124,10 +124,10 @@ def _replace_shard(ds: Path, data: bytes, index: int = 0, sidecar: bytes | None 
     manifest = json.loads((ds / "index.json").read_text())
     entry = manifest["shards"][index]
     (ds / entry["name"]).write_bytes(data)
-    entry.update(bytes=len(data), hash=hashlib.sha256(data).hexdigest())
+    entry.update(bytes=len(data), hash=digest(data, manifest))
     if sidecar is not None:
         (ds / entry["sidecar"]["name"]).write_bytes(sidecar)
-        entry["sidecar"].update(bytes=len(sidecar), hash=hashlib.sha256(sidecar).hexdigest())
+        entry["sidecar"].update(bytes=len(sidecar), hash=digest(sidecar, manifest))
     (ds / "index.json").write_text(json.dumps(manifest))
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -18,6 +17,7 @@ from PIL import Image
 
 from streamload import ImageLabel, SampleError, ShardedDataset, StreamingDataset, UnsafeShardError
 from streamload.indexing import index_directory
+from tests.digests import digest
 
 ROWS = 6
 
@@ -35,7 +35,7 @@ def _rehash(ds: Path, name: str) -> None:
     for shard in manifest["shards"]:
         sidecar = shard.get("sidecar")
         if sidecar and sidecar["name"] == name:
-            sidecar["bytes"], sidecar["hash"] = len(data), hashlib.sha256(data).hexdigest()
+            sidecar["bytes"], sidecar["hash"] = len(data), digest(data, manifest)
     (ds / "index.json").write_text(json.dumps(manifest))
 
 
@@ -152,7 +152,7 @@ def test_lmdb_record_keys_are_checked_as_tar_names(tmp_path: Path) -> None:
     env.close()
     manifest = json.loads((ds / "index.json").read_text())
     data = shard.read_bytes()
-    manifest["shards"][0]["bytes"], manifest["shards"][0]["hash"] = len(data), hashlib.sha256(data).hexdigest()
+    manifest["shards"][0]["bytes"], manifest["shards"][0]["hash"] = len(data), digest(data, manifest)
     (ds / "index.json").write_text(json.dumps(manifest))
     with pytest.raises(UnsafeShardError, match=r"shard-000000\.lmdb.*U\+202E"):
         ShardedDataset(str(ds))[0]

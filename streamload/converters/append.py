@@ -63,7 +63,7 @@ def append_base(dest: Destination, dst: str, fmt: Format, options: ConvertOption
         raise ConfigError(
             f"{dst} holds {manifest.format} shards: --append writes the same format (use --format {manifest.format})"
         )
-    if manifest.hash_algorithm is not None and manifest.hash_algorithm != options.hash_algorithm:
+    if options.hash_algorithm is not None and manifest.hash_algorithm not in (None, options.hash_algorithm):
         algorithm = manifest.hash_algorithm
         raise ConfigError(f"{dst} uses the {algorithm} hash: append with --hash {algorithm}")
     if dest.exists(JOB_NAME) is None:

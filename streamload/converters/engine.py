@@ -17,6 +17,7 @@ checked unique over the whole scan. After a failure no staged file is left behin
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -35,7 +36,7 @@ from streamload._errors import (
     StreamloadError,
 )
 from streamload.formats import Format, check_sample, get_format
-from streamload.manifest import Manifest, SkippedInput
+from streamload.manifest import DEFAULT_HASH_ALGORITHM, Manifest, SkippedInput
 from streamload.storage import Destination, LocalDestination, is_local, local_path_of, open_destination
 from streamload.writer import ShardResult, publish_manifest, write_shard
 
@@ -213,6 +214,9 @@ def _convert_locked(
 ) -> ConvertReport:
     """The conversion proper, with the destination locked."""
     appending = Appending(dest, dst, fmt, options, source) if options.append else None
+    if options.hash_algorithm is None:  # the default: xxh3_128, or what the dataset appended to uses
+        algorithm = appending.base.hash_algorithm if appending is not None else DEFAULT_HASH_ALGORITHM
+        options = dataclasses.replace(options, hash_algorithm=algorithm)
     offset = appending.offset if appending is not None else 0
     plan = _scan_and_plan(source, options, dst, appending)
     problems = plan.problems

@@ -32,7 +32,9 @@ class ConvertOptions:
         seed: Seed of that shuffle.
         on_error: ``"raise"`` at the first broken input, or ``"skip"`` it (listed in the
             manifest and counted).
-        hash_algorithm: Shard hash algorithm.
+        hash_algorithm: Shard hash algorithm (``"xxh3_128"`` or ``"sha256"``); ``None``: xxh3_128
+            for a new dataset (:data:`~streamload.manifest.DEFAULT_HASH_ALGORITHM`), the
+            dataset's own when appending.
         progress: Show a progress bar: ``True``, ``False`` or ``None`` (only on a terminal).
         storage_options: fsspec options for a remote destination.
         resume: Finish an interrupted conversion, reusing the shards it published.
@@ -50,7 +52,7 @@ class ConvertOptions:
     shuffle: bool = False
     seed: int = 0
     on_error: Literal["raise", "skip"] = "raise"
-    hash_algorithm: str = "sha256"
+    hash_algorithm: str | None = None
     progress: bool | None = None
     storage_options: dict[str, Any] = field(default_factory=dict)
     resume: bool = False
@@ -73,7 +75,7 @@ class ConvertOptions:
             raise ConfigError(f"seed={self.seed!r} must be an integer >= 0")
         if self.on_error not in ("raise", "skip"):
             raise ConfigError(f"on_error={self.on_error!r} must be 'raise' or 'skip'")
-        if self.hash_algorithm not in HASH_ALGORITHMS:
+        if self.hash_algorithm is not None and self.hash_algorithm not in HASH_ALGORITHMS:
             raise ConfigError(f"hash_algorithm={self.hash_algorithm!r} must be one of {HASH_ALGORITHMS}")
         get_format(self.format)
         parse_executor(self.executor)

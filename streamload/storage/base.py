@@ -51,10 +51,13 @@ class Storage(ABC):
     def release(self, entry: FileEntry) -> None:  # noqa: B027 - optional hook
         """Tell the storage the local copy of ``entry`` is no longer in use."""
 
-    def prefetch(self, entries: Iterable[FileEntry]) -> None:  # noqa: B027 - optional hook
+    def prefetch(self, entries: Iterable[FileEntry], together: Iterable[str] = ()) -> None:  # noqa: B027
         """Start fetching ``entries`` (the next files, in order of use) in the background.
 
         Each call replaces the read-ahead window; an empty iterable cancels read-ahead.
+        ``together``: names of those files the reader needs now, with the one it opens (a
+        shuffled reader's first batches draw on all of them): fetched at once, never held
+        back for the reader's first item.
         """
 
     def ahead_depth(self) -> int:

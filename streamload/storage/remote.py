@@ -200,6 +200,7 @@ class RemoteStorage(Storage):
         # read-ahead window just before): read-ahead starts nothing meanwhile (at most
         # _FIRST_READ_HOLD), so the first batch's bytes and CPU do not go to other shards.
         self._first_read = threading.Event()
+        self._together: set[str] = set()  # read-ahead files the reader needs now (see prefetch): never held
         self._ahead = ReadAhead(self.read_ahead, self._fetch_ahead)
         self._depth = AheadDepth(self.read_ahead)
         self._blocked = 0.0  # seconds this process's acquires waited for a file to arrive
@@ -538,26 +539,36 @@ class RemoteStorage(Storage):
                     self._stale.add(entry.name)
         return fresh
 
-    def prefetch(self, entries: Iterable[FileEntry]) -> None:
+    def prefetch(self, entries: Iterable[FileEntry], together: Iterable[str] = ()) -> None:
         """Make ``entries`` (in order of use) the read-ahead window; an empty one cancels read-ahead.
 
         A reader calls it as it starts each shard it had not open (see
         :meth:`ahead_depth`): the time between two calls, less the time its acquires
-        waited meanwhile, is how long it spent reading a shard.
+        waited meanwhile, is how long it spent reading a shard. The files named in
+        ``together`` are needed with the shard it opens (a shuffled reader's first batches
+        draw on all of them): their downloads start at once, side by side, not held back
+        until the reader's first item.
         """
         self._check_process()
         wanted = list(entries)
+        now = {e.name for e in wanted} & set(together)
         with self._lock:
             held = set(self._pins)
+            if not self._first_read.is_set():  # the cold start: what the first batch needs stays urgent
+                now |= self._together & {e.name for e in wanted}
+            self._together = now
             if wanted:
                 self._depth.observe_shard(time.monotonic(), self._blocked)
-                self._ahead.threads = min(self.read_ahead, max(1, self._depth.current))
+                self._ahead.threads = min(self.read_ahead, max(1, self._depth.current, len(now)))
             else:
                 self._depth.pause()
         self._ahead.want(wanted, held)
 
     def _fetch_ahead(self, entry: FileEntry, cancelled: Callable[[], bool]) -> None:
-        self._first_read.wait(_FIRST_READ_HOLD)  # the first batch's bytes first (see _init_process_state)
+        with self._lock:
+            now = entry.name in self._together
+        if not now:
+            self._first_read.wait(_FIRST_READ_HOLD)  # the first batch's bytes first (see _init_process_state)
         if cancelled():
             return
         pin = self.cache.pin(entry.name)

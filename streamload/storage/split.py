@@ -52,11 +52,11 @@ class SplitStorage(Storage):
         """Release ``entry`` in the storage that holds it."""
         self._of(entry).release(entry)
 
-    def prefetch(self, entries: Iterable[FileEntry]) -> None:
+    def prefetch(self, entries: Iterable[FileEntry], together: Iterable[str] = ()) -> None:
         """Name the next files to each storage (its own share of them)."""
-        wanted = list(entries)
-        self.data.prefetch([e for e in wanted if e.name in self._data_names])
-        self.index.prefetch([e for e in wanted if e.name not in self._data_names])
+        wanted, now = list(entries), list(together)
+        self.data.prefetch([e for e in wanted if e.name in self._data_names], now)
+        self.index.prefetch([e for e in wanted if e.name not in self._data_names], now)
 
     def ahead_depth(self) -> int:
         """Return the data storage's read-ahead depth."""
