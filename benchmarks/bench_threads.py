@@ -91,10 +91,9 @@ def _dataset(root: str, mode: str, collate: bool = True) -> Any:
     )
 
 
-def _nodes(root: str, threads: int) -> Any:
-    """torchdata.nodes: the dataset's samples, decoded one by one on ``threads`` threads, batched."""
+def _per_sample() -> tuple[Any, Any]:
+    """The peers' work: one sample decoded (the same decoder and crop key as DecodeBatch), a batch stacked."""
     import torch
-    from torchdata.nodes import Batcher, IterableWrapper, Loader, Mapper, ParallelMapper
 
     from streamload.decode import ImageDecoder
 
@@ -107,6 +106,15 @@ def _nodes(root: str, threads: int) -> Any:
 
     def stack(items: list[tuple[np.ndarray, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.from_numpy(np.stack([i[0] for i in items])), torch.tensor([i[1] for i in items])
+
+    return decode, stack
+
+
+def _nodes(root: str, threads: int) -> Any:
+    """torchdata.nodes: the dataset's samples, decoded one by one on ``threads`` threads, batched."""
+    from torchdata.nodes import Batcher, IterableWrapper, Loader, Mapper, ParallelMapper
+
+    decode, stack = _per_sample()
 
     ds = _dataset(root, "decode", collate=False)
     ds.transform = lambda s: s  # samples carry __epoch__/__position__ (the crop's key), as for DecodeBatch
@@ -116,20 +124,9 @@ def _nodes(root: str, threads: int) -> Any:
 
 def _spdl(root: str, threads: int) -> Any:
     """SPDL's pipeline (spdl.pipeline), decoding with the same decoder on ``threads`` threads."""
-    import torch
     from spdl.pipeline import PipelineBuilder
 
-    from streamload.decode import ImageDecoder
-
-    decoder = ImageDecoder(SIZE, crop="random")
-
-    def decode(sample: dict[str, Any]) -> tuple[np.ndarray, int]:
-        out = np.empty(decoder.shape, dtype=np.uint8)
-        decoder.decode_into(sample["jpg"], out, np.random.default_rng(sample["__position__"]))
-        return out, int(sample["cls"])
-
-    def stack(items: list[tuple[np.ndarray, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.from_numpy(np.stack([i[0] for i in items])), torch.tensor([i[1] for i in items])
+    decode, stack = _per_sample()
 
     ds = _dataset(root, "decode", collate=False)
     ds.transform = lambda s: s
