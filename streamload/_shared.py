@@ -27,8 +27,11 @@ from ._errors import StreamloadError
 
 __all__ = ["ARENA_WORDS", "shared_block"]
 
-#: ``int64`` words of one arena (1 MiB; a dataset's tables take about 1,200 words).
-ARENA_WORDS = 1 << 17
+#: ``int64`` words of one arena (128 KiB; a dataset's tables take about 1,200 words). Kept
+#: under torch's parallel grain (32,768 elements), so making and copying an arena never
+#: starts OpenMP threads: a child forked after the parent used them (torch.multiprocessing's
+#: fork, a DataLoader worker) hangs in its first parallel region.
+ARENA_WORDS = 1 << 14
 
 
 class _Arena:

@@ -31,6 +31,7 @@ __all__ = [
     "DatasetArgs",
     "check_allowed_roots",
     "check_int",
+    "check_on_error",
     "check_lock_timeout",
     "check_epoch",
     "check_cache_dir",
@@ -271,10 +272,19 @@ def dataset_args(args: Mapping[str, Any]) -> DatasetArgs:
         raise ConfigError(f"rank={rank} must be < world_size={world_size}")
     _check_callable("transform", args.get("transform"))
     _check_callable("collate", args.get("collate"))
-    on_error = args.get("on_error", "raise")
+    on_error = check_on_error(args.get("on_error", "raise"))
+    return DatasetArgs(shuffle, seed, drop_last, window, batch_size, partitions, rank, world_size, on_error)
+
+
+def check_on_error(on_error: Any) -> str:
+    """Return ``on_error`` if it is ``"raise"`` or ``"skip"``.
+
+    Raises:
+        ConfigError: For any other value.
+    """
     if on_error not in ("raise", "skip"):
         raise ConfigError(f"on_error={on_error!r} must be 'raise' or 'skip'")
-    return DatasetArgs(shuffle, seed, drop_last, window, batch_size, partitions, rank, world_size, on_error)
+    return str(on_error)
 
 
 def warn_remote_only(source: object, settings: Mapping[str, Any], data_url: str) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 
 from ._errors import ConfigError, ShardNotFoundError
 from ._files import DEFAULT_HASH_ALGORITHM, FileEntry, hash_file
+from ._validate import check_on_error
 from .formats import Format, get_format
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedInput, check_data_root
 from .storage import Destination, RemoteDestination, is_local, local_path_of, open_destination
@@ -106,8 +107,7 @@ def index_directory(
     _check_classes(classes)
     if match is not None and not match:
         raise ConfigError("--match '' matches no file name: give a glob such as 'train-*.parquet'")
-    if on_error not in ("raise", "skip"):
-        raise ConfigError(f"on_error={on_error!r} must be 'raise' or 'skip'")
+    check_on_error(on_error)
     if on_error == "skip" and fmt.name != "parquet":
         raise ConfigError(f"--on-error skip leaves out bad rows of Parquet files; a {fmt.name} shard is indexed whole")
     if split is not None:

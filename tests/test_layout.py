@@ -26,6 +26,8 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload._validate",
         "streamload._stages",
         "streamload._cstderr",
+        "streamload._shared",
+        "streamload._atexit",
     ),
     (
         "streamload.sample",

@@ -295,7 +295,7 @@ def test_two_ranks_read_each_sample_once(keys_root: Path, tmp_path: Path) -> Non
     import torch.multiprocessing as mp
 
     out = tmp_path / "out.json"
-    mp.start_processes(_rank, args=(str(keys_root), str(tmp_path / "store"), str(out)), nprocs=2, start_method="fork")
+    mp.start_processes(_rank, args=(str(keys_root), str(tmp_path / "store"), str(out)), nprocs=2, start_method="spawn")
     ranks = json.loads(out.read_text())
     assert len(ranks[0]) == len(ranks[1])
     # One rank with batch 16 takes the same global batches: rank 0's half, then rank 1's.

@@ -250,7 +250,7 @@ def test_all_ranks_name_the_slowest(tar_dataset: Path, tmp_path: Path) -> None:
         port = s.getsockname()[1]
     # fork: the ranks start at once (no fresh interpreters importing torch); gloo is not yet initialised here
     torch.multiprocessing.start_processes(
-        _rank_main, args=(2, str(tar_dataset), str(tmp_path), port), nprocs=2, start_method="fork"
+        _rank_main, args=(2, str(tar_dataset), str(tmp_path), port), nprocs=2, start_method="spawn"
     )
     for rank in (0, 1):
         report = DataReport.from_dict(json.loads((tmp_path / f"rank{rank}.json").read_text()))
