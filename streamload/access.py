@@ -219,9 +219,9 @@ def open_keys_dir(folder: str, *, create: bool = True) -> int:
 
 
 def _shared_cache() -> bool:
-    from .storage.cache import SHARED_ENV
+    from ._env import cache_shared
 
-    return os.environ.get(SHARED_ENV, "") in ("1", "true", "yes")
+    return cache_shared()
 
 
 class ShardedDataset(torch.utils.data.Dataset[Any]):

@@ -300,7 +300,7 @@ class StreamingDataset(IterableDataset[Any]):
         #: This process's counts of samples skipped under ``on_error="skip"``, in all and per shard.
         self.errors = SkipCounts()
         #: Who iterates this dataset (pid, kind) per slot: a Loader and a DataLoader at once are refused.
-        self._users = shared_block(2 * _USERS)
+        self._users = shared_block(_USERS)  # pid * 4 + kind: one word, so no half-written entry is seen
 
     # -- sizes and epochs ----------------------------------------------------------
 
@@ -947,7 +947,8 @@ class StreamingDataset(IterableDataset[Any]):
         free = None
         for i in range(_USERS):
             slot = (pid + i) % _USERS
-            other, other_kind = int(users[2 * slot]), int(users[2 * slot + 1])
+            word = int(users[slot])  # one aligned 64-bit word: written and read whole
+            other, other_kind = word >> 2, word & 3
             if other and other_kind != kind and _alive(other):
                 mine, theirs = ("a streamload.Loader", "a DataLoader (or a loop over it)")
                 if kind == _LOADER:
@@ -961,8 +962,7 @@ class StreamingDataset(IterableDataset[Any]):
                 free = slot
         if free is None:  # every slot held by a live reader of this kind: not tracked
             return -1
-        users[2 * free] = pid
-        users[2 * free + 1] = kind
+        users[free] = (pid << 2) | kind
         return free
 
     def _enter_threads(self) -> int:
@@ -971,9 +971,8 @@ class StreamingDataset(IterableDataset[Any]):
 
     def _leave(self, slot: int) -> None:
         """Unregister the slot :meth:`_enter` returned."""
-        if slot >= 0 and int(self._users[2 * slot]) == os.getpid():
-            self._users[2 * slot] = 0
-            self._users[2 * slot + 1] = 0
+        if slot >= 0 and int(self._users[slot]) >> 2 == os.getpid():
+            self._users[slot] = 0
 
     def _thread_iterations(self, threads: int) -> tuple[_Progress, list[Iterator[Any]]]:
         """One iteration read by ``threads`` readers of this process (:class:`streamload.Loader`).

@@ -45,6 +45,7 @@ from typing import Any, Literal, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
 
+from . import _env
 from ._errors import ConfigError, CorruptShardError, ManifestError, StreamloadError
 from ._files import FileEntry
 from ._stages import fetching
@@ -274,7 +275,7 @@ class StorageConfig:
         (the command line's ``--allow-data-root``, named next to its ``-o`` options).
         """
         allowed = dict(self.allow_data_roots or {})
-        named = check_allowed_roots(os.environ.get(ALLOW_DATA_ROOTS_ENV, "").split()) or {}
+        named = check_allowed_roots(_env.allowed_data_roots()) or {}
         for prefix in named:
             allowed.setdefault(prefix, self.options)
         matches = [prefix for prefix in allowed if is_under(root, prefix)]
@@ -285,7 +286,7 @@ class StorageConfig:
 
 #: The environment variable naming data roots a manifest read from a URL may send readers to
 #: (URL prefixes separated by spaces; set by the command line's ``--allow-data-root``).
-ALLOW_DATA_ROOTS_ENV = "STREAMLOAD_ALLOW_DATA_ROOTS"
+ALLOW_DATA_ROOTS_ENV = _env.ALLOW_DATA_ROOTS
 #: The storage settings :class:`StorageConfig` groups, by the keyword names they had on their own.
 STORAGE_KEYWORDS = ("storage_options", "cache_dir", "cache_limit", "read_ahead", "cache", "stream_buffer")
 #: Those that every reader took (``Stream`` and ``ShardedDataset`` did not take ``cache`` and ``stream_buffer``).

@@ -28,6 +28,8 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload._cstderr",
         "streamload._shared",
         "streamload._atexit",
+        "streamload._env",
+        "streamload._fork",
     ),
     (
         "streamload.sample",

@@ -81,8 +81,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import xxhash
 
+from .. import _env
 from .._errors import ConfigError, CorruptShardError, SampleError, UnsafeShardError
-from .._units import parse_bytes
 from ..manifest import ShardEntry, algorithm_of, new_hasher
 from ..sample import IMAGE_EXTENSIONS, image_field_for, sniff_image
 from ._bytes import MAX_GAP, FileBytes, ShardBytes, gather
@@ -142,9 +142,7 @@ class _GroupCache:
         if self.pid != os.getpid():  # a forked child starts empty (its readers are new)
             self.items.clear()
             self.total, self.pid = 0, os.getpid()
-            raw = os.environ.get("STREAMLOAD_PARQUET_CACHE")
-            if raw:
-                self.budget = parse_bytes(raw, name="STREAMLOAD_PARQUET_CACHE")
+            self.budget = _env.env_bytes(_env.PARQUET_CACHE, ROW_GROUP_CACHE_BYTES)
 
     def get(self, key: tuple[int, int]) -> _Group | None:
         self._here()

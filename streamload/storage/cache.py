@@ -101,6 +101,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from .. import _env
 from .._errors import CacheError, CorruptShardError
 from .._files import FileEntry, check_file_name, new_hasher
 from .._units import format_bytes
@@ -120,7 +121,7 @@ DEFAULT_LOCK_TIMEOUT = 600.0
 LOCK_NOTICE = 5.0
 #: The environment variable that allows a cache folder writable by its group (and owned by
 #: another user of it): a cache shared by several users.
-SHARED_ENV = "STREAMLOAD_CACHE_SHARED"
+SHARED_ENV = _env.CACHE_SHARED
 #: Longest sleep between two tries to make room (room is mostly freed by a download ending).
 _MAX_POLL = 0.25
 #: A registration being created (``readers/.<name>``) left by a crash is deleted after this long.
@@ -373,7 +374,7 @@ class ShardCache:
         self.wait_timeout = wait_timeout
         self.log_every = log_every
         self.lock_timeout = lock_timeout
-        self.shared = os.environ.get(SHARED_ENV, "") in ("1", "true", "yes") if shared is None else shared
+        self.shared = _env.cache_shared() if shared is None else shared
         self.stats = CacheStats()
         self._stats_lock = threading.Lock()
         self._make_dirs()

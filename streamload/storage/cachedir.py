@@ -8,16 +8,14 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from .. import _env
+
 __all__ = ["dataset_cache_key", "default_cache_dir"]
 
 
 def default_cache_dir() -> str:
     """``$STREAMLOAD_CACHE`` if set, else ``$XDG_CACHE_HOME/streamload`` or ``~/.cache/streamload``."""
-    env = os.environ.get("STREAMLOAD_CACHE")
-    if env:
-        return env
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "streamload")
+    return _env.cache_dir()
 
 
 def dataset_cache_key(url: str, storage_options: Mapping[str, Any] | None) -> str:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import random
 import re
 import threading
@@ -43,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from .. import _env
 from .._errors import ConfigError
 
 __all__ = [
@@ -64,9 +64,9 @@ DEFAULT_INACTIVITY_TIMEOUT = 30.0
 #: Seconds after the first failed attempt of a call before giving up.
 DEFAULT_RETRY_TIMEOUT = 120.0
 #: The environment variable that sets the inactivity timeout (seconds).
-INACTIVITY_ENV = "STREAMLOAD_READ_TIMEOUT"
+INACTIVITY_ENV = _env.READ_TIMEOUT
 #: The environment variable that sets the retry budget (seconds).
-RETRY_ENV = "STREAMLOAD_RETRY_TIMEOUT"
+RETRY_ENV = _env.RETRY_TIMEOUT
 
 #: Errors of a body cut short: transient, whatever HTTP status they carry.
 _CUT_BODY_CLASSES = frozenset(
@@ -224,20 +224,6 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-def _env_seconds(name: str, default: float) -> float:
-    """Seconds from environment variable ``name`` (``default`` if unset)."""
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise ConfigError(f"environment variable {name}={value!r} is not a number of seconds") from None
-    if not seconds > 0 or seconds == float("inf"):
-        raise ConfigError(f"environment variable {name}={value!r} must be a positive number of seconds")
-    return seconds
-
-
 @dataclass(frozen=True)
 class RetryPolicy:
     """How transient errors are retried: exponential backoff with jitter, bounded in time.
@@ -261,11 +247,13 @@ class RetryPolicy:
             ``sock_read``) unless ``storage_options`` choose their own.
     """
 
-    timeout: float = field(default_factory=lambda: _env_seconds(RETRY_ENV, DEFAULT_RETRY_TIMEOUT))
+    timeout: float = field(default_factory=lambda: _env.env_seconds(RETRY_ENV, DEFAULT_RETRY_TIMEOUT))
     initial_delay: float = 0.2
     max_delay: float = 5.0
     multiplier: float = 2.0
-    inactivity_timeout: float = field(default_factory=lambda: _env_seconds(INACTIVITY_ENV, DEFAULT_INACTIVITY_TIMEOUT))
+    inactivity_timeout: float = field(
+        default_factory=lambda: _env.env_seconds(INACTIVITY_ENV, DEFAULT_INACTIVITY_TIMEOUT)
+    )
 
     def __post_init__(self) -> None:
         if not self.inactivity_timeout > 0:

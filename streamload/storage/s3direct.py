@@ -33,6 +33,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .. import _env
 from .._errors import RangeResponseError
 from .._files import pwrite_all
 from .bounded import check_answer, ignored_range, longer_than_asked
@@ -40,7 +41,7 @@ from .bounded import check_answer, ignored_range, longer_than_asked
 __all__ = ["DIRECT_ENV", "DirectS3", "direct_s3"]
 
 #: Set to ``0`` to read shard bytes through s3fs instead (same options, slower).
-DIRECT_ENV = "STREAMLOAD_S3_DIRECT"
+DIRECT_ENV = _env.S3_DIRECT
 #: Bytes read from a body per call while landing it into a file: what a waiting reader sees
 #: land at once (a reader needing a few KB past a lead part does not wait for a whole MiB).
 _CHUNK = 256 << 10
@@ -234,7 +235,7 @@ def direct_s3(protocol: str, options: Mapping[str, Any]) -> DirectS3 | None:
 
     ``options`` must already carry the timeouts :func:`~.filesystems.open_filesystem` sets.
     """
-    if protocol not in ("s3", "s3a") or os.environ.get(DIRECT_ENV, "1").strip() in ("0", "false", "no"):
+    if protocol not in ("s3", "s3a") or not _env.s3_direct():
         return None
     try:
         import botocore.config

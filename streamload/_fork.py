@@ -1,0 +1,96 @@
+"""Fork safety in one place: what a process holds that a forked child must not inherit.
+
+A DataLoader worker (or a rank started by ``fork``) begins as a copy of its parent: its
+open clients, thread pools, file handles and locks held by the parent's threads are the
+parent's, not its own. Instead of each object remembering the pid that made its state and
+comparing it on every use, per-process state lives in a :class:`ProcessLocal`, and one
+``os.register_at_fork`` hook drops every such value in the child (without closing it: the
+resource is the parent's). Module-level state registers a reset with :func:`on_fork`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+__all__ = ["ProcessLocal", "forks", "on_fork"]
+
+T = TypeVar("T")
+
+_LIVE: weakref.WeakSet[ProcessLocal[object]] = weakref.WeakSet()
+_RESETS: list[Callable[[], None]] = []
+_FORKS = 0
+
+
+class ProcessLocal(Generic[T]):
+    """A value that belongs to one process: made on first use, made anew after a fork.
+
+    Args:
+        make: Builds the value (a client, a pool, a lock...) on first use in a process.
+        close: Releases it when :meth:`clear` is called in the process that made it.
+    """
+
+    __slots__ = ("__weakref__", "_close", "_lock", "_make", "_value")
+
+    def __init__(self, make: Callable[[], T], close: Callable[[T], object] | None = None) -> None:
+        self._make = make
+        self._close = close
+        self._value: T | None = None
+        self._lock = threading.Lock()
+        _LIVE.add(self)  # type: ignore[arg-type]
+
+    def get(self) -> T:
+        """The value of this process, made now if it has none."""
+        value = self._value
+        if value is None:
+            with self._lock:
+                value = self._value
+                if value is None:
+                    value = self._value = self._make()
+        return value
+
+    def peek(self) -> T | None:
+        """The value of this process if it was made, else ``None`` (makes nothing)."""
+        return self._value
+
+    def clear(self) -> None:
+        """Drop this process's value, closing it (the next :meth:`get` makes a new one)."""
+        with self._lock:
+            value, self._value = self._value, None
+        if value is not None and self._close is not None:
+            self._close(value)
+
+    def _forget(self) -> None:
+        """In a forked child: drop the parent's value unclosed, and take a fresh lock."""
+        self._value = None
+        self._lock = threading.Lock()
+
+
+def on_fork(reset: Callable[[], None]) -> Callable[[], None]:
+    """Run ``reset`` in every child forked from now on (as its first act); returns ``reset``.
+
+    For module-level state: ``reset`` should only drop references, never close what the
+    parent owns (the parent still uses it).
+    """
+    _RESETS.append(reset)
+    return reset
+
+
+def forks() -> int:
+    """How many forks lie between the interpreter's start and this process (0 in the first)."""
+    return _FORKS
+
+
+def _after_fork_in_child() -> None:
+    global _FORKS
+    _FORKS += 1
+    for local in list(_LIVE):
+        local._forget()
+    for reset in _RESETS:
+        reset()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,88 @@
+"""Per-process state: made anew in a forked child, and the environment read as defaults."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from streamload import _env
+from streamload._errors import ConfigError
+from streamload._fork import ProcessLocal, forks, on_fork
+
+
+def _in_child(check: object) -> int:
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if check() else 2  # type: ignore[operator]
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_a_forked_child_makes_its_own_value_and_the_parent_keeps_its() -> None:
+    closed: list[object] = []
+    local: ProcessLocal[tuple[int, object]] = ProcessLocal(lambda: (os.getpid(), object()), close=closed.append)
+    parent = local.get()
+    before = forks()
+    assert _in_child(lambda: local.peek() is None and local.get()[0] == os.getpid() and forks() == before + 1) == 0
+    assert local.get() is parent and not closed  # the child closed nothing of the parent's
+    local.clear()
+    assert closed == [parent] and local.peek() is None
+
+
+def test_a_lock_held_by_another_thread_at_fork_does_not_hang_the_child() -> None:
+    local: ProcessLocal[threading.Lock] = ProcessLocal(threading.Lock)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with local.get():
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait(10)
+    try:  # the child's lock is its own: free, though the parent's thread holds the parent's
+        assert _in_child(lambda: local.get().acquire(timeout=5)) == 0
+    finally:
+        release.set()
+        thread.join()
+
+
+def test_module_resets_run_in_the_child_only() -> None:
+    state = {"cache": "parent"}
+    on_fork(lambda: state.update(cache=""))
+    assert _in_child(lambda: state["cache"] == "") == 0
+    time.sleep(0)
+    assert state["cache"] == "parent"
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "read"),
+    [
+        (_env.S3_DIRECT, "maybe", _env.s3_direct),
+        (_env.CACHE_SHARED, "2", _env.cache_shared),
+        (_env.READ_TIMEOUT, "-1", lambda: _env.env_seconds(_env.READ_TIMEOUT, 30.0)),
+        (_env.PARQUET_CACHE, "lots", lambda: _env.env_bytes(_env.PARQUET_CACHE, 1)),
+    ],
+)
+def test_a_bad_environment_value_is_named(monkeypatch: pytest.MonkeyPatch, name: str, value: str, read: object) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=name):
+        read()  # type: ignore[operator]
+
+
+def test_environment_values_set_the_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(_env.S3_DIRECT, "off")
+    monkeypatch.setenv(_env.PARQUET_CACHE, "3MiB")
+    monkeypatch.setenv(_env.CACHE, "/somewhere/else")
+    assert not _env.s3_direct()
+    assert _env.env_bytes(_env.PARQUET_CACHE, 1) == 3 << 20
+    assert _env.cache_dir() == "/somewhere/else"
+    monkeypatch.delenv(_env.S3_DIRECT)
+    assert _env.s3_direct()
