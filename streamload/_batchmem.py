@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ._errors import StreamloadError
+from ._shared import shared_zeros
 
 __all__ = ["POOL_SLOTS", "BufferPool", "Lease", "allocate", "pack", "unpack"]
 
@@ -66,8 +67,7 @@ class BufferPool:
 
     def __init__(self, slots: int = POOL_SLOTS) -> None:
         self.token = (os.getpid(), secrets.randbits(62))
-        self.flags = torch.zeros(slots, dtype=torch.int8)
-        self.flags.share_memory_()  # type: ignore[no-untyped-call]
+        self.flags = shared_zeros(slots, torch.int8)
         self._in_use = self.flags.numpy()
         self._storages: list[torch.UntypedStorage | None] = [None] * slots
         self._generations = [0] * slots

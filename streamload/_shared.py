@@ -25,12 +25,12 @@ import torch
 
 from ._errors import StreamloadError
 
-__all__ = ["ARENA_WORDS", "shared_block"]
+__all__ = ["ARENA_WORDS", "shared_block", "shared_zeros"]
 
-#: ``int64`` words of one arena (128 KiB; a dataset's tables take about 1,200 words). Kept
-#: under torch's parallel grain (32,768 elements), so making and copying an arena never
-#: starts OpenMP threads: a child forked after the parent used them (torch.multiprocessing's
-#: fork, a DataLoader worker) hangs in its first parallel region.
+#: ``int64`` words of one arena (128 KiB; a dataset's tables take about 1,200 words). Made
+#: shared from the start (:func:`shared_zeros`) and zeroed block by block under torch's
+#: parallel grain (32,768 elements), so no OpenMP thread is started: a child forked after
+#: its parent used them hangs in its first parallel region.
 ARENA_WORDS = 1 << 14
 
 
@@ -118,13 +118,35 @@ def shared_block(n: int) -> torch.Tensor:
     return arenas.block(n)
 
 
-def _new_shared_zeros(words: int) -> torch.Tensor:
-    tensor = torch.zeros(words, dtype=torch.int64)
+def shared_zeros(shape: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Return a zeroed tensor made directly in shared memory (no copy into it).
+
+    ``Tensor.share_memory_()`` copies the tensor into a new segment with torch's parallel
+    copy kernel; in a child forked after its parent used OpenMP threads (a rank started by
+    ``fork``, a process forked by a library) that copy can hang in libgomp. A segment made
+    shared from the start (``ftruncate``: zero-filled by the kernel) needs no copy.
+
+    Raises:
+        StreamloadError: If the process has no file descriptor left for a new segment.
+    """
+    dims = (shape,) if isinstance(shape, int) else shape
+    count = 1
+    for d in dims:
+        count *= d
+    itemsize = torch.empty(0, dtype=dtype).element_size()
     try:
-        tensor.share_memory_()  # type: ignore[no-untyped-call]
+        storage = torch.UntypedStorage._new_shared(max(1, count * itemsize))  # type: ignore[no-untyped-call]
     except RuntimeError as exc:
         raise StreamloadError(f"cannot make shared memory for a dataset's counters: {_fd_usage()} ({exc})") from exc
-    return tensor
+    strides, step = [], 1
+    for d in reversed(dims):
+        strides.append(step)
+        step *= d
+    return torch.empty(0, dtype=dtype).set_(storage, 0, dims, tuple(reversed(strides)))
+
+
+def _new_shared_zeros(words: int) -> torch.Tensor:
+    return shared_zeros(words, torch.int64)
 
 
 def _fd_usage() -> str:

@@ -35,6 +35,8 @@ from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
+from ._shared import shared_zeros
+
 __all__ = [
     "BUSY",
     "COLLATE",
@@ -209,8 +211,7 @@ class StageTable:
         self.rows = max(1, workers)
         self._shared: torch.Tensor | None = None
         if workers > 0:
-            self._shared = torch.zeros((self.rows, FIELDS), dtype=torch.float64)
-            self._shared.share_memory_()  # type: ignore[no-untyped-call]
+            self._shared = shared_zeros((self.rows, FIELDS), torch.float64)
         self._reset()
 
     def _reset(self) -> None:

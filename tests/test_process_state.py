@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from streamload import _env
 from streamload._errors import ConfigError
@@ -86,3 +87,32 @@ def test_environment_values_set_the_defaults(monkeypatch: pytest.MonkeyPatch) ->
     assert _env.cache_dir() == "/somewhere/else"
     monkeypatch.delenv(_env.S3_DIRECT)
     assert _env.s3_direct()
+
+
+def test_shared_memory_is_made_in_a_child_forked_after_openmp_ran() -> None:
+    """A child forked after its parent ran OpenMP threads hangs in its first parallel region:
+    shared counters are made without one (no parallel copy into the segment)."""
+    from streamload._shared import shared_zeros
+    from streamload.decode import ImageDecoder
+
+    if torch.get_num_threads() < 2:
+        torch.set_num_threads(2)
+    torch.ones(1 << 22).add_(1)  # a parallel region in this process: OpenMP's threads exist now
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            big = shared_zeros(1 << 20, torch.int64)  # a segment larger than torch's grain
+            ImageDecoder(16)  # its counters live in shared memory
+            code = 0 if big.is_shared() and int(big[-1000:].sum()) == 0 else 2
+        finally:
+            os._exit(code)
+    for _ in range(600):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child hung making shared memory")
