@@ -113,7 +113,7 @@ def test_verify_decode_names_and_counts_them(converted: tuple[Path, str], capfd:
     assert all(
         line.startswith("WARN shard-000000.tar: sample 'a/fax' field 'tif': libtiff: Fax4Decode: ") for line in warned
     )
-    assert "OK: 1 shards, 2 samples checked, 2 images decoded in" in captured.out
+    assert "OK: 1 shard, 2 samples checked, 2 images decoded in" in captured.out
     assert captured.out.rstrip().endswith("(3 library warnings)")
 
 
