@@ -7,9 +7,10 @@ or any fsspec URL prefix (each remote shard is downloaded to a temporary file, o
 time, and its sidecar uploaded beside it).
 
 Parquet files (``format="parquet"``, e.g. a Hugging Face dataset's
-``data/train-*.parquet``) are indexed the same way (see :mod:`streamload.formats.parquet`):
-every file is checked whole first, and only when all of them fit the sample model are the
-sidecars and ``index.json`` published, so bad input leaves nothing written.
+``data/train-*.parquet``), and any format's tables read in place (:attr:`Format.tables
+<streamload.formats.Format>`, see :mod:`streamload.formats.parquet`), are indexed the
+same way: every file is checked whole first, and only when all of them fit the sample
+model are the sidecars and ``index.json`` published, so bad input leaves nothing written.
 
 Where the files' folder or bucket is read-only (someone else's), ``output=`` (``streamload
 index SRC --format parquet --output DST``) writes ``index.json`` and the sidecars to
@@ -102,17 +103,21 @@ def index_directory(
         DestinationBusyError: If a conversion or another writer holds the directory.
     """
     fmt = get_format(format)
-    if fmt.indexer is None:
+    tables = fmt.tables
+    if fmt.indexer is None and tables is None:
         raise ConfigError(f"format {format!r} cannot index shards written by other tools")
     _check_classes(classes)
     if match is not None and not match:
         raise ConfigError("--match '' matches no file name: give a glob such as 'train-*.parquet'")
     check_on_error(on_error)
-    if on_error == "skip" and fmt.name != "parquet":
-        raise ConfigError(f"--on-error skip leaves out bad rows of Parquet files; a {fmt.name} shard is indexed whole")
+    if on_error == "skip" and tables is None:
+        raise ConfigError(
+            f"--on-error skip leaves out bad rows of tables read in place (parquet); "
+            f"a {fmt.name} shard is indexed whole"
+        )
     if split is not None:
-        if fmt.name != "parquet":
-            raise ConfigError(f"--split is for Parquet files (read in place), not {fmt.name}")
+        if tables is None:
+            raise ConfigError(f"--split is for tables read in place (parquet), not {fmt.name}")
         if not _SPLIT.fullmatch(split):
             raise ConfigError(f"--split {split!r}: a split name is letters, digits, '_', '-' and '.'")
         if output is None:
@@ -127,7 +132,7 @@ def index_directory(
     source = _Source(url, storage_options)
     data_root = None
     if output is not None and not source.same_place(output):
-        if fmt.name != "parquet":
+        if tables is None:
             raise ConfigError(f"--output is for formats read in place (parquet), not {fmt.name}")
         if is_local(url) and not is_local(output):
             raise ConfigError(f"{output}: a remote index cannot name the local files of {url}")
@@ -154,9 +159,9 @@ def index_directory(
                 meta["split"] = split
             if match is not None:
                 meta["match"] = match
-            if fmt.name == "parquet":
-                source.check_regular(names)
-                return _index_parquet(
+            if tables is not None:
+                source.check_regular(names, tables.kind)
+                return _index_tables(
                     source,
                     dest,
                     fmt,
@@ -250,7 +255,7 @@ class _Source:
         except ShardNotFoundError:
             return []
 
-    def check_regular(self, names: list[str]) -> None:
+    def check_regular(self, names: list[str], kind: str) -> None:
         """Refuse (local files) a name that is a folder, a FIFO, a socket or a device: never opened."""
         if self.files is not None:
             return
@@ -260,7 +265,7 @@ class _Source:
             except OSError as exc:
                 raise ConfigError(f"{name}: cannot read: {exc.strerror or exc}") from exc
             if stat.S_ISDIR(mode):
-                raise ConfigError(f"{name}: a directory, not a Parquet file (leave it out with --match)")
+                raise ConfigError(f"{name}: a directory, not a {kind} file (leave it out with --match)")
             if not stat.S_ISREG(mode):
                 raise ConfigError(f"{name}: not a regular file (a FIFO, socket or device): not read")
 
@@ -277,7 +282,7 @@ class _Source:
         return local, True
 
 
-def _index_parquet(
+def _index_tables(
     source: _Source,
     dest: Destination,
     fmt: Format,
@@ -291,10 +296,9 @@ def _index_parquet(
     on_error: str,
     meta: dict[str, Any],
 ) -> Manifest:
-    """Index Parquet files: every file checked and its sidecar staged before anything is published."""
-    from .formats.parquet import ParquetColumns, index_parquet, relabel_sidecar
-
-    columns = ParquetColumns(image_column, label_column)
+    """Index tables read in place: every file checked and its sidecar staged before anything is published."""
+    tables = fmt.tables
+    assert tables is not None
     staged: list[tuple[str, str]] = []  # (staged sidecar, its name)
     found: list[tuple[ShardEntry, list[str]]] = []
     label_names: list[tuple[str, ...] | None] = []  # per file: its string labels, else None
@@ -309,8 +313,14 @@ def _index_parquet(
             staged.append((out, sidecar_name))
             local, remote = source.local_copy(dest, name)
             try:
-                info = index_parquet(
-                    local, name, out, columns, num_classes=len(classes) if classes else None, on_error=on_error
+                info = tables.index(
+                    local,
+                    name,
+                    out,
+                    image_column=image_column,
+                    label_column=label_column,
+                    num_classes=len(classes) if classes else None,
+                    on_error=on_error,
                 )
                 skipped.extend(SkippedInput(f"{name}: row {row}", why) for row, why in info.skipped)
                 digest, size = hash_file(local, hash_algorithm)
@@ -339,7 +349,7 @@ def _index_parquet(
         final: list[tuple[ShardEntry, list[str]]] = []
         for (out, sidecar_name), (entry, fields), mapping in zip(staged, found, mappings, strict=True):
             if mapping is not None:
-                relabel_sidecar(out, mapping)
+                tables.relabel(out, mapping)
             s_hash, s_size = hash_file(out, hash_algorithm)
             final.append((replace(entry, sidecar=FileEntry(sidecar_name, s_size, s_hash)), fields))
         found = final

@@ -61,7 +61,7 @@ def write_shard(
     result = ShardResult(entry=ShardEntry(name=name, num_bytes=0))
     sidecar_staged: str | None = None
     try:
-        writer = fmt.writer(staged)
+        writer = fmt.open_writer(staged)
     except BaseException:
         dest.discard(staged)
         raise

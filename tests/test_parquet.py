@@ -401,12 +401,14 @@ def test_shuffled_reads_decode_each_row_group_once(hf_dir: Path, monkeypatch: py
     keys = [s["__key__"] for s in StreamingDataset(str(hf_dir), shuffle=True, seed=2, shuffle_window=100)]
     assert Counter(keys) == Counter(expected_hf().keys())
     assert len(reads) == 4 + 3  # 60 and 40 rows in row groups of 16
-    monkeypatch.setenv("STREAMLOAD_PARQUET_CACHE", "1")  # (a new process) a cache that holds one group
-    from streamload.formats import parquet
+    from streamload.formats import set_row_group_cache_bytes
 
-    monkeypatch.setattr(parquet, "_CACHE", parquet._GroupCache())
-    reads.clear()
-    list(StreamingDataset(str(hf_dir), shuffle=True, seed=2, shuffle_window=100))
+    set_row_group_cache_bytes(1)  # a cache that holds one group
+    try:
+        reads.clear()
+        list(StreamingDataset(str(hf_dir), shuffle=True, seed=2, shuffle_window=100))
+    finally:
+        set_row_group_cache_bytes(None)
     assert len(reads) > 30  # decoded again for most samples
 
 

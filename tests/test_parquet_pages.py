@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader
 
 from streamload import CorruptShardError, ShardedDataset, StreamingDataset
 from streamload.batch import RawCollate
-from streamload.formats import parquet
+from streamload.formats import table_cache
+from streamload.formats.parquet import rowgroups
 from streamload.indexing import index_directory
 
 ROWS = 60
@@ -104,19 +105,19 @@ def test_a_reader_in_row_order_holds_only_the_row_groups_of_its_current_read(
     held: list[int] = []
     ds = StreamingDataset(str(tmp_path), batch_size=8, collate=RawCollate())
     for batch in ds:  # 8-row batches straddle the 10-row groups
-        held.append(len(parquet._CACHE.items))
+        held.append(len(table_cache.CACHE.items))
         assert len(batch.offsets) == 9
     assert max(held) <= 2 and len(held) == 12, held
     # shuffled: the process's budget keeps the window's row groups (each decoded once)
-    before = len(parquet._CACHE.items)
+    before = len(table_cache.CACHE.items)
     decoded: list[int] = []
-    original = parquet.decode_chunk
+    original = rowgroups.decode_chunk
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         decoded.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(parquet, "decode_chunk", counted)
+    monkeypatch.setattr(rowgroups, "decode_chunk", counted)
     list(StreamingDataset(str(tmp_path), batch_size=8, collate=RawCollate(), shuffle=True, seed=1))
     assert len(decoded) == 10, (before, decoded)
 

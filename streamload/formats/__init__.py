@@ -2,6 +2,9 @@
 
 A new format is one module that builds a :class:`Format` named ``FORMAT`` and an
 entry in :data:`_BUILTIN` (or a call to :func:`register_format`).
+
+:func:`set_row_group_cache_bytes` sets the bytes of decoded Parquet row groups a process
+keeps (importing no table library).
 """
 
 from __future__ import annotations
@@ -9,17 +12,22 @@ from __future__ import annotations
 import importlib
 
 from .._errors import ConfigError
-from .base import Format, Sample, ShardReader, ShardWriter, check_sample
+from .base import Format, RangedReads, Sample, ShardBytes, ShardReader, ShardWriter, TableIndexing, check_sample
+from .table_cache import set_row_group_cache_bytes
 
 __all__ = [
     "Format",
+    "RangedReads",
     "Sample",
+    "ShardBytes",
     "ShardReader",
     "ShardWriter",
+    "TableIndexing",
     "available_formats",
     "check_sample",
     "get_format",
     "register_format",
+    "set_row_group_cache_bytes",
 ]
 
 #: name -> (module, what to install if its import fails)

@@ -1,10 +1,16 @@
 """The interface every shard format implements.
 
-A format is one module that defines a :class:`ShardWriter` (samples in, one local
-file out, plus an optional sidecar file) and a :class:`ShardReader` (one local file in,
-samples out by index), and registers a :class:`Format` describing them. Everything
-around a shard — rollover, temporary names, hashing, upload, the manifest, caching,
-splitting — is done once, outside the formats.
+A format is one module that defines a :class:`ShardReader` (one shard in, samples out by
+index) and, unless its files are read in place and never written, a :class:`ShardWriter`
+(samples in, one local file out, plus an optional sidecar file), and registers a
+:class:`Format` describing them and what else it can do (index files written by other
+tools, serve reads from byte ranges). Everything around a shard — rollover, temporary
+names, hashing, upload, the manifest, caching, splitting — is done once, outside the
+formats.
+
+A reader that knows every offset from its index reads its shard through
+:class:`ShardBytes`, the contract between a format and the bytes it reads: positioned
+reads of one object, whether a local file or ranged requests to a bucket.
 
 The sample model (``docs/design.md#sample-model``): a ``dict`` with ``"__key__"`` (``str``) and one
 ``bytes`` value per field, named by its WebDataset extension (``"jpg"``, ``"cls"``...).
@@ -12,16 +18,17 @@ The sample model (``docs/design.md#sample-model``): a ``dict`` with ``"__key__"`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from .._errors import SampleError, UnsafeShardError
+from .._errors import ConfigError, SampleError, UnsafeShardError
 from ..manifest import ShardEntry
 
 __all__ = [
@@ -29,9 +36,13 @@ __all__ = [
     "BatchReads",
     "FieldGroup",
     "Format",
+    "RangedReads",
     "Sample",
+    "ShardBytes",
     "ShardReader",
     "ShardWriter",
+    "TableIndex",
+    "TableIndexing",
     "check_sample",
     "key_problem",
     "unsafe_keys",
@@ -169,15 +180,35 @@ def check_sample(sample: Mapping[str, Any]) -> tuple[str, list[tuple[str, bytes]
     return key, fields
 
 
+@runtime_checkable
+class ShardBytes(Protocol):
+    """What a format reader needs from its shard's bytes: positioned reads of one object.
+
+    A local file (``pread``/``preadv`` on its descriptor) and a remote object read by
+    ranged requests (streaming mode) both fit; a reader that knows every offset from its
+    index (tar, Parquet) serves either without knowing which. Reads past the end come
+    back short, never raise: the reader names the truncated shard.
+    """
+
+    #: The object's size in bytes.
+    size: int
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """Return up to ``n`` bytes at ``offset`` (fewer only at the end)."""
+
+    def preadv(self, buffers: list[memoryview], offset: int) -> int:
+        """Fill ``buffers`` in order from ``offset``; return the bytes read (fewer only at the end)."""
+
+    def close(self) -> None:
+        """Release the source (the reader does not use it afterwards)."""
+
+
 class ShardWriter(ABC):
     """Writes samples, in order, into one local shard file.
 
     Subclasses implement :meth:`write` and :meth:`finish`. The caller guarantees that
     ``path`` is a fresh temporary name and renames it when :meth:`finish` returns.
     """
-
-    #: True for a format read in place and never written (``convert`` refuses it up front).
-    read_only: ClassVar[bool] = False
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
@@ -279,9 +310,64 @@ class BatchReads(Protocol):
         """Read every group's fields of samples ``indices`` into the groups' ``out`` arrays in one pass."""
 
 
+@runtime_checkable
+class RangedReads(Protocol):
+    """What the reader of a ranged format (:attr:`Format.ranged`) adds: the bytes a batch needs.
+
+    Its constructor takes ``source=`` (a :class:`ShardBytes`) and ``check_headers=``
+    (:meth:`Format.open_reader`); streaming mode fetches the extents this returns ahead of
+    the batch, then the reader reads them through ``source``.
+    """
+
+    def sample_extents(self, indices: np.ndarray) -> np.ndarray:
+        """Return the ``[start, end)`` byte extents, ``int64[n, 2]``, that reading samples ``indices`` touches."""
+
+
 #: ``indexer(shard_path, shard_name, sidecar_out)`` builds the sidecar of a shard written
 #: by another tool into ``sidecar_out``; returns ``(num_samples, field_names)``.
 Indexer = Callable[[str, str, str], tuple[int, list[str]]]
+
+
+@dataclass
+class TableIndex:
+    """What indexing one table file found: its rows, fields and class names.
+
+    ``num_samples`` counts the rows kept (``skipped`` lists the others). With a string label
+    column, ``label_names`` holds the file's distinct labels, sorted, and its sidecar's labels
+    index them: :attr:`TableIndexing.relabel` maps them to the dataset's labels once every
+    file was read.
+    """
+
+    num_samples: int
+    fields: list[str]
+    #: The class names the file's schema declares (a Hugging Face ``ClassLabel``), if any.
+    classes: tuple[str, ...] | None
+    label_names: tuple[str, ...] | None = None
+    #: Rows left out (``on_error="skip"``): ``(row, why)``, in row order.
+    skipped: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TableIndexing:
+    """How a format read in place indexes its files: tables of someone else's, never rewritten.
+
+    Such files are indexed together (``streamload index DIR --format NAME``): every file is
+    read whole and checked before anything is published; the image and label columns can
+    be chosen, bad rows skipped, and the index written apart from the files (``--output``,
+    ``--split``).
+
+    Attributes:
+        kind: What the files are called in messages (``"Parquet"``).
+        index: ``index(path, name, sidecar_out, image_column=, label_column=,
+            num_classes=, on_error=)`` reads one file whole, writes its sidecar to
+            ``sidecar_out`` and returns what it found.
+        relabel: ``relabel(sidecar_path, mapping)`` rewrites the labels of a sidecar
+            ``index`` wrote: label ``i`` becomes ``mapping[i]``.
+    """
+
+    kind: str
+    index: Callable[..., TableIndex]
+    relabel: Callable[[str, Sequence[int]], None]
 
 
 @dataclass(frozen=True)
@@ -291,27 +377,76 @@ class Format:
     Attributes:
         name: The name used in manifests and ``--format``.
         extension: Shard file extension, with the dot.
-        writer: The :class:`ShardWriter` subclass.
         reader: The :class:`ShardReader` subclass.
+        writer: The :class:`ShardWriter` subclass, or ``None`` for a format read in place
+            and never written (``convert`` and :class:`~streamload.DatasetWriter` refuse it).
         sidecar_suffix: Suffix appended to the shard name for its sidecar, or ``None``.
         indexer: Builds a sidecar for a shard written by another tool, or ``None``.
         ranged: The reader serves reads from ranged requests (``source=``) and says which
-            byte extents a batch needs (``sample_extents``): its shards, with their
+            byte extents a batch needs (:class:`RangedReads`): its shards, with their
             sidecars, can be streamed instead of cached.
+        tables: How files read in place are indexed (:class:`TableIndexing`), or ``None``.
     """
 
     name: str
     extension: str
-    writer: type[ShardWriter]
     reader: type[ShardReader]
+    writer: type[ShardWriter] | None = None
     sidecar_suffix: str | None = None
     indexer: Indexer | None = None
     ranged: bool = False
+    tables: TableIndexing | None = None
 
     @property
     def writable(self) -> bool:
-        """True if ``convert`` can write this format (``parquet`` is read in place only)."""
-        return not self.writer.read_only
+        """True if ``convert`` can write this format (a format read in place is never written)."""
+        return self.writer is not None
+
+    @property
+    def reads_in_place(self) -> bool:
+        """True if the files are someone else's tables, indexed and read where they are (:attr:`tables`)."""
+        return self.tables is not None
+
+    def open_writer(self, path: str | os.PathLike[str]) -> ShardWriter:
+        """Return a :class:`ShardWriter` of this format for the fresh file ``path``.
+
+        Raises:
+            ConfigError: Naming the format, if it is read in place and never written.
+        """
+        if self.writer is None:
+            raise ConfigError(self.no_writer())
+        return self.writer(path)
+
+    def no_writer(self) -> str:
+        """The message refusing to write this format (one without a writer)."""
+        how = f" (streamload index DIR --format {self.name})" if self.tables is not None else ""
+        return f"the {self.name} format is read in place{how}, never written; convert writes tar, lmdb or hdf5 shards"
+
+    def open_reader(
+        self,
+        path: str,
+        entry: ShardEntry,
+        sidecar_path: str | None = None,
+        *,
+        source: ShardBytes | None = None,
+        check_headers: bool = True,
+    ) -> ShardReader:
+        """Open a reader of shard ``entry``: the local file ``path``, or ``source``'s bytes.
+
+        ``source`` (ranged formats only) reads the shard's bytes instead of ``path``;
+        ``check_headers=False`` lets the reader skip the reads that only check the shard's
+        own headers against its index when it opens (round trips, when streamed).
+
+        Raises:
+            ConfigError: If ``source`` is given for a format that cannot read from it.
+        """
+        if source is None:
+            return self.reader(path, entry, sidecar_path)
+        if not self.ranged:
+            raise ConfigError(f"the {self.name} format reads local files only: its shards cannot be streamed")
+        ranged: Any = self.reader  # a ranged format's reader takes source= and check_headers=
+        opened: ShardReader = ranged(path, entry, sidecar_path, source=source, check_headers=check_headers)
+        return opened
 
     def shard_name(self, index: int) -> str:
         """Return the canonical file name of shard ``index``."""
