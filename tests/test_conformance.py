@@ -525,6 +525,7 @@ def test_lmdb_batch_from_a_cold_page_cache_asks_for_its_bytes_and_reads_them_exa
 
     from streamload.batch import RawCollate
     from streamload.formats import lmdb as lmdb_format
+    from streamload.formats._lmdb_env import address, resident
 
     samples: list[Sample] = [
         {"__key__": f"s{i}", "jpg": random.Random(i).randbytes(20000), "cls": str(i % 3).encode()} for i in range(40)
@@ -545,7 +546,7 @@ def test_lmdb_batch_from_a_cold_page_cache_asks_for_its_bytes_and_reads_them_exa
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-        evicted = shared.base is not None and not lmdb_format._resident(shared.base + shared.size // 2, 4096)
+        evicted = shared.base is not None and not resident(shared.base + shared.size // 2, 4096)
         prefetch = shared.prefetch
 
         def counted(first: Any, last: Any) -> None:
@@ -557,7 +558,7 @@ def test_lmdb_batch_from_a_cold_page_cache_asks_for_its_bytes_and_reads_them_exa
         assert [batch.tobytes(k) for k in range(32)] == [s["jpg"] for s in samples[3:35]]
         assert batch.labels is not None and batch.labels.tolist() == [i % 3 for i in range(3, 35)]
         value = reader._transaction().get(b"\0" * 7 + b"\x05")
-        assert lmdb_format._resident(lmdb_format._address(value), len(value))  # just read: in the cache
+        assert resident(address(value), len(value))  # just read: in the cache
     finally:
         reader.close()
     if evicted:  # (tmpfs, say, keeps its pages: then there is nothing to ask for)

@@ -43,6 +43,7 @@ size handed to a batch read is bounded by the shard's data.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -55,6 +56,7 @@ import xxhash
 from h5py import h5d, h5z
 
 from .._errors import CorruptShardError, SampleError, ShardError, UnsafeShardError
+from .._fork import ProcessLocal
 from ..manifest import ShardEntry
 from ._record import check_field_names, open_regular_file
 from .base import (
@@ -307,32 +309,42 @@ class _Field:
     dataset: Any  # the h5py dataset when file_offset is None
 
 
-class Hdf5ShardReader(ShardReader):
-    """Reads one HDF5 shard: tables in memory, field bytes by ``pread``."""
+class _Opened:
+    """A shard opened and checked in one process: its descriptor, its HDF5 handle (if chunked), its tables.
 
-    def __init__(self, path: str, entry: ShardEntry, sidecar_path: str | None = None) -> None:
-        super().__init__(path, entry, sidecar_path)
-        self._pid = -1
-        self._fd: int | None = None
-        self._h5: Any = None
-        self._fields: list[_Field] = []
-        self._key_blob = b""
-        self._key_bounds: list[int] = []
-        self._unsafe_keys: dict[int, str] = {}
+    Every object is checked before a byte of data is read: hard links only, our dtypes,
+    contiguous (or chunked with known filters, bounded), inside the file.
+    """
 
-    # -- opening ---------------------------------------------------------------------
-
-    def _ensure_open(self) -> None:
-        if self._pid == os.getpid():
-            return
-        self.close()  # a forked child opens its own handles
-        self._fd = open_regular_file(self.path, self.entry.name)
+    def __init__(self, path: str, entry: ShardEntry) -> None:
+        self.path, self.entry = path, entry
+        self.h5: Any = None
+        self.fields: list[_Field] = []
+        self.key_blob = b""
+        self.key_bounds: list[int] = []
+        #: Samples whose keys break the tar member name rules (refused when read, by index).
+        self.unsafe_keys: dict[int, str] = {}
+        self.fd = open_regular_file(path, entry.name)
         try:
-            self._load(os.fstat(self._fd))
+            self._load(os.fstat(self.fd))
         except BaseException:
             self.close()
             raise
-        self._pid = os.getpid()
+
+    def close(self, _close: Callable[[int], None] = os.close) -> None:
+        """Close the file descriptor and any open HDF5 handle.
+
+        ``os.close`` is bound at definition: at interpreter exit this may run after the
+        module's globals are gone.
+        """
+        fd, h5 = self.fd, self.h5
+        self.fd, self.h5 = -1, None
+        try:
+            if h5 is not None:
+                h5.close()
+        finally:
+            if fd >= 0:
+                _close(fd)
 
     def _load(self, st: os.stat_result) -> None:
         name = self.entry.name
@@ -362,13 +374,12 @@ class Hdf5ShardReader(ShardReader):
         except BaseException:
             h5.close()
             raise
-        self._key_blob, self._key_bounds, self._fields = keys_blob, key_bounds, fields
-        #: Samples whose keys break the tar member name rules (refused when read, by index).
-        self._unsafe_keys = unsafe_keys(keys_blob, key_bounds)
+        self.key_blob, self.key_bounds, self.fields = keys_blob, key_bounds, fields
+        self.unsafe_keys = unsafe_keys(keys_blob, key_bounds)
         if all(f.file_offset is not None for f in fields):
             h5.close()  # the hot path needs only the fd
         else:
-            self._h5 = h5
+            self.h5 = h5
 
     def _check_same_file(self, h5: Any, st: os.stat_result) -> None:
         """HDF5 opened the path again: check it is the file checked through our descriptor."""
@@ -440,24 +451,36 @@ class Hdf5ShardReader(ShardReader):
             return _Field(field, offsets, present, hashes.tolist(), 0, None)
         return _Field(field, offsets, present, hashes.tolist(), where, None if where is not None else data)
 
+
+class Hdf5ShardReader(ShardReader):
+    """Reads one HDF5 shard: tables in memory, field bytes by ``pread``.
+
+    The shard is opened on first use in the reading process (:class:`~streamload._fork.ProcessLocal`):
+    a forked worker opens its own.
+    """
+
+    def __init__(self, path: str, entry: ShardEntry, sidecar_path: str | None = None) -> None:
+        super().__init__(path, entry, sidecar_path)
+        self._opened: ProcessLocal[_Opened] = ProcessLocal(functools.partial(_Opened, path, entry), _Opened.close)
+
     # -- reading ---------------------------------------------------------------------
 
     def get(self, index: int) -> Sample:
         """Return sample ``index``: one ``pread`` per field present."""
         self._check_index(index)
-        self._ensure_open()
-        bounds = self._key_bounds
-        key = self._key_blob[bounds[index] : bounds[index + 1]].decode("utf-8", "surrogateescape")
-        if self._unsafe_keys and index in self._unsafe_keys:  # the keys table's keys, checked as tar names
-            raise unsafe(self.entry.name, f"sample #{index}: {self._unsafe_keys[index]}")
+        opened = self._opened.get()
+        bounds = opened.key_bounds
+        key = opened.key_blob[bounds[index] : bounds[index + 1]].decode("utf-8", "surrogateescape")
+        if opened.unsafe_keys and index in opened.unsafe_keys:  # the keys table's keys, checked as tar names
+            raise unsafe(self.entry.name, f"sample #{index}: {opened.unsafe_keys[index]}")
         sample: Sample = {"__key__": key}
-        for field in self._fields:
+        for field in opened.fields:
             if not field.present[index]:
                 continue
-            sample[field.name] = self._read(field, index)
+            sample[field.name] = self._read(field, index, opened.fd)
         return sample
 
-    def _read(self, field: _Field, index: int) -> bytes:
+    def _read(self, field: _Field, index: int, fd: int) -> bytes:
         """Read and check sample ``index``'s bytes of ``field``: one ``pread``, one xxh3."""
         start, stop = int(field.offsets[index]), int(field.offsets[index + 1])
         if start == stop:
@@ -471,8 +494,7 @@ class Hdf5ShardReader(ShardReader):
                     f"cannot be read ({type(exc).__name__}: {exc})"
                 ) from exc
         else:
-            assert self._fd is not None
-            data = os.pread(self._fd, stop - start, field.file_offset + start)
+            data = os.pread(fd, stop - start, field.file_offset + start)
         self._check_bytes(field, index, data, stop - start)
         return data
 
@@ -487,16 +509,16 @@ class Hdf5ShardReader(ShardReader):
     # -- batch reads (streamload.batch, BatchReads): sizes from the offsets, bytes by preadv --
 
     def _choose(self, indices: np.ndarray[Any, Any], fields: Sequence[str]) -> np.ndarray[Any, Any]:
-        """Per sample, the index into ``self._fields`` of its first present field of ``fields``."""
-        self._ensure_open()
+        """Per sample, the index into the shard's fields of its first present field of ``fields``."""
+        shard_fields = self._opened.get().fields
         if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= self.entry.num_samples):
             raise IndexError(f"{self.entry.name}: sample indices out of range [0, {self.entry.num_samples})")
         chosen = np.full(len(indices), -1, dtype=np.int64)
-        by_name = {f.name: j for j, f in enumerate(self._fields)}
+        by_name = {f.name: j for j, f in enumerate(shard_fields)}
         for name in reversed(fields):  # earlier fields win
             j = by_name.get(name)
             if j is not None:
-                chosen[self._fields[j].present[indices] == 1] = j
+                chosen[shard_fields[j].present[indices] == 1] = j
         if np.any(chosen < 0):
             key = self.keys_of(indices[chosen < 0][:1])[0]
             raise SampleError(f"{self.entry.name}: sample {key!r} has none of the fields {tuple(fields)}")
@@ -508,7 +530,7 @@ class Hdf5ShardReader(ShardReader):
         sizes = np.empty(len(indices), dtype=np.int64)
         for j in np.unique(chosen).tolist():
             hit = chosen == j
-            offsets = self._fields[j].offsets
+            offsets = self._opened.get().fields[j].offsets
             sizes[hit] = offsets[indices[hit] + 1] - offsets[indices[hit]]
         return sizes
 
@@ -525,14 +547,13 @@ class Hdf5ShardReader(ShardReader):
         sizes: np.ndarray[Any, Any],
     ) -> None:
         chosen = self._choose(indices, fields).tolist()
-        fd, view = self._fd, out.data
-        if fd is None:
-            raise ValueError(f"{self.entry.name}: reader is closed")
+        opened = self._opened.get()
+        fd, view = opened.fd, out.data
         pos = 0
         for i, j, n in zip(indices.tolist(), chosen, sizes.tolist(), strict=True):
-            field = self._fields[j]
+            field = opened.fields[j]
             if field.file_offset is None or not n:
-                out[pos : pos + n] = np.frombuffer(self._read(field, i), dtype=np.uint8)
+                out[pos : pos + n] = np.frombuffer(self._read(field, i, fd), dtype=np.uint8)
             else:
                 dest = view[pos : pos + n]
                 got = os.preadv(fd, [dest], field.file_offset + int(field.offsets[i]))
@@ -541,35 +562,24 @@ class Hdf5ShardReader(ShardReader):
 
     def keys_of(self, indices: np.ndarray[Any, Any]) -> list[str]:
         """Return the keys of samples ``indices`` from the keys table."""
-        self._ensure_open()
-        bounds, blob = self._key_bounds, self._key_blob
+        opened = self._opened.get()
+        bounds, blob = opened.key_bounds, opened.key_blob
         return [blob[bounds[i] : bounds[i + 1]].decode("utf-8", "surrogateescape") for i in indices.tolist()]
 
     def catalog(self) -> tuple[list[str], list[int]]:
         """Return keys and payload sizes from the offsets tables (no field data is read)."""
-        self._ensure_open()
+        opened = self._opened.get()
         n = self.entry.num_samples
         sizes = np.zeros(n, dtype=np.int64)
-        for field in self._fields:
+        for field in opened.fields:
             sizes += np.diff(field.offsets)
-        bounds, blob = self._key_bounds, self._key_blob
+        bounds, blob = opened.key_bounds, opened.key_blob
         keys = [blob[bounds[i] : bounds[i + 1]].decode("utf-8", "surrogateescape") for i in range(n)]
         return keys, sizes.tolist()
 
-    def close(self, _close: Callable[[int], None] = os.close) -> None:
-        """Close the file descriptor and any open HDF5 handle.
-
-        ``os.close`` is bound at definition: at interpreter exit this may run after the
-        module's globals are gone.
-        """
-        fd, h5 = self._fd, self._h5
-        self._fd, self._h5, self._pid = None, None, -1
-        try:
-            if h5 is not None:
-                h5.close()
-        finally:
-            if fd is not None:
-                _close(fd)
+    def close(self) -> None:
+        """Close the file descriptor and any open HDF5 handle (a forked child's: nothing of the parent's)."""
+        self._opened.clear()
 
 
 FORMAT = Format(

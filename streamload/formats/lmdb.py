@@ -41,23 +41,22 @@ bounds-checked first.
 
 from __future__ import annotations
 
-import ctypes
+import functools
 import json
-import mmap
 import os
-import stat
 import struct
 import sys
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import lmdb
 import numpy as np
 
-from .._errors import CorruptShardError, SampleError, ShardNotFoundError, UnsafeShardError
+from .._errors import CorruptShardError, SampleError
+from .._fork import ProcessLocal
 from ..manifest import ShardEntry
-from ._lmdb_check import check_lmdb_file
+from ._lmdb_env import ADVISE_CHUNK, PROBE_BYTES, SharedEnv, acquire_env, address, page_size, release_env, resident
 from ._record import check_field_names, decode_record, encode_record, record_spans, seal, unseal
 from .base import MAX_KEY_BYTES, Format, Sample, ShardReader, ShardWriter, check_sample
 
@@ -68,20 +67,11 @@ _META_KEY = b"__streamload__"
 _CATALOG_KEY = b"__catalog__"
 _MAGIC = "streamload-lmdb"
 _VERSION = 1
-#: Reader slots; unused with ``lock=False`` (no lock file), set high in case a user reopens with locks.
-_MAX_READERS = 2048
-#: Bytes per ``posix_fadvise(WILLNEED)`` call when a run of samples is read in order.
-_ADVISE_CHUNK = 2 << 20
 #: LMDB page header and node header sizes (lmdb.h internals, stable since 0.9).
 _PAGE_HEADER = 16
 _NODE_HEADER = 8
 #: A record of the batch being read: ``[value, payload view, {field: (offset, size)}, checksum checked]``.
 _Record = list[Any]
-
-
-def _page_size() -> int:
-    # LMDB uses the OS page size, capped at 64 KiB.
-    return min(os.sysconf("SC_PAGE_SIZE"), 1 << 16)
 
 
 def map_size_for(records: list[tuple[bytes, int]], page: int | None = None) -> int:
@@ -91,7 +81,7 @@ def map_size_for(records: list[tuple[bytes, int]], page: int | None = None) -> i
     overflow pages; every other node is counted twice (leaf pages are at least half
     full); branch pages, the two meta pages and slack are added, then 1/8 on top.
     """
-    page = page or _page_size()
+    page = page or page_size()
     node_max = (((page - _PAGE_HEADER) // 2) & ~1) - 2
     overflow = leaf = 0
     for key, size in records:
@@ -184,65 +174,106 @@ def _try_write(path: str, items: list[tuple[bytes, bytes]], map_size: int) -> bo
     return True
 
 
+@dataclass
+class _Open:
+    """A reader's hold on its shard in one process: the shared environment, its own read transaction.
+
+    ``batch``: the parsed records of the batch being read (see ``LmdbShardReader._records``),
+    by index: views into the map, valid while the transaction lives.
+    """
+
+    env_id: tuple[int, int]
+    shared: SharedEnv
+    txn: Any
+    batch: dict[int, _Record] = field(default_factory=dict)
+
+
+def _open_shard(path: str, entry: ShardEntry) -> _Open:
+    """Open shard ``entry`` at ``path`` here: its shared environment, a read transaction; its metadata checked."""
+    env_id, shared = acquire_env(path, entry.name)
+    try:
+        try:
+            txn = shared.env.begin(buffers=True)
+            meta, entries = txn.get(_META_KEY), shared.env.stat()["entries"]
+        except lmdb.Error as exc:
+            raise CorruptShardError(f"{entry.name}: LMDB metadata unreadable ({exc})") from exc
+        _check_meta(meta, entries, entry)
+    except BaseException:
+        release_env(env_id, shared)
+        raise
+    return _Open(env_id, shared, txn)
+
+
+def _check_meta(raw: Any, entries: int, entry: ShardEntry) -> None:
+    """Check the shard's metadata record against its manifest entry."""
+    name, n = entry.name, entry.num_samples
+    if raw is None:
+        raise CorruptShardError(f"{name}: not a streamload LMDB shard (no {_META_KEY.decode()} record)")
+    try:
+        meta = json.loads(bytes(unseal(raw, f"{name}: LMDB metadata record")))
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+        if isinstance(exc, CorruptShardError):
+            raise
+        raise CorruptShardError(f"{name}: LMDB metadata record is not JSON ({type(exc).__name__})") from exc
+    if not isinstance(meta, dict) or meta.get("format") != _MAGIC:
+        raise CorruptShardError(f"{name}: not a streamload LMDB shard (no {_META_KEY.decode()} record)")
+    fields = meta.get("fields")
+    if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
+        raise CorruptShardError(f"{name}: LMDB metadata field list is damaged")
+    check_field_names(fields, f"{name}: LMDB metadata")
+    if meta.get("version") != _VERSION:
+        raise CorruptShardError(f"{name}: LMDB shard version {meta.get('version')!r}, expected {_VERSION}")
+    if meta.get("num_samples") != n or entries != n + 2:
+        raise CorruptShardError(
+            f"{name}: LMDB shard holds {meta.get('num_samples')!r} samples ({entries} records), manifest says {n}"
+        )
+
+
+def _close_open(
+    held: _Open,
+    _error: type[Exception] = lmdb.Error,
+    _release: Callable[[tuple[int, int], SharedEnv], None] = release_env,
+    _finalizing: Callable[[], bool] = sys.is_finalizing,
+) -> None:
+    """End the read transaction and release the environment.
+
+    What it calls is bound at definition: at interpreter exit this may run after the
+    module's globals are gone; the environment is then left to the process's end.
+    """
+    try:
+        try:
+            held.txn.abort()
+        except _error:  # pragma: no cover - the environment was closed under it
+            pass
+        _release(held.env_id, held.shared)
+    except Exception:
+        if not _finalizing():
+            raise
+
+
 class LmdbShardReader(ShardReader):
-    """Reads one LMDB shard through a read-only, lock-free environment opened on first use."""
+    """Reads one LMDB shard through a read-only, lock-free environment opened on first use.
+
+    The environment and the read transaction belong to the process that opened them
+    (:class:`~streamload._fork.ProcessLocal`): a forked worker opens its own.
+    """
 
     def __init__(self, path: str, entry: ShardEntry, sidecar_path: str | None = None) -> None:
         super().__init__(path, entry, sidecar_path)
-        self._env: _Env | None = None
-        self._txn: Any = None
-        self._env_id = (0, 0)
-        self._pid = -1
+        self._held: ProcessLocal[_Open] = ProcessLocal(functools.partial(_open_shard, path, entry), _close_open)
         self._catalog: tuple[list[str], list[int]] | None = None
-        #: Parsed records of the batch being read (see ``_records``), by index.
-        self._batch: dict[int, _Record] = {}
 
     # -- opening ---------------------------------------------------------------------
 
     def _transaction(self) -> Any:
         """Return the read transaction of this process, opening the environment if needed."""
-        if self._txn is not None and self._pid == os.getpid():
-            return self._txn
-        self.close()  # handles inherited through fork are not used in the child
-        self._open()
-        return self._txn
+        return self._held.get().txn
 
-    def _open(self) -> None:
-        env_id, shared = _acquire_env(self.path, self.entry.name)
-        try:
-            try:
-                txn = shared.env.begin(buffers=True)
-                meta, entries = txn.get(_META_KEY), shared.env.stat()["entries"]
-            except lmdb.Error as exc:
-                raise CorruptShardError(f"{self.entry.name}: LMDB metadata unreadable ({exc})") from exc
-            self._check_meta(meta, entries)
-        except BaseException:
-            _release_env(env_id, shared)
-            raise
-        self._env, self._env_id, self._txn, self._pid = shared, env_id, txn, os.getpid()
-
-    def _check_meta(self, raw: Any, entries: int) -> None:
-        name, n = self.entry.name, self.entry.num_samples
-        if raw is None:
-            raise CorruptShardError(f"{name}: not a streamload LMDB shard (no {_META_KEY.decode()} record)")
-        try:
-            meta = json.loads(bytes(unseal(raw, f"{name}: LMDB metadata record")))
-        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
-            if isinstance(exc, CorruptShardError):
-                raise
-            raise CorruptShardError(f"{name}: LMDB metadata record is not JSON ({type(exc).__name__})") from exc
-        if not isinstance(meta, dict) or meta.get("format") != _MAGIC:
-            raise CorruptShardError(f"{name}: not a streamload LMDB shard (no {_META_KEY.decode()} record)")
-        fields = meta.get("fields")
-        if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
-            raise CorruptShardError(f"{name}: LMDB metadata field list is damaged")
-        check_field_names(fields, f"{name}: LMDB metadata")
-        if meta.get("version") != _VERSION:
-            raise CorruptShardError(f"{name}: LMDB shard version {meta.get('version')!r}, expected {_VERSION}")
-        if meta.get("num_samples") != n or entries != n + 2:
-            raise CorruptShardError(
-                f"{name}: LMDB shard holds {meta.get('num_samples')!r} samples ({entries} records), manifest says {n}"
-            )
+    @property
+    def _env(self) -> SharedEnv | None:
+        """The environment this process opened for the reader, if it did."""
+        held = self._held.peek()
+        return None if held is None else held.shared
 
     # -- reading ---------------------------------------------------------------------
 
@@ -308,8 +339,9 @@ class LmdbShardReader(ShardReader):
 
     def _records(self, indices: list[int]) -> list[_Record]:
         """Return each record as ``[value, payload view, field spans, checked]``; reuse the last call's."""
-        txn = self._transaction()
-        cached, fresh = self._batch, {}
+        held = self._held.get()
+        txn = held.txn
+        cached, fresh = held.batch, {}
         missing = [index for index in indices if index not in cached]
         if len(missing) > 1:
             self._prefetch_batch(txn, missing)
@@ -329,7 +361,7 @@ class LmdbShardReader(ShardReader):
                 record = [value, view, spans, False]
             fresh[index] = record
             records.append(record)
-        self._batch = fresh
+        held.batch = fresh
         return records
 
     def _prefetch_batch(self, txn: Any, indices: list[int]) -> None:
@@ -349,17 +381,17 @@ class LmdbShardReader(ShardReader):
         last = _get(txn, _INDEX.pack(hi), self._where(hi))
         if first is None or last is None:
             return
-        start, end = _address(first), _address(last) + len(last)
+        start, end = address(first), address(last) + len(last)
         # Warm page cache (the usual case): asking would only cost time. The two values
         # above were just read, so look at the pages half way between them.
         middle = (start + end) // 2
-        if end <= start or _resident(middle, min(_PROBE_BYTES, end - middle)):
+        if end <= start or resident(middle, min(PROBE_BYTES, end - middle)):
             return
         try:
             sizes = self.catalog()[1]
         except CorruptShardError:
             return  # reported where the catalog is needed; prefetching is only a hint
-        if end - start <= 2 * sum(sizes[i] for i in indices) + _ADVISE_CHUNK:
+        if end - start <= 2 * sum(sizes[i] for i in indices) + ADVISE_CHUNK:
             self._env.prefetch(first, last)
 
     def _verify(self, record: _Record, index: int) -> None:
@@ -411,7 +443,9 @@ class LmdbShardReader(ShardReader):
                     dests[g][pos[g] : pos[g] + size] = view[at : at + size]
                     pos[g] += size
         finally:
-            self._batch = {}  # the batch is read: drop its views
+            held = self._held.peek()
+            if held is not None:
+                held.batch = {}  # the batch is read: drop its views
 
     def keys_of(self, indices: np.ndarray[Any, Any]) -> list[str]:
         """Return the keys of samples ``indices`` from the catalog record."""
@@ -452,152 +486,9 @@ class LmdbShardReader(ShardReader):
         keys = [keys_blob[bounds[i] : bounds[i + 1]].decode("utf-8", "surrogateescape") for i in range(n)]
         return keys, [int(s) for s in sizes]
 
-    def close(
-        self,
-        _getpid: Callable[[], int] = os.getpid,
-        _error: type[Exception] = lmdb.Error,
-        _finalizing: Callable[[], bool] = sys.is_finalizing,
-    ) -> None:
-        """End the read transaction and release the environment.
-
-        What it calls first is bound at definition: at interpreter exit this may run after
-        the module's globals are gone; the environment is then left to the process's end.
-        """
-        txn, shared = self._txn, self._env
-        self._txn = self._env = None
-        self._batch = {}  # views into the map die with the transaction
-        if shared is None or self._pid != _getpid():
-            return  # handles inherited through fork: the registry closes them in this process
-        try:
-            try:
-                txn.abort()
-            except _error:  # pragma: no cover - the environment was closed under it
-                pass
-            _release_env(self._env_id, shared)
-        except Exception:
-            if not _finalizing():
-                raise
-
-
-# -- one environment per file and process ----------------------------------------------
-# LMDB (and py-lmdb's guard) forbid opening one environment twice in a process, so the
-# readers of a shard in one process share its environment, each with its own read
-# transaction. After a fork the child closes what it inherited and opens its own.
-
-
-class _Env:
-    """An open environment shared by the readers of one shard file in this process."""
-
-    def __init__(self, env: Any, path: str, st: os.stat_result) -> None:
-        self.env = env
-        self.refs = 0
-        self.size = st.st_size
-        self.fd = os.open(path, os.O_RDONLY)  # for posix_fadvise only
-        self.base = _map_base(st)
-
-    def prefetch(self, first: Any, last: Any) -> None:
-        """Ask the kernel to read the file bytes from value ``first`` to the end of value ``last``.
-
-        The map is opened without read-ahead (random access must not read pages nobody
-        needs), so a run of samples read in order would fault one page at a time; this
-        asks for exactly the run's bytes in large requests instead.
-        """
-        if self.base is None:
-            return
-        lo = _address(first) - self.base
-        hi = _address(last) + len(last) - self.base
-        if 0 <= lo < hi <= self.size:
-            # One call reads at most the device's read-ahead limit (a few MiB): ask in chunks.
-            for at in range(lo, hi, _ADVISE_CHUNK):
-                os.posix_fadvise(self.fd, at, min(_ADVISE_CHUNK, hi - at), os.POSIX_FADV_WILLNEED)
-
     def close(self) -> None:
-        self.env.close()
-        os.close(self.fd)
-
-
-def _address(value: Any) -> int:
-    return int(np.frombuffer(value, dtype=np.uint8).ctypes.data)
-
-
-def _mincore() -> Any:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).mincore
-    except (OSError, TypeError, AttributeError):  # no libc symbols here: never prefetch
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    return fn
-
-
-_MINCORE = _mincore()
-#: Bytes of a batch's span whose residency is looked at before asking the kernel for it.
-_PROBE_BYTES = 64 << 10
-
-
-def _resident(address: int, length: int) -> bool:
-    """Return True if the mapped pages of ``address .. address + length`` are in the page cache (``mincore``)."""
-    if _MINCORE is None:
-        return True
-    page = mmap.PAGESIZE
-    start = address & ~(page - 1)
-    pages = max(1, (address + length - start + page - 1) // page)
-    vec = (ctypes.c_ubyte * pages)()
-    if _MINCORE(start, pages * page, vec) != 0:
-        return False  # unknown: ask for them
-    return all(byte & 1 for byte in vec)
-
-
-def _map_base(st: os.stat_result) -> int | None:
-    """Return where this process mapped the file at offset 0 (Linux ``/proc/self/maps``), or None."""
-    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                parts = line.split(maxsplit=5)
-                if len(parts) >= 5 and parts[4] == str(st.st_ino) and parts[3] == device and int(parts[2], 16) == 0:
-                    return int(parts[0].split("-")[0], 16)
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-_ENVS: dict[tuple[int, int], _Env] = {}  # (st_dev, st_ino) -> the open environment
-_ENVS_PID = os.getpid()
-_ENVS_LOCK = threading.Lock()
-
-
-def _acquire_env(path: str, name: str) -> tuple[tuple[int, int], _Env]:
-    """Return ``(file id, environment)`` for ``path`` in this process, opening it if needed."""
-    global _ENVS_PID
-    try:
-        st = os.stat(path)
-    except FileNotFoundError as exc:
-        raise ShardNotFoundError(f"{name}: {path} does not exist") from exc
-    if not stat.S_ISREG(st.st_mode):  # a FIFO would block LMDB's open forever
-        raise UnsafeShardError(f"{name}: {path} is not a regular file (mode {stat.filemode(st.st_mode)})")
-    env_id = (st.st_dev, st.st_ino)
-    with _ENVS_LOCK:
-        if _ENVS_PID != os.getpid():
-            inherited = list(_ENVS.values())
-            _ENVS.clear()
-            _ENVS_PID = os.getpid()
-            for old in inherited:
-                old.close()
-        shared = _ENVS.get(env_id)
-        if shared is None:
-            shared = _ENVS[env_id] = _Env(_open_env(path, name, st.st_size), path, st)
-        shared.refs += 1
-        return env_id, shared
-
-
-def _release_env(env_id: tuple[int, int], shared: _Env) -> None:
-    with _ENVS_LOCK:
-        if _ENVS.get(env_id) is not shared:
-            return
-        shared.refs -= 1
-        if shared.refs == 0:
-            del _ENVS[env_id]
-            shared.close()
+        """End the read transaction and release the environment (a forked child's: nothing of the parent's)."""
+        self._held.clear()  # the batch's views into the map die with the transaction
 
 
 def _get(txn: Any, key: bytes, where: str) -> Any:
@@ -606,34 +497,6 @@ def _get(txn: Any, key: bytes, where: str) -> Any:
         return txn.get(key)
     except lmdb.Error as exc:
         raise CorruptShardError(f"{where}: LMDB read failed ({exc})") from exc
-
-
-def _open_env(path: str, name: str, file_size: int) -> Any:
-    """Check a shard's structure, then open it read-only, lock-free, without read-ahead."""
-    check_lmdb_file(path, name)
-    try:
-        env = lmdb.open(
-            path,
-            subdir=False,
-            readonly=True,
-            lock=False,
-            readahead=False,
-            create=False,
-            max_dbs=0,
-            max_readers=_MAX_READERS,
-            map_size=max(file_size, _page_size()),
-        )
-    except lmdb.Error as exc:
-        raise CorruptShardError(f"{name}: not a valid LMDB environment ({exc})") from exc
-    try:
-        end = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-    except lmdb.Error as exc:
-        env.close()
-        raise CorruptShardError(f"{name}: LMDB header unreadable ({exc})") from exc
-    if end > file_size:
-        env.close()
-        raise CorruptShardError(f"{name}: LMDB file is truncated ({file_size} bytes, its pages need {end})")
-    return env
 
 
 FORMAT = Format(
