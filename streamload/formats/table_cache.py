@@ -57,8 +57,9 @@ class RowGroupCache:
         return self._default
 
     def set_budget(self, budget: int | None) -> None:
-        """Keep at most ``budget`` bytes from now on (``None``: the default); drops what is over it now."""
+        """Keep at most ``budget`` bytes from now on (``None``: the default, read now); drops what is over it."""
         self._budget = budget
+        self._default = None
         self._trim()
 
     def get(self, key: tuple[int, int]) -> Group | None:
