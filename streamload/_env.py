@@ -20,7 +20,7 @@ variable                                  default of
 ``STREAMLOAD_S3_DIRECT``                  ``StorageConfig(s3_direct=)``: S3 reads on botocore
                                           directly (``1``) or through s3fs (``0``)
 ``STREAMLOAD_PARQUET_CACHE``              ``StorageConfig(parquet_cache=)``: bytes of decoded
-                                          Parquet row groups kept per process (512 MiB)
+                                          Parquet row groups kept per process (1 GiB)
 ``STREAMLOAD_ALLOW_DATA_ROOTS``           directories a manifest may name as data roots
 ========================================  ====================================================
 """
