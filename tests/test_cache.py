@@ -356,7 +356,7 @@ def test_a_lock_held_while_forking_is_not_kept_by_the_child(tmp_path: Path) -> N
     """A DataLoader forking its workers while a read-ahead thread holds a cache lock must
     not leave that lock held by the workers (flocks belong to the shared open file)."""
     cache = ShardCache(str(tmp_path), limit=10 * SIZE)
-    with cache._cache_lock():
+    with cache.folder.cache_lock():
         child = mp.get_context("fork").Process(target=_sleep, args=(30,))
         child.start()
     try:
