@@ -40,7 +40,9 @@ what, and which module of this package keeps it::
                           ranges from the part file early (landing)
 
 Every descriptor the cache opens is opened and closed in :mod:`.flocks`, which also
-waits for locks (bounded) and names their holders; a forked child closes its copies.
+waits for locks (bounded) and names their holders. A forked child closes its copies at
+once (a lock taken by the parent is never held by a child), and a pin or registration it
+inherited closes nothing of the child's when it is closed there.
 
 Names are checked to be plain file names (see
 :func:`~streamload._files.check_file_name`), so no path built here leaves the cache. No

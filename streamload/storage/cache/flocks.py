@@ -8,7 +8,10 @@ while another thread forks (a DataLoader starting its workers) would stay held b
 child's copy for the child's whole life, and every process would wait on it. So every
 descriptor opened here is recorded (in a :func:`~streamload._fork.no_fork` section: never a
 fork between the open and the record), and a forked child closes its copies at once: the
-parent's locks are unaffected, and the child never holds a lock it did not take.
+parent's locks are unaffected, and the child never holds a lock it did not take. A
+descriptor kept past the call that opened it (a pin, a registration) is a :class:`HeldFd`,
+which only the process that opened it closes: in a child, its number may already name
+another descriptor of the child's.
 """
 
 from __future__ import annotations
@@ -21,9 +24,18 @@ import time
 from collections.abc import Callable
 
 from ..._errors import CacheError
-from ..._fork import no_fork, on_fork
+from ..._fork import forks, no_fork, on_fork
 
-__all__ = ["LOCK_NOTICE", "close_fd", "describe_holders", "lock_holders", "open_fd", "try_lock", "wait_lock"]
+__all__ = [
+    "LOCK_NOTICE",
+    "HeldFd",
+    "close_fd",
+    "describe_holders",
+    "lock_holders",
+    "open_fd",
+    "try_lock",
+    "wait_lock",
+]
 
 log = logging.getLogger("streamload")
 
@@ -70,6 +82,35 @@ def _close_inherited_fds() -> None:
         except OSError:
             pass
     _FDS.clear()
+
+
+class HeldFd:
+    """A descriptor of :func:`open_fd` kept open (and its lock held) until :meth:`release`.
+
+    Args:
+        fd: The descriptor (``-1``: none).
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._forks = forks()  # tells the process that opened it from its forked children
+
+    @property
+    def open_here(self) -> bool:
+        """Whether the descriptor is open, in this process: the one that opened it.
+
+        In a forked child the copy was closed at the fork (the parent's lock is the
+        parent's), and its number may since name a descriptor of the child's own.
+        """
+        return self.fd >= 0 and self._forks == forks()
+
+    def release(self) -> bool:
+        """Close the descriptor, dropping its lock; False (closing nothing) if it was not :attr:`open_here`."""
+        here = self.open_here
+        fd, self.fd = self.fd, -1
+        if here:
+            close_fd(fd)
+        return here
 
 
 def try_lock(fd: int, flags: int) -> bool:

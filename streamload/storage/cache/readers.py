@@ -11,7 +11,7 @@ import os
 import secrets
 import time
 
-from .flocks import close_fd, open_fd, try_lock
+from .flocks import HeldFd, close_fd, open_fd, try_lock
 from .layout import CacheDir, unlink
 
 __all__ = ["Readers", "Registration"]
@@ -20,19 +20,18 @@ __all__ = ["Readers", "Registration"]
 STALE_NEW_REGISTRATION = 60.0
 
 
-class Registration:
+class Registration(HeldFd):
     """A process's registration as a reader of a cache (see :meth:`Readers.register`)."""
 
     def __init__(self, fd: int, path: str) -> None:
-        self.fd = fd
+        super().__init__(fd)
         self.path = path
 
     def close(self) -> None:
-        """Unregister: delete the file, then drop its lock."""
-        if self.fd >= 0:
+        """Unregister: delete the file, then drop its lock (in a forked child: nothing, the parent's)."""
+        if self.open_here:
             unlink(self.path)
-            close_fd(self.fd)
-            self.fd = -1
+        self.release()
 
 
 class Readers:

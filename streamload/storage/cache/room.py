@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from ..._errors import CacheError
 from ..._files import FileEntry, check_file_name
 from ..._units import format_bytes
-from .flocks import close_fd, open_fd, try_lock, wait_lock
+from .flocks import HeldFd, close_fd, open_fd, try_lock, wait_lock
 from .layout import CacheDir, unlink
 from .readers import Readers
 from .settings import CacheSettings
@@ -34,18 +34,16 @@ log = logging.getLogger("streamload")
 _MAX_POLL = 0.25
 
 
-class Pin:
+class Pin(HeldFd):
     """A shared lock on one cached file: while held, the file is not evicted."""
 
     def __init__(self, fd: int, name: str) -> None:
-        self.fd = fd
+        super().__init__(fd)
         self.name = name
 
     def close(self) -> None:
-        """Release the pin (closing the descriptor drops the lock)."""
-        if self.fd >= 0:
-            close_fd(self.fd)
-            self.fd = -1
+        """Release the pin (closing the descriptor drops the lock; in a forked child, nothing)."""
+        self.release()
 
 
 class Room:
