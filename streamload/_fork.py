@@ -5,7 +5,9 @@ open clients, thread pools, file handles and locks held by the parent's threads 
 parent's, not its own. Instead of each object remembering the pid that made its state and
 comparing it on every use, per-process state lives in a :class:`ProcessLocal`, and one
 ``os.register_at_fork`` hook drops every such value in the child (without closing it: the
-resource is the parent's). Module-level state registers a reset with :func:`on_fork`.
+resource is the parent's). Module-level state registers a reset with :func:`on_fork`; state
+a child must never see half-made (a descriptor opened but not yet recorded) is made in a
+:func:`no_fork` section.
 """
 
 from __future__ import annotations
@@ -13,16 +15,19 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Generic, TypeVar
 
-__all__ = ["ProcessLocal", "forks", "on_fork"]
+__all__ = ["ProcessLocal", "forks", "no_fork", "on_fork"]
 
 T = TypeVar("T")
 
 _LIVE: weakref.WeakSet[ProcessLocal[object]] = weakref.WeakSet()
 _RESETS: list[Callable[[], None]] = []
 _FORKS = 0
+#: Held by a :func:`no_fork` section, and by a fork (from just before it until just after).
+_GATE = threading.Lock()
 
 
 class ProcessLocal(Generic[T]):
@@ -79,13 +84,35 @@ def on_fork(reset: Callable[[], None]) -> Callable[[], None]:
     return reset
 
 
+@contextmanager
+def no_fork() -> Iterator[None]:
+    """A section no fork of this process falls into: a fork waits until it ends.
+
+    For two steps a child must see both or neither of: a descriptor opened, then recorded
+    for a forked child to close (forked between the two, the child would keep a copy no one
+    records, and with it any lock the parent takes through it). Sections exclude each other
+    (one lock): keep them short, and never wait in one.
+    """
+    with _GATE:
+        yield
+
+
 def forks() -> int:
     """How many forks lie between the interpreter's start and this process (0 in the first)."""
     return _FORKS
 
 
+def _before_fork() -> None:
+    _GATE.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _GATE.release()
+
+
 def _after_fork_in_child() -> None:
-    global _FORKS
+    global _FORKS, _GATE
+    _GATE = threading.Lock()  # the copy is held (by this fork)
     _FORKS += 1
     for local in list(_LIVE):
         local._forget()
@@ -93,4 +120,4 @@ def _after_fork_in_child() -> None:
         reset()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)

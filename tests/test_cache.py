@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import http.server
@@ -356,7 +357,7 @@ def test_a_lock_held_while_forking_is_not_kept_by_the_child(tmp_path: Path) -> N
     """A DataLoader forking its workers while a read-ahead thread holds a cache lock must
     not leave that lock held by the workers (flocks belong to the shared open file)."""
     cache = ShardCache(str(tmp_path), limit=10 * SIZE)
-    with cache._cache_lock():
+    with cache.folder.cache_lock():
         child = mp.get_context("fork").Process(target=_sleep, args=(30,))
         child.start()
     try:
@@ -367,3 +368,43 @@ def test_a_lock_held_while_forking_is_not_kept_by_the_child(tmp_path: Path) -> N
     finally:
         child.kill()
         child.join()
+
+
+def test_a_pin_inherited_through_fork_closes_nothing_of_the_child(tmp_path: Path) -> None:
+    """A storage in a forked worker drops the pins it inherited; their descriptor numbers
+    may already name the child's own pins, which must keep holding."""
+    cache = ShardCache(str(tmp_path), limit=None)
+    inherited = cache.pin("a")
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            own = cache.pin("b")  # likely the number the child's copy of "a" had
+            inherited.close()
+            probe = os.open(os.path.join(str(tmp_path), "pins", "b"), os.O_RDONLY)
+            try:
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                code = 2  # "b" is not pinned any more
+            except BlockingIOError:
+                code = 0
+            own.close()
+        finally:
+            os._exit(code)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    inherited.close()
+
+
+def test_a_registration_inherited_through_fork_stays_the_parents(tmp_path: Path) -> None:
+    """A forked worker closing what it inherited leaves its parent registered as a reader."""
+    cache = ShardCache(str(tmp_path), limit=None)
+    registration = cache.register()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            registration.close()
+        finally:
+            os._exit(0)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert os.path.exists(registration.path) and cache.readers() == 1
+    registration.close()
+    assert cache.readers() == 0

@@ -212,9 +212,9 @@ def test_a_landing_record_never_points_outside_the_cache(tmp_path: Path) -> None
     cache.publish_landing("a.tar", str(tmp_path / "c" / "tmp" / "a.tar.10.1.ab.part"), 1, [(0, 5)])
     assert cache.read_landing("a.tar") == (str(tmp_path / "c" / "tmp" / "a.tar.10.1.ab.part"), 1, [(0, 5)])
     for bad in ("../../etc/passwd", "b.tar.10.1.ab.part", "a.tar.10.1.ab", "a.tar/../../x.part"):
-        Path(cache._landing_path("a.tar")).write_text(json.dumps({"part": bad, "attempt": 1, "landed": [[0, 5]]}))
+        Path(cache.folder.landing_path("a.tar")).write_text(json.dumps({"part": bad, "attempt": 1, "landed": [[0, 5]]}))
         assert cache.read_landing("a.tar") is None, bad
-    Path(cache._landing_path("a.tar")).write_text("not json")
+    Path(cache.folder.landing_path("a.tar")).write_text("not json")
     assert cache.read_landing("a.tar") is None
     cache.clear_landing("a.tar")
     assert cache.read_landing("a.tar") is None

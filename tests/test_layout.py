@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload.randomness",
         "streamload.manifest",
         "streamload.storage",
+        "streamload.storage.cache",
         "streamload.storage.ranges",
         "streamload.plan",
     ),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -11,7 +12,7 @@ import torch
 
 from streamload import _env
 from streamload._errors import ConfigError
-from streamload._fork import ProcessLocal, forks, on_fork
+from streamload._fork import ProcessLocal, forks, no_fork, on_fork
 
 
 def _in_child(check: object) -> int:
@@ -61,6 +62,29 @@ def test_module_resets_run_in_the_child_only() -> None:
     assert _in_child(lambda: state["cache"] == "") == 0
     time.sleep(0)
     assert state["cache"] == "parent"
+
+
+def test_a_fork_waits_for_a_no_fork_section_and_the_child_enters_its_own() -> None:
+    entered, done = threading.Event(), threading.Event()
+
+    def section() -> None:
+        with no_fork():
+            entered.set()
+            time.sleep(0.3)
+            done.set()
+
+    def child() -> bool:
+        signal.alarm(5)  # a section held at the fork and inherited held would hang here
+        with no_fork():
+            return done.is_set()  # forked only once the parent's section had ended
+
+    thread = threading.Thread(target=section)
+    thread.start()
+    entered.wait(10)
+    try:
+        assert _in_child(child) == 0
+    finally:
+        thread.join()
 
 
 @pytest.mark.parametrize(
