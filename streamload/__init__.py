@@ -27,6 +27,7 @@ from ._errors import (
 from .access import SampleView, ShardedDataset
 from .dataset import SkipCounts, SkippedSample, StreamingDataset
 from .decode import ImageLabel, decode_sample
+from .device import DevicePrefetcher
 from .loader import Loader
 from .manifest import Manifest, ShardEntry
 from .randomness import sample_generator, sample_seed
@@ -45,6 +46,7 @@ __all__ = [
     "CorruptShardError",
     "DestinationBusyError",
     "DatasetWriter",
+    "DevicePrefetcher",
     "ImageLabel",
     "Loader",
     "Manifest",

@@ -46,6 +46,8 @@ __all__ = [
     "env_bytes",
     "env_flag",
     "env_seconds",
+    "on_ci",
+    "ray_address",
     "s3_direct",
 ]
 
@@ -127,3 +129,13 @@ def s3_direct() -> bool:
 def allowed_data_roots() -> list[str]:
     """The directories ``STREAMLOAD_ALLOW_DATA_ROOTS`` names (space separated)."""
     return os.environ.get(ALLOW_DATA_ROOTS, "").split()
+
+
+def ray_address() -> str | None:
+    """The Ray cluster ``RAY_ADDRESS`` names (Ray's own variable), else ``None``: a conversion's ``--executor ray``."""
+    return os.environ.get("RAY_ADDRESS") or None
+
+
+def on_ci() -> bool:
+    """Whether ``CI`` is set (to anything not empty), as CI services do: no progress bar by default."""
+    return bool(os.environ.get("CI"))

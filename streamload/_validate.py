@@ -18,19 +18,23 @@ import operator
 import os
 import warnings
 from collections.abc import Mapping
-from typing import Any, NamedTuple, SupportsIndex, cast
+from typing import Any, Literal, NamedTuple, SupportsIndex, cast, get_args
 
 from ._errors import ConfigError, PlanError
 from ._files import is_local
-from ._units import parse_bytes
+from ._units import counted, parse_bytes
 
 __all__ = [
+    "CACHE_MODES",
     "MAX_EPOCH",
+    "MAX_LOADER_WORKERS",
     "MAX_READ_AHEAD",
     "UNBOUNDED",
+    "CacheMode",
     "DatasetArgs",
     "check_allowed_roots",
     "check_int",
+    "check_number",
     "check_on_error",
     "check_lock_timeout",
     "check_epoch",
@@ -39,6 +43,7 @@ __all__ = [
     "check_samples_seen",
     "check_storage_options",
     "dataset_args",
+    "loader_worker_limit",
     "warn_remote_only",
     "parse_cache_limit",
     "parse_cache_mode",
@@ -122,8 +127,12 @@ def parse_cache_limit(value: object) -> int | str | None:
     return limit
 
 
-#: Values of ``cache``: how a remote dataset's shards are read (see ``StreamingDataset``).
-CACHE_MODES = ("auto", "shards", "none")
+#: How remote shards are read: ``"shards"`` downloads each whole into the cache;
+#: ``"none"`` streams tar samples by ranged GETs (only sidecars are cached); ``"auto"``
+#: streams when the cache cannot hold the shards a shuffle window needs, else caches.
+CacheMode = Literal["auto", "shards", "none"]
+#: Values of ``cache`` (those of :data:`CacheMode`): how a remote dataset's shards are read.
+CACHE_MODES: tuple[str, ...] = get_args(CacheMode)
 
 
 def parse_cache_mode(value: object) -> str:
@@ -343,3 +352,61 @@ def check_samples_seen(samples_seen: int, epoch_total: int, world_size: int, glo
             f"samples_seen={samples_seen} is past the end of the epoch: it ends at {epoch_total} samples "
             f"(whole global batches of {global_batch} over world_size={world_size})"
         )
+
+
+#: The most DataLoader workers a command starts, whatever the machine (``convert`` caps its processes the same).
+MAX_LOADER_WORKERS = 1024
+#: File descriptors a command keeps for itself, beside its DataLoader workers'.
+_RESERVED_FDS = 64
+
+
+def loader_worker_limit(prefetch: int = 2) -> tuple[int, str]:
+    """Return the most DataLoader workers a command starts on this machine, and what sets that bound.
+
+    The smallest of :data:`MAX_LOADER_WORKERS`; 8 per CPU (at least 64), past which workers
+    only contend for the cores; and what the soft open-file limit allows, with
+    ``_RESERVED_FDS`` kept for the rest: each worker holds about ``5 + prefetch``
+    descriptors in the main process (its queues, and its shared-memory batches in flight).
+
+    Args:
+        prefetch: The DataLoader's ``prefetch_factor``.
+    """
+    cpus = os.cpu_count() or 1
+    limit, why = MAX_LOADER_WORKERS, f"at most {MAX_LOADER_WORKERS}"
+    by_cpus = max(64, 8 * cpus)
+    if by_cpus < limit:
+        limit, why = by_cpus, f"the most for this machine's {counted(cpus, 'CPU')}: 8 per CPU, never fewer than 64"
+    try:
+        import resource
+
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not a Unix
+        return limit, why
+    if soft != resource.RLIM_INFINITY:
+        by_fds = max(1, (soft - _RESERVED_FDS) // (5 + prefetch))
+        if by_fds < limit:
+            limit, why = by_fds, f"the open-file limit (ulimit -n {soft}) allows {by_fds} with prefetch {prefetch}"
+    return limit, why
+
+
+def check_number(option: str, value: float, low: float, high: float | None = None, why: str = "") -> None:
+    """Refuse a command-line number that is not finite or lies outside ``[low, high]``.
+
+    Args:
+        option: The option as typed (``"--seconds"``), for the message.
+        value: Its value.
+        low: The smallest value allowed.
+        high: The largest (``None``: no bound).
+        why: What sets ``high``, added to the message.
+
+    Raises:
+        ConfigError: Naming the option, the value and the range.
+    """
+    if not math.isfinite(value) or value < low or (high is not None and value > high):
+        bound = f"between {_number(low)} and {_number(high)}" if high is not None else f">= {_number(low)}"
+        reason = f" ({why})" if why else ""
+        raise ConfigError(f"{option} {_number(value)} must be {bound}{reason}")
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"

@@ -47,7 +47,7 @@ def run_demo(
             not write, and ``overwrite`` is false; if ``workdir`` is empty or names a
             file; if ``images`` is not between 10 and :data:`MAX_IMAGES` (a count not a
             multiple of the 10 classes is rounded down, and said so), or ``workers`` is
-            negative or above what :func:`streamload._options.loader_worker_limit` allows.
+            negative or above what :func:`streamload._validate.loader_worker_limit` allows.
     """
     _check_arguments(workdir, images, workers)
     import torch
@@ -122,8 +122,7 @@ def run_demo(
 def _check_arguments(workdir: str | None, images: object, workers: object) -> None:
     """Refuse a ``workdir``, image count or worker count the demo cannot use, before it writes anything."""
     from ._errors import ConfigError
-    from ._options import loader_worker_limit
-    from ._validate import check_int
+    from ._validate import check_int, loader_worker_limit
 
     if workdir is not None:
         if not str(workdir):

@@ -41,7 +41,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Literal, Protocol, TypedDict, runtime_checkable
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
 
@@ -52,6 +52,7 @@ from ._stages import fetching
 from ._units import format_bytes
 from ._validate import (
     CACHE_MODES,
+    CacheMode,
     check_allowed_roots,
     check_cache_dir,
     check_lock_timeout,
@@ -99,10 +100,6 @@ _READ_AHEAD_SCAN = 64
 #: Shard readers a streaming reader keeps open at least (each holds only its sidecar).
 _STREAMING_READERS = 64
 
-#: How remote shards are read: ``"shards"`` downloads each whole into the cache;
-#: ``"none"`` streams tar samples by ranged GETs (only sidecars are cached); ``"auto"``
-#: streams when the cache cannot hold the shards a shuffle window needs, else caches.
-CacheMode = Literal["auto", "shards", "none"]
 #: Datasets whose "auto" choice this process logged already.
 _LOGGED_AUTO: set[str] = set()
 

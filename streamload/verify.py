@@ -26,12 +26,13 @@ log, the lines libtiff writes to stderr) is listed per sample in
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import CorruptShardError, StreamloadError
+from ._errors import ConfigError, CorruptShardError, StreamloadError
 from ._files import FileEntry, hash_stream
 from .manifest import ShardEntry
 from .sample import IMAGE_FIELDS, image_warnings
@@ -172,6 +173,7 @@ def verify_dataset(
     on_shard: Callable[[ShardEntry, str | None], None] | None = None,
     cache_dir: str | None = None,
     decode_images: bool = False,
+    storage: StorageConfig | None = None,
 ) -> VerifyReport:
     """Re-hash every shard and sidecar, check sizes and sample counts, and read every sample.
 
@@ -186,12 +188,19 @@ def verify_dataset(
         decode_images: Also decode every sample's image (Pillow, full size, as the
             readers do; needs ``read_samples``): one that does not decode is a problem,
             and library warnings are listed in :attr:`VerifyReport.warnings`.
+        storage: All the storage settings at once (``allow_data_roots`` too), instead of
+            ``storage_options`` and ``cache_dir``.
 
     Raises:
         ManifestError: If the manifest cannot be read (nothing else can then be checked).
         ConfigError: If ``storage_options`` is not a mapping or ``cache_dir`` not a path.
     """
-    config = StorageConfig(storage_options=storage_options, cache_dir=cache_dir, read_ahead=0)  # checks them
+    if storage is None:
+        storage = StorageConfig(storage_options=storage_options, cache_dir=cache_dir)  # checks them
+    elif storage_options is not None or cache_dir is not None:
+        raise ConfigError("give storage_options and cache_dir in storage=, not beside it")
+    config = dataclasses.replace(storage, read_ahead=0)
+    cache_dir = config.cache_dir
     report = VerifyReport(url)
     ref = DatasetRef.open(url, config)
     if cache_dir is not None and is_local(ref.data_url):

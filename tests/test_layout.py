@@ -53,14 +53,13 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     (
         "streamload.converters",
-        "streamload.prefetch",
+        "streamload.device",
         "streamload.synthetic",
-        "streamload._options",
         "streamload.watching",
         "streamload.loader",
     ),
     ("streamload.lightning", "streamload.bench", "streamload.demo"),
-    ("streamload.cli", "streamload"),
+    ("streamload.cli", "streamload.__main__", "streamload"),
 ]
 
 

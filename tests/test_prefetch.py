@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from streamload import StreamingDataset
 from streamload.batch import ImageBatch, RawBatch, RawCollate
-from streamload.prefetch import DevicePrefetcher, to_device
+from streamload.device import DevicePrefetcher, to_device
 
 
 def test_cpu_prefetcher_is_a_passthrough_of_real_batches(tar_dataset: Path) -> None:

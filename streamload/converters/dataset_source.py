@@ -14,12 +14,12 @@ sample. Readers and storage are per process and never pickled.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from streamload._errors import ConfigError, SourceError, StreamloadError
+from streamload._fork import ProcessLocal
 from streamload.formats import ShardReader
 from streamload.manifest import SkippedInput
 from streamload.shards import DatasetRef, ShardSource, StorageConfig
@@ -41,6 +41,18 @@ class SampleItem(Item):
     index: int = 0
 
 
+class _Readers:
+    """The source shards one process holds open, and how many it opened before them."""
+
+    def __init__(self) -> None:
+        self.source: ShardSource | None = None
+        self.opens_before = 0
+
+    @property
+    def opens(self) -> int:
+        return self.opens_before + (self.source.opens if self.source is not None else 0)
+
+
 class DatasetSource(Source):
     """Read the samples of an existing dataset (directory or URL holding ``index.json``).
 
@@ -48,6 +60,8 @@ class DatasetSource(Source):
         url: Dataset directory or fsspec URL prefix.
         storage_options: fsspec options for remote URLs.
         cache_dir: Local cache for remote shards (default: the storage layer's).
+        allow_data_roots: Where the manifest (read from a URL) may send its readers besides
+            its own scheme and host (see :class:`~streamload.StorageConfig`).
 
     Attributes:
         shard_opens: How many times this process opened a source shard (a shard is
@@ -55,21 +69,24 @@ class DatasetSource(Source):
     """
 
     def __init__(
-        self, url: str, storage_options: Mapping[str, Any] | None = None, cache_dir: str | None = None
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | None = None,
+        allow_data_roots: Sequence[str] | Mapping[str, Mapping[str, Any] | None] | None = None,
     ) -> None:
         self.url = str(url).rstrip("/") or str(url)
-        self.ref = DatasetRef.open(self.url, StorageConfig(storage_options=storage_options, cache_dir=cache_dir))
+        config = StorageConfig(storage_options=storage_options, cache_dir=cache_dir, allow_data_roots=allow_data_roots)
+        self.ref = DatasetRef.open(self.url, config)
         self.manifest = self.ref.manifest
         self.format = self.ref.format
         self.classes = list(self.manifest.classes)
-        self._opens_before = 0
-        self._source: ShardSource | None = None
-        self._pid = os.getpid()
+        self._readers = ProcessLocal(_Readers)  # a forked conversion worker starts with none of the parent's
 
     @property
     def shard_opens(self) -> int:
         """Source shards opened by this process so far."""
-        return self._opens_before + (self._source.opens if self._source is not None else 0)
+        return self._readers.get().opens
 
     def describe(self) -> str:
         """Return the dataset's URL."""
@@ -122,8 +139,7 @@ class DatasetSource(Source):
                 items.extend(
                     SampleItem(key, int(size), s, i) for i, (key, size) in enumerate(zip(keys, sizes, strict=True))
                 )
-        if self._pid == os.getpid():
-            self._opens_before += source.opens
+        self._readers.get().opens_before += source.opens
         return ScanResult(items, [], problems)
 
     # -- loading ---------------------------------------------------------------------
@@ -143,7 +159,8 @@ class DatasetSource(Source):
                 sample = self._reader(item.shard).get(item.index)
             except StreamloadError as exc:
                 # A remote source's cached copy damaged on disk: read it again from a fresh download, once.
-                fresh = self._source.recover(item.shard, exc) if self._source is not None else None
+                source = self._readers.get().source
+                fresh = source.recover(item.shard, exc) if source is not None else None
                 if fresh is None:
                     raise
                 sample = fresh.get(item.index)
@@ -158,23 +175,25 @@ class DatasetSource(Source):
 
     def _reader(self, shard: int) -> ShardReader:
         """Return an open reader of ``shard`` in this process (LRU of :data:`_OPEN_SHARDS`)."""
-        if self._pid != os.getpid():  # a forked conversion worker: the parent's handles are not ours
-            self._source, self._opens_before, self._pid = None, 0, os.getpid()
-        if self._source is None:
-            self._source = ShardSource(self.ref, self.ref.open_storage(), _OPEN_SHARDS, own_storage=True)
-        return self._source.get(shard)
+        readers = self._readers.get()
+        if readers.source is None:
+            readers.source = ShardSource(self.ref, self.ref.open_storage(), _OPEN_SHARDS, own_storage=True)
+        return readers.source.get(shard)
 
     def close(self) -> None:
         """Close the open source shards and their storage (reopened on the next read)."""
-        source, self._source = self._source, None
+        readers = self._readers.get()
+        source, readers.source = readers.source, None
         if source is not None:
-            self._opens_before += source.opens
+            readers.opens_before += source.opens
             source.close()
 
     def __del__(self) -> None:
         # A conversion in this process leaves its last shards open: close them with the
         # source (readers hold plain file descriptors that nothing else would close).
-        if getattr(self, "_pid", None) == os.getpid() and getattr(self, "_source", None) is not None:
+        local = getattr(self, "_readers", None)
+        readers = local.peek() if local is not None else None  # none in a forked child: the parent's
+        if readers is not None and readers.source is not None:
             try:
                 self.close()
             except Exception:  # noqa: BLE001, S110 - best effort at collection time
@@ -182,10 +201,9 @@ class DatasetSource(Source):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_source"] = None  # reopened lazily in the receiving process
-        state["_opens_before"] = 0
+        del state["_readers"]  # reopened lazily in the receiving process
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._pid = os.getpid()
+        self._readers = ProcessLocal(_Readers)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from streamload import _env
 from streamload._errors import (
     ConfigError,
     ConversionInterrupted,
@@ -424,7 +425,7 @@ class _Progress:
 
     def __init__(self, total: int, enabled: bool | None) -> None:
         if enabled is None:
-            enabled = sys.stderr.isatty() and not os.environ.get("CI")
+            enabled = sys.stderr.isatty() and not _env.on_ci()
         self._bar: Any = None
         self._bytes = 0
         self._start = time.perf_counter()

@@ -23,13 +23,13 @@ and ``streamload[ray]``.
 from __future__ import annotations
 
 import importlib
-import os
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from streamload import _env
 from streamload._errors import ConfigError, StorageError, StreamloadError
 
 __all__ = ["TASK_RETRIES", "DaskExecutor", "Executor", "Failed", "RayExecutor", "open_executor", "parse_executor"]
@@ -153,7 +153,7 @@ class RayExecutor(Executor):
         self._owned = False
         if not ray.is_initialized():
             try:
-                address = address or os.environ.get("RAY_ADDRESS") or None
+                address = address or _env.ray_address()
                 if address is None:
                     ray.init(
                         num_cpus=workers,
