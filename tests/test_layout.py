@@ -55,6 +55,7 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload.converters",
         "streamload.device",
         "streamload.synthetic",
+        "streamload.watch_report",
         "streamload.watching",
         "streamload.loader",
     ),

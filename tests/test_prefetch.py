@@ -41,3 +41,11 @@ def test_to_device_keeps_structure() -> None:
     assert isinstance(out["pair"], Pair) and out["pair"].y[1] == "text" and out["n"] == 7
     x, y = out["img"]
     assert x.shape == (2, 3, 4, 4) and y.tolist() == [3, 4]
+
+
+def test_the_device_prefetcher_is_public() -> None:
+    import streamload
+    import streamload.device
+
+    assert streamload.DevicePrefetcher is streamload.device.DevicePrefetcher is DevicePrefetcher
+    assert "DevicePrefetcher" in streamload.__all__

@@ -51,6 +51,26 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def test_each_kind_of_source_takes_its_own_keywords(folder: Path, tmp_path: Path) -> None:
+    (folder / "kinds.csv").write_text("path,label\n")
+    try:
+        with pytest.raises(
+            ConfigError, match=r"a local image folder: it takes no path_column= \(its options: check=, labels=\)"
+        ):
+            open_source(str(folder), path_column="file")
+        with pytest.raises(ConfigError, match="a listing table: it takes no labels="):
+            open_source(str(folder / "kinds.csv"), labels="none")
+    finally:
+        (folder / "kinds.csv").unlink()
+    convert(open_source(str(folder), labels="folders"), str(tmp_path / "ds"), ConvertOptions(**OPTS))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="an existing dataset: it takes no check="):
+        open_source(str(tmp_path / "ds"), check="none")
+    source = open_source(str(tmp_path / "ds"), allow_data_roots=["s3://theirs/x"])
+    assert isinstance(source, DatasetSource)
+    assert source.ref.config.allow_data_roots == {"s3://theirs/x": {}}  # the manifest's readers may go there
+    source.close()
+
+
 def test_csv_of_relative_paths_with_class_names(folder: Path, tmp_path: Path) -> None:
     images = _images(folder)
     lines = ["path,label"] + [f"{rel},{cls}" for rel, cls, _ in images]

@@ -170,9 +170,18 @@ def conversion_options(args: argparse.Namespace) -> Any:
     return ConvertOptions(**{**fields, "storage_options": storage.options})
 
 
-def source_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The source's keywords: the source options given on the command line, and ``--allow-data-root``."""
+def source_options(args: argparse.Namespace, kind: str) -> dict[str, Any]:
+    """The keywords of a source of ``kind``: the source options given, and ``--allow-data-root``.
+
+    ``--check`` is left out for a source without image inputs to check (an existing
+    dataset); any other option the kind does not take is passed on, for
+    :func:`~streamload.converters.open_source` to refuse by name.
+    """
+    from ..converters import SOURCE_KEYWORDS
+
     chosen = {name: getattr(args, name) for name in SOURCE_DESTS if getattr(args, name) is not None}
+    if "check" not in SOURCE_KEYWORDS[kind]:
+        chosen.pop("check", None)
     if args.allow_data_root:
         chosen["allow_data_roots"] = storage_config(args).allow_data_roots
     return chosen
@@ -180,11 +189,12 @@ def source_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``streamload convert``; return the exit status."""
-    from ..converters import convert, open_source
+    from ..converters import convert, open_source, source_kind
 
     options = conversion_options(args)
     try:
-        source = open_source(args.src, options.storage_options, **source_options(args))
+        kind = source_kind(args.src, options.storage_options)
+        source = open_source(args.src, options.storage_options, **source_options(args, kind))
         report = convert(source, args.dst, options)
     except StreamloadError:
         raise

@@ -1,7 +1,7 @@
 """Mixtures: several datasets (streams) read as one epoch, each contributing an exact count.
 
 Pure functions of each stream's per-shard sample counts and the epoch's
-:class:`~streamload.plan.planner.Split`; nothing here opens a dataset.
+:class:`~streamload.plan.split.Split`; nothing here opens a dataset.
 
 **Counts** (:func:`epoch_counts`). Each stream asks for a share of the epoch: a ``weight``
 (relative), a ``repeat`` factor of its size, an absolute number of ``samples``, or nothing
@@ -46,7 +46,7 @@ beyond 2e9 samples a float64 estimate corrected by its exact int64 remainder). W
 the epoch starts ``a b a a a b a a b a`` and repeats that pattern.
 
 **On top**: :class:`~streamload.plan.planner.EpochPlan` takes the mixture as its
-:class:`~streamload.plan.planner.Layout` and treats the epoch sequence like any other:
+:class:`~streamload.plan.layout.Layout` and treats the epoch sequence like any other:
 contiguous rank blocks (each rank's block is itself in proportion), the shuffle window
 inside each block, chunks round-robin to workers, padding, ``drop_last`` and resume stages
 all apply unchanged, as they only see positions ``0 .. C-1``. A position is located by the
@@ -66,7 +66,7 @@ from fractions import Fraction
 import numpy as np
 
 from .._errors import ConfigError, PlanError
-from .planner import Split, seeded_rng
+from .split import Split, seeded_rng
 
 __all__ = ["SORTED_SUBSET_LIMIT", "MixLayout", "apportion", "epoch_counts", "feistel_permute", "mixture_fingerprint"]
 

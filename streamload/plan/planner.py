@@ -73,14 +73,28 @@ iterating; nothing is O(N).
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
 from .._errors import PlanError
+from .layout import Layout, Partitions, ShardLayout
+from .split import (
+    DEFAULT_PARTITIONS,
+    DEFAULT_WINDOW_RANGE,
+    Run,
+    Split,
+    default_window,
+    global_batch,
+    locality_warning,
+    padded_total,
+    partition_count,
+    partition_window,
+    rank_samples,
+    samples_per_rank,
+    seeded_rng,
+    tail_share,
+)
 from .world import World
 
 __all__ = [
@@ -95,326 +109,17 @@ __all__ = [
     "default_window",
     "global_batch",
     "locality_warning",
+    "padded_total",
     "partition_count",
+    "partition_window",
     "rank_samples",
-    "tail_share",
     "samples_per_rank",
     "seeded_rng",
+    "tail_share",
 ]
 
 #: Largest number of items materialised at once while iterating a worker's plan.
 _SLICE = 1 << 16
-#: Bounds of the default shuffle window, in items.
-DEFAULT_WINDOW_RANGE = (4096, 1 << 20)
-#: Canonical partitions of a shuffled, batched epoch (ranks 1, 2, 4, 8 each read their own).
-DEFAULT_PARTITIONS = 8
-#: Most average-sized shards the raised minimum window may span (shards open per worker).
-_MAX_WINDOW_SHARDS = 32
-#: Window permutations kept per partition (a worker's chunks touch one or two windows of each).
-_PERM_CACHE = 2
-
-
-@dataclass(frozen=True)
-class Split:
-    """How an epoch is ordered and split.
-
-    Attributes:
-        epoch: Epoch number (changes the shuffle).
-        seed: Shuffle seed.
-        shuffle: Permute shard order and shuffle samples within windows.
-        drop_last: Drop the tail so the epoch holds whole global batches only, instead of
-            padding to whole global batches by repeating the fewest samples.
-        window: Shuffle window of each partition in items; ``None`` picks the default
-            (see the module docstring).
-        chunk: The per-rank batch size ``b``: items of a rank's order handed to a worker
-            at a time (``None``: each worker gets one contiguous block). Set it to the
-            DataLoader batch size so batches leave the workers in the rank's order, and
-            so that a shuffled epoch follows the world-independent order.
-        partitions: Canonical partitions of a shuffled, batched epoch (default
-            :data:`DEFAULT_PARTITIONS`; at most the global batch is used). In any other
-            epoch: the partitions instead of one per rank (a resumed epoch keeps those it
-            started with).
-    """
-
-    epoch: int = 0
-    seed: int = 0
-    shuffle: bool = False
-    drop_last: bool = False
-    window: int | None = None
-    chunk: int | None = None
-    partitions: int | None = None
-    pad: bool = True
-
-    def __post_init__(self) -> None:
-        if self.epoch < 0:
-            raise PlanError(f"epoch={self.epoch} must be >= 0")
-        if self.window is not None and self.window < 1:
-            raise PlanError(f"window={self.window} must be >= 1")
-        if self.chunk is not None and self.chunk < 1:
-            raise PlanError(f"chunk={self.chunk} must be >= 1")
-        if self.partitions is not None and self.partitions < 1:
-            raise PlanError(f"partitions={self.partitions} must be >= 1")
-
-    @property
-    def canonical(self) -> bool:
-        """True if the epoch follows the world-independent order (shuffled and batched)."""
-        return self.shuffle and self.chunk is not None
-
-
-@dataclass(frozen=True)
-class Run:
-    """Samples a worker reads in one go: ``locals`` of shard ``shard``, in this order.
-
-    ``positions`` are the matching rank-order item indices (for progress and resume);
-    ``items`` their indices in the epoch's padded sequence (the same on every world: the
-    key of per-sample randomness, :func:`streamload.sample_generator`).
-    """
-
-    shard: int
-    locals: np.ndarray
-    positions: np.ndarray
-    items: np.ndarray
-
-    @property
-    def contiguous(self) -> bool:
-        """True if ``locals`` is an ascending run of consecutive indices."""
-        n = len(self.locals)
-        return (
-            n > 0
-            and int(self.locals[-1]) - int(self.locals[0]) == n - 1
-            and (n < 3 or bool(np.all(np.diff(self.locals) == 1)))
-        )
-
-    def part(self, begin: int) -> Run:
-        """Return the run from its ``begin``-th sample on."""
-        return Run(self.shard, self.locals[begin:], self.positions[begin:], self.items[begin:])
-
-
-def global_batch(world_size: int, chunk: int | None) -> int:
-    """Return the global batch ``B``: the per-rank batch (1 without one) times the ranks."""
-    if world_size < 1:
-        raise PlanError(f"{world_size=} must be >= 1")
-    return world_size * (chunk or 1)
-
-
-def padded_total(total: int, batch: int, drop_last: bool) -> int:
-    """Return the items of an epoch of ``total`` samples in whole global batches of ``batch``."""
-    return (total // batch if drop_last else -(-total // batch)) * batch
-
-
-def samples_per_rank(total: int, world_size: int, drop_last: bool, chunk: int | None = None) -> int:
-    """Return the number of samples every rank yields per epoch (whole global batches)."""
-    return padded_total(total, global_batch(world_size, chunk), drop_last) // world_size
-
-
-def tail_share(tail: int, world_size: int, rank: int) -> tuple[int, int]:
-    """Return rank ``rank``'s part ``[begin, end)`` of a short last global batch of ``tail`` items.
-
-    The parts are consecutive, in rank order, and differ in size by at most one.
-    """
-    return rank * tail // world_size, (rank + 1) * tail // world_size
-
-
-def rank_samples(
-    total: int, world_size: int, rank: int, drop_last: bool, chunk: int | None = None, pad: bool = True
-) -> int:
-    """Return the samples rank ``rank`` yields per epoch (equal on every rank unless ``pad=False``)."""
-    batch = global_batch(world_size, chunk)
-    if pad or drop_last:
-        return padded_total(total, batch, drop_last) // world_size
-    full = padded_total(total, batch, True)
-    begin, end = tail_share(total - full, world_size, rank)
-    return full // world_size + end - begin
-
-
-def default_window(shard_counts: Sequence[int]) -> int:
-    """Return the default shuffle window of the whole epoch in items (before partitioning).
-
-    Four times the largest shard; for small shards at least ``DEFAULT_WINDOW_RANGE[0]``
-    items or 32 average shards, whichever is smaller; at most ``DEFAULT_WINDOW_RANGE[1]``.
-    """
-    counts = [int(c) for c in shard_counts]
-    biggest = max(counts, default=0)
-    mean = sum(counts) / len(counts) if counts else 0.0
-    low, high = DEFAULT_WINDOW_RANGE
-    raised = min(low, math.ceil(_MAX_WINDOW_SHARDS * mean))
-    return max(1, min(max(4 * biggest, raised), high))
-
-
-def partition_window(shard_counts: Sequence[int], partitions: int) -> int:
-    """Return the default window of each of ``partitions`` partitions.
-
-    The whole epoch's :func:`default_window` shared among them so that together they span
-    no more shards than it does (each window spans about ``window / mean + 1`` shards: the
-    ``P - 1`` extra boundaries are taken off), but at least the largest shard (a
-    partition then reads one or two shards at a time).
-    """
-    whole = default_window(shard_counts)
-    counts = [int(c) for c in shard_counts]
-    biggest = max(counts, default=1)
-    mean = sum(counts) / len(counts) if counts else 1.0
-    shared = int((whole - (partitions - 1) * mean) // partitions)
-    return max(1, min(whole, max(biggest, shared)))
-
-
-def partition_count(split: Split, world_size: int) -> int:
-    """Return the partitions ``P`` of the epoch (see the module docstring).
-
-    Canonical (shuffled and batched): ``min(partitions, B)``. Otherwise one per rank, unless
-    ``split.partitions`` names the count (an epoch resumed on another world keeps the
-    partitions it started with, so its remaining global batches are the uninterrupted ones).
-    """
-    batch = global_batch(world_size, split.chunk)
-    if split.canonical:
-        return min(split.partitions or DEFAULT_PARTITIONS, batch)
-    return min(split.partitions or world_size, batch)
-
-
-def locality_warning(split: Split, world_size: int) -> str | None:
-    """Return why ``world_size`` ranks read the canonical order with less locality, or ``None``.
-
-    The global batches are the same on every world; a world whose size neither divides nor
-    is a multiple of the partition count makes ranks share partitions mid-slice (each
-    opens the shards of more partitions).
-    """
-    if not split.canonical:
-        return None
-    parts = partition_count(split, world_size)
-    if parts % world_size == 0 or world_size % parts == 0:
-        return None
-    good = [r for r in range(1, 2 * parts + 1) if parts % r == 0 or r % parts == 0]
-    return (
-        f"world_size={world_size} neither divides nor is a multiple of partitions={parts}: the global "
-        f"batches are the same as on any other world, but each rank reads parts of several partitions "
-        f"(more shards open per rank); world sizes {', '.join(map(str, good))}, ... keep each rank on its "
-        f"own partitions (or choose partitions= a multiple of the world sizes you will use)"
-    )
-
-
-def seeded_rng(*words: int) -> np.random.Generator:
-    """Return a numpy generator seeded by ``words`` (each taken modulo 2**64): the planner's one source of order."""
-    return np.random.default_rng(np.random.SeedSequence([w & 0xFFFFFFFFFFFFFFFF for w in words]))
-
-
-class Layout(Protocol):
-    """The epoch sequence: which sample sits at each of its ``total`` positions.
-
-    :class:`ShardLayout` (one dataset's shards, concatenated) is the default; a mixture of
-    datasets uses :class:`~streamload.plan.mixture.MixLayout`. The rank blocks, windows,
-    chunks and stages of :class:`EpochPlan` are built on top of any layout.
-    """
-
-    @property
-    def total(self) -> int:
-        """Positions in the epoch sequence."""
-
-    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Map epoch-sequence positions to ``(shard index, index within shard)`` arrays."""
-
-
-class ShardLayout:
-    """One dataset's epoch sequence: its shards in (shuffled) order, concatenated.
-
-    Args:
-        shard_counts: Samples per shard, in manifest order.
-        split: Epoch, seed and shuffle (the shard order is permuted when shuffling).
-    """
-
-    def __init__(self, shard_counts: Sequence[int] | np.ndarray, split: Split) -> None:
-        counts = np.asarray(shard_counts, dtype=np.int64).reshape(-1)
-        if (counts < 0).any():
-            raise PlanError(f"shard_counts must be non-negative, got min {int(counts.min())}")
-        if split.shuffle:
-            self.shard_order = seeded_rng(split.seed, split.epoch, 0x5A4D).permutation(len(counts))
-        else:
-            self.shard_order = np.arange(len(counts))
-        self._cum = np.concatenate([[0], np.cumsum(counts[self.shard_order])])
-        self._total = int(counts.sum())
-
-    @property
-    def total(self) -> int:
-        """Samples of all shards."""
-        return self._total
-
-    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Map epoch-sequence positions to ``(shard index, index within shard)`` arrays."""
-        j = np.searchsorted(self._cum, positions, side="right") - 1
-        return self.shard_order[j], positions - self._cum[j]
-
-
-class _Partitions:
-    """The padded sequence of ``padded`` items cut into partitions, read in global batches.
-
-    ``bounds[p]`` is partition p's first offset inside a global batch (``bounds[P] = B``);
-    partition p holds the padded items ``[steps * bounds[p], steps * bounds[p + 1])``.
-    """
-
-    def __init__(self, padded: int, batch: int, parts: int, window: int | None, seed_words: tuple[int, ...]) -> None:
-        self.batch = batch
-        self.steps = padded // batch if batch else 0
-        self.bounds = np.array([p * batch // parts for p in range(parts + 1)], dtype=np.int64)
-        self.window = window  # None: no shuffle
-        self.seed_words = seed_words
-        self._perms: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
-        self._perm_cache = _PERM_CACHE * parts + 2
-
-    def to_padded(self, g: np.ndarray) -> np.ndarray:
-        """Map global-sequence indices (``k * B + offset``) to padded-sequence items."""
-        k, offset = np.divmod(g, self.batch)
-        p = np.searchsorted(self.bounds, offset, side="right") - 1
-        low = self.bounds[p]
-        width = self.bounds[p + 1] - low
-        j = k * width + (offset - low)
-        if self.window is not None:
-            j = self._permute(p, j, self.steps * width)
-        out: np.ndarray = self.steps * low + j
-        return out
-
-    def order_index(self, part: int, items: np.ndarray) -> np.ndarray:
-        """Return the partition-order indices of padded ``items`` of partition ``part`` (the inverse of the shuffle)."""
-        low, width = int(self.bounds[part]), int(self.bounds[part + 1] - self.bounds[part])
-        local = items - self.steps * low
-        if self.window is None or len(local) == 0:
-            return local
-        size, out = self.window, np.empty_like(local)
-        windows = local // size
-        for w in np.unique(windows).tolist():
-            mask = windows == w
-            inverse = np.argsort(self._perm(part, w, self.steps * width))
-            out[mask] = w * size + inverse[local[mask] - w * size]
-        return out
-
-    def _permute(self, parts: np.ndarray, items: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        assert self.window is not None
-        if len(items) == 0:
-            return items
-        size = self.window
-        windows = items // size
-        keys = parts * (self.steps * self.batch // size + 1) + windows
-        out = np.empty_like(items)
-        first, last = int(keys[0]), int(keys[-1])
-        single = first == last and (len(keys) < 3 or bool(np.all(keys == first)))
-        groups = [first] if single else np.unique(keys).tolist()
-        for key in groups:
-            mask = slice(None) if single else keys == key
-            part, w = int(parts[mask][0]), int(windows[mask][0])
-            perm = self._perm(part, w, int(lengths[mask][0]))
-            out[mask] = w * size + perm[items[mask] - w * size]
-        return out
-
-    def _perm(self, part: int, window: int, length: int) -> np.ndarray:
-        key = (part, window)
-        perm = self._perms.get(key)
-        if perm is None:
-            assert self.window is not None
-            size = min(self.window, length - window * self.window)
-            perm = seeded_rng(*self.seed_words, part, window, 0x57494E).permutation(size)
-            self._perms[key] = perm
-            while len(self._perms) > self._perm_cache:
-                self._perms.popitem(last=False)
-        else:
-            self._perms.move_to_end(key)
-        return perm
 
 
 class EpochPlan:
@@ -464,7 +169,7 @@ class EpochPlan:
         #: True if this plan starts a new segment (the world changed the global batch).
         self.reshaped = False
         self._rank_batch = split.chunk or 1
-        self._parts = _Partitions(
+        self._parts = Partitions(
             self.padded,
             self.global_batch,
             self.partitions,

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .._errors import PlanError
-from .planner import Split, padded_total
+from .split import Split, padded_total
 from .world import World
 
 if TYPE_CHECKING:
@@ -270,55 +270,7 @@ class EpochState:
         Raises:
             PlanError: If a field is missing, of the wrong type, or out of range.
         """
-        if not isinstance(state, Mapping):
-            raise PlanError(f"state must be a dict, got {type(state).__name__}")
-        version = _int(state, "version")
-        if version != STATE_VERSION:
-            older = " (saved by an earlier streamload, whose order differs)" if version == 1 else ""
-            raise PlanError(f"state {version=} is not supported{older}: expected version {STATE_VERSION}")
-        seen = state.get("samples_seen")
-        worker_raw = state.get("worker")
-        mixture = state.get("mixture")
-        if mixture is not None and (not isinstance(mixture, str) or len(mixture) > 64):
-            raise PlanError(f"state mixture={mixture!r} must be a short string or absent")
-        manifest = state.get("manifest")
-        if manifest is not None and (not isinstance(manifest, str) or len(manifest) > 64):
-            raise PlanError(f"state manifest={manifest!r} must be a short string or absent")
-        segments = _segments(state.get("segments"))
-        rest = None if not segments else _int(state, "rest")
-        out = cls(
-            epoch=_int(state, "epoch"),
-            seed=_int(state, "seed", signed=True),
-            shuffle=_bool(state, "shuffle"),
-            drop_last=_bool(state, "drop_last"),
-            window=_int(state, "window", low=1),
-            num_samples=_int(state, "num_samples"),
-            world_size=_int(state, "world_size", low=1),
-            samples_seen=None if seen is None else _int(state, "samples_seen"),
-            global_batch=_int(state, "global_batch", low=1),
-            partitions=_int(state, "partitions", low=1),
-            worker=None if worker_raw is None else _worker(worker_raw),
-            mixture=mixture,
-            pad=_bool(state, "pad") if "pad" in state else True,
-            manifest=manifest,
-            segments=segments,
-            rest=rest,
-        )
-        if out.samples_seen is None and out.worker is None:
-            raise PlanError("state has neither samples_seen nor a worker position")
-        if out.global_batch % out.world_size:
-            raise PlanError(
-                f"state global_batch={out.global_batch} is not a multiple of its world_size={out.world_size}"
-            )
-        if segments:
-            assert rest is not None
-            if rest > out.num_samples:
-                raise PlanError(f"state rest={rest} is more than num_samples={out.num_samples}")
-            if out.samples_seen is not None and out.samples_seen < out.segment_start:
-                raise PlanError(
-                    f"state samples_seen={out.samples_seen} is before its last segment's end {out.segment_start}"
-                )
-        return out
+        return _state_from_dict(state)
 
     def check_dataset(
         self,
@@ -493,6 +445,57 @@ class EpochState:
                 f"with another global batch (at most {_MAX_SEGMENT_BATCH}, {_MAX_SEGMENT_PARTS})"
             )
         return self.global_batch, self.partitions, self.samples_seen
+
+
+def _state_from_dict(state: Mapping[str, Any]) -> EpochState:
+    """:meth:`EpochState.from_dict`: every field checked, then how they fit together."""
+    if not isinstance(state, Mapping):
+        raise PlanError(f"state must be a dict, got {type(state).__name__}")
+    version = _int(state, "version")
+    if version != STATE_VERSION:
+        older = " (saved by an earlier streamload, whose order differs)" if version == 1 else ""
+        raise PlanError(f"state {version=} is not supported{older}: expected version {STATE_VERSION}")
+    seen = state.get("samples_seen")
+    worker_raw = state.get("worker")
+    mixture = state.get("mixture")
+    if mixture is not None and (not isinstance(mixture, str) or len(mixture) > 64):
+        raise PlanError(f"state mixture={mixture!r} must be a short string or absent")
+    manifest = state.get("manifest")
+    if manifest is not None and (not isinstance(manifest, str) or len(manifest) > 64):
+        raise PlanError(f"state manifest={manifest!r} must be a short string or absent")
+    segments = _segments(state.get("segments"))
+    rest = None if not segments else _int(state, "rest")
+    out = EpochState(
+        epoch=_int(state, "epoch"),
+        seed=_int(state, "seed", signed=True),
+        shuffle=_bool(state, "shuffle"),
+        drop_last=_bool(state, "drop_last"),
+        window=_int(state, "window", low=1),
+        num_samples=_int(state, "num_samples"),
+        world_size=_int(state, "world_size", low=1),
+        samples_seen=None if seen is None else _int(state, "samples_seen"),
+        global_batch=_int(state, "global_batch", low=1),
+        partitions=_int(state, "partitions", low=1),
+        worker=None if worker_raw is None else _worker(worker_raw),
+        mixture=mixture,
+        pad=_bool(state, "pad") if "pad" in state else True,
+        manifest=manifest,
+        segments=segments,
+        rest=rest,
+    )
+    if out.samples_seen is None and out.worker is None:
+        raise PlanError("state has neither samples_seen nor a worker position")
+    if out.global_batch % out.world_size:
+        raise PlanError(f"state global_batch={out.global_batch} is not a multiple of its world_size={out.world_size}")
+    if segments:
+        assert rest is not None
+        if rest > out.num_samples:
+            raise PlanError(f"state rest={rest} is more than num_samples={out.num_samples}")
+        if out.samples_seen is not None and out.samples_seen < out.segment_start:
+            raise PlanError(
+                f"state samples_seen={out.samples_seen} is before its last segment's end {out.segment_start}"
+            )
+    return out
 
 
 def _int(state: Mapping[str, Any], name: str, low: int = 0, signed: bool = False) -> int:
