@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload._atexit",
         "streamload._env",
         "streamload._fork",
+        "streamload._fields",
     ),
     (
         "streamload.sample",

@@ -10,7 +10,6 @@ takes by :func:`~streamload.converters.open_source`).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from typing import Any
 
@@ -157,17 +156,16 @@ def conversion_options(args: argparse.Namespace) -> Any:
     ``tar`` (with ``--append``: the dataset's), a shard size counts only without
     ``--samples-per-shard``, and the ``-o`` options are parsed.
     """
+    from .._fields import fields_from
     from ..converters import ConvertOptions
     from ..shards import DatasetRef
 
-    given = vars(args)
-    fields = {f.name: given[f.name] for f in dataclasses.fields(ConvertOptions) if f.name in given}
     storage = storage_config(args)
-    if fields["samples_per_shard"]:
-        fields["shard_bytes"] = None
-    if fields["format"] is None:
-        fields["format"] = DatasetRef.open(args.dst, storage).manifest.format if args.append else "tar"
-    return ConvertOptions(**{**fields, "storage_options": storage.options})
+    fmt = args.format
+    if fmt is None:
+        fmt = DatasetRef.open(args.dst, storage).manifest.format if args.append else "tar"
+    shard_bytes = None if args.samples_per_shard else args.shard_bytes
+    return fields_from(ConvertOptions, args, format=fmt, shard_bytes=shard_bytes, storage_options=storage.options)
 
 
 def source_options(args: argparse.Namespace, kind: str) -> dict[str, Any]:

@@ -73,20 +73,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The options passed to :func:`~streamload.indexing.index_directory` as the keywords of their names.
+_KEYWORDS = ("match", "image_column", "label_column", "output", "overwrite", "split", "on_error")
+
+
 def _index(args: argparse.Namespace, classes: tuple[str, ...]) -> Any:
     from ..indexing import index_directory
 
-    return index_directory(
-        args.directory,
-        args.format,
-        args.hash,
-        classes,
-        storage_options=parse_storage_options(args.storage_option),
-        match=args.match,
-        image_column=args.image_column,
-        label_column=args.label_column,
-        output=args.output,
-        overwrite=args.overwrite,
-        split=args.split,
-        on_error=args.on_error,
-    )
+    keywords = {name: getattr(args, name) for name in _KEYWORDS}
+    storage_options = parse_storage_options(args.storage_option)
+    return index_directory(args.directory, args.format, args.hash, classes, storage_options=storage_options, **keywords)

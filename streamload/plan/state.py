@@ -64,6 +64,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from .._errors import PlanError
+from .._fields import fields_from
 from .split import Split, padded_total
 from .world import World
 
@@ -225,15 +226,8 @@ class EpochState:
         return self.segment_start + padded_total(self.segment_total, self.global_batch, self.drop_last or not self.pad)
 
     def split(self) -> Split:
-        """Return the :class:`Split` of this epoch (without chunking)."""
-        return Split(
-            epoch=self.epoch,
-            seed=self.seed,
-            shuffle=self.shuffle,
-            drop_last=self.drop_last,
-            window=self.window,
-            pad=self.pad,
-        )
+        """Return the :class:`Split` of this epoch (without chunking, and with the default partitions)."""
+        return fields_from(Split, self, partitions=None)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the state as plain data."""
