@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader
 from streamload import PlanError, Stream, StreamingDataset, sample_generator, sample_seed
 from streamload.converters import ConvertOptions, ImageFolderSource, convert
 from streamload.synthetic import make_image_folder
-from tests.test_ddp import run_job
-from tests.test_split_basic import make_dataset
+from tests.helpers.datasets import make_dataset
+from tests.helpers.torchrun import run_job
 
 WORKER = str(Path(__file__).with_name("ddp_repro_worker.py"))
 GLOBAL_BATCH = 16
