@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from streamload import SampleNotFoundError, SampleView, ShardedDataset, StorageConfig, StreamingDataset
 from streamload import access as access_module
 from streamload.cli import main
+from tests.helpers.datasets import write_dataset
 from tests.s3server import SeaweedS3
-from tests.test_mix import write_dataset
 
 COUNTS = [6, 0, 9, 4, 7]  # 26 samples, one empty shard
 FORMATS = ["tar", "lmdb", "hdf5"]

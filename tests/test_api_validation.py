@@ -1,4 +1,4 @@
-"""Issue #13: a bad value given to the public API is a ``ConfigError`` at once, naming it.
+"""A bad value given to the public API is a ``ConfigError`` at once, naming it.
 
 Not a raw ``TypeError`` at the first iteration, nor a silent acceptance (``seed="3"``);
 every valid call keeps working, numpy integers included (and they come back as plain

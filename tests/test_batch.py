@@ -19,6 +19,7 @@ from streamload._batchmem import BufferPool, pack, unpack
 from streamload.batch import RawBatch, RawCollate, group_runs
 from streamload.decode import IMAGE_FIELDS
 from streamload.plan import Run
+from tests.helpers.memory import in_shared_memory
 
 
 def _per_sample(root: Path) -> dict[str, tuple[bytes, int]]:
@@ -28,18 +29,6 @@ def _per_sample(root: Path) -> dict[str, tuple[bytes, int]]:
         field = next(f for f in IMAGE_FIELDS if f in sample)
         out[sample["__key__"]] = (sample[field], int(sample["cls"]))
     return out
-
-
-def in_shared_memory(tensor: torch.Tensor) -> bool:
-    """True if the tensor's bytes lie in a shared-memory mapping of this process (``/dev/shm``)."""
-    ptr = tensor.data_ptr()
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            span, *rest = line.split()
-            lo, hi = (int(x, 16) for x in span.split("-"))
-            if lo <= ptr < hi:
-                return len(rest) >= 5 and rest[4].startswith("/dev/shm/")
-    return False
 
 
 def _unpack(batch: RawBatch) -> dict[str, tuple[bytes, int]]:

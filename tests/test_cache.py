@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fcntl
 import functools
-import hashlib
 import http.server
 import multiprocessing as mp
 import os
@@ -18,11 +17,11 @@ import pytest
 
 from streamload import StorageConfig, StreamingDataset
 from streamload._errors import CacheError, ConfigError, CorruptShardError
-from streamload.manifest import FileEntry
 from streamload.storage import open_storage
 from streamload.storage.cache import ShardCache
 from streamload.storage.retry import RetryPolicy, is_transient, retry_call
 from streamload.writer import DatasetWriter
+from tests.helpers.cache_fills import file_entry, write_download
 
 SIZE = 1000
 
@@ -36,23 +35,11 @@ def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STREAMLOAD_CACHE", str(tmp_path / "default-cache"))
 
 
-def _entry(name: str, data: bytes) -> FileEntry:
-    return FileEntry(name, len(data), hashlib.sha256(data).hexdigest(), algorithm="sha256")
-
-
-def _writer(data: bytes) -> Callable[[str, Callable[[], bool]], None]:
-    def download(part: str, cancelled: Callable[[], bool]) -> None:
-        with open(part, "r+b") as f:
-            f.write(data)
-
-    return download
-
-
 def _fill(cache: ShardCache, name: str, byte: int) -> str:
     data = bytes([byte]) * SIZE
     pin = cache.pin(name)
     try:
-        path = cache.fill(_entry(name, data), _writer(data))
+        path = cache.fill(file_entry(name, data), write_download(data))
     finally:
         pin.close()
     assert path is not None
@@ -69,7 +56,7 @@ def test_lru_eviction_keeps_the_limit_and_the_recently_used(tmp_path: Path) -> N
     time.sleep(0.01)
     _fill(cache, "b", 2)
     time.sleep(0.01)
-    assert cache.lookup(_entry("a", b"\1" * SIZE)) is not None  # a is now the most recent
+    assert cache.lookup(file_entry("a", b"\1" * SIZE)) is not None  # a is now the most recent
     time.sleep(0.01)
     _fill(cache, "c", 3)
     assert _cached(cache) == {"a", "c"}
@@ -101,7 +88,7 @@ def _crash_mid_download(root: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     data = b"\5" * SIZE
-    cache.fill(_entry("x", data), half_then_die)
+    cache.fill(file_entry("x", data), half_then_die)
 
 
 def test_a_crashed_downloaders_partial_file_is_not_used_and_is_cleaned(tmp_path: Path) -> None:
@@ -112,7 +99,7 @@ def test_a_crashed_downloaders_partial_file_is_not_used_and_is_cleaned(tmp_path:
     parts = os.listdir(tmp_path / "tmp")
     assert len(parts) == 1  # left behind by the crash
     cache = ShardCache(str(tmp_path), limit=10 * SIZE)
-    assert cache.lookup(_entry("x", b"\5" * SIZE)) is None
+    assert cache.lookup(file_entry("x", b"\5" * SIZE)) is None
     path = _fill(cache, "x", 5)  # downloads again; the dead part is deleted on the way
     assert Path(path).read_bytes() == b"\5" * SIZE
     assert os.listdir(tmp_path / "tmp") == []
@@ -121,14 +108,14 @@ def test_a_crashed_downloaders_partial_file_is_not_used_and_is_cleaned(tmp_path:
 def test_a_download_with_the_wrong_hash_is_rejected(tmp_path: Path) -> None:
     cache = ShardCache(str(tmp_path), limit=None)
     good = b"\1" * SIZE
-    entry = _entry("a", good)
+    entry = file_entry("a", good)
     with pytest.raises(CorruptShardError, match="a: downloaded bytes do not match the manifest: sha256 is"):
-        cache.fill(entry, _writer(b"\2" * SIZE))
+        cache.fill(entry, write_download(b"\2" * SIZE))
     with pytest.raises(CorruptShardError, match="downloaded 10 bytes, the manifest says 1000"):
-        cache.fill(entry, _writer(b"\1" * 10))
+        cache.fill(entry, write_download(b"\1" * 10))
     assert _cached(cache) == set() and os.listdir(tmp_path / "tmp") == []
     unverified = ShardCache(str(tmp_path), limit=None, verify_hash=False)
-    assert unverified.fill(entry, _writer(b"\2" * SIZE)) is not None  # size only
+    assert unverified.fill(entry, write_download(b"\2" * SIZE)) is not None  # size only
 
 
 def test_a_same_size_file_of_another_version_is_not_served(tmp_path: Path) -> None:
@@ -137,15 +124,15 @@ def test_a_same_size_file_of_another_version_is_not_served(tmp_path: Path) -> No
     cache = ShardCache(str(tmp_path), limit=None)
     old, new = b"\1" * SIZE, b"\2" * SIZE
     assert Path(_fill(cache, "a", 1)).read_bytes() == old
-    assert cache.lookup(_entry("a", old)) is not None
-    assert cache.lookup(_entry("a", new)) is None  # same name and size, other hash: a miss
+    assert cache.lookup(file_entry("a", old)) is not None
+    assert cache.lookup(file_entry("a", new)) is None  # same name and size, other hash: a miss
     pin = cache.pin("a")
     try:
-        path = cache.fill(_entry("a", new), _writer(new))
+        path = cache.fill(file_entry("a", new), write_download(new))
     finally:
         pin.close()
     assert path is not None and Path(path).read_bytes() == new
-    assert cache.lookup(_entry("a", old)) is None and cache.lookup(_entry("a", new)) is not None
+    assert cache.lookup(file_entry("a", old)) is None and cache.lookup(file_entry("a", new)) is not None
 
 
 def test_a_file_without_a_record_of_its_verification_is_downloaded_again(tmp_path: Path) -> None:
@@ -153,7 +140,7 @@ def test_a_file_without_a_record_of_its_verification_is_downloaded_again(tmp_pat
     file already in data/ (nor does a file with no record at all)."""
     cache = ShardCache(str(tmp_path), limit=None)
     _fill(cache, "a", 1)
-    entry = _entry("a", b"\1" * SIZE)
+    entry = file_entry("a", b"\1" * SIZE)
     record = Path(tmp_path, "meta", "a")
     digest, size, _inode, *generation = record.read_text().split()
     record.write_text(" ".join([digest, size, "1", *generation]) + "\n")  # the inode of some other file

@@ -1,4 +1,4 @@
-"""Issue #13, the cache's part: corrupt cached copies, admission of the readers, the default bound.
+"""The shard cache recovering: corrupt cached copies, admission of the readers, the default bound.
 
 * A cached copy corrupted on local disk after it was verified is dropped and downloaded
   once more (a local dataset's own files are never touched); a shard that is bad at its

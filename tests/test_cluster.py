@@ -1,8 +1,8 @@
 """Distributed conversion on real engines: a Dask LocalCluster of worker processes and a local Ray.
 
 One cluster of each per module (2 processes). Checks: shards byte-identical to the local
-pool's, a Dask worker SIGKILLed mid-task (the task runs again, no half shard, no staging
-left), resume after the driver is SIGKILLed, and append then read exactly once.
+pool's, a Dask or Ray worker SIGKILLed mid-task (the task runs again, no half shard, no
+staging left), resume after the driver is SIGKILLed, and append then read exactly once.
 """
 
 from __future__ import annotations
@@ -101,6 +101,24 @@ def test_a_dask_worker_killed_mid_shard_is_retried_and_the_output_is_identical(
     assert report.manifest.shards == local.manifest.shards
     assert sorted(os.listdir(tmp_path / "dask")) == sorted(os.listdir(tmp_path / "local"))  # no leftovers
     assert _shards(tmp_path / "dask") == _shards(tmp_path / "local")
+
+
+def test_a_ray_worker_killed_mid_shard_is_retried_and_the_output_is_identical(
+    folder: Path, tmp_path: Path, ray_local: str
+) -> None:
+    local = convert(ImageFolderSource(str(folder)), str(tmp_path / "local"), ConvertOptions(**OPTS))
+    items = ImageFolderSource(str(folder)).scan().items
+    victim = items[12].key  # the third sample of shard 2: its staged file is half written when it dies
+    marker = tmp_path / "killed"
+    source = KillOnce(str(folder), victim, str(marker))
+    report = convert(source, str(tmp_path / "ray"), ConvertOptions(executor=ray_local, workers=2, **OPTS))
+    assert marker.exists()
+    assert int(marker.read_text()) not in (os.getpid(), 0)  # a Ray worker process died, not this driver
+    assert report.manifest.shards == local.manifest.shards  # the task ran again (max_retries) and wrote it all
+    assert sorted(os.listdir(tmp_path / "ray")) == sorted(os.listdir(tmp_path / "local"))  # no staging, no journal
+    assert _shards(tmp_path / "ray") == _shards(tmp_path / "local")  # byte-identical, no half or duplicate shard
+    keys = [s["__key__"] for s in StreamingDataset(str(tmp_path / "ray"))]
+    assert Counter(keys) == Counter(i.key for i in items)  # every input exactly once
 
 
 SLOW_DRIVER = """

@@ -1,9 +1,9 @@
-"""``streamload convert`` never destroys or silently mixes user data (issue #13).
+"""``streamload convert`` never destroys or silently mixes user data.
 
-Each test names the case of the issue it covers. Every one of them failed on the code
-before the fix: a foreign destination was written into, an in-place re-shard destroyed
-its source, two conversions into one destination both "succeeded", non-UTF-8 names and
-FIFOs crashed or hung the converter, unreadable folders vanished silently.
+The tests come in numbered cases (the ``# -- case N`` headings): a foreign destination is
+never written into, an in-place re-shard never destroys its source, of two conversions
+into one destination only one succeeds, non-UTF-8 names and FIFOs neither crash nor hang
+the converter, and an unreadable folder is named, never silently left out.
 """
 
 from __future__ import annotations

@@ -16,10 +16,6 @@ Launches are few and each does many checks (process start + torch import cost se
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -28,67 +24,17 @@ import pytest
 from torch.utils.data import DataLoader
 
 from streamload import StreamingDataset
-from tests.test_split_basic import make_dataset
+from tests.helpers.datasets import make_dataset
+from tests.helpers.torchrun import LAUNCH_TIMEOUT, run_job
 
 COUNTS = [17, 0, 23, 30, 1, 20, 10]
 N = sum(COUNTS)  # 101: not a multiple of 2 or 3, so ranks need padding
 ALL_KEYS = Counter(f"s{i}_{j}" for i, n in enumerate(COUNTS) for j in range(n))
-WORKER = str(Path(__file__).with_name("ddp_worker.py"))
 GLOBAL_BATCH = 12  # 2 ranks x 6, 3 ranks x 4, 1 rank x 12
 STOPS = [0, 4, 8, 9]  # steps: start, middle, before the last step, epoch boundary (108 = 9 * 12)
 STEPS = -(-N // GLOBAL_BATCH)  # 9 whole global steps: 108 items, 7 padding repeats
-LAUNCH_TIMEOUT = 200
 
 pytestmark = [pytest.mark.slow]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def torchrun(
-    config: Path, nproc: int, port: int, nnodes: int = 1, node_rank: int = 0, worker: str = WORKER
-) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    if nnodes == 1:  # the launcher binds a free port itself: no race for the port
-        where = ["--standalone"]
-    else:
-        where = [f"--nnodes={nnodes}", f"--node_rank={node_rank}", "--master_addr=127.0.0.1", f"--master_port={port}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", *where, worker, str(config)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-
-def run_job(
-    tmp: Path,
-    name: str,
-    data: Path,
-    tasks: list[dict[str, Any]],
-    nproc: int,
-    nnodes: int = 1,
-    worker: str = WORKER,
-    **extra: Any,
-) -> Any:
-    config, out = tmp / f"{name}.json", tmp / f"{name}-out.json"
-    config.write_text(json.dumps({"data": str(data), "out": str(out), "tasks": tasks, **extra}))
-    port = free_port()
-    procs = [torchrun(config, nproc, port, nnodes, node, worker) for node in range(nnodes)]
-    logs = []
-    try:
-        for proc in procs:
-            stdout, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-            logs.append(stdout.decode(errors="replace")[-4000:])
-    finally:
-        for proc in procs:
-            proc.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)
-    result = json.loads(out.read_text())
-    ranks = sorted(result["ranks"], key=lambda r: r["rank"])
-    assert [r["rank"] for r in ranks] == list(range(nproc * nnodes))
-    return [r["results"] for r in ranks]  # [rank][task]
 
 
 def flat(batches: list[list[str]]) -> list[str]:

@@ -16,8 +16,7 @@ from streamload.converters import ConvertOptions, ImageFolderSource, convert
 from streamload.decode import DecodeBatch, ImageDecoder
 from streamload.decode.image import have_simplejpeg
 from streamload.synthetic import make_image_folder, synthetic_jpeg
-
-from .test_batch import in_shared_memory
+from tests.helpers.memory import in_shared_memory
 
 BACKENDS = ["pillow", "simplejpeg"] if have_simplejpeg() else ["pillow"]
 

@@ -9,7 +9,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from streamload import StreamingDataset
-from tests.test_split_basic import make_dataset
+from tests.helpers.datasets import make_dataset
 
 COUNTS = [9, 0, 14, 6, 11, 3]
 ALL_KEYS = {f"s{i}_{j}" for i, n in enumerate(COUNTS) for j in range(n)}

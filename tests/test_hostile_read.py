@@ -1,5 +1,5 @@
-"""Hostile input for the readers (issue #13): shards, sidecars, manifests and images built to
-leave the dataset, hang, crash with a raw traceback or allocate absurd memory."""
+"""Hostile input for the readers: shards, sidecars, manifests and images built to leave
+the dataset, hang, crash with a raw traceback or allocate absurd memory."""
 
 from __future__ import annotations
 

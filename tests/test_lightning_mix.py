@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from streamload import ConfigError, Stream
-from tests.test_mix import write_dataset
+from tests.helpers.datasets import write_dataset
 
 pl = pytest.importorskip("lightning.pytorch")
 

@@ -25,7 +25,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from streamload import ConfigError, Loader, StorageConfig, Stream, StreamingDataset
 from streamload.decode import DecodeBatch
-from tests.test_split_basic import make_dataset
+from tests.helpers.datasets import make_dataset
 
 BATCH = 8
 COUNTS = [13, 0, 21, 8, 17, 5, 19]  # 83 samples: the last global batch is padded

@@ -23,29 +23,9 @@ from streamload import ConfigError, PlanError, SkipCounts, Stream, StreamingData
 from streamload.batch import RawBatch, RawCollate
 from streamload.decode import DecodeBatch
 from streamload.plan import epoch_counts
+from tests.helpers.datasets import write_dataset
 
 SHARDS = {"t": ("tar", [9, 0, 14, 6]), "l": ("lmdb", [10, 10]), "h": ("hdf5", [7, 8])}  # 29, 20, 15 samples
-
-
-def write_dataset(
-    url: str, fmt: str, counts: list[int], tag: str, storage_options: dict[str, Any] | None = None
-) -> str:
-    """A dataset whose shard i holds counts[i] samples keyed <tag><i>_<j>, with a txt and a cls field."""
-    from streamload.formats import get_format
-    from streamload.manifest import Manifest
-    from streamload.storage import open_destination
-    from streamload.writer import publish_manifest, write_shard
-
-    format_ = get_format(fmt)
-    dest = open_destination(url, storage_options)
-    entries = []
-    for i, n in enumerate(counts):
-        samples = (
-            {"__key__": f"{tag}{i}_{j}", "txt": f"{tag}-{i}-{j}".encode(), "cls": str(j % 3).encode()} for j in range(n)
-        )
-        entries.append(write_shard(format_, dest, format_.shard_name(i), samples).entry)
-    publish_manifest(dest, Manifest(format=fmt, shards=tuple(entries), fields=("cls", "txt")))
-    return url
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.datasets import write_dataset
 from tests.s3server import SeaweedS3
-from tests.test_mix import write_dataset
 
 WORKER = str(Path(__file__).with_name("ddp_mix_worker.py"))
 TAR, LMDB = [12, 9, 0, 14], [10, 11]  # 35 and 21 samples

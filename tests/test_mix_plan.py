@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from streamload._errors import ConfigError, PlanError
 from streamload.plan import EpochPlan, MixLayout, Split, World, epoch_counts, mixture
 from streamload.plan.state import EpochState
-from tests.test_plan_properties import divisors, rank_sequences
+from tests.helpers.plans import divisors, rank_sequences
 
 SETTINGS = settings(max_examples=120, deadline=None)
 

@@ -12,7 +12,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from streamload import Stream, StreamingDataset
 from streamload._errors import ConfigError
-from tests.test_split_basic import make_dataset
+from tests.helpers.datasets import make_dataset
 
 COUNTS = [100, 97, 250, 3, 244]  # 694 samples: not a multiple of any batch below
 TOTAL = sum(COUNTS)

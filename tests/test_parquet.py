@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from collections import Counter
@@ -12,7 +11,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from PIL import Image
 from torch.utils.data import DataLoader
 
 from streamload import CorruptShardError, ShardedDataset, StorageConfig, Stream, StreamingDataset
@@ -20,34 +18,10 @@ from streamload.batch import RawCollate
 from streamload.cli import main
 from streamload.decode import DecodeBatch, ImageLabel
 from streamload.indexing import index_directory
+from tests.helpers.parquet_tables import CLASSES, encode, hf_rows, write_hf
 from tests.s3server import SeaweedS3
 
 datasets = pytest.importorskip("datasets")
-
-CLASSES = ["cat", "dog", "eel"]
-
-
-def encode(i: int, fmt: str) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (10 + i % 3, 8), (i % 256, 255 - i % 256, 7)).save(buf, fmt)
-    return buf.getvalue()
-
-
-def hf_rows(start: int, stop: int) -> dict[str, list[Any]]:
-    return {
-        "image": [{"bytes": encode(i, "JPEG" if i % 2 else "PNG"), "path": None} for i in range(start, stop)],
-        "label": [i % 3 for i in range(start, stop)],
-        "caption": [f"image number {i}" for i in range(start, stop)],
-    }
-
-
-def write_hf(path: Path, start: int, stop: int) -> None:
-    """A Hugging Face split file: Image + ClassLabel + string, row groups of 16."""
-    features = datasets.Features(
-        {"image": datasets.Image(), "label": datasets.ClassLabel(names=CLASSES), "caption": datasets.Value("string")}
-    )
-    ds = datasets.Dataset.from_dict(hf_rows(start, stop), features=features)
-    ds.to_parquet(str(path), batch_size=16)
 
 
 @pytest.fixture(scope="module")

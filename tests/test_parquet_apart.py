@@ -18,8 +18,10 @@ from streamload import ConfigError, CorruptShardError, ManifestError, ShardedDat
 from streamload.cli import main
 from streamload.indexing import index_directory
 from streamload.manifest import Manifest
+from tests.helpers.parquet_tables import CLASSES, encode, hf_rows, write_hf
 from tests.s3server import SeaweedS3
-from tests.test_parquet import CLASSES, encode, hf_rows, write_hf
+
+pytest.importorskip("datasets")
 
 
 def snapshot(root: Path) -> dict[str, tuple[str, int]]:

@@ -13,35 +13,13 @@ from hypothesis import strategies as st
 
 from streamload.plan import EpochPlan, Split, World
 from streamload.plan.state import EpochState
-
-Item = tuple[int, int]  # (shard, index within shard)
+from tests.helpers.plans import Item, divisors, rank_sequences
 
 SETTINGS = settings(max_examples=150, deadline=None)
 
 
 def all_samples(counts: list[int]) -> Counter[Item]:
     return Counter((s, i) for s, n in enumerate(counts) for i in range(n))
-
-
-def read_rank(plan: EpochPlan, rank: int, num_workers: int, start: int = 0) -> list[tuple[int, Item]]:
-    """(rank-order position, sample) pairs read by all workers of ``rank``, sorted by position."""
-    out: list[tuple[int, Item]] = []
-    for worker in range(num_workers):
-        for run in plan.runs(World(rank, plan.world_size, worker, num_workers), start):
-            assert len(run.locals) == len(run.positions) > 0
-            out += [(int(p), (run.shard, int(i))) for p, i in zip(run.positions, run.locals, strict=True)]
-    out.sort()
-    return out
-
-
-def rank_sequences(plan: EpochPlan, num_workers: int, start: int = 0) -> list[list[Item]]:
-    seqs = []
-    for rank in range(plan.world_size):
-        pairs = read_rank(plan, rank, num_workers, start)
-        # the workers of a rank partition its items: each position exactly once
-        assert [p for p, _ in pairs] == list(range(start, start + len(pairs)))
-        seqs.append([item for _, item in pairs])
-    return seqs
 
 
 counts_st = st.lists(st.integers(0, 25), min_size=0, max_size=8)
@@ -112,10 +90,6 @@ def global_steps(counts: list[int], world_size: int, num_workers: int, split: Sp
     seqs = rank_sequences(EpochPlan(counts, world_size, split), num_workers)
     steps = len(seqs[0]) // chunk if seqs else 0
     return [[item for seq in seqs for item in seq[k * chunk : (k + 1) * chunk]] for k in range(steps)]
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 world_split_st = st.builds(

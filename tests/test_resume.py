@@ -15,7 +15,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from streamload import StreamingDataset
 from streamload._errors import PlanError
-from tests.test_split_basic import make_dataset
+from tests.helpers.datasets import make_dataset
 
 COUNTS = [13, 0, 21, 8, 17, 5]  # 64 samples
 BATCH = 4

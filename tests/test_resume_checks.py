@@ -17,7 +17,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from streamload import StreamingDataset
 from streamload._errors import PlanError
-from tests.test_split_basic import make_dataset
+from tests.helpers.datasets import make_dataset
 
 COUNTS = [20, 28]  # 48 samples
 BATCH = 4

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from streamload import Stream, StreamingDataset
-from tests.test_split_basic import make_dataset
+from tests.helpers.datasets import make_dataset
 
 COUNTS = [10, 7, 3, 12]
 BATCH = 3

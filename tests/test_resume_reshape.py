@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from streamload import Stream, StreamingDataset
 from streamload._errors import PlanError
-from tests.test_split_basic import make_dataset
+from tests.helpers.datasets import make_dataset
 
 COUNTS = [13, 0, 21, 8, 17, 5, 30]  # 94 samples
 

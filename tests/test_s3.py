@@ -1,7 +1,7 @@
 """Training from a bucket, against a real S3 server (SeaweedFS on loopback; tests/s3server.py).
 
 One server for the session; one dataset (96 samples, 12 tar shards) converted straight
-into a bucket by the CLI, read back in every way the issue asks for.
+into a bucket by the CLI, read back every way a trainer reads it.
 """
 
 from __future__ import annotations

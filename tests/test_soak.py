@@ -1,4 +1,4 @@
-"""Issue #13: a soak. Hundreds of short epochs through persistent DataLoader workers leak nothing.
+"""A soak: hundreds of short epochs through persistent DataLoader workers leak nothing.
 
 200 epochs of a 40-sample dataset (4 shards), shuffled within one shard's window, 2
 persistent workers, ``set_epoch`` every epoch, every fifth iterator abandoned after its

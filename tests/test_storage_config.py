@@ -1,6 +1,6 @@
 """``StorageConfig``: the storage settings as one checked object, and the old keywords' deprecation.
 
-Issue #23, item 3: ``StreamingDataset``, ``Stream``, ``ShardedDataset`` and the Lightning
+``StreamingDataset``, ``Stream``, ``ShardedDataset`` and the Lightning
 data module take ``storage=StorageConfig(...)``; each setting is checked once, when the
 object is made; the old keywords (``storage_options=``, ``cache_dir=``...) still work for
 one release with one ``DeprecationWarning`` per call, and mixing both forms is an error.

@@ -1,4 +1,4 @@
-"""Issue #13: ``verify`` says what it could not check, and digests of two algorithms are never compared.
+"""``verify`` says what it could not check, and digests of two algorithms are never compared.
 
 * A file the manifest gives no hash for is listed (``VerifyReport.unhashed``), and the
   command prints a NOTE and no ``OK`` (only sizes and the samples' own checksums were

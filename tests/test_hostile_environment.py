@@ -1,5 +1,8 @@
-"""Hostile inputs, third round: cache bookkeeping names, links planted in the cache, cut and
-stalled bodies, a full disk, terminal escapes, listing tables, and smaller weak points."""
+"""Hostile surroundings of a dataset: the cache folder, the network, the disk, the terminal, listing tables.
+
+Cache bookkeeping names, links planted in the cache, cut and stalled bodies, a full disk,
+terminal escapes in what a dataset or a folder shows, listing tables naming odd paths, and
+smaller weak points (wrong key types, labels that do not fit, a stand-in from another stream)."""
 
 from __future__ import annotations
 
@@ -21,8 +24,8 @@ from streamload._errors import CacheError, ConfigError, StorageError, Streamload
 from streamload.storage.cache import ShardCache
 from streamload.storage.retry import RetryPolicy, is_permanent, is_transient
 from tests.faults import Fault, FaultyS3
+from tests.helpers.cache_fills import file_entry, write_download
 from tests.s3server import SeaweedS3
-from tests.test_cache import _entry, _writer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,7 +59,7 @@ def _cache_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def _fill(cache: ShardCache, name: str, data: bytes) -> str | None:
     pin = cache.pin(name)
     try:
-        return cache.fill(_entry(name, data), _writer(data))
+        return cache.fill(file_entry(name, data), write_download(data))
     finally:
         pin.close()
 

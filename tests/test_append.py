@@ -1,9 +1,10 @@
-"""Issue #14's cluster-conversion cases: a Ray worker killed, appends interrupted and resumed, clashes.
+"""Appending to a dataset (``convert --append``): interrupted and resumed, keys or fields that clash, in a bucket.
 
-Real parts only: a local Ray instance (2 CPUs, dashboard off, shut down after the module),
-driver processes SIGKILLed mid-append, pyarrow-written Parquet tables, and the SeaweedFS
-server (``s3_server``) as both source and destination bucket. Every dataset is read back
-with :class:`streamload.StreamingDataset` and compared with the inputs' keys.
+Real parts only: driver processes SIGKILLed mid-append, pyarrow-written Parquet tables (with
+the columns a Hugging Face table carries, kept by ``--keep-columns``), and the SeaweedFS
+server (``s3_server``) as both source and destination bucket, whose listing is read like
+``find``. Every dataset is read back with :class:`streamload.StreamingDataset` and compared
+with the inputs' keys.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from streamload.converters import ConvertOptions, DatasetSource, ImageFolderSour
 from streamload.converters.journal import JOB_NAME
 from streamload.synthetic import make_image_folder, synthetic_jpeg
 from tests.s3server import SeaweedS3
-from tests.test_cluster import KillOnce
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,27 +72,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return first, second
 
 
-# -- 1. a Ray worker killed mid-task -------------------------------------------------------
-
-
-def test_a_ray_worker_killed_mid_shard_is_retried_and_the_output_is_identical(tmp_path: Path, ray_local: str) -> None:
-    folder = tmp_path / "images"
-    make_image_folder(str(folder), num_classes=3, per_class=8, size=(24, 20), seed=9)
-    local = convert(ImageFolderSource(str(folder)), str(tmp_path / "local"), ConvertOptions(**OPTS))
-    items = ImageFolderSource(str(folder)).scan().items
-    victim = items[12].key  # the third sample of shard 2: its staged file is half written when it dies
-    marker = tmp_path / "killed"
-    source = KillOnce(str(folder), victim, str(marker))
-    report = convert(source, str(tmp_path / "ray"), ConvertOptions(executor=ray_local, workers=2, **OPTS))
-    assert marker.exists()
-    assert int(marker.read_text()) not in (os.getpid(), 0)  # a Ray worker process died, not this driver
-    assert report.manifest.shards == local.manifest.shards  # the task ran again (max_retries) and wrote it all
-    assert sorted(os.listdir(tmp_path / "ray")) == sorted(os.listdir(tmp_path / "local"))  # no staging, no journal
-    assert _shards(tmp_path / "ray") == _shards(tmp_path / "local")  # byte-identical, no half or duplicate shard
-    _exactly_once(_keys(str(tmp_path / "ray")), {i.key for i in items})
-
-
-# -- 2. an interrupted append, resumed -----------------------------------------------------
+# -- 1. an interrupted append, resumed -----------------------------------------------------
 
 APPEND_DRIVER = """
 import os, signal, sys, time
@@ -190,7 +170,7 @@ def test_an_append_killed_after_publishing_is_finished_by_resume(
     _exactly_once(_keys(str(out)), expected | _input_keys(third))
 
 
-# -- 3. keys already in the dataset ---------------------------------------------------------
+# -- 2. keys already in the dataset ---------------------------------------------------------
 
 
 def test_append_with_present_keys_skips_and_lists_them_or_names_the_first(
@@ -224,7 +204,7 @@ def test_append_with_present_keys_skips_and_lists_them_or_names_the_first(
     _exactly_once(_keys(str(out)), _input_keys(first) | {k for k in _input_keys(clashing) if k.count("new-")})
 
 
-# -- 4. other fields are refused, nothing published -----------------------------------------
+# -- 3. other fields are refused, nothing published -----------------------------------------
 
 
 def _hf_table(path: Path, rows: int, seed: int, prefix: str) -> list[dict[str, Any]]:
@@ -301,7 +281,7 @@ def test_other_fields_found_only_while_writing_are_refused_and_cleaned_up(
     _exactly_once(_keys(str(out)), _input_keys(first) | _input_keys(mixed))
 
 
-# -- 5. --keep-columns from Parquet ---------------------------------------------------------
+# -- 4. --keep-columns from Parquet ---------------------------------------------------------
 
 
 def test_keep_columns_of_a_hugging_face_parquet_table(tmp_path: Path) -> None:
@@ -322,7 +302,7 @@ def test_keep_columns_of_a_hugging_face_parquet_table(tmp_path: Path) -> None:
         assert int(sample["cls"]) == record["label"]
 
 
-# -- 6. append and read in a bucket ----------------------------------------------------------
+# -- 5. append and read in a bucket ----------------------------------------------------------
 
 
 def _upload(server: SeaweedS3, root: Path, url: str) -> None:

@@ -9,23 +9,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from streamload import StreamingDataset
-
-
-def make_dataset(root: Path, counts: list[int]) -> Path:
-    """A tar dataset whose shard i holds counts[i] samples keyed s<i>_<j>."""
-    from streamload.formats import get_format
-    from streamload.manifest import Manifest
-    from streamload.storage import LocalDestination
-    from streamload.writer import publish_manifest, write_shard
-
-    fmt = get_format("tar")
-    dest = LocalDestination(str(root))
-    entries = []
-    for i, n in enumerate(counts):
-        samples = ({"__key__": f"s{i}_{j}", "txt": f"{i}-{j}".encode()} for j in range(n))
-        entries.append(write_shard(fmt, dest, fmt.shard_name(i), samples).entry)
-    publish_manifest(dest, Manifest(format="tar", shards=tuple(entries), fields=("txt",)))
-    return root
+from tests.helpers.datasets import make_dataset
 
 
 @pytest.mark.parametrize("counts", [[37], [10, 10], [5, 0, 9, 1], [3] * 9])
