@@ -34,8 +34,7 @@ from ._validate import check_on_error
 from .formats import Format, get_format
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedInput, check_data_root
 from .storage import Destination, RemoteDestination, is_local, local_path_of, open_destination
-from .storage.retry import RetryPolicy
-from .storage.transport import RemoteFiles
+from .storage.transport import open_transport
 
 __all__ = ["INDEXED_BY", "index_directory", "index_shard", "publish_index"]
 
@@ -224,11 +223,7 @@ class _Source:
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
         self.url = str(url)
-        self.files = (
-            None
-            if is_local(self.url)
-            else RemoteFiles(self.url.rstrip("/"), dict(storage_options or {}), RetryPolicy())
-        )
+        self.files = None if is_local(self.url) else open_transport(self.url.rstrip("/"), storage_options)
 
     def root(self) -> str:
         """The ``data_root`` naming this place: an absolute path, or the URL."""

@@ -18,13 +18,13 @@ entries); it never reads the manifest itself. See ``docs/design.md#storage-and-t
 Streaming mode (``cache="none"``, or ``"auto"`` when the cache cannot hold what a
 shuffle window needs): a remote tar shard is not downloaded; only its sidecar is cached
 (verified by its manifest hash), and its reader reads the shard's bytes through a
-:class:`~streamload.storage.ranges.StreamedFile`, served from the byte ranges fetched
+:class:`~streamload.storage.bytes.StreamedFile`, served from the byte ranges fetched
 ahead for the planned batches (:meth:`ShardSource.fetch_ahead`). A sample that fails its
 checksum drops the shard's fetched ranges and is read once more from the bucket; bad
 again, the shard is bad at its source.
 
-Corrupt cached copies. A remote dataset's files are local *copies* (a :class:`CachedCopies`
-storage); one can go bad on disk after it was verified, and the format reader's checksums
+Corrupt cached copies. A remote dataset's files are local *copies* (a storage whose
+``cached`` is true); one can go bad on disk after it was verified, and the format reader's checksums
 find it. Then :meth:`ShardSource.recover` (while reading) and :meth:`ShardSource.get` (when
 opening) drop the bad copy and read a fresh download, once per shard and iteration: a
 shard still bad then is bad at its source, and its error says so, naming the shard's
@@ -39,9 +39,8 @@ import os
 import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Protocol, TypedDict, runtime_checkable
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -67,18 +66,17 @@ from .formats.tar import TarShardReader
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardEntry, data_root_place, is_under
 from .plan import Run
 from .storage import Storage, is_local, open_storage
-from .storage.parts import Landing
-from .storage.ranges import RangeFetcher, StreamedFile, Ticket
-from .storage.retry import RetryPolicy
+from .storage.bytes import Landing
+from .storage.config import check_flag, check_seconds, check_size
+from .storage.executor import io_executor
+from .storage.ranges import RangeFetcher, Ticket
 from .storage.split import split_storage
-from .storage.transport import RemoteFiles
 
 __all__ = [
     "ALLOW_DATA_ROOTS_ENV",
     "CACHE_KEYWORDS",
     "CACHE_MODES",
     "CacheMode",
-    "CachedCopies",
     "DatasetRef",
     "ShardSource",
     "STORAGE_KEYWORDS",
@@ -184,6 +182,18 @@ class StorageConfig:
             ``$STREAMLOAD_ALLOW_DATA_ROOTS`` (separated by spaces; what the command line's
             ``--allow-data-root`` sets) are allowed too, read with these ``storage_options``.
             A manifest from a URL may never name local files. See ``docs/remote.md``.
+        retry_timeout: Seconds a failing remote call is retried, counted from the start of
+            its first failed attempt (``None``: ``$STREAMLOAD_RETRY_TIMEOUT``, else 120;
+            ``0``: no retry).
+        read_timeout: Seconds a remote read may go without a byte before it fails (and is
+            retried) (``None``: ``$STREAMLOAD_READ_TIMEOUT``, else 30).
+        s3_direct: Read S3 shard bytes on botocore's own client (``True``) or through s3fs
+            (``False``) (``None``: ``$STREAMLOAD_S3_DIRECT``, else ``True``).
+        parquet_cache: Bytes of decoded Parquet row groups a process keeps (an int or a
+            string like ``"2GB"``, kept as bytes; ``None``: ``$STREAMLOAD_PARQUET_CACHE``,
+            else 1 GiB). Carried for the Parquet reader.
+        cache_shared: Accept a cache directory other users may write (a group's shared
+            cache) (``None``: ``$STREAMLOAD_CACHE_SHARED``, else ``False``).
 
     Raises:
         ConfigError: If a field's value is not one it can take.
@@ -202,6 +212,11 @@ class StorageConfig:
     stream_buffer: int | None
     lock_timeout: float | None
     allow_data_roots: Mapping[str, Mapping[str, Any]] | None
+    retry_timeout: float | None
+    read_timeout: float | None
+    s3_direct: bool | None
+    parquet_cache: int | None
+    cache_shared: bool | None
 
     def __init__(
         self,
@@ -213,6 +228,11 @@ class StorageConfig:
         stream_buffer: int | str | None = None,
         lock_timeout: float | None = None,
         allow_data_roots: Sequence[str] | Mapping[str, Mapping[str, Any] | None] | None = None,
+        retry_timeout: float | None = None,
+        read_timeout: float | None = None,
+        s3_direct: bool | None = None,
+        parquet_cache: int | str | None = None,
+        cache_shared: bool | None = None,
     ) -> None:
         checked: dict[str, Any] = {
             "storage_options": check_storage_options(storage_options),
@@ -223,6 +243,11 @@ class StorageConfig:
             "stream_buffer": parse_stream_buffer(stream_buffer),
             "lock_timeout": check_lock_timeout(lock_timeout),
             "allow_data_roots": check_allowed_roots(allow_data_roots),
+            "retry_timeout": check_seconds("retry_timeout", retry_timeout, zero=True),
+            "read_timeout": check_seconds("read_timeout", read_timeout),
+            "s3_direct": check_flag("s3_direct", s3_direct),
+            "parquet_cache": check_size("parquet_cache", parquet_cache),
+            "cache_shared": check_flag("cache_shared", cache_shared),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)  # frozen: set once, here
@@ -261,6 +286,10 @@ class StorageConfig:
             self.cache_limit,
             self.read_ahead,
             lock_timeout=self.lock_timeout,
+            retry_timeout=self.retry_timeout,
+            read_timeout=self.read_timeout,
+            s3_direct=self.s3_direct,
+            cache_shared=self.cache_shared,
         )
 
     def data_root_options(self, root: str) -> dict[str, Any] | None:
@@ -370,32 +399,6 @@ def load_manifest(storage: Storage, url: str) -> Manifest:
     return Manifest.loads(raw, where=where)
 
 
-@runtime_checkable
-class CachedCopies(Protocol):
-    """A storage whose files are local copies of remote ones, in a cache shared by the readers of a machine.
-
-    (:class:`~streamload.storage.remote.RemoteStorage`; a local dataset's storage is not one.)
-    """
-
-    #: The cache bound the storage chose itself (no ``cache_limit`` was given), else ``None``.
-    default_limit: int | None
-
-    def discard(self, entry: FileEntry) -> bool:
-        """Drop the copy of ``entry`` a reader found corrupt; True if the next acquire brings another."""
-
-    def register_reader(self, largest: int) -> None:
-        """A reader of shards of up to ``largest`` bytes starts (admission; may raise ``CacheError``)."""
-
-    def unregister_reader(self) -> None:
-        """A reader ended."""
-
-    def acquire_early(self, entry: FileEntry) -> str | Landing:
-        """Pin ``entry``; a file not cached yet comes as its download in progress (read as its bytes land)."""
-
-    def started(self) -> None:
-        """The reader made its first item (read-ahead held until then may start)."""
-
-
 @dataclass(frozen=True)
 class DatasetRef:
     """A dataset opened once: URL, manifest, format and storage settings (picklable, no I/O).
@@ -428,7 +431,7 @@ class DatasetRef:
             storage = _with_data_root(url, manifest, config, storage)
             config = _choose_mode(url, manifest, storage, config)
             storage.check_capacity(_largest_cached(manifest, config))
-            if config.cache_limit is None and isinstance(storage, CachedCopies) and storage.default_limit:
+            if config.cache_limit is None and storage.cached and storage.default_limit:
                 # The default bound, chosen once here: every worker and rank gets the same number.
                 config = replace(config, cache_limit=storage.default_limit)
         finally:
@@ -461,7 +464,7 @@ class DatasetRef:
                 shards one shuffle window spans, times the readers); ``"auto"`` streams
                 when the cache limit cannot hold that many of the largest shards.
         """
-        if not isinstance(storage, CachedCopies):
+        if not storage.cached:
             return False  # a local dataset is read in place
         why = choose_streaming(
             self.config.cache or "shards",
@@ -554,7 +557,7 @@ def _choose_mode(url: str, manifest: Manifest, storage: Storage, config: Storage
     Raises:
         ConfigError: ``cache="none"`` for a remote dataset whose shards cannot be streamed.
     """
-    remote = isinstance(storage, CachedCopies)
+    remote = storage.cached
     if config.cache == "none" and remote and not can_stream(manifest):
         what = f"{manifest.format} shards" if manifest.format != "tar" else "tar shards without sidecars"
         raise ConfigError(
@@ -622,14 +625,13 @@ class ShardSource:
         self._format = ref.format
         self._open: OrderedDict[int, ShardReader] = OrderedDict()
         self._started = False  # the reader made its first item: no more shards opened over their downloads
-        self._copies = storage if isinstance(storage, CachedCopies) else None
+        self._copies = storage if storage.cached else None
         self.streaming = streaming and self._copies is not None
         if self.streaming and not can_stream(ref.manifest):
             raise ConfigError(f"{ref.url}: {ref.manifest.format} shards cannot be streamed by byte ranges")
         self.fetcher: RangeFetcher | None = None
         if self.streaming:
-            files = RemoteFiles(ref.data_url, ref.config.options, RetryPolicy())
-            self.fetcher = RangeFetcher(files)  # its threads start with the first fetch
+            self.fetcher = storage.open_ranges()  # its GETs start with the first fetch
         if self._copies is not None:
             self._copies.register_reader(self._largest_cached)
         self.capacity = self._capacity()
@@ -701,7 +703,7 @@ class ShardSource:
 
         The shard's download starts in a thread of the storage, the sidecar is acquired
         meanwhile, and the reader reads each sample as soon as the part holding it has
-        landed (:meth:`~streamload.storage.remote.RemoteStorage.acquire_early`), checked
+        landed (:meth:`~streamload.storage.Storage.open_bytes` with ``early=True``), checked
         by the sample's own digest as every read is; the whole file is still hash-checked
         before it counts as cached. ``None``: not applicable, or the shard is cached
         already (the caller opens it as usual).
@@ -717,8 +719,9 @@ class ShardSource:
             or self._started
         ):
             return None
-        got = copies.acquire_early(entry)  # a miss starts the shard's download in a thread and returns at once
+        got = copies.open_bytes(entry, early=True)  # a miss starts the shard's download and returns at once
         if not isinstance(got, Landing):  # cached: the usual reader (and its checks at open)
+            got.close()
             self.storage.release(entry)
             return None
         try:
@@ -759,19 +762,18 @@ class ShardSource:
         if self._copies is None:  # local files: nothing to wait for
             return self._acquire_both(entry, entry.sidecar)
         # Remote: the sidecar comes by a GET of its own alongside the shard's parts (not after them).
-        with ThreadPoolExecutor(1, thread_name_prefix="streamload-sidecar") as pool:
-            side = pool.submit(self.storage.acquire, entry.sidecar)
-            try:
-                path = self.storage.acquire(entry)
-            except BaseException:
-                if side.exception() is None:
-                    self.storage.release(entry.sidecar)
-                raise
-            try:
-                sidecar = side.result()
-            except BaseException:
-                self.storage.release(entry)
-                raise
+        side = io_executor().submit("side", self.storage.acquire, entry.sidecar)
+        try:
+            path = self.storage.acquire(entry)
+        except BaseException:
+            if side.exception() is None:
+                self.storage.release(entry.sidecar)
+            raise
+        try:
+            sidecar = side.result()
+        except BaseException:
+            self.storage.release(entry)
+            raise
         return path, sidecar
 
     def _acquire_both(self, entry: ShardEntry, sidecar_entry: FileEntry) -> tuple[str, str]:
@@ -797,7 +799,7 @@ class ShardSource:
         """Build the format's reader over acquired files (not kept in the LRU)."""
         entry = self.ref.manifest.shards[shard]
         if self.fetcher is not None:
-            source = StreamedFile(self.fetcher, entry.name, entry.num_bytes)
+            source = self.storage.open_bytes(entry, ranges=self.fetcher)
             # No header reads at open (two round trips): the samples' checksums catch a mismatch.
             ranged: Any = self._format.reader  # tar and parquet readers take ranged reads as source=
             reader: ShardReader = ranged(path, entry, sidecar, source=source, check_headers=False)
@@ -992,7 +994,7 @@ class ShardSource:
                     if wanted:
                         shards = self.ref.manifest.shards
                         names = [f.name for s in together for f in shards[s].files]
-                        self.storage.prefetch([f for s in wanted for f in shards[s].files], names)
+                        self.storage.fetch_ahead([f for s in wanted for f in shards[s].files], names)
                 first = False
             yield run
 
@@ -1049,7 +1051,7 @@ class ShardSource:
                 reader.close()
                 self.release(shard)
             if self.storage.read_ahead:
-                self.storage.prefetch(())  # the epoch ended or was abandoned
+                self.storage.fetch_ahead(())  # the epoch ended or was abandoned
         finally:
             copies, self._copies = self._copies, None
             try:

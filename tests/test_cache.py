@@ -295,9 +295,9 @@ def test_read_ahead_threads_end_when_the_iterator_is_closed_early(memory_dataset
     it.close()  # type: ignore[attr-defined]
     ds._get_storages()[0].close()
     deadline = time.monotonic() + 30
-    while any(t.name == "streamload-read-ahead" for t in threading.enumerate()) and time.monotonic() < deadline:
+    while any(t.name == "streamload-ahead" for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not [t for t in threading.enumerate() if t.name == "streamload-read-ahead"]
+    assert not [t for t in threading.enumerate() if t.name == "streamload-ahead"]
 
 
 def test_cache_limit_too_small_is_a_clear_error(memory_dataset: str, tmp_path: Path) -> None:

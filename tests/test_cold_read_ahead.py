@@ -42,16 +42,16 @@ def memory_url() -> Iterator[str]:
 
 
 def _recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[str], set[str]]]:
-    """Record every ``(window, together)`` given to ``RemoteStorage.prefetch`` (the real method still runs)."""
+    """Record every ``(window, together)`` given to ``RemoteStorage.fetch_ahead`` (the real method still runs)."""
     calls: list[tuple[list[str], set[str]]] = []
-    real = RemoteStorage.prefetch
+    real = RemoteStorage.fetch_ahead
 
     def prefetch(self: RemoteStorage, entries: Iterable[FileEntry], together: Iterable[str] = ()) -> None:
         wanted, now = list(entries), list(together)
         calls.append(([e.name for e in wanted], set(now)))
         real(self, wanted, now)
 
-    monkeypatch.setattr(RemoteStorage, "prefetch", prefetch)
+    monkeypatch.setattr(RemoteStorage, "fetch_ahead", prefetch)
     return calls
 
 

@@ -22,8 +22,9 @@ from torch.utils.data import DataLoader
 
 from streamload import DatasetWriter, StorageConfig, StreamingDataset
 from streamload.batch import RawCollate
+from streamload.storage.bytes import Landing
 from streamload.storage.cache import ShardCache
-from streamload.storage.parts import Landing, PartSlots
+from streamload.storage.executor import LANES, io_executor
 from streamload.storage.remote import RemoteStorage
 from tests.faults import Fault, FaultyS3
 from tests.s3server import SeaweedS3
@@ -100,32 +101,39 @@ def test_read_ahead_runs_beside_the_readers_own_download(faulty_s3: FaultyS3, da
 
 
 def test_parts_of_the_download_a_reader_waits_for_go_first() -> None:
-    """All slots busy with read-ahead parts: the reader's part starts at once; read-ahead waits for a free slot."""
-    slots = PartSlots(2)
-    assert slots.take(False) and slots.take(False)
+    """Read-ahead's part lane full: the reader's part starts at once; a read-ahead part waits for a free thread."""
+    executor = io_executor()
+    release = threading.Event()
+    busy = [executor.submit("ahead_parts", release.wait, 10.0) for _ in range(LANES["ahead_parts"])]
     order: list[str] = []
-
-    def take(name: str, urgent: bool) -> None:
-        assert slots.take(urgent)
-        order.append(name)
-
-    ahead = threading.Thread(target=take, args=("ahead", False))
-    ahead.start()
+    ahead = executor.submit("ahead_parts", order.append, "ahead")
     time.sleep(0.2)
-    assert order == []  # read-ahead waits: the slots are full
-    own = threading.Thread(target=take, args=("own", True))
-    own.start()
-    own.join(5)
-    assert order == ["own"] and slots.busy == 3  # the reader's part did not queue behind it
-    slots.give()
-    time.sleep(0.2)
-    assert order == ["own"]  # 2 in flight: still full for read-ahead
-    slots.give()
-    ahead.join(5)
-    assert order == ["own", "ahead"] and slots.busy == 2
-    stop = threading.Event()
-    stop.set()
-    assert not slots.take(False, stop)  # full: a download that stops gives up its wait
+    assert order == []  # read-ahead waits: its lane is full
+    executor.submit("parts", order.append, "own").result(5)
+    assert order == ["own"]  # the reader's part did not queue behind it
+    release.set()
+    ahead.result(5)
+    assert order == ["own", "ahead"] and all(f.result(5) for f in busy)
+
+
+def test_a_download_with_read_ahead_running_cannot_starve(tmp_path: Path) -> None:
+    """Every read-ahead lane full and waiting on its parts: a download's own parts still run; nested waits refused."""
+    executor = io_executor()
+    release = threading.Event()
+
+    def ahead_download() -> bool:  # a read-ahead download: waits on parts of the lane below it
+        parts = [executor.submit("ahead_parts", release.wait, 10.0) for _ in range(2)]
+        return all(p.result(10) for p in parts)
+
+    downloads = [executor.submit("ahead", ahead_download) for _ in range(LANES["ahead_parts"])]
+    own = [executor.submit("parts", lambda i=i: i) for i in range(4 * LANES["ahead_parts"])]
+    assert [f.result(5) for f in own] == list(range(4 * LANES["ahead_parts"]))
+    release.set()
+    assert all(f.result(10) for f in downloads)
+    # a task may wait only on lower lanes: one sent to its own lane (which could deadlock it) is refused
+    nested = executor.submit("ahead", lambda: executor.submit("ahead", time.sleep, 0).result())
+    with pytest.raises(RuntimeError, match="may not start tasks on the 'ahead' lane"):
+        nested.result(5)
 
 
 def test_a_batch_from_a_partly_downloaded_shard_equals_the_batch_from_the_finished_file(
@@ -189,11 +197,11 @@ def test_a_reader_reads_the_parts_another_process_has_landed(
         RemoteStorage(url, faulty_s3.storage_options(), cache_dir=str(tmp_path), read_ahead=0) for _ in range(2)
     )
     try:
-        downloading = first.acquire_early(entry)
+        downloading = first.open_bytes(entry, early=True)
         assert isinstance(downloading, Landing)
         assert downloading.pread(1000, 5000) == want[5000:6000]  # landed in the first process
         began = time.monotonic()
-        following = second.acquire_early(entry)
+        following = second.open_bytes(entry, early=True)
         assert isinstance(following, Landing)
         assert following.pread(1000, 5000) == want[5000:6000]
         assert time.monotonic() - began < 2.0, "the second reader waited for the whole file"

@@ -37,14 +37,18 @@ def test_s3fs_options_map_to_one_client_or_stay_on_s3fs(monkeypatch: pytest.Monk
     assert args["config"].max_pool_connections >= 32  # botocore's 10 would queue a download's parts
     assert args["config"].read_timeout == RetryPolicy().inactivity_timeout  # a stalled body fails, then is retried
     assert direct._get_args == {"RequestPayer": "requester"}
-    anon = direct_s3("s3", {"anon": True})
+    anon = direct_s3({"anon": True})
     assert anon is not None and anon._client_args["config"].signature_version is UNSIGNED
     # what this module does not know stays on s3fs, and so do other protocols
-    assert direct_s3("s3", {**base, "session": object()}) is None
-    assert direct_s3("s3", {**base, "s3_additional_kwargs": {"ACL": "private"}}) is None
-    assert direct_s3("gs", base) is None
-    monkeypatch.setenv(DIRECT_ENV, "0")
-    assert direct_s3("s3", base) is None
+    assert direct_s3({**base, "session": object()}) is None
+    assert direct_s3({**base, "s3_additional_kwargs": {"ACL": "private"}}) is None
+    assert RemoteFiles("memory://x", {}, RetryPolicy()).direct is None
+    assert (
+        RemoteFiles("s3://b/x", base, RetryPolicy(), s3_direct=False).direct is None
+    )  # StorageConfig(s3_direct=False)
+    monkeypatch.setenv(DIRECT_ENV, "0")  # the default of the switch
+    assert RemoteFiles("s3://b/x", base, RetryPolicy()).direct is None
+    assert RemoteFiles("s3://b/x", base, RetryPolicy(), s3_direct=True).direct is not None
 
 
 @pytest.fixture(scope="module")

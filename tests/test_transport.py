@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from streamload._errors import CorruptShardError
-from streamload.storage.parts import PartPlanner
+from streamload.storage.parts import LinkModel, PartPlanner
 from streamload.storage.retry import RetryPolicy
 from streamload.storage.s3direct import DIRECT_ENV
 from streamload.storage.transport import RemoteFiles
@@ -70,13 +70,13 @@ def _count_ranges(files: RemoteFiles, fail: set[int] | None = None) -> Counter[t
 
         direct._open = open_range  # type: ignore[method-assign]
         return calls
-    real = files.ranged
+    real = files.backend.get_range
 
     def ranged(path: str, url: str, start: int, end: int) -> bytes:
         count(start, end)
         return real(path, url, start, end)
 
-    files.ranged = ranged  # type: ignore[method-assign]
+    files.backend.get_range = ranged  # type: ignore[method-assign]
     return calls
 
 
@@ -128,8 +128,8 @@ def test_an_object_of_another_size_than_its_entry_is_corrupt(
 
 
 def test_the_planner_sizes_parts_from_latency_and_rate() -> None:
-    near = PartPlanner(latency=0.001, rate=1e9)
-    far = PartPlanner(latency=0.1, rate=40e6)
+    near = PartPlanner(link=LinkModel(latency=0.001, rate=1e9))
+    far = PartPlanner(link=LinkModel(latency=0.1, rate=40e6))
     assert near.chosen_part_size() == near.min_part  # little latency to hide: small parts
     assert far.chosen_part_size() == 16 * 2**20  # 4 x 100 ms x 40 MB/s, capped at max_part
     assert far.concurrency(64 * 2**20) == 4 and far.concurrency(1000) == 1
@@ -137,43 +137,49 @@ def test_the_planner_sizes_parts_from_latency_and_rate() -> None:
     assert parts[0][0] == 0 and parts[-1][1] == 64 * 2**20 + 1
     assert all(a[1] == b[0] for a, b in zip(parts, parts[1:], strict=False))
     # Measurements move the estimates: slow large parts lower the rate, slow small ones raise the latency.
-    far.observe(16 * 2**20, 2.0)
+    far.link.observe(16 * 2**20, 2.0)
     assert far.rate < 40e6
-    far.observe(1000, 0.3)
+    far.link.observe(1000, 0.3)
     assert far.latency > 0.1
 
 
 def test_a_tar_shard_read_by_ranges_equals_the_local_read(
     s3_server: SeaweedS3, tar_dataset: Path, tmp_path: Path
 ) -> None:
-    """The tar reader over ranged GETs of the bucket object: the same samples, few requests."""
+    """The tar reader over a storage's streamed bytes of the bucket object: the same samples, few requests."""
     import numpy as np
 
     from streamload.formats import get_format
     from streamload.manifest import Manifest
-    from streamload.storage.transport import RangedFile
+    from streamload.storage.bytes import StreamedFile
+    from streamload.storage.remote import RemoteStorage
 
     manifest = Manifest.loads((tar_dataset / "index.json").read_bytes())
     entry = manifest.shards[0]
     assert entry.sidecar is not None
     bucket = s3_server.make_bucket()
     s3_server.filesystem().put_file(str(tar_dataset / entry.name), f"{bucket}/{entry.name}")
-    files = RemoteFiles(f"s3://{bucket}", s3_server.storage_options(), RetryPolicy(timeout=20))
+    storage = RemoteStorage(f"s3://{bucket}", s3_server.storage_options(), cache_dir=str(tmp_path), read_ahead=0)
+    ranges = storage.open_ranges()
     fmt = get_format("tar")
     local = fmt.reader(str(tar_dataset / entry.name), entry, str(tar_dataset / entry.sidecar.name))
-    ranged_file = RangedFile(files, entry.name, entry.num_bytes, block_size=1 << 20)
-    remote = fmt.reader(entry.name, entry, str(tar_dataset / entry.sidecar.name), source=ranged_file)  # type: ignore[call-arg]
+    streamed = storage.open_bytes(entry, ranges=ranges)
+    assert isinstance(streamed, StreamedFile)
+    remote = fmt.reader(entry.name, entry, str(tar_dataset / entry.sidecar.name), source=streamed, check_headers=False)  # type: ignore[call-arg]
     try:
         n = entry.num_samples
-        assert [remote.get(i) for i in range(n)] == [local.get(i) for i in range(n)]
-        assert ranged_file.requests <= 3, "sequential samples are read a block at a time"
         idx = np.array([n - 1, 0, 2])
+        ticket = ranges.fetch([(entry.name, entry.num_bytes, remote.sample_extents(idx).tolist())])  # type: ignore[attr-defined]
         sizes = remote.field_sizes(idx, ("jpg",))  # type: ignore[attr-defined]
         out = np.zeros(int(sizes.sum()), dtype=np.uint8)
-        before = ranged_file.requests
         remote.read_groups_into(idx, [(("jpg",), out, sizes)])  # type: ignore[attr-defined]
         assert out.tobytes() == b"".join(local.get(int(i))["jpg"] for i in idx)
-        assert ranged_file.requests - before <= 3, "one request per coalesced run"
+        assert ranges.stats.misses == 0 and ranges.stats.requests == ranges.stats.spans <= 3, ranges.stats
+        ranges.forget(ticket)
+        assert [remote.get(i) for i in range(n)] == [local.get(i) for i in range(n)]  # no span: direct GETs
+        assert ranges.stats.misses > 0
     finally:
         local.close()
         remote.close()
+        ranges.close()
+        storage.close()

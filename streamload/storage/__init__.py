@@ -5,11 +5,29 @@ Local paths are used in place (:class:`LocalStorage`). Any other fsspec URL (``s
 keeps a bounded local cache shared by every worker and rank on the machine. Converters
 write through a :class:`Destination`.
 
-Rooms: ``base`` (the interface, local directories), ``filesystems`` (fsspec instances per
-process), ``transport`` (remote files with retries), ``bounded`` (ranged GETs that keep
-no byte past their range), ``cache`` (the shared cache
-directory), ``readahead`` (background fetches), ``remote`` (:class:`RemoteStorage`),
-``destination`` (writing), ``retry`` (the retry policy).
+The path of a byte, in one direction: URL -> backend -> transport -> cache -> bytes.
+
+Rooms:
+
+* ``base``: the :class:`Storage` interface (no-op defaults for what only a cache does) and
+  local directories;
+* ``backends/``: what is particular to a protocol family, behind a registry
+  (``fsspec`` generic, ``s3``, ``http``; :func:`~.backends.register_backend`);
+* ``filesystems``: the fsspec instances of a process (a front of ``backends.fsspec``);
+* ``s3direct``: S3 ranged reads on botocore's own client; ``bounded``: the checks that
+  keep a ranged GET from taking a byte past its range;
+* ``transport``: the files under a URL prefix with retries (:func:`~.transport.open_transport`);
+  ``retry``: the retry policy and error classes;
+* ``parts``: the link model and how a download is cut into parts; ``executor``: the one
+  I/O executor of a process, its lanes;
+* ``bytes``: :class:`~.bytes.ShardBytes` and its kinds (a local file, a download read as
+  it lands, streamed ranges); ``ranges``: streaming mode's ranges fetched ahead;
+* ``cache``, ``locks``, ``cachedir``, ``admission``, ``room``: the shared cache directory,
+  its locks, where it lives, its readers, its bound;
+* ``fill``: how a file comes into the cache; ``readahead``: background fetches and their
+  depth; ``remote``: :class:`~.remote.RemoteStorage`; ``split``: an index kept apart from
+  its files;
+* ``config``: checks of the tuning settings; ``destination``: writing.
 """
 
 from __future__ import annotations
@@ -41,17 +59,27 @@ def open_storage(
     read_ahead: int | None = None,
     *,
     lock_timeout: float | None = None,
+    retry_timeout: float | None = None,
+    read_timeout: float | None = None,
+    s3_direct: bool | None = None,
+    cache_shared: bool | None = None,
 ) -> Storage:
     """Return the :class:`Storage` for a dataset directory or URL prefix.
 
     ``cache_dir``, ``cache_limit``, ``read_ahead`` (shards downloaded ahead per
-    worker; ``None`` for the default) and ``lock_timeout`` (the longest wait for one of
-    the cache's locks; ``None`` for the default) apply to remote URLs only.
+    worker), ``lock_timeout`` (the longest wait for one of the cache's locks),
+    ``retry_timeout`` (the retry budget), ``read_timeout`` (the inactivity timeout of a
+    read), ``s3_direct`` and ``cache_shared`` apply to remote URLs only; ``None`` takes
+    each one's default (see :class:`~streamload.StorageConfig`).
     """
     url = str(url)
     if is_local(url):
         return LocalStorage(local_path_of(url))
     from .remote import DEFAULT_READ_AHEAD, RemoteStorage
+    from .retry import RetryPolicy
+
+    timeouts = {"timeout": retry_timeout, "inactivity_timeout": read_timeout}
+    retry = RetryPolicy(**{k: v for k, v in timeouts.items() if v is not None})
 
     return RemoteStorage(
         url,
@@ -60,6 +88,9 @@ def open_storage(
         cache_limit=cache_limit,
         read_ahead=DEFAULT_READ_AHEAD if read_ahead is None else read_ahead,
         lock_timeout=lock_timeout,
+        retry=retry,
+        s3_direct=s3_direct,
+        cache_shared=cache_shared,
     )
 
 

@@ -1,11 +1,17 @@
 """Where a dataset's files are read from: the :class:`Storage` interface and local directories.
 
-Readers ask a storage for three things: a small file's bytes (the manifest), a *local
-path* to a file that stays valid until they release it (a shard, a sidecar), and, as a
-hint, which files they will need next. Callers tell the storage what each file must be
-(a :class:`~streamload._files.FileEntry`: size, digest, algorithm); a storage never reads
-a manifest. Local datasets answer with the files themselves; remote ones download into a
-bounded, shared cache first (:mod:`streamload.storage.remote`).
+Readers ask a storage for a small file's bytes (the manifest), a *local path* to a file
+that stays valid until they release it (a shard, a sidecar), or the file's bytes as
+positioned reads (:meth:`Storage.open_bytes`: a local file, a download read as its parts
+land, ranges streamed from a bucket; see :mod:`.bytes`), and, as a hint, which files
+they will need next (:meth:`Storage.fetch_ahead`). A storage whose files are copies in a
+cache shared by the readers of a machine (:attr:`Storage.cached`) also admits readers,
+discards copies found corrupt and streams ranges; the others answer with no-ops.
+
+Callers tell the storage what each file must be (a :class:`~streamload._files.FileEntry`:
+size, digest, algorithm); a storage never reads a manifest. Local datasets answer with the
+files themselves; remote ones download into a bounded, shared cache first
+(:mod:`streamload.storage.remote`).
 """
 
 from __future__ import annotations
@@ -15,9 +21,14 @@ import os
 import stat
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from .._errors import CorruptShardError, ManifestNotFoundError, ShardNotFoundError, StorageError, UnsafeShardError
 from .._files import FileEntry, check_file_name, is_local, local_path_of
+from .bytes import FileBytes, ShardBytes, StreamedFile
+
+if TYPE_CHECKING:
+    from .ranges import RangeFetcher
 
 __all__ = ["LocalStorage", "Storage", "is_local", "local_path_of"]
 
@@ -26,11 +37,15 @@ class Storage(ABC):
     """Read access to one dataset's directory or URL prefix."""
 
     url: str
-    #: The most shards a reader should name to :meth:`prefetch` ahead of the one it reads
+    #: The most shards a reader should name to :meth:`fetch_ahead` ahead of the one it reads
     #: (0: none); :meth:`ahead_depth` says how many now.
     read_ahead: int = 0
     #: Bytes the local cache may hold (``None``: unbounded, or no cache: read in place).
     limit: int | None = None
+    #: The files are local copies of remote ones, in a cache shared by the readers of a machine.
+    cached: bool = False
+    #: The cache bound the storage chose itself (no ``cache_limit`` was given), else ``None``.
+    default_limit: int | None = None
 
     @abstractmethod
     def read_bytes(self, name: str, max_bytes: int | None = None, *, not_found: str | None = None) -> bytes:
@@ -51,7 +66,46 @@ class Storage(ABC):
     def release(self, entry: FileEntry) -> None:  # noqa: B027 - optional hook
         """Tell the storage the local copy of ``entry`` is no longer in use."""
 
-    def prefetch(self, entries: Iterable[FileEntry], together: Iterable[str] = ()) -> None:  # noqa: B027
+    def open_bytes(self, entry: FileEntry, *, early: bool = False, ranges: RangeFetcher | None = None) -> ShardBytes:
+        """Return ``entry``'s bytes as positioned reads; pair with :meth:`release` (except with ``ranges``).
+
+        Args:
+            entry: The file.
+            early: A file not cached yet may come as its download in progress
+                (:class:`~.bytes.Landing`: read as its parts land), where the storage can.
+            ranges: Streaming: read by ranges fetched ahead by this fetcher (see
+                :meth:`open_ranges`); nothing is pinned.
+        """
+        if ranges is not None:
+            return StreamedFile(ranges, entry.name, entry.num_bytes)
+        path = self.acquire(entry)
+        try:
+            return FileBytes(os.open(path, os.O_RDONLY))
+        except OSError as exc:
+            self.release(entry)
+            raise StorageError(f"cannot open {path}: {exc}") from exc
+
+    def open_ranges(self) -> RangeFetcher | None:
+        """A new fetcher of byte ranges for streaming mode (its owner closes it); ``None``: it cannot stream."""
+        return None
+
+    def discard(self, entry: FileEntry) -> bool:
+        """Drop the copy of ``entry`` a reader found corrupt; True if the next acquire brings another.
+
+        A storage that reads files in place has no copy to drop: False.
+        """
+        return False
+
+    def register_reader(self, largest: int) -> None:  # noqa: B027 - optional hook
+        """A reader of files of up to ``largest`` bytes starts (admission; may raise ``CacheError``)."""
+
+    def unregister_reader(self) -> None:  # noqa: B027 - optional hook
+        """A reader ended."""
+
+    def started(self) -> None:  # noqa: B027 - optional hook
+        """The reader made its first item (read-ahead held back until then may start)."""
+
+    def fetch_ahead(self, entries: Iterable[FileEntry], together: Iterable[str] = ()) -> None:  # noqa: B027
         """Start fetching ``entries`` (the next files, in order of use) in the background.
 
         Each call replaces the read-ahead window; an empty iterable cancels read-ahead.
@@ -61,7 +115,7 @@ class Storage(ABC):
         """
 
     def ahead_depth(self) -> int:
-        """Return how many shards a reader should name to :meth:`prefetch` now (0: none).
+        """Return how many shards a reader should name to :meth:`fetch_ahead` now (0: none).
 
         A storage that measures its downloads adapts it (see
         :class:`~streamload.storage.remote.RemoteStorage`); by default it is :attr:`read_ahead`.

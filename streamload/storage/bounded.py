@@ -14,8 +14,9 @@ through the same checks (:func:`check_answer`, used by :mod:`.s3direct` too):
 * the body is read in chunks, at most the bytes asked for and one more (which tells a body
   longer than it said), so memory stays bounded by the range.
 
-s3fs and fsspec's HTTP filesystem are read through their own clients (the same sessions,
-credentials and headers as their ``cat_file``); any other fsspec filesystem through
+The backends (:mod:`.backends`) read through these: s3fs and fsspec's HTTP filesystem
+through their own clients (the same sessions, credentials and headers as their
+``cat_file``), botocore directly (:mod:`.s3direct`), any other fsspec filesystem through
 ``cat_file``, whose length is checked after the fact (its memory is the filesystem's).
 """
 
@@ -26,7 +27,7 @@ from typing import Any
 
 from .._errors import RangeResponseError
 
-__all__ = ["READ_CHUNK", "check_answer", "longer_than_asked", "read_range"]
+__all__ = ["READ_CHUNK", "check_answer", "ignored_range", "longer_than_asked", "read_body"]
 
 #: Bytes read from a body per call.
 READ_CHUNK = 1 << 20
@@ -86,36 +87,7 @@ def check_answer(
         raise longer_than_asked(url, start, end, length)
 
 
-def read_range(fs: Any, path: str, url: str, start: int, end: int) -> bytes:
-    """One GET of ``[start, end)`` of ``path`` on ``fs`` (fewer bytes where the object ends).
-
-    Raises:
-        RangeResponseError: If the answer holds more than the range (see the module docstring).
-    """
-    if end <= start:
-        return b""
-    from fsspec.asyn import sync
-
-    if callable(getattr(fs, "_call_s3", None)) and callable(getattr(fs, "split_path", None)):  # s3fs
-        data: bytes = sync(fs.loop, _s3fs_range, fs, path, url, start, end)
-    elif _is_http(fs):
-        data = sync(fs.loop, _http_range, fs, path, url, start, end)
-    else:
-        data = fs.cat_file(path, start=start, end=end)
-    if len(data) > end - start:
-        raise longer_than_asked(url, start, end, len(data))
-    return data
-
-
-def _is_http(fs: Any) -> bool:
-    try:
-        from fsspec.implementations.http import HTTPFileSystem
-    except ImportError:  # no aiohttp: no HTTP filesystem either
-        return False
-    return isinstance(fs, HTTPFileSystem)
-
-
-async def _read_body(read: Any, url: str, start: int, end: int, status: int | None) -> bytes:
+async def read_body(read: Any, url: str, start: int, end: int, status: int | None) -> bytes:
     """Read at most ``end - start`` bytes and one more from ``read(n)``; one more is an error."""
     want = end - start
     chunks: list[bytes] = []
@@ -131,35 +103,3 @@ async def _read_body(read: Any, url: str, start: int, end: int, status: int | No
             raise ignored_range(url, start, end, "200 OK with a body longer than the range")
         raise longer_than_asked(url, start, end, f"more than {want}")
     return b"".join(chunks)
-
-
-async def _s3fs_range(fs: Any, path: str, url: str, start: int, end: int) -> bytes:
-    from s3fs.core import version_id_kw
-
-    bucket, key, version = fs.split_path(path)
-    resp = await fs._call_s3(
-        "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **version_id_kw(version)
-    )
-    body = resp["Body"]
-    try:
-        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        length = resp.get("ContentLength")
-        check_answer(url, start, end, status, None if length is None else int(length), resp.get("ContentRange"))
-        return await _read_body(body.read, url, start, end, status)
-    finally:
-        body.close()
-
-
-async def _http_range(fs: Any, path: str, url: str, start: int, end: int) -> bytes:
-    kw = dict(fs.kwargs)
-    headers = dict(kw.pop("headers", None) or {})
-    headers["Range"] = f"bytes={start}-{end - 1}"
-    session = await fs.set_session()
-    async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
-        if r.status == 404:
-            raise FileNotFoundError(url)
-        if r.status == 416:
-            return b""  # the range starts past the object's end: no bytes there
-        r.raise_for_status()  # a ClientResponseError carries the status (classified by .retry)
-        check_answer(url, start, end, r.status, r.content_length, r.headers.get("Content-Range"))
-        return await _read_body(r.content.read, url, start, end, r.status)

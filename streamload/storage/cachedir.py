@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from .. import _env
+from .backends import backend_class
 
 __all__ = ["dataset_cache_key", "default_cache_dir"]
 
@@ -22,13 +22,9 @@ def dataset_cache_key(url: str, storage_options: Mapping[str, Any] | None) -> st
     """Return a short hash naming a dataset's cache directory: of its URL and endpoint.
 
     The same ``s3://bucket/x`` on two servers must not share a cache: the endpoint is taken
-    from ``storage_options``, else (for ``s3://``) from the environment variables botocore
-    reads (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``).
+    from ``storage_options``, else from where the URL's backend finds it (for ``s3://``, the
+    environment variables botocore reads: ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``).
     """
-    client = (storage_options or {}).get("client_kwargs") or {}
-    endpoint = client.get("endpoint_url") if isinstance(client, Mapping) else None
-    endpoint = endpoint or (storage_options or {}).get("endpoint_url")
-    if not endpoint and url.split("://", 1)[0].lower() in ("s3", "s3a"):
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+    endpoint = backend_class(url).cache_endpoint(storage_options or {})
     text = json.dumps([url.rstrip("/"), endpoint])
     return hashlib.sha256(text.encode()).hexdigest()[:24]

@@ -23,7 +23,7 @@ from .._files import check_file_name, hash_stream, new_hasher
 from .base import local_path_of
 from .locks import DestinationLock, LocalLock, RemoteLock
 from .retry import RetryPolicy
-from .transport import RemoteFiles
+from .transport import open_transport
 
 __all__ = ["STAGING_PREFIX", "Destination", "LocalDestination", "RemoteDestination"]
 
@@ -195,7 +195,7 @@ class RemoteDestination(Destination):
         self, url: str, storage_options: Mapping[str, Any] | None = None, retry: RetryPolicy | None = None
     ) -> None:
         self.url = url.rstrip("/")
-        self.files = RemoteFiles(self.url, dict(storage_options or {}), retry or RetryPolicy())
+        self.files = open_transport(self.url, storage_options, retry=retry)
         self._staging = tempfile.mkdtemp(prefix="streamload-upload-")
         self._owner_pid = os.getpid()
 

@@ -1,22 +1,16 @@
-"""How a file is cut into concurrent ranged GETs, and reading a download by its parts as they land.
+"""The link model of a transport, and how a file is cut into concurrent ranged GETs.
 
-:class:`PartPlanner` is used by :class:`~streamload.storage.transport.RemoteFiles` for
-every download whose size is known (a shard or sidecar: its entry says it).
-:class:`Landing` is one download in progress seen by a reader of the same process: the
-byte ranges whose parts were written can be read before the whole file is verified and
-renamed into the cache (see :meth:`~streamload.storage.remote.RemoteStorage.acquire_early`).
+:class:`LinkModel` is a transport's estimate of its link (latency and per-connection
+rate). :class:`PartPlanner` is used by :class:`~streamload.storage.transport.RemoteFiles`
+for every download whose size is known (a shard or sidecar: its entry says it).
 """
 
 from __future__ import annotations
 
 import math
-import os
-import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .._errors import CorruptShardError
-
-__all__ = ["FIRST_PART", "LEAD_PARTS", "Landing", "PartPlanner", "PartSlots", "merge_range"]
+__all__ = ["FIRST_PART", "LEAD_PARTS", "SMALL_TRANSFER", "LinkModel", "PartPlanner", "merge_range"]
 
 #: A download a reader waits for starts with this many bytes cut into :data:`LEAD_PARTS` parallel
 #: parts, so the first batch's samples land at several connections' rate, not one's.
@@ -25,6 +19,49 @@ FIRST_PART = 8 << 20
 LEAD_PARTS = 8
 
 _MIB = 1 << 20
+#: Transfers smaller than this measure the latency; larger ones the rate.
+SMALL_TRANSFER = _MIB
+
+
+class LinkModel:
+    """One transport's link: seconds from a request to its first byte, and bytes/s of one connection.
+
+    ``seconds = latency + nbytes / (rate x connections)``, fitted to each transfer
+    (exponentially weighted, so one slow GET does not swing it): a small transfer
+    measures the latency, a large one the rate, each solved with the other held. The
+    part planner, streaming's span sizes and the read-ahead depth all read this one
+    estimate. Updated without a lock (a lost update of a float is harmless).
+
+    Args:
+        latency: First guess of the seconds to a request's first byte.
+        rate: First guess of one connection's bytes/s.
+        alpha: Weight of a new measurement.
+    """
+
+    __slots__ = ("alpha", "latency", "rate", "transfers")
+
+    def __init__(self, latency: float = 0.05, rate: float = 40e6, alpha: float = 0.3) -> None:
+        self.latency = latency
+        self.rate = rate
+        self.alpha = alpha
+        #: Transfers measured.
+        self.transfers = 0
+
+    def observe(self, nbytes: int, seconds: float, connections: int = 1) -> None:
+        """Fold one transfer of ``nbytes`` in ``seconds`` (first byte included) over ``connections`` at once."""
+        if seconds <= 0 or nbytes < 0:
+            return
+        self.transfers += 1
+        if nbytes < SMALL_TRANSFER:
+            sample = max(0.0, seconds - nbytes / (self.rate * connections))
+            self.latency += self.alpha * (sample - self.latency)
+        elif seconds > self.latency:
+            sample = nbytes / ((seconds - self.latency) * connections)
+            self.rate += self.alpha * (sample - self.rate)
+
+    def seconds(self, nbytes: int, connections: int = 1) -> float:
+        """Estimated seconds to transfer ``nbytes`` over ``connections`` at once."""
+        return self.latency + nbytes / (self.rate * max(1, connections))
 
 
 @dataclass
@@ -46,8 +83,7 @@ class PartPlanner:
         max_part: Largest part chosen (bytes); also bounds the memory of a download
             (``max_concurrency x max_part``).
         part_latencies: A part's transfer should take this many latencies.
-        latency: Estimated seconds from a request to its first byte.
-        rate: Estimated bytes/s of one connection.
+        link: The link's estimates (the transport's own).
     """
 
     part_size: int | None = None
@@ -55,8 +91,17 @@ class PartPlanner:
     min_part: int = 4 * _MIB
     max_part: int = 16 * _MIB
     part_latencies: float = 4.0
-    latency: float = 0.05
-    rate: float = 40e6
+    link: LinkModel = field(default_factory=lambda: LinkModel())
+
+    @property
+    def latency(self) -> float:
+        """Estimated seconds from a request to its first byte."""
+        return self.link.latency
+
+    @property
+    def rate(self) -> float:
+        """Estimated bytes/s of one connection."""
+        return self.link.rate
 
     def chosen_part_size(self) -> int:
         """The part size for the next file (a whole number of MiB)."""
@@ -98,65 +143,6 @@ class PartPlanner:
         """Parts of a file of ``size`` bytes fetched at once."""
         return max(1, min(self.max_concurrency, len(self.parts(size))))
 
-    def observe(self, nbytes: int, seconds: float) -> None:
-        """Fold one part's transfer (``nbytes`` in ``seconds``, first byte included) into the estimates.
-
-        A small part is mostly latency, a large one mostly transfer: ``seconds = latency +
-        nbytes / rate`` is solved with the other estimate held.
-        """
-        if seconds <= 0:
-            return
-        alpha = 0.3
-        transfer = seconds - self.latency
-        if nbytes >= self.min_part and transfer > 0:
-            self.rate += alpha * (nbytes / transfer - self.rate)
-        elif nbytes < self.min_part:
-            latency = max(0.0, seconds - nbytes / self.rate)
-            self.latency += alpha * (latency - self.latency)
-
-
-class PartSlots:
-    """The ranged GETs of one process's read-ahead in flight at once; the reader's own never wait.
-
-    Read-ahead downloads run beside the download a reader waits for (the link is shared,
-    not left idle while one shard arrives), up to ``capacity`` GETs in flight counting the
-    reader's own; a part of a download a reader waits for (``urgent``) starts at once,
-    even past ``capacity`` (a part takes a second or more on a far link: a sidecar queued
-    behind read-ahead parts would wait that long).
-
-    Args:
-        capacity: GETs in flight at most (a few downloads' parts).
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = max(1, capacity)
-        self._cond = threading.Condition()
-        self._busy = 0
-
-    def take(self, urgent: bool, stop: threading.Event | None = None) -> bool:
-        """Wait for a slot; False if ``stop`` was set first (no slot taken)."""
-        with self._cond:
-            if urgent:  # never queued behind read-ahead: parts are long, a sidecar would wait seconds
-                self._busy += 1
-                return True
-            while self._busy >= self.capacity:
-                if stop is not None and stop.is_set():
-                    return False
-                self._cond.wait(0.05)
-            self._busy += 1
-            return True
-
-    def give(self) -> None:
-        """Free a slot taken by :meth:`take`."""
-        with self._cond:
-            self._busy -= 1
-            self._cond.notify_all()
-
-    @property
-    def busy(self) -> int:
-        """Slots taken now."""
-        return self._busy
-
 
 def merge_range(ranges: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
     """``ranges`` (sorted, disjoint ``[start, end)``) with ``[start, end)`` added, merged."""
@@ -167,132 +153,3 @@ def merge_range(ranges: list[tuple[int, int]], start: int, end: int) -> list[tup
         else:
             merged.append((a, b))
     return merged
-
-
-class Landing:
-    """A file being downloaded into the cache, readable by byte ranges as its parts land.
-
-    The downloader calls :meth:`begin` with each attempt's part file, :meth:`land` as each
-    part is written, then :meth:`finish` with the cached path (or :meth:`fail`). A reader's
-    :meth:`pread` / :meth:`preadv` wait until their range has landed (or the file is
-    cached) and read it from the part file: the same inode the cache renames into place.
-    Nothing read here was verified by the whole file's hash: the reader checks each
-    sample's own digest, as for every read.
-
-    Args:
-        name: The file's name (for messages).
-        size: Its size from its entry.
-    """
-
-    def __init__(self, name: str, size: int) -> None:
-        self.name = name
-        self.size = size
-        self._cond = threading.Condition()
-        self._fd = -1
-        self._fds: list[int] = []  # closed by close(): a reader may still be reading an older one
-        self._landed: list[tuple[int, int]] = []  # merged [start, end) ranges of the current attempt
-        self._final: str | None = None
-        self._error: BaseException | None = None
-        self._closed = False
-        #: Reads served before the file was complete (from its landed parts).
-        self.early_reads = 0
-        #: Download attempts (more than one: a copy failed its check and was fetched again).
-        self.attempts = 0
-
-    def begin(self, part_path: str) -> None:
-        """A (new) download attempt writes ``part_path``: what landed before is forgotten."""
-        fd = os.open(part_path, os.O_RDONLY | os.O_NOFOLLOW)
-        with self._cond:
-            self.attempts += 1
-            if self._closed:
-                os.close(fd)
-                return
-            self._fds.append(fd)
-            self._fd, self._landed = fd, []
-
-    def land(self, start: int, end: int) -> None:
-        """Bytes ``[start, end)`` were written to the current part file."""
-        with self._cond:
-            self._landed = merge_range(self._landed, start, end)
-            self._cond.notify_all()
-
-    def finish(self, path: str) -> None:
-        """The file is verified and cached at ``path``: every read is served from there."""
-        fd = os.open(path, os.O_RDONLY)
-        with self._cond:
-            if self._closed:
-                os.close(fd)
-                return
-            self._fds.append(fd)
-            self._fd, self._final = fd, path
-            self._cond.notify_all()
-
-    def fail(self, error: BaseException) -> None:
-        """The download failed: reads not yet served raise ``error``."""
-        with self._cond:
-            self._error = error
-            self._cond.notify_all()
-
-    @property
-    def done(self) -> bool:
-        """True once the file is cached (:meth:`finish`)."""
-        return self._final is not None
-
-    def _covered(self, start: int, end: int) -> bool:
-        return any(a <= start and end <= b for a, b in self._landed)
-
-    def _wait(self, start: int, end: int) -> int:
-        end = min(end, self.size)
-        with self._cond:
-            while True:
-                if self._final is not None:
-                    return self._fd
-                if self._fd >= 0 and (end <= start or self._covered(start, end)):
-                    self.early_reads += 1
-                    return self._fd
-                if self._error is not None:
-                    raise self._error
-                if self._closed:
-                    raise ValueError(f"{self.name}: read after close")
-                self._cond.wait()
-
-    def wait_done(self) -> str:
-        """Wait until the file is cached; return its path (or raise the download's error)."""
-        with self._cond:
-            while self._final is None:
-                if self._error is not None:
-                    raise self._error
-                self._cond.wait()
-            return self._final
-
-    def pread(self, n: int, offset: int) -> bytes:
-        """Return ``n`` bytes at ``offset`` once they have landed."""
-        return os.pread(self._wait(offset, offset + n), n, offset)
-
-    def preadv(self, buffers: list[memoryview], offset: int) -> int:
-        """Fill ``buffers`` in order from ``offset`` once their span has landed; return the bytes read."""
-        total = sum(len(b) for b in buffers)
-        return os.preadv(self._wait(offset, offset + total), buffers, offset)
-
-    def close(self) -> None:
-        """Wait for the download to end (bounded by its retries), then close the descriptors.
-
-        The reader that read parts early is done with the file only once the file is
-        cached, as if it had waited for it before reading: the next epoch finds it.
-
-        Raises:
-            CorruptShardError: The download failed its check (again): the file is bad at
-                its source, even if every sample read early passed its own digest.
-        """
-        try:
-            self.wait_done()
-        except CorruptShardError:
-            raise
-        except Exception:  # noqa: BLE001, S110 - met by a read, or the next acquire meets it again
-            pass
-        finally:
-            with self._cond:
-                fds, self._fds, self._fd, self._closed = self._fds, [], -1, True
-                self._cond.notify_all()
-            for fd in fds:
-                os.close(fd)

@@ -7,9 +7,9 @@ positioned reads are served from them::
 
     plan a batch   [(name, size, [(start, end), ...]), ...]     -- from the shards' indexes
     coalesce       extents closer than ``gap`` merged, spans at most ``max_span`` long
-    submit         one GET per span on a small per-process thread pool (created lazily,
-                   so never before a DataLoader fork), each retried (RemoteFiles.call)
-    read           StreamedFile.pread / preadv: copy from the fetched spans (waiting on a
+    submit         one GET per span on the process's I/O executor (its ``ranges`` lane,
+                   see .executor), each retried (RemoteFiles.call)
+    read           bytes.StreamedFile.pread / preadv: copy from the fetched spans (waiting on a
                    span still in flight); a byte no span holds is fetched by a direct GET
     forget         once the batch was read its spans are dropped (the budget frees up)
 
@@ -22,21 +22,19 @@ sizes and ranges (no format, no manifest).
 from __future__ import annotations
 
 import bisect
-import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 
 from .._errors import CorruptShardError
-from .._stages import fetching
+from .executor import LANES, io_executor
 from .transport import RemoteFiles
 
 __all__ = [
     "DEFAULT_STREAM_BUFFER",
     "FetchStats",
     "RangeFetcher",
-    "StreamedFile",
     "Ticket",
     "coalesce",
 ]
@@ -46,7 +44,7 @@ _MIB = 1 << 20
 #: Bytes of fetched ranges a process holds ahead of its reads by default.
 DEFAULT_STREAM_BUFFER = 64 * _MIB
 #: Concurrent GETs of one process (16: a far bucket's 50 ms turns need that many in flight to fill the link).
-DEFAULT_THREADS = 16
+DEFAULT_THREADS = LANES["ranges"]
 #: Smallest and largest gap merged into one request. The gap chosen is latency x rate
 #: divided by the concurrent GETs: reading it on one connection costs about what one more
 #: request costs while the other connections are busy; a larger one would read mostly
@@ -125,11 +123,11 @@ class Ticket:
 
 
 class RangeFetcher:
-    """Ranges of the objects under one URL prefix, fetched ahead on a per-process thread pool.
+    """Ranges of the objects under one URL prefix, fetched ahead on the process's I/O executor.
 
     Args:
         files: The objects' prefix (its calls are retried).
-        threads: Concurrent GETs.
+        threads: Concurrent GETs assumed when choosing the gap (the executor's ``ranges`` lane runs them).
         gap: Gap merged into one request; ``None``: latency x rate of ``files``'
             measurements over ``threads``, between :data:`MIN_GAP` and :data:`MAX_GAP`.
         max_span: Longest single GET; ``None``: two latencies at the measured rate,
@@ -152,8 +150,6 @@ class RangeFetcher:
         self._spans: dict[str, list[_Span]] = {}  # name -> spans sorted by start
         self._starts: dict[str, list[int]] = {}  # name -> their starts (for bisect)
         self._outstanding = 0
-        self._pool: ThreadPoolExecutor | None = None
-        self._pid = -1
         self._closed = False
 
     @property
@@ -177,17 +173,10 @@ class RangeFetcher:
         """Bytes of the spans planned and not forgotten yet."""
         return self._outstanding
 
-    def _executor(self) -> ThreadPoolExecutor:
-        """This process's pool (created on first use, again after a fork)."""
-        if self._pool is None or self._pid != os.getpid():
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="streamload-range")
-            self._pid = os.getpid()
-        return self._pool
-
     def run(self, calls: Sequence[Callable[[], object]]) -> None:
-        """Run ``calls`` on the pool and wait for them (their errors are ignored: the caller meets them again)."""
-        pool = self._executor()
-        for future in [pool.submit(call) for call in calls]:
+        """Run ``calls`` on the executor and wait for them (their errors are ignored: the caller meets them again)."""
+        executor = io_executor()
+        for future in [executor.submit("side", call) for call in calls]:
             try:
                 future.result()
             except Exception:  # noqa: BLE001, S110 - the caller's own call raises it again
@@ -221,13 +210,13 @@ class RangeFetcher:
         ticket = Ticket()
         if self._closed:
             return ticket
-        gap, span_cap, pool = self.gap, self.max_span, self._executor()
+        gap, span_cap, executor = self.gap, self.max_span, io_executor()
         for name, size, extents in wanted:
             clipped = [(max(0, a), min(size, b)) for a, b in extents]
             with self._lock:
                 self.stats.wanted += sum(max(0, b - a) for a, b in clipped)
             for start, end in coalesce(clipped, gap, span_cap):
-                span = _Span(start, end, pool.submit(self.get, name, start, end))
+                span = _Span(start, end, executor.submit("ranges", self.get, name, start, end))
                 ticket.spans.append((name, span))
                 ticket.bytes += end - start
                 with self._lock:
@@ -334,56 +323,3 @@ class RangeFetcher:
             self._outstanding = 0
         for span in spans:
             span.data.cancel()
-        pool, self._pool = self._pool, None
-        if pool is not None and self._pid == os.getpid():
-            pool.shutdown(wait=False, cancel_futures=True)
-
-
-class StreamedFile:
-    """A remote object's bytes for a shard reader (the :class:`~streamload.formats._bytes.ShardBytes` methods).
-
-    Reads are served by a :class:`RangeFetcher` from the spans fetched ahead for the
-    planned batches, else by direct ranged GETs; nothing is kept here.
-
-    Args:
-        fetcher: This process's fetcher for the object's prefix.
-        name: The object's name.
-        size: Its size from its entry.
-    """
-
-    def __init__(self, fetcher: RangeFetcher, name: str, size: int) -> None:
-        self.fetcher = fetcher
-        self.name = name
-        self.size = size
-
-    def pread(self, n: int, offset: int) -> bytes:
-        """Return ``n`` bytes at ``offset`` (fewer only at the end of the object)."""
-        buf = bytearray(max(0, min(n, self.size - offset)))
-        with fetching():  # a watched loader's "fetch" stage
-            got = self.fetcher.read_into(self.name, self.size, memoryview(buf), offset)
-        return bytes(buf[:got]) if got != len(buf) else bytes(buf)
-
-    def preadv(self, buffers: list[memoryview], offset: int) -> int:
-        """Fill ``buffers`` in order from ``offset``; return the bytes read."""
-        with fetching():  # a watched loader's "fetch" stage
-            return self._preadv(buffers, offset)
-
-    def _preadv(self, buffers: list[memoryview], offset: int) -> int:
-        total = sum(len(b) for b in buffers)
-        whole = self.fetcher.span_bytes(self.name, offset, offset + total)
-        if whole is not None:  # the usual case: one fetched span holds the whole run
-            at = 0
-            for buf in buffers:
-                buf[:] = whole[at : at + len(buf)]
-                at += len(buf)
-            return total
-        done = 0
-        for buf in buffers:
-            got = self.fetcher.read_into(self.name, self.size, buf, offset + done)
-            done += got
-            if got < len(buf):
-                break
-        return done
-
-    def close(self) -> None:
-        """Nothing to release (the fetcher's spans belong to the batches that planned them)."""

@@ -8,11 +8,12 @@ read-ahead never takes the room a reader waits for. Threads exist only while the
 work: an idle reader holds none.
 
 How deep the window is (:class:`AheadDepth`): deep enough that the next shard is cached
-before the reader needs it. Each process measures how long a file takes to arrive
-(``seconds = latency + bytes x seconds_per_byte``, fitted to its own downloads, whether
-its reader or its read-ahead made them) and how long its reader spends on a shard (the
-time between two shards started, less the time it was blocked waiting for a download),
-both smoothed (exponentially weighted, so one slow GET does not swing them), and keeps::
+before the reader needs it. How long a file takes to arrive is the transport's link
+model (:class:`~.parts.LinkModel`: ``latency + bytes / (rate x connections)``, fitted to
+every GET of the process, whether its reader or its read-ahead made it); how long the
+reader spends on a shard is measured here (the time between two shards started, less the
+time it was blocked waiting for a download); both are smoothed (exponentially weighted,
+so one slow GET does not swing them), and it keeps::
 
     depth = ceil(fetch time of a shard / time to read a shard + margin)
 
@@ -26,14 +27,25 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from typing import Any
 
 from .._files import FileEntry
+from .._fork import ProcessLocal
+from .cache import ShardCache
+from .executor import io_executor
+from .fill import Filler
+from .parts import LinkModel
 
-__all__ = ["AheadDepth", "AheadStats", "ReadAhead"]
+__all__ = ["AheadDepth", "AheadStats", "FetchAhead", "ReadAhead"]
 
 log = logging.getLogger("streamload")
+
+#: Seconds read-ahead waits at most for a reader's first item from a cold shard.
+FIRST_READ_HOLD = 1.0
 
 #: ``fetch(entry, cancelled)`` brings ``entry`` into the cache, polling ``cancelled()``.
 Fetch = Callable[[FileEntry, Callable[[], bool]], None]
@@ -41,8 +53,6 @@ Fetch = Callable[[FileEntry, Callable[[], bool]], None]
 
 #: Depth before the reader's pace is known (the first shard of an iteration).
 START_DEPTH = 2
-#: Files smaller than this measure the latency; larger ones the time per byte.
-_SMALL_FILE = 1 << 20
 #: The shortest time per shard counted (a reader faster than this is "as fast as it gets").
 _MIN_CONSUME = 1e-3
 
@@ -88,8 +98,12 @@ class AheadDepth:
         margin: Shards of slack added to ``fetch / consume`` before rounding up, for
             jitter: a download that takes half a shard's reading time keeps one ahead.
         alpha: Weight of a new measurement in the exponentially weighted estimates.
-        latency: First guess of the seconds to a file's first byte.
-        seconds_per_byte: First guess of the download time per byte (one 40 MB/s connection).
+        latency: First guess of the seconds to a file's first byte (a link of its own only).
+        seconds_per_byte: First guess of the download time per byte (one 40 MB/s
+            connection; a link of its own only).
+        link: The transport's link model (``None``: one of its own, fed by :meth:`observe_fetch`).
+        connections: How many connections a download of ``n`` bytes runs on at once (the
+            transport's part planner; default one).
     """
 
     def __init__(
@@ -101,13 +115,15 @@ class AheadDepth:
         alpha: float = 0.3,
         latency: float = 0.05,
         seconds_per_byte: float = 1 / 40e6,
+        link: LinkModel | None = None,
+        connections: Callable[[int], int] | None = None,
     ) -> None:
         self.cap = cap
         self.start = start
         self.margin = margin
         self.alpha = alpha
-        self.latency = latency
-        self.seconds_per_byte = seconds_per_byte
+        self.link = LinkModel(latency, 1 / seconds_per_byte, alpha) if link is None else link
+        self._connections = connections or (lambda n: 1)
         self.consume: float | None = None
         self.downloads = 0
         self.shards = 0
@@ -118,21 +134,26 @@ class AheadDepth:
         self._last: float | None = None  # when the reader started its current shard
         self._blocked_at_last = 0.0
 
-    def observe_fetch(self, nbytes: int, seconds: float) -> None:
-        """Fold one whole download (``nbytes`` in ``seconds``) into the estimates.
+    @property
+    def latency(self) -> float:
+        """Estimated seconds from a request to the first byte of a file (the link's)."""
+        return self.link.latency
 
-        ``seconds = latency + nbytes x seconds_per_byte`` is solved for one estimate with the
-        other held: a small file measures the latency, a large one the time per byte.
-        """
+    @property
+    def seconds_per_byte(self) -> float:
+        """Estimated download time per byte of one connection past the latency (the link's)."""
+        return 1 / self.link.rate
+
+    def fetched(self) -> None:
+        """Count one whole download (the link measured it already)."""
+        self.downloads += 1
+
+    def observe_fetch(self, nbytes: int, seconds: float) -> None:
+        """Fold one whole download (``nbytes`` in ``seconds``) into the link model, and count it."""
         if seconds <= 0 or nbytes < 0:
             return
         self.downloads += 1
-        if nbytes < _SMALL_FILE:
-            sample = max(0.0, seconds - nbytes * self.seconds_per_byte)
-            self.latency += self.alpha * (sample - self.latency)
-        else:
-            sample = max(0.0, seconds - self.latency) / nbytes
-            self.seconds_per_byte += self.alpha * (sample - self.seconds_per_byte)
+        self.link.observe(nbytes, seconds, self._connections(nbytes))
 
     def observe_shard(self, now: float, blocked: float) -> None:
         """The reader starts a new shard at ``now``; ``blocked`` is its total time spent waiting on downloads.
@@ -151,8 +172,8 @@ class AheadDepth:
         self._last = None
 
     def fetch_seconds(self, nbytes: int) -> float:
-        """Estimated seconds to download a file of ``nbytes``."""
-        return self.latency + nbytes * self.seconds_per_byte
+        """Estimated seconds to download a file of ``nbytes`` (on its parts' connections at once)."""
+        return self.link.seconds(nbytes, self._connections(nbytes))
 
     def depth(self, largest: int, room: int | None) -> int:
         """Shards to keep ahead now, for shards of up to ``largest`` bytes and ``room`` shards of cache room.
@@ -197,7 +218,7 @@ class _Task:
 
 
 class ReadAhead:
-    """Background fetches of a window of files, in at most ``threads`` daemon threads.
+    """Background fetches of a window of files, at most ``threads`` at once on the executor's ``ahead`` lane.
 
     Args:
         threads: Concurrent fetches at most (0: read-ahead is off); may be changed
@@ -213,7 +234,7 @@ class ReadAhead:
         self._stop = threading.Event()
         self._queue: list[_Task] = []
         self._running: dict[str, _Task] = {}
-        self._workers: list[threading.Thread] = []
+        self._workers: list[Future[None]] = []
         self._starved: set[str] = set()
 
     def want(self, entries: Iterable[FileEntry], held: Iterable[str] = ()) -> None:
@@ -256,22 +277,19 @@ class ReadAhead:
         with self._lock:
             self._queue.clear()
             workers = list(self._workers)
-        for worker in workers:
-            worker.join(timeout=timeout)
+        wait(workers, timeout=timeout)
         with self._lock:
             self._workers = []
         self._stop = threading.Event()
 
     def _start_workers(self) -> None:
-        """Start threads up to ``threads`` (the caller holds the lock)."""
-        self._workers = [t for t in self._workers if t.is_alive()]
+        """Start loops up to ``threads`` (the caller holds the lock)."""
+        self._workers = [f for f in self._workers if not f.done()]
         while self._queue and len(self._workers) < self.threads and not self._stop.is_set():
-            worker = threading.Thread(target=self._loop, args=(self._stop,), name="streamload-read-ahead", daemon=True)
-            self._workers.append(worker)
-            worker.start()
+            self._workers.append(io_executor().submit("ahead", self._loop, self._stop))
 
     def _loop(self, stop: threading.Event) -> None:
-        """Fetch queued files until the queue is empty, then exit (no idle threads)."""
+        """Fetch queued files until the queue is empty, then return (no idle loop holds a thread)."""
         while not stop.is_set():
             with self._lock:
                 if not self._queue:
@@ -290,3 +308,106 @@ class ReadAhead:
             finally:
                 with self._lock:
                     self._running.pop(task.entry.name, None)
+
+
+class FetchAhead:
+    """The read-ahead part of :class:`~.remote.RemoteStorage`: the window, its depth, its fetches.
+
+    A subclass sets :attr:`url`, :attr:`read_ahead`, :attr:`cache`, ``_proc`` (its
+    per-process state: ``lock``, ``depth``, ``ahead``, ``largest``, ``blocked``, ``pins``,
+    ``together``, ``first_read``, ``stop``), ``_filler`` (:class:`~.fill.Filler`) and
+    answers ``_ahead_room`` (:class:`~.room.CacheRoom`).
+    """
+
+    url: str
+    read_ahead: int
+    cache: ShardCache
+    _proc: ProcessLocal[Any]
+    _filler: Filler
+
+    def _ahead_room(self) -> int | None:
+        raise NotImplementedError
+
+    @property
+    def ahead_stats(self) -> AheadStats:
+        """This process's read-ahead depth and the estimates it comes from."""
+        proc = self._proc.get()
+        with proc.lock:
+            stats: AheadStats = proc.depth.stats()
+        return stats
+
+    def ahead_depth(self) -> int:
+        """Shards the reader should name to :meth:`fetch_ahead` now (0: read-ahead is off).
+
+        ``ceil(fetch time of a shard / reading time of a shard + margin)``, from this
+        process's measurements (see :class:`~streamload.storage.readahead.AheadDepth`), at
+        least 1, at most ``read_ahead`` and the room the cache leaves this reader.
+        """
+        if self.read_ahead <= 0:
+            return 0
+        room = self._ahead_room()
+        proc = self._proc.get()
+        with proc.lock:
+            before = proc.depth.current
+            depth: int = proc.depth.depth(proc.largest, room)
+            stats = proc.depth.stats() if depth != before else None
+        if stats is not None:
+            log.debug(
+                "read-ahead of %s: %d shard(s) ahead (a shard takes %.3f s to download, %s s to read; room %s)",
+                self.url,
+                depth,
+                stats.fetch_seconds,
+                "?" if stats.consume_seconds is None else f"{stats.consume_seconds:.3f}",
+                "unbounded" if room is None else room,
+            )
+        return depth
+
+    def started(self) -> None:
+        """The reader made its first item: read-ahead may start."""
+        self._proc.get().first_read.set()
+
+    def fetch_ahead(self, entries: Iterable[FileEntry], together: Iterable[str] = ()) -> None:
+        """Make ``entries`` (in order of use) the read-ahead window; an empty one cancels read-ahead.
+
+        A reader calls it as it starts each shard it had not open (see
+        :meth:`ahead_depth`): the time between two calls, less the time its acquires
+        waited meanwhile, is how long it spent reading a shard. The files named in
+        ``together`` are needed with the shard it opens (a shuffled reader's first batches
+        draw on all of them): their downloads start at once, side by side, not held back
+        until the reader's first item.
+        """
+        proc = self._proc.get()
+        wanted = list(entries)
+        now = {e.name for e in wanted} & set(together)
+        with proc.lock:
+            held = set(proc.pins)
+            if not proc.first_read.is_set():  # the cold start: what the first batch needs stays urgent
+                now |= proc.together & {e.name for e in wanted}
+            proc.together = now
+            if wanted:
+                proc.depth.observe_shard(time.monotonic(), proc.blocked)
+                proc.ahead.threads = min(self.read_ahead, max(1, proc.depth.current, len(now)))
+            else:
+                proc.depth.pause()
+        proc.ahead.want(wanted, held)
+
+    def _fetch_one_ahead(self, entry: FileEntry, cancelled: Callable[[], bool]) -> None:
+        proc = self._proc.get()
+        with proc.lock:
+            now = entry.name in proc.together
+        if not now:
+            proc.first_read.wait(FIRST_READ_HOLD)  # the first batch's bytes first (see .remote)
+        if cancelled():
+            return
+        pin = self.cache.pin(entry.name)
+        log.debug("read-ahead %s: start", entry.name)
+        try:
+            entry = self._filler.versioned(entry)
+            download = self._filler.downloader(entry, proc.stop, urgent=False)
+            self.cache.fill(entry, download, wait=False, cancelled=cancelled)
+            log.debug("read-ahead %s: done", entry.name)
+        finally:
+            # Read-ahead files are not kept pinned: pins held by a reader that is not
+            # reading (its DataLoader queue is full) would starve the others. A fresh file
+            # is the most recently used, so it is evicted last.
+            pin.close()

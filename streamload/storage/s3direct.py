@@ -15,8 +15,8 @@ listings, uploads, other protocols) stays on fsspec.
 The client is made from the same ``storage_options`` as s3fs (``key``/``secret``/
 ``token``, ``anon``, ``profile``, ``endpoint_url``, ``client_kwargs``, ``config_kwargs``,
 ``requester_pays``, GetObject's fields of ``s3_additional_kwargs``). Options this module
-does not know, or ``STREAMLOAD_S3_DIRECT=0`` in the environment, keep the ranged reads
-on s3fs. Errors come out as the rest of the package expects them: a missing object as
+does not know, or ``StorageConfig(s3_direct=False)`` (default: ``STREAMLOAD_S3_DIRECT``),
+keep the ranged reads on s3fs. Errors come out as the rest of the package expects them: a missing object as
 ``FileNotFoundError``, access denied as ``PermissionError``, a range past the end as
 no bytes, an answer holding more than the range asked for (or the whole object: a server
 that ignores ``Range``) as a :class:`~streamload.RangeResponseError` before a byte past
@@ -28,7 +28,6 @@ stopped).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -36,11 +35,13 @@ from typing import Any
 from .. import _env
 from .._errors import RangeResponseError
 from .._files import pwrite_all
+from .._fork import ProcessLocal, on_fork
 from .bounded import check_answer, ignored_range, longer_than_asked
 
-__all__ = ["DIRECT_ENV", "DirectS3", "direct_s3"]
+__all__ = ["DIRECT_ENV", "DirectS3", "direct_s3", "shared_boto_loader"]
 
-#: Set to ``0`` to read shard bytes through s3fs instead (same options, slower).
+#: Set to ``0`` to read shard bytes through s3fs instead (same options, slower): the default of
+#: ``StorageConfig(s3_direct=)``.
 DIRECT_ENV = _env.S3_DIRECT
 #: Bytes read from a body per call while landing it into a file: what a waiting reader sees
 #: land at once (a reader needing a few KB past a lead part does not wait for a whole MiB).
@@ -97,25 +98,22 @@ class DirectS3:
         self._client_args = client_args
         self._get_args = get_args
         self._profile = profile
-        self._client: Any = None
-        self._pid = -1
-        self._lock = threading.Lock()
+        self._client: ProcessLocal[Any] = self._local()
+
+    def _local(self) -> ProcessLocal[Any]:
+        return ProcessLocal(lambda: _session(self._profile).create_client("s3", **self._client_args))
 
     def __getstate__(self) -> dict[str, Any]:
         return {"_client_args": self._client_args, "_get_args": self._get_args, "_profile": self._profile}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._client, self._pid, self._lock = None, -1, threading.Lock()
+        self._client = self._local()
 
     @property
     def client(self) -> Any:
         """This process's client (made on first use, again after a fork)."""
-        with self._lock:
-            if self._client is None or self._pid != os.getpid():
-                self._client = _session(self._profile).create_client("s3", **self._client_args)
-                self._pid = os.getpid()
-            return self._client
+        return self._client.get()
 
     def get(self, path: str, start: int, end: int, url: str | None = None) -> bytes:
         """The bytes ``[start, end)`` of ``bucket/key`` (fewer at the object's end; none past it).
@@ -230,13 +228,11 @@ def _longer(url: str, start: int, end: int, status: int | None) -> RangeResponse
     return longer_than_asked(url, start, end, f"more than {end - start}")
 
 
-def direct_s3(protocol: str, options: Mapping[str, Any]) -> DirectS3 | None:
-    """A :class:`DirectS3` for these s3fs options, or ``None`` (not S3, unknown options, or turned off).
+def direct_s3(options: Mapping[str, Any]) -> DirectS3 | None:
+    """A :class:`DirectS3` for these s3fs options, or ``None`` (options this module does not know).
 
-    ``options`` must already carry the timeouts :func:`~.filesystems.open_filesystem` sets.
+    ``options`` must already carry the timeouts of :meth:`~.backends.s3.S3Backend.timed_options`.
     """
-    if protocol not in ("s3", "s3a") or not _env.s3_direct():
-        return None
     try:
         import botocore.config
         import botocore.session  # noqa: F401
@@ -288,8 +284,13 @@ def direct_s3(protocol: str, options: Mapping[str, Any]) -> DirectS3 | None:
     return DirectS3(client, extra, options.get("profile"))
 
 
-_SESSIONS: dict[tuple[int, str | None], Any] = {}
+#: profile -> this process's botocore session.
+_SESSIONS: ProcessLocal[dict[str | None, Any]] = ProcessLocal(dict)
 _SESSIONS_LOCK = threading.Lock()
+#: botocore's data loader (the parsed service models) of this process's first session, shared
+#: by its later sessions and, through fork, by DataLoader workers (read-only data): parsing the
+#: models again costs every new client 0.1-0.3 s of CPU before its first request.
+_BOTO_LOADER: Any = None
 
 
 def _reset_after_fork() -> None:
@@ -297,20 +298,26 @@ def _reset_after_fork() -> None:
     _SESSIONS_LOCK = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_reset_after_fork)
+on_fork(_reset_after_fork)
+
+
+def shared_boto_loader(session: Any) -> None:
+    """Give a botocore (or aiobotocore) ``session`` the process's parsed models, or make its own the shared ones."""
+    global _BOTO_LOADER
+    if _BOTO_LOADER is None:
+        _BOTO_LOADER = session.get_component("data_loader")
+    else:
+        session.register_component("data_loader", _BOTO_LOADER)
 
 
 def _session(profile: str | None) -> Any:
     """One botocore session per process and profile, sharing the parsed models of s3fs's sessions."""
     import botocore.session
 
-    from .filesystems import shared_boto_loader
-
-    key = (os.getpid(), profile)
     with _SESSIONS_LOCK:
-        session = _SESSIONS.get(key)
+        sessions = _SESSIONS.get()
+        session = sessions.get(profile)
         if session is None:
-            session = botocore.session.Session(profile=profile)
+            session = sessions[profile] = botocore.session.Session(profile=profile)
             shared_boto_loader(session)
-            _SESSIONS[key] = session
         return session

@@ -11,10 +11,14 @@ remote. Callers still name files by their plain manifest names only.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from .._files import FileEntry
 from .base import Storage
-from .parts import Landing
+from .bytes import ShardBytes
+
+if TYPE_CHECKING:
+    from .ranges import RangeFetcher
 
 __all__ = ["SplitStorage", "split_storage"]
 
@@ -34,8 +38,27 @@ class SplitStorage(Storage):
         self.data = data
         self.url = index.url
         self.read_ahead = data.read_ahead
+        self.cached = data.cached
         self._data_names = frozenset(data_names)
         self._largest_index = largest_index_file
+
+    @property
+    def limit(self) -> int | None:
+        """The data cache's bound."""
+        return self.data.limit
+
+    @limit.setter
+    def limit(self, value: int | None) -> None:
+        self.data.limit = value
+
+    @property
+    def default_limit(self) -> int | None:
+        """The bound the data cache chose itself."""
+        return self.data.default_limit
+
+    @default_limit.setter
+    def default_limit(self, value: int | None) -> None:
+        self.data.default_limit = value
 
     def _of(self, entry: FileEntry) -> Storage:
         return self.data if entry.name in self._data_names else self.index
@@ -52,11 +75,44 @@ class SplitStorage(Storage):
         """Release ``entry`` in the storage that holds it."""
         self._of(entry).release(entry)
 
-    def prefetch(self, entries: Iterable[FileEntry], together: Iterable[str] = ()) -> None:
+    def open_bytes(self, entry: FileEntry, *, early: bool = False, ranges: RangeFetcher | None = None) -> ShardBytes:
+        """``entry``'s bytes from the storage that holds it."""
+        return self._of(entry).open_bytes(entry, early=early, ranges=ranges)
+
+    def open_ranges(self) -> RangeFetcher | None:
+        """The data storage's range fetcher (the shards are what streams)."""
+        return self.data.open_ranges()
+
+    def discard(self, entry: FileEntry) -> bool:
+        """Drop the corrupt copy of ``entry`` where it was cached."""
+        return self._of(entry).discard(entry)
+
+    def started(self) -> None:
+        """The reader made its first item: tell each storage."""
+        self.data.started()
+        self.index.started()
+
+    def register_reader(self, largest: int) -> None:
+        """Register a reader with each storage (the index's holds sidecars only)."""
+        self.data.register_reader(largest)
+        try:
+            self.index.register_reader(min(largest, self._largest_index))
+        except BaseException:
+            self.data.unregister_reader()
+            raise
+
+    def unregister_reader(self) -> None:
+        """A reader ended."""
+        try:
+            self.data.unregister_reader()
+        finally:
+            self.index.unregister_reader()
+
+    def fetch_ahead(self, entries: Iterable[FileEntry], together: Iterable[str] = ()) -> None:
         """Name the next files to each storage (its own share of them)."""
         wanted, now = list(entries), list(together)
-        self.data.prefetch([e for e in wanted if e.name in self._data_names], now)
-        self.index.prefetch([e for e in wanted if e.name not in self._data_names], now)
+        self.data.fetch_ahead([e for e in wanted if e.name in self._data_names], now)
+        self.index.fetch_ahead([e for e in wanted if e.name not in self._data_names], now)
 
     def ahead_depth(self) -> int:
         """Return the data storage's read-ahead depth."""
@@ -83,69 +139,6 @@ class SplitStorage(Storage):
         return f"{self.index.describe()} (index), {self.data.describe()} (data)"
 
 
-class SplitCopies(SplitStorage):
-    """A :class:`SplitStorage` whose data files are local copies of remote ones (a cache).
-
-    It answers like the cached storage it wraps (``CachedCopies`` in :mod:`streamload.shards`):
-    corrupt copies are discarded where they were cached, readers registered with each
-    remote storage.
-    """
-
-    @property
-    def limit(self) -> int | None:
-        """The data cache's bound."""
-        return self.data.limit
-
-    @limit.setter
-    def limit(self, value: int | None) -> None:
-        self.data.limit = value
-
-    @property
-    def default_limit(self) -> int | None:
-        """The bound the data cache chose itself."""
-        limit: int | None = getattr(self.data, "default_limit", None)
-        return limit
-
-    def discard(self, entry: FileEntry) -> bool:
-        """Drop the corrupt copy of ``entry`` where it was cached."""
-        discard = getattr(self._of(entry), "discard", None)
-        return bool(discard(entry)) if discard is not None else False
-
-    def acquire_early(self, entry: FileEntry) -> str | Landing:
-        """:meth:`RemoteStorage.acquire_early` of the storage that holds ``entry`` (a path where it has none)."""
-        early = getattr(self._of(entry), "acquire_early", None)
-        return early(entry) if early is not None else self.acquire(entry)
-
-    def started(self) -> None:
-        """The reader made its first item: tell each remote storage."""
-        for storage in (self.data, self.index):
-            started = getattr(storage, "started", None)
-            if started is not None:
-                started()
-
-    def register_reader(self, largest: int) -> None:
-        """Register a reader with each remote storage (the index's holds sidecars only)."""
-        self.data.register_reader(largest)  # type: ignore[attr-defined]
-        register = getattr(self.index, "register_reader", None)
-        if register is not None:
-            try:
-                register(min(largest, self._largest_index))
-            except BaseException:
-                self.data.unregister_reader()  # type: ignore[attr-defined]
-                raise
-
-    def unregister_reader(self) -> None:
-        """A reader ended."""
-        try:
-            self.data.unregister_reader()  # type: ignore[attr-defined]
-        finally:
-            unregister = getattr(self.index, "unregister_reader", None)
-            if unregister is not None:
-                unregister()
-
-
 def split_storage(index: Storage, data: Storage, data_names: Iterable[str], largest_index_file: int) -> SplitStorage:
-    """Return the split storage of an index and its data root (:class:`SplitCopies` when the data is cached)."""
-    cached = hasattr(data, "register_reader") and hasattr(data, "discard")
-    kind = SplitCopies if cached else SplitStorage
-    return kind(index, data, data_names, largest_index_file)
+    """Return the split storage of an index and its data root."""
+    return SplitStorage(index, data, data_names, largest_index_file)

@@ -1,0 +1,64 @@
+"""The HTTP backend (``http://``, ``https://``): ranged GETs whose answer is checked before its body is read.
+
+A server may not serve ranges at all (``python -m http.server``): a download of a file is
+one sequential stream that resumes where it stopped, never parts; a ranged read that gets
+the whole object is refused before a byte past the range is read (see :mod:`..bounded`).
+Reads are bounded by aiohttp's ``sock_read`` (the read timeout).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..bounded import check_answer, read_body
+from .fsspec import FsspecBackend
+
+__all__ = ["HttpBackend"]
+
+
+class HttpBackend(FsspecBackend):
+    """Files under an ``http(s)://host/prefix``."""
+
+    parted = False  # a server may ignore Range: downloads are one resumable stream
+
+    @classmethod
+    def timed_options(cls, options: dict[str, Any], read_timeout: float) -> dict[str, Any]:
+        """Aiohttp's ``sock_read`` (a timeout per socket read) and a connect timeout, unless chosen."""
+        client = dict(options.get("client_kwargs") or {})
+        if "timeout" not in client:
+            try:
+                import aiohttp
+            except ImportError:
+                return options
+            client["timeout"] = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=read_timeout)
+            options["client_kwargs"] = client
+        return options
+
+    def get_range(self, path: str, url: str, start: int, end: int) -> bytes:
+        """One ranged GET on the filesystem's own session (its headers and credentials)."""
+        if end <= start:
+            return b""
+        from fsspec.asyn import sync
+
+        fs = self.fs
+        data: bytes = sync(fs.loop, _http_range, fs, path, url, start, end)
+        return data
+
+    def open_stream(self, path: str) -> Any:
+        """A plain stream: no range requests needed."""
+        return self.fs.open(path, "rb", block_size=0)
+
+
+async def _http_range(fs: Any, path: str, url: str, start: int, end: int) -> bytes:
+    kw = dict(fs.kwargs)
+    headers = dict(kw.pop("headers", None) or {})
+    headers["Range"] = f"bytes={start}-{end - 1}"
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
+        if r.status == 404:
+            raise FileNotFoundError(url)
+        if r.status == 416:
+            return b""  # the range starts past the object's end: no bytes there
+        r.raise_for_status()  # a ClientResponseError carries the status (classified by .retry)
+        check_answer(url, start, end, r.status, r.content_length, r.headers.get("Content-Range"))
+        return await read_body(r.content.read, url, start, end, r.status)
