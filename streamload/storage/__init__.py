@@ -17,7 +17,8 @@ Rooms:
 * ``s3direct``: S3 ranged reads on botocore's own client; ``bounded``: the checks that
   keep a ranged GET from taking a byte past its range;
 * ``transport``: the files under a URL prefix with retries (:func:`~.transport.open_transport`);
-  ``retry``: the retry policy and error classes;
+  ``download``: a file's download as concurrent parts or one stream; ``retry``: the retry
+  policy and error classes;
 * ``parts``: the link model and how a download is cut into parts; ``executor``: the one
   I/O executor of a process, its lanes;
 * ``bytes``: :class:`~.bytes.ShardBytes` and its kinds (a local file, a download read as
@@ -35,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .backends import register_backend
 from .base import LocalStorage, Storage, is_local, local_path_of
 from .destination import Destination, LocalDestination, RemoteDestination
 
@@ -48,6 +50,7 @@ __all__ = [
     "local_path_of",
     "open_destination",
     "open_storage",
+    "register_backend",
 ]
 
 

@@ -12,7 +12,6 @@ how many shards it may keep open.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -37,7 +36,6 @@ class Admission:
     def __init__(self, cache: ShardCache, url: str) -> None:
         self.cache = cache
         self.url = url
-        self._pid = os.getpid()
         self._lock = threading.Lock()
         self._registration: Registration | None = None
         self._readers = 0  # this process's open readers (one registration for all)

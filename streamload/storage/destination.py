@@ -20,6 +20,7 @@ from typing import Any
 
 from .._errors import ShardNotFoundError
 from .._files import check_file_name, hash_stream, new_hasher
+from .._fork import forks
 from .base import local_path_of
 from .locks import DestinationLock, LocalLock, RemoteLock
 from .retry import RetryPolicy
@@ -197,7 +198,7 @@ class RemoteDestination(Destination):
         self.url = url.rstrip("/")
         self.files = open_transport(self.url, storage_options, retry=retry)
         self._staging = tempfile.mkdtemp(prefix="streamload-upload-")
-        self._owner_pid = os.getpid()
+        self._owner_forks = forks()
 
     def staging_path(self, name: str) -> str:
         """Return a fresh local temporary file for ``name``."""
@@ -240,5 +241,5 @@ class RemoteDestination(Destination):
 
     def __del__(self) -> None:
         staging = getattr(self, "_staging", None)
-        if staging is not None and getattr(self, "_owner_pid", -1) == os.getpid():
+        if staging is not None and getattr(self, "_owner_forks", -1) == forks():
             shutil.rmtree(staging, ignore_errors=True)

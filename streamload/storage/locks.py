@@ -23,7 +23,8 @@ from types import TracebackType
 from typing import Any
 
 from .._errors import DestinationBusyError, ShardNotFoundError, StorageError
-from .transport import RemoteFiles
+from .._fork import forks
+from .transport import RemoteFiles, open_transport
 
 __all__ = ["LOCAL_LOCK_NAME", "REMOTE_LOCK_NAME", "DestinationLock", "LocalLock", "RemoteLock"]
 
@@ -251,11 +252,11 @@ class RemoteLock(DestinationLock):
     def __init__(self, url: str, files: RemoteFiles) -> None:
         super().__init__(url)
         # A filesystem of its own: the refresh thread never shares the conversion's.
-        self.files = RemoteFiles(files.url, files.storage_options, files.retry)
+        self.files = open_transport(files.url, files.storage_options, retry=files.retry)
         self.lost: dict[str, Any] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pid = os.getpid()
+        self._forks = forks()  # made in this process (a forked child never releases it)
 
     @staticmethod
     def identity() -> dict[str, Any]:
@@ -359,7 +360,7 @@ class RemoteLock(DestinationLock):
 
     def release(self) -> None:
         """Stop refreshing; delete the lock object if it is still ours (idempotent)."""
-        if not self.held or self._pid != os.getpid():
+        if not self.held or self._forks != forks():
             return
         self.held = False
         self._stop.set()
