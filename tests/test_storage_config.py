@@ -91,8 +91,57 @@ def test_each_field_is_checked_and_normalized_when_made(tmp_path: Path) -> None:
             "stream_buffer",
             "lock_timeout",
             "allow_data_roots",
+            "retry_timeout",
+            "read_timeout",
+            "s3_direct",
+            "parquet_cache",
+            "cache_shared",
         )
     )
+
+
+def test_the_tuning_fields_are_checked_and_reach_the_storage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamload.storage.remote import RemoteStorage
+
+    config = StorageConfig(
+        cache_dir=str(tmp_path),
+        retry_timeout=5,
+        read_timeout=2.5,
+        s3_direct=False,
+        parquet_cache="2MB",
+        cache_shared=True,
+    )
+    fields = (config.retry_timeout, config.read_timeout, config.s3_direct, config.parquet_cache, config.cache_shared)
+    assert fields == (5.0, 2.5, False, 2_000_000, True)
+    storage = config.open("s3://bucket/tuned", {"anon": True})
+    assert isinstance(storage, RemoteStorage)
+    try:
+        files = storage._remote
+        assert (files.retry.timeout, files.retry.inactivity_timeout) == (5.0, 2.5)
+        assert files.direct is None  # s3_direct=False: shard bytes through s3fs
+        assert storage.cache.shared is True
+    finally:
+        storage.close()
+    # left None, each takes the environment's default
+    monkeypatch.setenv("STREAMLOAD_RETRY_TIMEOUT", "7")
+    monkeypatch.setenv("STREAMLOAD_S3_DIRECT", "0")
+    monkeypatch.setenv("STREAMLOAD_CACHE_SHARED", "1")
+    storage = StorageConfig(cache_dir=str(tmp_path)).open("s3://bucket/tuned", {"anon": True})
+    assert isinstance(storage, RemoteStorage)
+    try:
+        assert storage._remote.retry.timeout == 7.0 and storage._remote.direct is None and storage.cache.shared
+    finally:
+        storage.close()
+    for bad, message in [
+        ({"retry_timeout": -1}, "retry_timeout=-1 must be >= 0"),
+        ({"read_timeout": 0}, "read_timeout=0 must be > 0"),
+        ({"read_timeout": "slow"}, "read_timeout='slow' must be a number of seconds"),
+        ({"s3_direct": "yes"}, "s3_direct='yes' must be True, False or None"),
+        ({"parquet_cache": "lots"}, "parquet_cache='lots' is not a byte size"),
+        ({"cache_shared": 1}, "cache_shared=1 must be True, False or None"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            StorageConfig(**bad)
 
 
 def test_a_stream_fills_its_unset_settings_from_the_dataset(remote: str, tmp_path: Path) -> None:

@@ -14,17 +14,41 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from .._errors import CorruptShardError
+from .backends.fsspec import FsspecBackend
 from .executor import io_executor
-
-if TYPE_CHECKING:
-    from .transport import RemoteFiles
+from .parts import LinkModel, PartPlanner
 
 __all__ = ["download_parts", "download_stream"]
 
 _CHUNK = 8 << 20
+
+
+class RemoteFiles(Protocol):
+    """What a download uses of its transport (:class:`~.transport.RemoteFiles`)."""
+
+    backend: FsspecBackend
+    link: LinkModel
+    planner: PartPlanner
+
+    def path(self, name: str) -> str:
+        """The backend's path of ``name``."""
+
+    def url_of(self, name: str) -> str:
+        """The URL of ``name``, for messages."""
+
+    def call(
+        self,
+        action: str,
+        name: str,
+        func: Callable[[], Any],
+        *,
+        not_found: str | None = None,
+        stop: threading.Event | None = None,
+    ) -> Any:
+        """``func`` retried, its final error translated."""
 
 
 class _EitherEvent(threading.Event):

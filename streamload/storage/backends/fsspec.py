@@ -132,8 +132,6 @@ class FsspecBackend:
         self.options = dict(storage_options)
         self.settings = settings
         self.filesystem_class(self.url)  # fail now on a missing package; connect lazily
-        #: The options with this backend's default timeouts.
-        self.timed = self.timed_options(dict(self.options), settings.read_timeout)
         self._fs = self._local()
 
     def _local(self) -> ProcessLocal[tuple[Any, str, list[bool]]]:

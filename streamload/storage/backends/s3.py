@@ -34,7 +34,8 @@ class S3Backend(FsspecBackend):
     def __init__(self, url: str, storage_options: Mapping[str, Any], settings: BackendSettings) -> None:
         super().__init__(url, storage_options, settings)
         #: Ranged reads on botocore's threads (``None``: through s3fs); see :mod:`..s3direct`.
-        self.direct: DirectS3 | None = direct_s3(self.timed) if settings.direct else None
+        timed = self.timed_options(dict(self.options), settings.read_timeout)
+        self.direct: DirectS3 | None = direct_s3(timed) if settings.direct else None
 
     @classmethod
     def timed_options(cls, options: dict[str, Any], read_timeout: float) -> dict[str, Any]:
