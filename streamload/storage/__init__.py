@@ -23,9 +23,9 @@ Rooms:
   I/O executor of a process, its lanes;
 * ``bytes``: :class:`~.bytes.ShardBytes` and its kinds (a local file, a download read as
   it lands, streamed ranges); ``ranges``: streaming mode's ranges fetched ahead;
-* ``cache``, ``locks``, ``cachedir``, ``admission``, ``room``: the shared cache directory,
-  its locks, where it lives, its readers, its bound;
-* ``fill``: how a file comes into the cache; ``readahead``: background fetches and their
+* ``cache/``, ``locks``, ``cachedir``, ``admission``, ``limit``: the shared cache directory
+  (a package of its own), its locks, where it lives, its readers, its bound;
+* ``filler``: how a file comes into the cache; ``readahead``: background fetches and their
   depth; ``remote``: :class:`~.remote.RemoteStorage`; ``split``: an index kept apart from
   its files;
 * ``config``: checks of the tuning settings; ``destination``: writing.

@@ -37,7 +37,7 @@ from .._files import FileEntry
 from .._fork import ProcessLocal
 from .cache import ShardCache
 from .executor import io_executor
-from .fill import Filler
+from .filler import Filler
 from .parts import LinkModel
 
 __all__ = ["AheadDepth", "AheadStats", "FetchAhead", "ReadAhead"]
@@ -315,8 +315,8 @@ class FetchAhead:
 
     A subclass sets :attr:`url`, :attr:`read_ahead`, :attr:`cache`, ``_proc`` (its
     per-process state: ``lock``, ``depth``, ``ahead``, ``largest``, ``blocked``, ``pins``,
-    ``together``, ``first_read``, ``stop``), ``_filler`` (:class:`~.fill.Filler`) and
-    answers ``_ahead_room`` (:class:`~.room.CacheRoom`).
+    ``together``, ``first_read``, ``stop``), ``_filler`` (:class:`~.filler.Filler`) and
+    answers ``_ahead_room`` (:class:`~.limit.CacheLimit`).
     """
 
     url: str

@@ -6,7 +6,7 @@ Per process::
     acquire(entry)                    -> pin in the shared cache (see .cache)
       hit:  data/<name>, mtime bumped  -> local path, no remote call
       miss: reserve room (evict LRU unpinned), download to tmp/ (retried, resumed at
-            the byte it stopped), verify size + hash, rename into data/ (see .fill)
+            the byte it stopped), verify size + hash, rename into data/ (see .filler)
     open_bytes(entry, early=True)     -> acquire, but a miss returns at once: a Landing that
                                          serves the ranges whose parts have landed while the
                                          download goes on (.bytes.Landing), on the I/O
@@ -14,7 +14,7 @@ Per process::
     open_ranges()                     -> streaming mode's range fetcher over this transport (.ranges)
     ahead_depth()                     -> how many shards the reader should name ahead now:
                                          from the link model and the reading time, at most
-                                         `read_ahead` and the cache room (.readahead, .room)
+                                         `read_ahead` and the cache room (.readahead, .limit)
     fetch_ahead([next files])         -> the same as acquire, on the executor's ``ahead``
                                          lane, never waiting for room (nor pinning: an idle
                                          reader's pins would starve the others); their parts
@@ -29,7 +29,7 @@ Per process::
 
 The storage is told what each file must be (:class:`~streamload._files.FileEntry`: size,
 digest, algorithm) by its caller; it never reads a manifest. The bound and its sharing:
-see .room. What a process holds (pins, read-ahead, its registration) lives in a
+see .limit. What a process holds (pins, read-ahead, its registration) lives in a
 :class:`~streamload._fork.ProcessLocal`: a forked worker starts with none of its parent's.
 """
 
@@ -53,11 +53,11 @@ from .bytes import Landing, ShardBytes
 from .cache import DEFAULT_LOCK_TIMEOUT, DEFAULT_WAIT_TIMEOUT, CacheStats, Pin, ShardCache
 from .cachedir import dataset_cache_key, default_cache_dir
 from .executor import io_executor
-from .fill import DOWNLOAD_REFETCHES, Filler
+from .filler import DOWNLOAD_REFETCHES, Filler
 from .ranges import RangeFetcher
 from .readahead import AheadDepth, FetchAhead, ReadAhead
 from .retry import RetryPolicy
-from .room import DEFAULT_CACHE_FRACTION, MIN_CACHE_SHARDS, CacheRoom
+from .limit import DEFAULT_CACHE_FRACTION, MIN_CACHE_SHARDS, CacheLimit
 from .transport import open_transport
 
 __all__ = [
@@ -113,7 +113,7 @@ class _Process:
         self.admission.forget_parent()
 
 
-class RemoteStorage(CacheRoom, FetchAhead, Storage):
+class RemoteStorage(CacheLimit, FetchAhead, Storage):
     """A dataset at a remote fsspec URL, read through a bounded, shared local cache.
 
     Args:
@@ -124,7 +124,7 @@ class RemoteStorage(CacheRoom, FetchAhead, Storage):
         cache_dir: Cache directory shared by all processes of the machine (default:
             :func:`default_cache_dir`); this dataset uses ``<cache_dir>/<hash of URL>``.
         cache_limit: Byte bound of this dataset's cache (int or ``"20GB"``); ``None``: the
-            default bound (see .room); ``"unbounded"``: none. Must hold at least two of the
+            default bound (see .limit); ``"unbounded"``: none. Must hold at least two of the
             largest shards (with its sidecar), and one per reader on the machine (more are
             refused at once); allow ``(readers + 1)`` for downloads ahead.
         read_ahead: The most shards each process downloads ahead (0: none). The depth

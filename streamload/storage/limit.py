@@ -25,7 +25,7 @@ from .._units import format_bytes
 from .._validate import UNBOUNDED
 from .cache import ShardCache
 
-__all__ = ["DEFAULT_CACHE_FRACTION", "MIN_CACHE_SHARDS", "CacheRoom"]
+__all__ = ["DEFAULT_CACHE_FRACTION", "MIN_CACHE_SHARDS", "CacheLimit"]
 
 log = logging.getLogger("streamload")
 
@@ -37,7 +37,7 @@ DEFAULT_CACHE_FRACTION = 0.5
 _LOGGED_DEFAULTS: set[str] = set()
 
 
-class CacheRoom:
+class CacheLimit:
     """The bound part of :class:`~.remote.RemoteStorage`: its limit, checked and shared.
 
     A subclass sets :attr:`url`, :attr:`cache_root`, :attr:`cache`, :attr:`limit`,
