@@ -54,10 +54,10 @@ from .cache import DEFAULT_LOCK_TIMEOUT, DEFAULT_WAIT_TIMEOUT, CacheStats, Pin, 
 from .cachedir import dataset_cache_key, default_cache_dir
 from .executor import io_executor
 from .filler import DOWNLOAD_REFETCHES, Filler
+from .limit import DEFAULT_CACHE_FRACTION, MIN_CACHE_SHARDS, CacheLimit
 from .ranges import RangeFetcher
 from .readahead import AheadDepth, FetchAhead, ReadAhead
 from .retry import RetryPolicy
-from .limit import DEFAULT_CACHE_FRACTION, MIN_CACHE_SHARDS, CacheLimit
 from .transport import open_transport
 
 __all__ = [
