@@ -61,7 +61,7 @@ from ._validate import (
     parse_cache_mode,
     parse_stream_buffer,
 )
-from .formats import Format, ShardReader, get_format
+from .formats import Format, ShardReader, get_format, set_row_group_cache_bytes
 from .formats.tar import TarShardReader
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardEntry, data_root_place, is_under
 from .plan import Run
@@ -191,7 +191,7 @@ class StorageConfig:
             (``False``) (``None``: ``$STREAMLOAD_S3_DIRECT``, else ``True``).
         parquet_cache: Bytes of decoded Parquet row groups a process keeps (an int or a
             string like ``"2GB"``, kept as bytes; ``None``: ``$STREAMLOAD_PARQUET_CACHE``,
-            else 1 GiB). Carried for the Parquet reader.
+            else 1 GiB); set in each process that opens the dataset's storage.
         cache_shared: Accept a cache directory other users may write (a group's shared
             cache) (``None``: ``$STREAMLOAD_CACHE_SHARED``, else ``False``).
 
@@ -279,6 +279,8 @@ class StorageConfig:
                 (a data root on another host gets its own, never the dataset's).
         """
         options = self.options if storage_options is None else dict(storage_options)
+        if self.parquet_cache is not None:  # the row-group budget is the process's (set in each worker)
+            set_row_group_cache_bytes(self.parquet_cache)
         return open_storage(
             url,
             options,

@@ -101,6 +101,8 @@ def test_each_field_is_checked_and_normalized_when_made(tmp_path: Path) -> None:
 
 
 def test_the_tuning_fields_are_checked_and_reach_the_storage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamload.formats import set_row_group_cache_bytes
+    from streamload.formats import table_cache as row_groups
     from streamload.storage.remote import RemoteStorage
 
     config = StorageConfig(
@@ -120,8 +122,10 @@ def test_the_tuning_fields_are_checked_and_reach_the_storage(tmp_path: Path, mon
         assert (files.retry.timeout, files.retry.inactivity_timeout) == (5.0, 2.5)
         assert files.direct is None  # s3_direct=False: shard bytes through s3fs
         assert storage.cache.shared is True
+        assert row_groups.CACHE.budget == 2_000_000  # the Parquet readers' budget in this process
     finally:
         storage.close()
+        set_row_group_cache_bytes(None)
     # left None, each takes the environment's default
     monkeypatch.setenv("STREAMLOAD_RETRY_TIMEOUT", "7")
     monkeypatch.setenv("STREAMLOAD_S3_DIRECT", "0")
