@@ -52,10 +52,12 @@ import xxhash
 
 from ._atexit import close_at_exit
 from ._errors import ConfigError, SampleNotFoundError, StreamloadError
+from .ahead import ShardsAhead
+from .dataref import CACHE_KEYWORDS, CacheKeywords, DatasetRef, storage_config
 from .formats import Sample
 from .manifest import Manifest
 from .plan import Run
-from .shards import CACHE_KEYWORDS, CacheKeywords, DatasetRef, ShardSource, StorageConfig, storage_config
+from .shards import ShardSource, StorageConfig
 from .storage import Storage, is_local, local_path_of
 
 if TYPE_CHECKING:
@@ -464,7 +466,7 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
         shards = [s for s, count in enumerate(counts) if count]
         zero = np.zeros(1, dtype=np.int64)
         touch = (Run(s, zero, zero, zero) for s in shards)
-        for run in readers.read_ahead(touch, iter(shards)):  # remote: downloads ahead of the reads
+        for run in ShardsAhead(readers, iter(shards)).fetch_ahead(touch):  # remote: downloads ahead of the reads
             start, count = int(self.starts[run.shard]), counts[run.shard]
             keys = readers.get(run.shard).keys_of(np.arange(count, dtype=np.int64))
             hashes[start : start + count] = [key_hash(k) for k in keys]

@@ -21,7 +21,7 @@ def data_root_of(url: str, storage: Any) -> str | None:
     shards takes seconds, and ``verify`` does it anyway); a remote one is loaded.
     """
     from ..manifest import MANIFEST_NAME
-    from ..shards import DatasetRef
+    from ..dataref import DatasetRef
     from ..storage import is_local, local_path_of
 
     if not is_local(url):
