@@ -38,6 +38,7 @@ log = logging.getLogger("streamload")
 #: Datasets whose "auto" choice this process logged already.
 _LOGGED_AUTO: set[str] = set()
 
+
 def load_manifest(storage: Storage, url: str) -> Manifest:
     """Read and validate ``index.json`` through ``storage`` (at most :data:`MAX_MANIFEST_BYTES`).
 
@@ -52,7 +53,6 @@ def load_manifest(storage: Storage, url: str) -> Manifest:
     )
     raw = storage.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES, not_found=missing)
     return Manifest.loads(raw, where=where)
-
 
 
 @dataclass(frozen=True)

@@ -24,25 +24,20 @@ counts, interleaved) and the readers (:class:`~streamload.streams.MixedSource`: 
 
 from __future__ import annotations
 
-import secrets
-import sys
-from collections.abc import Callable, Generator, Iterator, Mapping
-from dataclasses import replace
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterableDataset
 
-from ._atexit import close_at_exit
-from ._errors import ConfigError, PlanError, StreamloadError
+from ._errors import ConfigError
 from ._stages import StageTable
 from ._validate import check_epoch, dataset_args, warn_remote_only
 from .dataref import StorageKeywords, storage_config
-from .epochs import ITERATOR, LOADER, EpochTable, Users
 from .formats import Format, Sample
+from .iterations import Iterations
 from .manifest import Manifest
 from .plan import EpochPlan, Split, World, detect_rank_world, detect_world, distributed_world, rank_samples
-from .plan.state import EpochState, manifest_fingerprint
-from .resume import Planner, Position, check_seen
+from .resume import Planner, Position
 from .shards import StorageConfig
 from .skips import MAX_NAMED_SKIPS, SkipCounts, SkipLog, SkippedSample
 from .stages import OnError, Pipeline, Steps
@@ -123,61 +118,36 @@ class StreamingDataset(IterableDataset[Any]):
 
     Mixtures:
         ``StreamingDataset([Stream("s3://a", weight=0.7), Stream("/data/b", weight=0.3)],
-        epoch_size=1_000_000)`` reads both datasets (any formats and storages, each with its
-        own storage settings) as one epoch. Each stream contributes an exact count per
-        epoch (largest-remainder rounding of its weight, ``repeat`` or ``samples``; they sum
-        to ``epoch_size``); a stream asked for fewer samples than it has reads a different
-        subset each epoch (seed, epoch), each sample at most once; one asked for more reads
-        whole passes plus a subset. The streams are interleaved sample by sample in
-        proportion over the whole epoch (then shuffled within the window with
-        ``shuffle=True``), so each batch reflects the weights. Every guarantee above holds
-        for the mixture. Each sample dict gets ``"__source__"``: the stream's ``name``, else
-        its index. ``epoch_size=`` alone subsamples or upsamples one dataset the same way.
-        For a mixture, :attr:`manifest` and :attr:`format` describe the first stream; see
-        :attr:`streams`.
+        epoch_size=1_000_000)`` reads both datasets (any formats and storages) as one epoch:
+        each stream contributes an exact count per epoch (its weight, ``repeat`` or
+        ``samples``), a different subset each epoch when asked for fewer samples than it
+        has, interleaved sample by sample over the whole epoch. Every guarantee above holds
+        for the mixture; each sample dict gets ``"__source__"`` (the stream's ``name``, else
+        its index). :attr:`manifest` and :attr:`format` describe the first stream; see
+        :attr:`streams` and ``docs/mixing.md``.
 
     Epochs:
         ``set_epoch(n)`` makes the next iteration epoch ``n`` (it reaches persistent
-        workers through shared memory); each further iteration without ``set_epoch``
-        advances the epoch by one. An iteration counts once its first sample is asked for,
-        and all readers of one iteration (every DataLoader worker of one ``iter(loader)``,
-        persistent or not) agree on its epoch, whatever iterated the dataset before.
+        workers through shared memory); each further iteration advances it by one. All
+        readers of one iteration (every DataLoader worker of one ``iter(loader)``) agree
+        on its epoch, counted once its first sample is asked for.
 
     Reproducibility:
-        With ``shuffle=True`` and ``batch_size=b``, the samples of global step ``k`` (all
-        ranks' ``k``-th batches, in rank order) depend only on the dataset, ``seed``, the
-        epoch, the global batch ``b * world_size`` and ``partitions``: 1 GPU with
-        ``batch_size=256`` and 8 GPUs with ``batch_size=32`` see the same steps, with any
-        ``num_workers``, and so does a run resumed on another world. Every sample dict
-        that ``transform`` or ``collate`` receives carries ``"__epoch__"`` and
-        ``"__position__"`` (its place in the epoch, the same on every world), the key of
-        :func:`streamload.sample_generator`, which
-        :class:`~streamload.decode.DecodeBatch` uses for its random crops and flips. See
-        ``docs/reproducibility.md``.
+        With ``shuffle=True`` and ``batch_size=b``, the samples of global step ``k`` depend
+        only on the dataset, ``seed``, the epoch, the global batch ``b * world_size`` and
+        ``partitions``, whatever the ranks and ``num_workers``. Every sample dict that
+        ``transform`` or ``collate`` receives carries ``"__epoch__"`` and ``"__position__"``,
+        the key of :func:`streamload.sample_generator`. See ``docs/reproducibility.md``.
 
     Stop and resume:
-        ``state_dict()`` returns a small plain dict (JSON- and ``torch.save``-safe): the
-        epoch, the seed and the global number of samples consumed, independent of the
-        number of ranks and workers. ``load_state_dict(state)`` makes the next iteration
-        continue that epoch at the first unseen sample, without reading the seen ones;
-        the following epoch is unchanged. The rest of the epoch is exactly the
-        uninterrupted run's, on the same world or, for a count of whole global batches,
-        on any world with the same global batch and ``partitions``. A world of another
-        global batch (or ``partitions``) reads the epoch's unread rest, each sample once
-        and equal per rank, in another order (one ``UserWarning`` says so). A state of
-        another dataset, or a worker position outside its plan, is a
-        :class:`~streamload.PlanError`. Two ways to use it:
-
-        * ``torchdata.stateful_dataloader.StatefulDataLoader`` calls ``state_dict`` and
-          ``load_state_dict`` in its workers; save and load the loader's state (same
-          number of ranks and workers).
-        * With a plain ``DataLoader`` (any workers; pass ``batch_size=`` to this dataset),
-          the training loop supplies the global count::
-
-              ckpt["data"] = ds.state_dict(samples_seen=step_in_epoch * global_batch)
-              ds.load_state_dict(ckpt["data"])  # on restart, before iterating
-
-          This is the elastic path: resume on any number of ranks and workers.
+        ``state_dict()`` returns a small plain dict (JSON- and ``torch.save``-safe), the
+        same on any number of ranks and workers; ``load_state_dict(state)`` makes the next
+        iteration continue that epoch at the first unseen sample, exactly as the
+        uninterrupted run on any world with the same global batch and ``partitions`` (on
+        another, the unread rest, each sample once; a ``UserWarning`` says so). Use it
+        through ``torchdata``'s ``StatefulDataLoader`` (same world), or with a plain
+        ``DataLoader`` (any world) as ``ds.state_dict(samples_seen=step_in_epoch *
+        global_batch)``. See ``docs/resume.md``.
     """
 
     #: Stage seconds of the readers, for :func:`streamload.watch` (made only when a loader is watched).
@@ -243,13 +213,8 @@ class StreamingDataset(IterableDataset[Any]):
         self.format: Format = self._ref.format
         #: The plan stage: each epoch's plan, and the state to resume from.
         self._planner = Planner(self.streams, split)
-        #: The epochs claimed by iterations, and who iterates (shared memory: reaches every worker).
-        self._epochs = EpochTable()
-        self._users = Users()
-        #: Digest of the shards read (in resume states), computed when first asked for.
-        self._manifest_digest: str | None = None
-        #: This process's current (or last) iteration: where it stands.
-        self._progress: Position | None = None
+        #: This process's iterations: their epochs and readers (shared memory: reaches every worker).
+        self._iterations = Iterations(self._planner, self.source)
         #: (rank, world_size) of the process that pickled this dataset to a worker.
         self._inherited_world: tuple[int, int] | None = None
         self._storages: list[Storage] | None = None
@@ -281,12 +246,12 @@ class StreamingDataset(IterableDataset[Any]):
 
         Works with ``persistent_workers=True``: the counter lives in shared memory.
         """
-        self._epochs.set_epoch(check_epoch(epoch))
+        self._iterations.epochs.set_epoch(check_epoch(epoch))
 
     @property
     def epoch(self) -> int:
         """The epoch of this process's current or last iteration, else the last one claimed, else the next."""
-        return self._progress.epoch if self._progress is not None else self._epochs.last()
+        return self._iterations.epoch()
 
     def plan(self, epoch: int, world_size: int) -> EpochPlan:
         """Return the :class:`EpochPlan` this dataset follows for ``epoch`` in a world of ``world_size``.
@@ -302,15 +267,8 @@ class StreamingDataset(IterableDataset[Any]):
 
     @property
     def manifest_digest(self) -> str:
-        """A short digest of the shards this dataset reads (names, sizes, sample counts, hashes).
-
-        Stored in :meth:`state_dict`, so a state of another dataset of the same size is refused.
-        """
-        if self._manifest_digest is None:
-            refs = self.streams.refs
-            shards = [[(e.name, e.num_bytes, e.num_samples, str(e.hash)) for e in r.manifest.shards] for r in refs]
-            self._manifest_digest = manifest_fingerprint(shards)
-        return self._manifest_digest
+        """A short digest of the shards read (in :meth:`state_dict`: a state of another dataset is refused)."""
+        return self.streams.digest
 
     # -- stop and resume -----------------------------------------------------------
 
@@ -329,17 +287,10 @@ class StreamingDataset(IterableDataset[Any]):
         """
         world = detect_world(self.rank, self.world_size, self._inherited_world)
         plan = self.plan(self.epoch, world.world_size)
-        if samples_seen is None and self._progress is None:
-            if self._epochs.claimed() > 0:
-                raise PlanError(
-                    "this process has not read the dataset (DataLoader workers did): "
-                    "pass samples_seen=steps * global_batch to state_dict()"
-                )
-            samples_seen = 0
-        fields = {"num_samples": self.num_samples, "mixture": self.streams.fingerprint}
-        fields["manifest"] = self.manifest_digest
-        state = self._planner.epoch_state(world, plan, self._progress, samples_seen, **fields)
-        return state.normalized().to_dict()
+        seen = self._planner.epoch_state(
+            world, plan, self._iterations.progress, samples_seen, self._iterations.claimed()
+        )
+        return seen.normalized().to_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue from ``state_dict`` (from :meth:`state_dict`) at the next iteration.
@@ -352,75 +303,17 @@ class StreamingDataset(IterableDataset[Any]):
         Raises:
             PlanError: If the state is malformed or belongs to a differently configured dataset.
         """
-        state = EpochState.from_dict(state_dict)
-        state.check_dataset(
-            seed=self.seed,
-            shuffle=self.shuffle,
-            drop_last=self.drop_last,
-            window=self.shuffle_window or state.window,
-            num_samples=self.num_samples,
-            mixture=self.streams.fingerprint,
-            pad=self.pad,
-            manifest=self.manifest_digest,
-        )
-        check_seen(state)
-        self._planner.resume = state.normalized()
-        self._progress = None
+        state = self._planner.load(state_dict)
+        self._iterations.progress = None
         # Every reader of the next iteration (this process, or each worker restored by
         # StatefulDataLoader before it iterates) gets the saved epoch.
         self.set_epoch(state.epoch)
-
-    @property
-    def _resume(self) -> EpochState | None:
-        """The state given to :meth:`load_state_dict` (applies to iterations of its epoch)."""
-        return self._planner.resume
 
     # -- iteration -----------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
         world = detect_world(self.rank, self.world_size, self._inherited_world)
-        key = self._epochs.iteration_key()
-        try:
-            plan, progress = self._start(world, self._epochs.find(key))  # state_dict() may ask before the first sample
-        except PlanError as exc:
-            if world.num_workers == 1:
-                raise
-            # In a DataLoader worker, raise with the first sample: the loader then hands the error to
-            # the main process at once (raised here, it kills the worker and is seen only after a timeout).
-            return _refused(exc)
-        iterator = self._iterate(world, key, plan, progress)
-        close_at_exit(iterator)  # closed before the interpreter's teardown if still alive then
-        return iterator
-
-    def _start(self, world: World, epoch: int) -> tuple[EpochPlan, Position]:
-        plan = self.plan(epoch, world.world_size)
-        self._progress = self._planner.position(world, plan)
-        return plan, self._progress
-
-    def _iterate(self, world: World, key: int, plan: EpochPlan, progress: Position) -> Generator[Any, None, None]:
-        """One iteration: its epoch is claimed when its first sample is asked for.
-
-        An iterator still alive at interpreter exit is closed after the modules' globals
-        are gone: what its cleanup raises then is dropped, not printed.
-        """
-        finalizing = sys.is_finalizing  # bound now: the module's globals may be gone at exit
-        slot = self._users.enter(ITERATOR, self.source)
-        try:
-            epoch = self._epochs.claim(key)
-            if epoch != progress.epoch:  # another iteration claimed in between
-                plan, progress = self._start(world, epoch)
-            self._planner.warn_locality(plan, world)
-            try:
-                yield from self._pipeline(plan, world, progress)
-            except Exception:
-                if not finalizing():
-                    raise
-        finally:
-            try:
-                self._users.leave(slot)
-            except Exception:
-                if not finalizing():
-                    raise
+        return self._iterations.iterator(world, self._pipeline)
 
     def _pipeline(self, plan: EpochPlan, world: World, progress: Position) -> Pipeline:
         """The stages of one reader's iteration (opened when its first item is asked for)."""
@@ -438,39 +331,6 @@ class StreamingDataset(IterableDataset[Any]):
         """
         return self._skips.total()
 
-    # -- iteration on threads (streamload.Loader) -------------------------------------
-
-    def _enter_threads(self) -> int:
-        """Register a :class:`streamload.Loader`'s iteration (see :class:`~streamload.epochs.Users`)."""
-        return self._users.enter(LOADER, self.source)
-
-    def _leave(self, slot: int) -> None:
-        """Unregister the slot :meth:`_enter_threads` returned."""
-        self._users.leave(slot)
-
-    def _thread_iterations(self, threads: int) -> tuple[Position, list[Iterator[Any]]]:
-        """One iteration read by ``threads`` readers of this process (:class:`streamload.Loader`).
-
-        Claims the epoch now, and plans it as if this rank had ``threads`` DataLoader
-        workers: reader ``w`` reads exactly what worker ``w`` would, so taking their
-        batches in turn gives the DataLoader's batches for any number of workers. Returns
-        the rank's progress (set as this process's, its ``next_item`` advanced by the
-        caller as batches are consumed) and one lazy iterator per reader.
-        """
-        rank, world_size = detect_rank_world(self.rank, self.world_size, self._inherited_world)
-        self._get_storages()  # opened here, once, not by the readers at once
-        plan = self.plan(self._epochs.claim(secrets.randbits(62) | 1), world_size)
-        readers: list[Iterator[Any]] = []
-        position = Position(plan.split.epoch, plan.chunk_size(threads), 0)
-        for worker in range(threads):
-            world = World(rank, world_size, worker, threads)
-            position = self._planner.position(world, plan)
-            if worker == 0:
-                self._planner.warn_locality(plan, world)
-            readers.append(iter(self._pipeline(plan, world, position)))
-        self._progress = replace(position)  # the last reader's start (advanced by the Loader)
-        return self._progress, readers
-
     # -- per-process resources -----------------------------------------------------
 
     def _get_storages(self) -> list[Storage]:
@@ -482,25 +342,9 @@ class StreamingDataset(IterableDataset[Any]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_storages"] = None  # opened again lazily in the receiving process
-        state["_progress"] = None
         # A worker started with spawn has no torch.distributed: hand it this process's world.
         state["_inherited_world"] = distributed_world() or self._inherited_world
         return state
 
     def __repr__(self) -> str:
-        mix = self.streams
-        if len(mix.refs) > 1:
-            return (
-                f"StreamingDataset({len(mix.refs)} streams: {self.source}, samples={self.num_samples}, "
-                f"shards={len(mix.shard_counts)}, shuffle={self.shuffle})"
-            )
-        return (
-            f"StreamingDataset({self.source!r}, format={self.manifest.format!r}, "
-            f"samples={self.num_samples}, shards={len(self.manifest.shards)}, shuffle={self.shuffle})"
-        )
-
-
-def _refused(exc: StreamloadError) -> Iterator[Any]:
-    """An iterator that raises ``exc`` when asked for its first item."""
-    raise exc
-    yield  # a generator
+        return f"StreamingDataset({self.streams.summary()}, shuffle={self.shuffle})"

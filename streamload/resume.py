@@ -10,6 +10,7 @@ a :class:`~streamload.stages.Progress`.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -130,14 +131,51 @@ class Planner:
         start, first, origin = self.start(world, plan)
         return Position(plan.split.epoch, plan.chunk_size(world.num_workers), start, first, origin)
 
+    def load(self, state_dict: Mapping[str, Any]) -> EpochState:
+        """Check ``state_dict`` against this dataset and keep it as the resume point; return it.
+
+        Raises:
+            PlanError: If the state is malformed or belongs to a differently configured dataset.
+        """
+        state = EpochState.from_dict(state_dict)
+        split = self.split
+        state.check_dataset(
+            seed=split.seed,
+            shuffle=split.shuffle,
+            drop_last=split.drop_last,
+            window=split.window or state.window,
+            num_samples=self.streams.total,
+            mixture=self.streams.fingerprint,
+            pad=split.pad,
+            manifest=self.streams.digest,
+        )
+        check_seen(state)
+        self.resume = state.normalized()
+        return self.resume
+
     def epoch_state(
-        self, world: World, plan: EpochPlan, position: Position | None, samples_seen: int | None, **dataset: Any
+        self,
+        world: World,
+        plan: EpochPlan,
+        position: Position | None,
+        samples_seen: int | None,
+        claimed: int,
     ) -> EpochState:
         """The state of ``plan``'s epoch: ``samples_seen`` (global), or counted from this reader's ``position``.
 
-        ``dataset``: the fields :class:`EpochState` checks on resume (``num_samples``,
-        ``mixture``, ``manifest``).
+        ``claimed``: iterations claimed (a process that read nothing while others did
+        cannot know the count).
+
+        Raises:
+            PlanError: If the count cannot be known or is not a multiple of the world size.
         """
+        if samples_seen is None and position is None:
+            if claimed > 0:
+                raise PlanError(
+                    "this process has not read the dataset (DataLoader workers did): "
+                    "pass samples_seen=steps * global_batch to state_dict()"
+                )
+            samples_seen = 0
         worker = None
         if samples_seen is None and position is not None:
             origin = position.origin
@@ -163,15 +201,15 @@ class Planner:
             split.shuffle,
             split.drop_last,
             plan.base_window,
-            dataset["num_samples"],
+            self.streams.total,
             world.world_size,
             samples_seen,
             plan.global_batch,
             plan.partitions,
             worker,
-            dataset["mixture"],
+            self.streams.fingerprint,
             pad=split.pad,
-            manifest=dataset["manifest"],
+            manifest=self.streams.digest,
             segments=plan.segments,
             rest=plan.total if plan.segments else None,
         )

@@ -258,6 +258,8 @@ class StorageConfig:
 #: The environment variable naming data roots a manifest read from a URL may send readers to
 #: (URL prefixes separated by spaces; set by the command line's ``--allow-data-root``).
 ALLOW_DATA_ROOTS_ENV = _env.ALLOW_DATA_ROOTS
+
+
 @runtime_checkable
 class CachedCopies(Protocol):
     """A storage whose files are local copies of remote ones, in a cache shared by the readers of a machine.
@@ -282,7 +284,6 @@ class CachedCopies(Protocol):
 
     def started(self) -> None:
         """The reader made its first item (read-ahead held until then may start)."""
-
 
 
 class ShardSet(Protocol):

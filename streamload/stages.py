@@ -297,4 +297,3 @@ class Pipeline:
             for run in runs:
                 yield from read.run(run)
         yield from read.substitute.finish()
-

@@ -28,6 +28,7 @@ from .dataref import DatasetRef, storage_config
 from .formats import ShardReader
 from .manifest import ShardEntry
 from .plan import Layout, MixLayout, Split, epoch_counts, mixture_fingerprint
+from .plan.state import manifest_fingerprint
 from .shards import ShardSource, StorageConfig
 from .storage import Storage
 
@@ -171,6 +172,7 @@ class Mixture:
         self._per_stream = per_stream
         self.plain = len(self.refs) == 1 and self.counts[0] == self.refs[0].manifest.num_samples
         self.fingerprint = None if self.plain else mixture_fingerprint(per_stream, self.counts)
+        self._digest: str | None = None
 
     @classmethod
     def open(cls, source: Any, epoch_size: int | None, defaults: StorageConfig) -> Mixture:
@@ -226,6 +228,22 @@ class Mixture:
     ) -> MixedSource:
         """Return this process's shard readers over ``storages`` (one per stream; ``streaming``: which by ranges)."""
         return MixedSource(self, storages, capacities, streaming)
+
+    @property
+    def digest(self) -> str:
+        """A short digest of the shards read (names, sizes, sample counts, hashes), computed once."""
+        if self._digest is None:
+            refs = self.refs
+            shards = [[(e.name, e.num_bytes, e.num_samples, str(e.hash)) for e in r.manifest.shards] for r in refs]
+            self._digest = manifest_fingerprint(shards)
+        return self._digest
+
+    def summary(self) -> str:
+        """The streams for a ``repr``: URL (or URLs), format, samples and shards."""
+        if len(self.refs) > 1:
+            return f"{len(self.refs)} streams: {self.describe()}, samples={self.total}, shards={len(self.shard_counts)}"
+        manifest = self.refs[0].manifest
+        return f"{self.refs[0].url!r}, format={manifest.format!r}, samples={self.total}, shards={len(manifest.shards)}"
 
     def describe(self) -> str:
         """Return the streams' URLs (one URL for a single dataset)."""

@@ -52,6 +52,7 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload.ahead",
         "streamload.resume",
         "streamload.stages",
+        "streamload.iterations",
         "streamload.dataset",
         "streamload.verify",
         "streamload.indexing",
