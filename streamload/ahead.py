@@ -8,7 +8,7 @@ Two ways, by how a stream is read:
   download and reading times);
 * streamed (ranged GETs): as planned batches pass, the byte ranges of the batches after
   them are fetched while what is fetched and not yet read stays under ``stream_buffer``
-  (:class:`FetchAhead.batches`; one stage boundary per batch, never per sample).
+  (:meth:`FetchAhead.batches`; one stage boundary per batch, never per sample).
 
 Both keep plain-data state (:meth:`FetchAhead.state`) and let go of everything in
 :meth:`FetchAhead.reset`. The public knob is ``read_ahead`` (:class:`~streamload.StorageConfig`).
@@ -29,7 +29,7 @@ from .shards import ShardSource
 from .storage.ranges import Ticket
 from .streams import MixedSource
 
-__all__ = ["FetchAhead", "ShardsAhead", "fetch_ranges"]
+__all__ = ["FetchAhead", "ShardsAhead", "fetch_ahead"]
 
 #: How many shard changes ahead a reader looks for shards to name to the read-ahead.
 _SCAN = 64
@@ -135,7 +135,7 @@ class ShardsAhead:
         return out
 
 
-def fetch_ranges(source: ShardSource, parts: Iterable[tuple[int, np.ndarray]]) -> Ticket | None:
+def fetch_ahead(source: ShardSource, parts: Iterable[tuple[int, np.ndarray]]) -> Ticket | None:
     """Streaming: start fetching the byte ranges of a planned batch's samples (``(shard, locals)``).
 
     Opens the shards' readers (their sidecars) to learn the samples' extents. A shard that
@@ -307,7 +307,7 @@ class FetchAhead:
                     if batch is None:
                         more = False
                         break
-                    ahead.append((batch, self.fetch_batch(batch)))
+                    ahead.append((batch, self.fetch_ahead(batch)))
                 if not ahead:
                     return
                 batch, tickets = ahead.popleft()
@@ -316,7 +316,7 @@ class FetchAhead:
         finally:
             self.reset()
 
-    def fetch_batch(self, runs: Sequence[Run]) -> list[tuple[int, Ticket | None]]:
+    def fetch_ahead(self, runs: Sequence[Run]) -> list[tuple[int, Ticket | None]]:
         """Streaming: start fetching the byte ranges of a planned batch's ``runs``; return the tickets to forget."""
         readers = self.readers
         by_stream: dict[int, list[tuple[int, Any]]] = {}
@@ -324,7 +324,7 @@ class FetchAhead:
             s, local = readers.locate(run.shard)
             if readers.sources[s].streaming:
                 by_stream.setdefault(s, []).append((local, run.locals))
-        return [(s, fetch_ranges(readers.sources[s], parts)) for s, parts in by_stream.items()]
+        return [(s, fetch_ahead(readers.sources[s], parts)) for s, parts in by_stream.items()]
 
     def forget(self, tickets: Iterable[tuple[int, Ticket | None]]) -> None:
         """Drop the ranges of a batch that was read."""
