@@ -233,7 +233,7 @@ class FetchAhead:
     def state(self) -> dict[str, Any]:
         """Plain data: each cached stream's shards ahead, and the streamed batches and bytes fetched ahead."""
         return {
-            "shards": {s: ahead.state() for s, ahead in self.shards.items()},
+            "shards": [{"stream": s, **ahead.state()} for s, ahead in sorted(self.shards.items())],
             "batches": len(self._batches),
             "bytes": self.fetching(),
         }
