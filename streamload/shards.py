@@ -8,15 +8,10 @@
   the storage acquires (downloading into the cache if remote), kept in a bounded LRU,
   their files released when closed. It names no format: the manifest's does the reading.
 
-The storage is told what each file must be (size, digest, algorithm: the manifest's
-entries); it never reads the manifest itself. See ``docs/design.md#storage-and-the-cache``.
-
-Streaming mode (``cache="none"``, or ``"auto"`` when the cache cannot hold what a
-shuffle window needs): a remote shard is not downloaded; only its sidecar is cached
-(verified by its manifest hash), and its reader reads the shard's bytes through a
-:class:`~streamload.storage.ranges.StreamedFile`, served from the byte ranges fetched
-ahead for the planned batches (:mod:`streamload.ahead`). What happens when a copy or a
-range turns out corrupt is :mod:`streamload.recovery`.
+The storage is told what each file must be (the manifest's entries); it never reads the
+manifest itself (``docs/design.md#storage-and-the-cache``). Streaming, a remote shard is
+not downloaded: its reader reads ranges fetched ahead for the planned batches
+(:mod:`streamload.ahead`). A copy or a range found corrupt: :mod:`streamload.recovery`.
 """
 
 from __future__ import annotations
@@ -428,13 +423,10 @@ class ShardSource:
                 raise
 
     def _open_early(self, shard: int) -> ShardReader | None:
-        """Cached mode, before the first item, a shard not cached yet: a reader over its download in progress.
+        """Cached mode, before the first item (the cold start), a shard not cached yet: a reader over its download.
 
-        The cold start: the shards the first batch draws on, whose downloads read-ahead
-        started side by side. The reader reads each sample as soon as the part holding it
-        has landed (:meth:`CachedCopies.acquire_early`), checked by the sample's own digest
-        as every read is; the whole file is still hash-checked before it counts as cached.
-        ``None``: not applicable, or the shard is cached already (opened as usual).
+        Each sample is read as soon as the part holding it has landed, checked by its own
+        digest (:meth:`CachedCopies.acquire_early`). ``None``: not applicable, or cached.
         """
         copies = self._copies
         entry = self.ref.manifest.shards[shard]
