@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from ._errors import StreamloadError
 from ._files import FileEntry
+from .formats import RangedReads
 from .plan import Run
 from .shards import ShardSource
 from .storage.ranges import Ticket
@@ -152,7 +153,7 @@ def fetch_ahead(source: ShardSource, parts: Iterable[tuple[int, np.ndarray]]) ->
     wanted: list[tuple[str, int, list[tuple[int, int]]]] = []
     for shard, chunks in by_shard.items():
         try:
-            reader: Any = source.get(shard)  # a ranged format's reader: it says a batch's extents
+            reader = cast(RangedReads, source.get(shard))  # a ranged format's reader: it says a batch's extents
         except StreamloadError:
             continue
         extents = reader.sample_extents(np.concatenate(chunks) if len(chunks) > 1 else chunks[0])

@@ -41,7 +41,7 @@ from ._validate import (
     parse_cache_mode,
     parse_stream_buffer,
 )
-from .formats import Format, ShardReader, get_format
+from .formats import Format, ShardBytes, ShardReader, get_format
 from .manifest import Manifest, ShardEntry, is_under
 from .recovery import Refetch
 from .storage import Storage, open_storage
@@ -516,12 +516,11 @@ class ShardSource:
         self.opens += 1
         return reader
 
-    def _ranged_reader(self, shard: int, path: str, sidecar: str | None, source: Any) -> ShardReader:
+    def _ranged_reader(self, shard: int, path: str, sidecar: str | None, source: ShardBytes) -> ShardReader:
         """The reader of a ranged format over ``source`` (positioned reads: ranged GETs, a download landing)."""
         entry = self.ref.manifest.shards[shard]
-        ranged: Any = self._format.reader  # a ranged format's reader takes its bytes as source=
         # No header reads at open (round trips): the samples' checksums catch a mismatch.
-        reader: ShardReader = ranged(path, entry, sidecar, source=source, check_headers=False)
+        reader = self._format.open_reader(path, entry, sidecar, source=source, check_headers=False)
         reader.num_classes = len(self.ref.manifest.classes) or None
         self.opens += 1
         return reader
