@@ -16,7 +16,7 @@ from streamload.plan import World
 from streamload.resume import Position
 from streamload.skips import SkipLog, Substitute
 from streamload.stages import Pipeline, Steps
-from tests.test_split_basic import make_dataset
+from tests.helpers.datasets import make_dataset
 
 COUNTS = [7, 5, 9, 4]
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamload._errors import ConfigError, SourceError, StreamloadError
-from streamload.dataref import DatasetRef
 from streamload._fork import ProcessLocal
+from streamload.dataref import DatasetRef
 from streamload.formats import ShardReader
 from streamload.manifest import SkippedInput
 from streamload.shards import ShardSource, StorageConfig
