@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ._errors import StreamloadError
+from ._fork import ProcessLocal
 from ._shared import shared_zeros
 
 __all__ = ["POOL_SLOTS", "BufferPool", "Lease", "allocate", "pack", "unpack"]
@@ -118,14 +119,12 @@ class Lease:
         return self.pool.token[0] == os.getpid()
 
 
-_POOL: BufferPool | None = None
+#: One pool per process (a forked worker makes its own, never the parent's segments).
+_POOL: ProcessLocal[BufferPool] = ProcessLocal(BufferPool)
 
 
 def _pool() -> BufferPool:
-    global _POOL
-    if _POOL is None or _POOL.token[0] != os.getpid():  # one pool per process (not inherited over fork)
-        _POOL = BufferPool()
-    return _POOL
+    return _POOL.get()
 
 
 class _LocalPool:
@@ -157,16 +156,16 @@ class _LocalPool:
         return tensor
 
 
-#: One pool per thread (a :class:`streamload.Loader` makes batches on several threads at once).
-_LOCAL = threading.local()
+#: One pool per thread (a :class:`streamload.Loader` makes batches on several threads at once), per process.
+_LOCAL: ProcessLocal[threading.local] = ProcessLocal(threading.local)
 
 
 def _local_pool() -> _LocalPool:
-    pid = os.getpid()
-    mine: tuple[int, _LocalPool] | None = getattr(_LOCAL, "pool", None)
-    if mine is None or mine[0] != pid:
-        mine = _LOCAL.pool = (pid, _LocalPool())
-    return mine[1]
+    mine = _LOCAL.get()
+    pool: _LocalPool | None = getattr(mine, "pool", None)
+    if pool is None:
+        pool = mine.pool = _LocalPool()
+    return pool
 
 
 def _layout(parts: Sequence[tuple[Sequence[int], torch.dtype]]) -> tuple[list[int], int]:

@@ -26,7 +26,6 @@ no lock is taken.
 
 from __future__ import annotations
 
-import os
 import threading
 from array import array
 from collections.abc import Callable, Iterator
@@ -35,6 +34,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
+from ._fork import ProcessLocal
 from ._shared import shared_zeros
 
 __all__ = [
@@ -215,10 +215,8 @@ class StageTable:
         self._reset()
 
     def _reset(self) -> None:
-        self._pid = os.getpid()
-        self._lock = threading.Lock()
-        self._locals: list[array[float]] = []
-        self._clocks: dict[int, Clock] = {}
+        #: This process's own rows and clocks (a forked worker starts without its parent's threads').
+        self._mine: ProcessLocal[_Threads] = ProcessLocal(_Threads)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"rows": self.rows, "_shared": self._shared}
@@ -231,13 +229,12 @@ class StageTable:
     def clock(self) -> Clock:
         """The calling thread's clock (made on first use); it becomes the thread's :func:`current` one."""
         global _active
-        if self._pid != os.getpid():  # a forked worker: the parent's threads are not ours
-            self._reset()
+        clocks = self._mine.get().clocks
         ident = threading.get_ident()
-        clock = self._clocks.get(ident)
+        clock = clocks.get(ident)
         if clock is None:
             clock = Clock(self._row())
-            self._clocks[ident] = clock
+            clocks[ident] = clock
         _active = True
         _local.clock = clock
         return clock
@@ -249,8 +246,9 @@ class StageTable:
         if info is not None and self._shared is not None and info.id < self.rows:
             return cast(Row, self._shared[info.id].numpy().data)
         row = array("d", bytes(8 * FIELDS))
-        with self._lock:
-            self._locals.append(row)
+        mine = self._mine.get()
+        with mine.lock:
+            mine.rows.append(row)
         return cast(Row, memoryview(row))
 
     def fields(self) -> list[float]:
@@ -258,8 +256,9 @@ class StageTable:
         total = [0.0] * FIELDS
         if self._shared is not None:
             total = [float(x) for x in self._shared.sum(0).tolist()]
-        with self._lock:
-            rows = list(self._locals)
+        mine = self._mine.get()
+        with mine.lock:
+            rows = list(mine.rows)
         for row in rows:
             for i in range(FIELDS):
                 total[i] += row[i]
@@ -270,6 +269,16 @@ class StageTable:
         count = 0
         if self._shared is not None:
             count += int((self._shared.sum(1) > 0).sum())
-        with self._lock:
-            count += sum(1 for row in self._locals if any(row))
+        mine = self._mine.get()
+        with mine.lock:
+            count += sum(1 for row in mine.rows if any(row))
         return count
+
+
+class _Threads:
+    """One process's readers of a :class:`StageTable`: a row and a clock per thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.rows: list[array[float]] = []
+        self.clocks: dict[int, Clock] = {}

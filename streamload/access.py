@@ -52,11 +52,15 @@ import xxhash
 
 from ._atexit import close_at_exit
 from ._errors import ConfigError, SampleNotFoundError, StreamloadError
+from ._fork import ProcessLocal
+from .ahead import ShardsAhead
+from .dataref import CACHE_KEYWORDS, CacheKeywords, DatasetRef, storage_config
 from .formats import Sample
 from .manifest import Manifest
 from .plan import Run
-from .shards import CACHE_KEYWORDS, CacheKeywords, DatasetRef, ShardSource, StorageConfig, storage_config
-from .storage import Storage, is_local, local_path_of
+from .recovery import raise_located
+from .shards import ShardSource, StorageConfig
+from .storage import is_local, local_path_of
 
 if TYPE_CHECKING:
     from typing import Unpack  # Python 3.11 (only read by type checkers here)
@@ -286,9 +290,8 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
         self.manifest: Manifest = self.ref.manifest
         #: Global index of each shard's first sample; the last entry is the sample count.
         self.starts = np.concatenate([[0], np.cumsum(self.manifest.shard_counts, dtype=np.int64)]).astype(np.int64)
-        self._pid = -1
-        self._storage: Storage | None = None
-        self._readers: ShardSource | None = None
+        #: This process's open shards over its own storage (made on first access, anew after a fork).
+        self._readers: ProcessLocal[ShardSource] = _readers_of(self.ref, open_readers)
         self._keys: KeyIndex | None = None
         #: The key index in use was built (or compared with one built) by this process.
         self._keys_checked = False
@@ -344,9 +347,7 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
         try:
             sample = readers.get(shard).get(local)
         except StreamloadError as exc:
-            if self.source in str(exc):
-                raise
-            raise _located(exc, f"{self.ref.where(entry)}: ") from exc
+            raise_located(exc, self.source, self.ref.where(entry))
         return sample if self.transform is None else self.transform(sample)
 
     def _key_at(self, shard: int, local: int) -> str:
@@ -464,7 +465,7 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
         shards = [s for s, count in enumerate(counts) if count]
         zero = np.zeros(1, dtype=np.int64)
         touch = (Run(s, zero, zero, zero) for s in shards)
-        for run in readers.read_ahead(touch, iter(shards)):  # remote: downloads ahead of the reads
+        for run in ShardsAhead(readers, iter(shards)).fetch_ahead(touch):  # remote: downloads ahead of the reads
             start, count = int(self.starts[run.shard]), counts[run.shard]
             keys = readers.get(run.shard).keys_of(np.arange(count, dtype=np.int64))
             hashes[start : start + count] = [key_hash(k) for k in keys]
@@ -473,24 +474,15 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
     # -- per-process resources ---------------------------------------------------------
 
     def _source(self) -> ShardSource:
-        if self._readers is None or self._pid != os.getpid():
-            # After a fork the parent's readers and storage are left alone (not closed here).
-            self._storage = self.ref.open_storage()
-            self._readers = ShardSource(self.ref, self._storage, self.open_readers)
-            self._pid = os.getpid()
+        readers = self._readers.peek()
+        if readers is None:
+            readers = self._readers.get()
             close_at_exit(self)  # its shards are closed before the interpreter's teardown
-        return self._readers
+        return readers
 
-    def close(self, _getpid: Callable[[], int] = os.getpid) -> None:
+    def close(self) -> None:
         """Close this process's open shards and storage (reopened on the next access)."""
-        readers, storage = self._readers, self._storage
-        self._readers = self._storage = None
-        if readers is not None and self._pid == _getpid():  # bound at definition: usable at exit
-            try:
-                readers.close()
-            finally:
-                if storage is not None:
-                    storage.close()
+        self._readers.clear()  # after a fork, the parent's are left alone (not closed here)
 
     def __del__(self) -> None:
         # Shards left open by a dataset dropped without close(): their descriptors go with it.
@@ -502,12 +494,15 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_storage"] = state["_readers"] = None
-        state["_pid"] = -1
+        del state["_readers"]
         if self.key_index_mode == "disk":
             state["_keys"] = None  # mapped again from the file in the receiving process
             state["_keys_checked"] = False
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._readers = _readers_of(self.ref, self.open_readers)
 
     def __repr__(self) -> str:
         return (
@@ -516,11 +511,18 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
         )
 
 
-def _located(exc: StreamloadError, prefix: str) -> StreamloadError:
-    try:
-        return type(exc)(prefix + str(exc))
-    except TypeError:  # an error type with another constructor
-        return exc
+def _readers_of(ref: DatasetRef, capacity: int) -> ProcessLocal[ShardSource]:
+    """A process's shard readers of ``ref`` over a storage of its own, opened on first use."""
+
+    def make() -> ShardSource:
+        storage = ref.open_storage()
+        try:
+            return ShardSource(ref, storage, capacity, own_storage=True)
+        except BaseException:
+            storage.close()
+            raise
+
+    return ProcessLocal(make, ShardSource.close)
 
 
 class SampleView:

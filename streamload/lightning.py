@@ -31,9 +31,10 @@ from typing import Any, Literal
 from torch.utils.data import DataLoader
 
 from ._errors import ConfigError
+from .dataref import STORAGE_KEYWORDS, storage_config
 from .dataset import StreamingDataset
 from .loader import Loader
-from .shards import STORAGE_KEYWORDS, StorageConfig, storage_config
+from .shards import StorageConfig
 from .streams import StreamSource
 from .watching import Mark, Watch, watch
 

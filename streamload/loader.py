@@ -39,6 +39,8 @@ import torch
 
 from ._errors import ConfigError, PlanError
 from .dataset import StreamingDataset
+from .plan import detect_rank_world
+from .resume import Position
 
 __all__ = ["Loader"]
 
@@ -159,10 +161,10 @@ class Loader:
         """
         ds = self.dataset
         run = self._run
-        if run is not None and ds._progress is run.progress:
+        if run is not None and ds._iterations.progress is run.progress:
             return ds.state_dict(samples_seen=run.world_size * run.progress.next_item)
-        if ds._resume is not None and ds._progress is None:  # loaded, not iterated yet
-            return ds._resume.to_dict()
+        if ds._planner.resume is not None and ds._iterations.progress is None:  # loaded, not iterated yet
+            return ds._planner.resume.to_dict()
         return ds.state_dict(samples_seen=0)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -212,11 +214,11 @@ class _Run:
         self.threads: list[threading.Thread] = []
         self.slot = -1
         ds = loader.dataset
-        self.slot = ds._enter_threads()
+        self.slot = ds._iterations.enter_threads()
         try:
-            self.progress, readers = ds._thread_iterations(loader.threads)
+            self.progress, readers = _thread_iterations(ds, loader.threads)
         except BaseException:
-            ds._leave(self.slot)
+            ds._iterations.users.leave(self.slot)
             self.slot = -1
             raise
         self.world_size = _world_size(ds)
@@ -391,7 +393,7 @@ class _Run:
         for thread in [*self.threads, *([self.transfer] if self.transfer is not None else [])]:
             if thread is not me and thread.is_alive():
                 thread.join()
-        self.loader.dataset._leave(self.slot)
+        self.loader.dataset._iterations.users.leave(self.slot)
         self.slot = -1
 
 
@@ -400,8 +402,6 @@ class _Stopped(Exception):
 
 
 def _world_size(ds: StreamingDataset) -> int:
-    from .plan import detect_rank_world
-
     return detect_rank_world(ds.rank, ds.world_size, ds._inherited_world)[1]
 
 
@@ -490,3 +490,10 @@ def _dataset_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
     first["worker"] = None
     first["samples_seen"] = world_size * (max(nexts) + since * chunk)
     return first
+
+
+def _thread_iterations(ds: StreamingDataset, threads: int) -> tuple[Position, list[Iterator[Any]]]:
+    """One iteration of ``ds`` read by ``threads`` readers (:meth:`Iterations.threads`), its storages opened once."""
+    rank, world_size = detect_rank_world(ds.rank, ds.world_size, ds._inherited_world)
+    ds._get_storages()  # opened here, once, not by the readers at once
+    return ds._iterations.threads(rank, world_size, threads, ds._pipeline)

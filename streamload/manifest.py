@@ -321,7 +321,7 @@ def check_data_root(value: object) -> str:
     or fragment, no control characters, no fsspec chain (``::``), a lower-case protocol, an
     absolute path after ``file://`` and ``local://``, at most :data:`MAX_DATA_ROOT`
     characters; a trailing ``/`` is dropped. (Whether it may be used at all depends on the format and on
-    where the manifest was read: see :meth:`streamload.shards.DatasetRef.open`.)
+    where the manifest was read: see :meth:`streamload.dataref.DatasetRef.open`.)
 
     Raises:
         ManifestError: Naming the value.
@@ -354,7 +354,7 @@ def data_root_place(url: str) -> tuple[str, str]:
 
     The host is everything between ``://`` and the next ``/``: the bucket of ``s3://`` and
     ``gs://``, ``host:port`` of ``http(s)://``. A manifest read from a URL may send its
-    readers only to its own place (see :func:`streamload.shards.DatasetRef.open`).
+    readers only to its own place (see :func:`streamload.dataref.DatasetRef.open`).
     """
     scheme, _, rest = url.partition("://")
     return scheme.lower(), rest.split("/", 1)[0].lower()

@@ -19,18 +19,18 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections import deque
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any
 
 from ._errors import ConfigError, StreamloadError
+from .dataref import DatasetRef, storage_config
 from .formats import ShardReader
 from .manifest import ShardEntry
-from .plan import Layout, MixLayout, Run, Split, epoch_counts, mixture_fingerprint
-from .shards import DatasetRef, ShardSource, StorageConfig, storage_config
+from .plan import Layout, MixLayout, Split, epoch_counts, mixture_fingerprint
+from .plan.state import manifest_fingerprint
+from .shards import ShardSource, StorageConfig
 from .storage import Storage
-from .storage.ranges import Ticket
 
 __all__ = ["MixedSource", "Mixture", "ShardInfo", "Stream", "StreamSource"]
 
@@ -172,6 +172,7 @@ class Mixture:
         self._per_stream = per_stream
         self.plain = len(self.refs) == 1 and self.counts[0] == self.refs[0].manifest.num_samples
         self.fingerprint = None if self.plain else mixture_fingerprint(per_stream, self.counts)
+        self._digest: str | None = None
 
     @classmethod
     def open(cls, source: Any, epoch_size: int | None, defaults: StorageConfig) -> Mixture:
@@ -228,47 +229,27 @@ class Mixture:
         """Return this process's shard readers over ``storages`` (one per stream; ``streaming``: which by ranges)."""
         return MixedSource(self, storages, capacities, streaming)
 
+    @property
+    def digest(self) -> str:
+        """A short digest of the shards read (names, sizes, sample counts, hashes), computed once."""
+        if self._digest is None:
+            refs = self.refs
+            shards = [[(e.name, e.num_bytes, e.num_samples, str(e.hash)) for e in r.manifest.shards] for r in refs]
+            self._digest = manifest_fingerprint(shards)
+        return self._digest
+
+    def summary(self) -> str:
+        """The streams for a ``repr``: URL (or URLs), format, samples and shards."""
+        if len(self.refs) > 1:
+            return f"{len(self.refs)} streams: {self.describe()}, samples={self.total}, shards={len(self.shard_counts)}"
+        manifest = self.refs[0].manifest
+        return f"{self.refs[0].url!r}, format={manifest.format!r}, samples={self.total}, shards={len(manifest.shards)}"
+
     def describe(self) -> str:
         """Return the streams' URLs (one URL for a single dataset)."""
         if len(self.refs) == 1:
             return self.refs[0].url
         return " + ".join(f"{ref.url} ({count})" for ref, count in zip(self.refs, self.counts, strict=True))
-
-
-class _Feed:
-    """An iterator that yields what is pushed into it (a run at a time, never empty when asked)."""
-
-    def __init__(self) -> None:
-        self.items: deque[Run] = deque()
-
-    def __iter__(self) -> _Feed:
-        return self
-
-    def __next__(self) -> Run:
-        return self.items.popleft()
-
-
-class _AheadSplitter:
-    """Split one plan's shard sequence into each stream's own (local numbers, repeats merged)."""
-
-    def __init__(self, ahead: Iterator[int], locate: Callable[[int], tuple[int, int]], wanted: set[int]) -> None:
-        self._ahead = ahead
-        self._locate = locate
-        self._queues: dict[int, deque[int]] = {s: deque() for s in wanted}
-        self._last: dict[int, int] = {}
-
-    def stream(self, s: int) -> Iterator[int]:
-        queue = self._queues[s]
-        while True:
-            while not queue:
-                shard = next(self._ahead, None)
-                if shard is None:
-                    return
-                owner, local = self._locate(shard)
-                if owner in self._queues and self._last.get(owner) != local:
-                    self._queues[owner].append(local)
-                    self._last[owner] = local
-            yield queue.popleft()
 
 
 @dataclass(frozen=True)
@@ -318,13 +299,10 @@ class MixedSource:
                 src.close()
             raise
         self._offsets = mixture.offsets
-        self._single = len(self.sources) == 1
         self._info: dict[int, ShardInfo] = {}
 
     def locate(self, shard: int) -> tuple[int, int]:
         """Return ``(stream, shard within the stream)`` of global shard ``shard``."""
-        if self._single:
-            return 0, shard
         s = bisect.bisect_right(self._offsets, shard) - 1
         return s, shard - self._offsets[s]
 
@@ -341,8 +319,6 @@ class MixedSource:
 
     def get(self, shard: int) -> ShardReader:
         """Return the open reader of global shard ``shard``, opening it if needed."""
-        if self._single:
-            return self.sources[0].get(shard)
         info = self._info.get(shard) or self.info(shard)
         return self.sources[info.stream].get(info.local)
 
@@ -364,63 +340,13 @@ class MixedSource:
 
     @property
     def streaming(self) -> bool:
-        """True if some stream is read by ranged GETs (see :meth:`fetch_ahead`)."""
+        """True if some stream is read by ranged GETs (see :mod:`streamload.ahead`)."""
         return any(src.streaming for src in self.sources)
 
     def started(self) -> None:
         """The reader's first item is made (see :meth:`ShardSource.started`)."""
         for src in self.sources:
             src.started()
-
-    def fetching(self) -> int:
-        """Bytes of ranges fetched ahead and not forgotten yet, all streams."""
-        return sum(src.fetcher.outstanding for src in self.sources if src.fetcher is not None)
-
-    def fetch_ahead(self, runs: Sequence[Run]) -> list[tuple[int, Ticket | None]]:
-        """Streaming: start fetching the byte ranges of a planned batch's ``runs``; return the tickets to forget."""
-        by_stream: dict[int, list[tuple[int, Any]]] = {}
-        for run in runs:
-            s, local = self.locate(run.shard)
-            if self.sources[s].streaming:
-                by_stream.setdefault(s, []).append((local, run.locals))
-        return [(s, self.sources[s].fetch_ahead(parts)) for s, parts in by_stream.items()]
-
-    def forget(self, tickets: Iterable[tuple[int, Ticket | None]]) -> None:
-        """Drop the ranges of a batch that was read (see :meth:`fetch_ahead`)."""
-        for s, ticket in tickets:
-            self.sources[s].forget(ticket)
-
-    def read_ahead(self, runs: Iterator[Run], ahead: Iterator[int]) -> Iterator[Run]:
-        """Pass ``runs`` through, naming each remote stream's next shards to its storage's read-ahead.
-
-        ``ahead`` yields the plan's shards, one per change of shard in ``runs`` (see
-        :meth:`ShardSource.read_ahead`); it is split per stream. Streams read by ranges
-        download no shard ahead (their batches' ranges are fetched ahead instead).
-        """
-        if self._single:
-            if self.sources[0].streaming:
-                yield from runs
-            else:
-                yield from self.sources[0].read_ahead(runs, ahead)
-            return
-        remote = {s for s, src in enumerate(self.sources) if src.storage.read_ahead > 0 and not src.streaming}
-        if not remote:
-            yield from runs
-            return
-        splitter = _AheadSplitter(ahead, self.locate, remote)
-        feeds = {s: _Feed() for s in remote}
-        passes = {s: self.sources[s].read_ahead(feeds[s], splitter.stream(s)) for s in remote}
-        try:
-            for run in runs:
-                s, local = self.locate(run.shard)
-                if s in feeds:
-                    feeds[s].items.append(Run(local, run.locals, run.positions, run.items))
-                    next(passes[s])
-                yield run
-        finally:
-            for gen in passes.values():
-                if isinstance(gen, Generator):
-                    gen.close()
 
     def close(self) -> None:
         """Close every stream's readers and release their files (the storages stay open)."""

@@ -34,9 +34,10 @@ from typing import Any
 
 from ._errors import ConfigError, CorruptShardError, StreamloadError
 from ._files import FileEntry, hash_stream
+from .dataref import DatasetRef
 from .manifest import ShardEntry
 from .sample import IMAGE_FIELDS, image_warnings
-from .shards import DatasetRef, ShardSource, StorageConfig
+from .shards import ShardSource, StorageConfig
 from .storage import is_local
 
 __all__ = ["VerifyReport", "verify_dataset"]

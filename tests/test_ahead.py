@@ -27,9 +27,11 @@ import torch.multiprocessing as tmp
 from torch.utils.data import DataLoader
 
 from streamload import DatasetWriter, StreamingDataset
+from streamload.ahead import ShardsAhead
+from streamload.dataref import DatasetRef
 from streamload.manifest import MANIFEST_NAME
 from streamload.plan.planner import Run
-from streamload.shards import DatasetRef, ShardSource, StorageConfig
+from streamload.shards import ShardSource, StorageConfig
 from streamload.storage.readahead import START_DEPTH, AheadDepth
 from streamload.storage.remote import RemoteStorage
 from tests.s3server import SeaweedS3
@@ -142,7 +144,7 @@ def _read_shards(ref: DatasetRef, storage: RemoteStorage, per_shard: float) -> t
     depths: list[int] = []
     samples: dict[str, bytes] = {}
     with ShardSource(ref, storage, own_storage=True) as source:
-        for run in source.read_ahead(iter(runs), iter(order)):
+        for run in ShardsAhead(source, iter(order)).fetch_ahead(iter(runs)):
             reader = source.get(run.shard)
             for i in run.locals:
                 sample = reader.get(int(i))

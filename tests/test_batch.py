@@ -227,7 +227,8 @@ def test_a_batch_interleaving_shards_reads_each_shard_once_and_keeps_batch_order
     image_folder: Path, tmp_path: Path, fmt: str
 ) -> None:
     from streamload.converters import ConvertOptions, ImageFolderSource, convert
-    from streamload.shards import DatasetRef, ShardSource
+    from streamload.dataref import DatasetRef
+    from streamload.shards import ShardSource
 
     convert(
         ImageFolderSource(str(image_folder)),

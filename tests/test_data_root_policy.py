@@ -25,8 +25,8 @@ from PIL import Image
 import streamload._validate
 from streamload import ManifestError, ShardedDataset, StorageConfig
 from streamload.cli import main
+from streamload.dataref import DatasetRef
 from streamload.indexing import index_directory
-from streamload.shards import DatasetRef
 from streamload.storage import is_local, local_path_of
 from tests.lying_server import LyingServer
 

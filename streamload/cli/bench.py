@@ -127,7 +127,7 @@ def _check_memory(
     """
     import psutil
 
-    from ..shards import DatasetRef
+    from ..dataref import DatasetRef
 
     if args.mode == "decode":
         per_sample = 3 * args.size * args.size

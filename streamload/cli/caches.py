@@ -20,8 +20,8 @@ def data_root_of(url: str, storage: Any) -> str | None:
     A local ``index.json`` is only searched for the field (validating a manifest of many
     shards takes seconds, and ``verify`` does it anyway); a remote one is loaded.
     """
+    from ..dataref import DatasetRef
     from ..manifest import MANIFEST_NAME
-    from ..shards import DatasetRef
     from ..storage import is_local, local_path_of
 
     if not is_local(url):

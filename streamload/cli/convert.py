@@ -158,7 +158,7 @@ def conversion_options(args: argparse.Namespace) -> Any:
     """
     from .._fields import fields_from
     from ..converters import ConvertOptions
-    from ..shards import DatasetRef
+    from ..dataref import DatasetRef
 
     storage = storage_config(args)
     fmt = args.format

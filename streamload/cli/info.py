@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
 
-    from ..shards import DatasetRef
+    from ..dataref import DatasetRef
 
     # Only index.json is read: a URL's manifest (or the files of a data_root on one) goes
     # through a throw-away cache, so that `info` leaves nothing behind in the shard cache.

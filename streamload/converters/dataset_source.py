@@ -20,9 +20,10 @@ from typing import Any
 
 from streamload._errors import ConfigError, SourceError, StreamloadError
 from streamload._fork import ProcessLocal
+from streamload.dataref import DatasetRef
 from streamload.formats import ShardReader
 from streamload.manifest import SkippedInput
-from streamload.shards import DatasetRef, ShardSource, StorageConfig
+from streamload.shards import ShardSource, StorageConfig
 
 from .places import same_place
 from .source import Item, ScanResult, Source

@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 
 from .._errors import SampleError
+from .._fork import ProcessLocal
 from ..randomness import sample_generator
 from ..sample import IMAGE_FIELDS, image_field, image_warnings, label_of, parse_label
 from .image import DEFAULT_MAX_PIXELS, Backend, Crop, ImageDecoder, SharedCount, open_image, planar
@@ -243,7 +245,7 @@ class DecodeBatch:
         self.layout = layout
         self.seed = seed
         self.warnings = 0  # library warnings raised by decodes in this process (each logged naming its sample)
-        self._rng: tuple[int, np.random.Generator] | None = None
+        self._rng: ProcessLocal[np.random.Generator] = ProcessLocal(partial(_process_rng, seed))
 
     def __repr__(self) -> str:
         return f"DecodeBatch({self.decoder!r}, label_field={self.label_field!r}, layout={self.layout!r})"
@@ -255,21 +257,16 @@ class DecodeBatch:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_rng"] = None
+        del state["_rng"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._rng = ProcessLocal(partial(_process_rng, self.seed))
 
     def rng(self) -> np.random.Generator:
         """This process's generator, for samples that carry no ``__epoch__``/``__position__``."""
-        import os
-
-        if self._rng is None or self._rng[0] != os.getpid():
-            seed = torch.initial_seed() if self.seed is None else self.seed
-            from torch.utils.data import get_worker_info
-
-            info = get_worker_info()
-            worker = 0 if info is None else info.id
-            self._rng = (os.getpid(), np.random.default_rng([seed & 0xFFFFFFFFFFFFFFFF, worker]))
-        return self._rng[1]
+        return self._rng.get()
 
     def sample_rng(self, sample: Mapping[str, Any]) -> np.random.Generator:
         """The generator of ``sample``'s crop and flip: keyed by (seed, epoch, position) when it has them."""
@@ -312,3 +309,13 @@ class DecodeBatch:
             if name in sample:
                 return name
         raise SampleError(f"sample {sample.get('__key__')!r} has none of the fields {self.fields}")
+
+
+def _process_rng(seed: int | None) -> np.random.Generator:
+    """A generator of this process (made anew in each DataLoader worker): ``seed`` (else torch's) and the worker id."""
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    worker = 0 if info is None else info.id
+    base = torch.initial_seed() if seed is None else seed
+    return np.random.default_rng([base & 0xFFFFFFFFFFFFFFFF, worker])

@@ -1,0 +1,335 @@
+"""The fetch-ahead stage: bring what the plan reads next before the reader asks for it.
+
+Two ways, by how a stream is read:
+
+* cached (shards downloaded whole): as runs pass, the shards the plan comes to next are
+  named to the storage's read-ahead (:class:`ShardsAhead`, one per stream); how many is
+  asked of the storage at each shard opened (a remote storage adapts it to the measured
+  download and reading times);
+* streamed (ranged GETs): as planned batches pass, the byte ranges of the batches after
+  them are fetched while what is fetched and not yet read stays under ``stream_buffer``
+  (:meth:`FetchAhead.batches`; one stage boundary per batch, never per sample).
+
+Both keep plain-data state (:meth:`FetchAhead.state`) and let go of everything in
+:meth:`FetchAhead.reset`. The public knob is ``read_ahead`` (:class:`~streamload.StorageConfig`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from typing import Any, cast
+
+import numpy as np
+
+from ._errors import StreamloadError
+from ._files import FileEntry
+from .formats import RangedReads
+from .plan import Run
+from .shards import ShardSource
+from .storage.ranges import Ticket
+from .streams import MixedSource
+
+__all__ = ["FetchAhead", "ShardsAhead", "fetch_ahead"]
+
+#: How many shard changes ahead a reader looks for shards to name to the read-ahead.
+_SCAN = 64
+#: Streaming mode: planned batches whose ranges are fetched ahead, at most (the byte
+#: budget, ``stream_buffer``, usually binds first).
+_MAX_BATCHES_AHEAD = 32
+
+
+class ShardsAhead:
+    """Cached mode, one stream: pass runs through; when a run opens a shard, name the next shards to read-ahead.
+
+    Args:
+        source: The stream's readers (its storage does the fetching).
+        ahead: One shard per change of shard in the runs to come (the same plan), so the
+            two stay in step; what was read from it early waits in ``upcoming``.
+
+    At the iteration's first shard, the shards the reader's plan comes back to before it
+    leaves them (a shuffled reader's first batches draw on all of its partitions' shards:
+    :meth:`_working_set`) are named too, in order of use, to be fetched at once and side by
+    side: the first batch needs every one of them.
+    """
+
+    def __init__(self, source: ShardSource, ahead: Iterator[int]) -> None:
+        self.source = source
+        self.ahead = ahead
+        self.upcoming: deque[int] = deque()
+        self.current = -1
+        self.first = True
+
+    def state(self) -> dict[str, Any]:
+        """Where it stands: the current shard, the shards read early from the plan, whether none was opened yet."""
+        return {"current": self.current, "upcoming": list(self.upcoming), "first": self.first}
+
+    def reset(self) -> None:
+        """Forget the shards read early (the plan's iterator is the caller's)."""
+        self.upcoming.clear()
+        self.current = -1
+        self.first = True
+
+    def fetch_ahead(self, runs: Iterable[Run]) -> Iterator[Run]:
+        """Pass ``runs`` through, naming the next shards to the storage's read-ahead at each shard opened."""
+        source, storage = self.source, self.source.storage
+        enabled = storage.read_ahead > 0
+        upcoming = self.upcoming
+        for run in runs:
+            if run.shard != self.current:
+                self.current = run.shard
+                if upcoming:
+                    upcoming.popleft()  # == run.shard
+                else:
+                    next(self.ahead, None)
+                if enabled and run.shard not in source:
+                    together = self._working_set(source.capacity - 1) if self.first else []
+                    wanted = self._next_shards(max(1, storage.ahead_depth(), len(together)))
+                    if wanted:
+                        shards = source.ref.manifest.shards
+                        names = [f.name for s in together for f in shards[s].files]
+                        storage.fetch_ahead([f for s in wanted for f in shards[s].files], names)
+                self.first = False
+            yield run
+
+    def _peek(self, index: int) -> int | None:
+        """The plan's ``index``-th shard after the current one (read from it early), ``None`` past its end."""
+        if index == len(self.upcoming):
+            shard = next(self.ahead, None)
+            if shard is None:
+                return None
+            self.upcoming.append(shard)
+        return self.upcoming[index]
+
+    def _working_set(self, most: int) -> list[int]:
+        """The unopened shards read together with the current one, in order of first use; ``[]`` if none.
+
+        The distinct shards after it up to the first the plan comes back to (one named
+        already, or the current one itself): the reader holds them all open and reads them
+        in turn, as a shuffled reader does with its partitions' shards. An unshuffled reader
+        leaves each shard for good: nothing comes back, and nothing is named here. Nor when
+        more than ``most`` shards come before the plan comes back (they could not all stay open).
+        """
+        seen = [self.current]
+        for index in range(_SCAN):
+            shard = self._peek(index)
+            if shard is None:
+                break
+            if shard in seen:
+                return [s for s in seen[1:] if s not in self.source]
+            if len(seen) > most:
+                break
+            seen.append(shard)
+        return []
+
+    def _next_shards(self, count: int) -> list[int]:
+        """Up to ``count`` distinct unopened shards that come after the current one, in order of first use."""
+        out: list[int] = []
+        for index in range(_SCAN):
+            if len(out) >= count:
+                break
+            shard = self._peek(index)
+            if shard is None:
+                break
+            if shard != self.current and shard not in out and shard not in self.source:
+                out.append(shard)
+        return out
+
+
+def fetch_ahead(source: ShardSource, parts: Iterable[tuple[int, np.ndarray]]) -> Ticket | None:
+    """Streaming: start fetching the byte ranges of a planned batch's samples (``(shard, locals)``).
+
+    Opens the shards' readers (their sidecars) to learn the samples' extents. A shard that
+    cannot be opened is left out: its error comes when the batch is read. Returns the
+    ticket to forget once the batch was read (``None``: not streaming).
+    """
+    fetcher = source.fetcher
+    if fetcher is None:
+        return None
+    by_shard: dict[int, list[np.ndarray]] = {}
+    for shard, locals_ in parts:
+        by_shard.setdefault(shard, []).append(np.asarray(locals_, dtype=np.int64))
+    _warm_sidecars(source, [s for s in by_shard if s not in source])
+    wanted: list[tuple[str, int, list[tuple[int, int]]]] = []
+    for shard, chunks in by_shard.items():
+        try:
+            reader = cast(RangedReads, source.get(shard))  # a ranged format's reader: it says a batch's extents
+        except StreamloadError:
+            continue
+        extents = reader.sample_extents(np.concatenate(chunks) if len(chunks) > 1 else chunks[0])
+        entry = source.ref.manifest.shards[shard]
+        wanted.append((entry.name, entry.num_bytes, [(int(a), int(b)) for a, b in extents.tolist()]))
+    return fetcher.fetch(wanted)
+
+
+def _warm_sidecars(source: ShardSource, shards: list[int]) -> None:
+    """Bring the sidecars of several shards about to open into the cache at once (one round trip, not one each)."""
+    if len(shards) < 2 or source.fetcher is None:
+        return
+    storage = source.storage
+    entries = source.ref.manifest.shards
+    sidecars = [e.sidecar for e in (entries[s] for s in shards) if e.sidecar is not None]
+
+    def warm(entry: FileEntry) -> Callable[[], None]:
+        def call() -> None:
+            storage.acquire(entry)
+            storage.release(entry)  # cached, unpinned: the reader's own acquire pins it
+
+        return call
+
+    source.fetcher.run([warm(entry) for entry in sidecars])
+
+
+class _Feed:
+    """An iterator that yields what is pushed into it (a run at a time, never empty when asked)."""
+
+    def __init__(self) -> None:
+        self.items: deque[Run] = deque()
+
+    def __iter__(self) -> _Feed:
+        return self
+
+    def __next__(self) -> Run:
+        return self.items.popleft()
+
+
+class _AheadSplitter:
+    """Split one plan's shard sequence into each stream's own (local numbers, repeats merged)."""
+
+    def __init__(self, ahead: Iterator[int], locate: Callable[[int], tuple[int, int]], wanted: set[int]) -> None:
+        self._ahead = ahead
+        self._locate = locate
+        self._queues: dict[int, deque[int]] = {s: deque() for s in wanted}
+        self._last: dict[int, int] = {}
+
+    def stream(self, s: int) -> Iterator[int]:
+        queue = self._queues[s]
+        while True:
+            while not queue:
+                shard = next(self._ahead, None)
+                if shard is None:
+                    return
+                owner, local = self._locate(shard)
+                if owner in self._queues and self._last.get(owner) != local:
+                    self._queues[owner].append(local)
+                    self._last[owner] = local
+            yield queue.popleft()
+
+
+class FetchAhead:
+    """The fetch-ahead stage of one iteration's readers (every stream of a :class:`~streamload.streams.MixedSource`).
+
+    Args:
+        readers: The iteration's readers.
+        budget: Streaming: bytes of ranges fetched and not yet read, at most (``stream_buffer``).
+    """
+
+    def __init__(self, readers: MixedSource, budget: int) -> None:
+        self.readers = readers
+        self.budget = budget
+        self.shards: dict[int, ShardsAhead] = {}
+        #: Streaming: the batches passed on whose ranges were requested, and their tickets.
+        self._batches: deque[tuple[list[Run], list[tuple[int, Ticket | None]]]] = deque()
+
+    def state(self) -> dict[str, Any]:
+        """Plain data: each cached stream's shards ahead, and the streamed batches and bytes fetched ahead."""
+        return {
+            "shards": [{"stream": s, **ahead.state()} for s, ahead in sorted(self.shards.items())],
+            "batches": len(self._batches),
+            "bytes": self.fetching(),
+        }
+
+    def reset(self) -> None:
+        """Drop the ranges fetched ahead and forget the shards read early."""
+        while self._batches:
+            self.forget(self._batches.popleft()[1])
+        for ahead in self.shards.values():
+            ahead.reset()
+
+    def runs(self, runs: Iterator[Run], ahead: Iterator[int]) -> Iterator[Run]:
+        """Pass ``runs`` through, naming each cached stream's next shards to its storage's read-ahead.
+
+        ``ahead`` yields the plan's shards, one per change of shard in ``runs``; it is split
+        per stream. Streams read by ranges download no shard ahead (:meth:`batches` fetches
+        their batches' ranges instead).
+        """
+        readers = self.readers
+        sources = readers.sources
+        cached = {s for s, src in enumerate(sources) if src.storage.read_ahead > 0 and not src.streaming}
+        if not cached:
+            yield from runs
+            return
+        if len(sources) == 1:
+            self.shards[0] = ShardsAhead(sources[0], ahead)
+            yield from self.shards[0].fetch_ahead(runs)
+            return
+        splitter = _AheadSplitter(ahead, readers.locate, cached)
+        feeds = {s: _Feed() for s in cached}
+        self.shards = {s: ShardsAhead(sources[s], splitter.stream(s)) for s in cached}
+        passes = {s: self.shards[s].fetch_ahead(feeds[s]) for s in cached}
+        try:
+            for run in runs:
+                s, local = readers.locate(run.shard)
+                if s in feeds:
+                    feeds[s].items.append(Run(local, run.locals, run.positions, run.items))
+                    next(passes[s])
+                yield run
+        finally:
+            for gen in passes.values():
+                if isinstance(gen, Generator):
+                    gen.close()
+
+    def fetching(self) -> int:
+        """Bytes of ranges fetched ahead and not forgotten yet, all streams."""
+        return sum(src.fetcher.outstanding for src in self.readers.sources if src.fetcher is not None)
+
+    def batches(self, batches: Iterator[list[Run]]) -> Iterator[list[Run]]:
+        """Streaming: pass planned batches through, their byte ranges fetched ahead.
+
+        Before a batch is yielded, the ranges of the batches after it are requested while
+        the bytes fetched and not yet read stay under the budget (the next batch is always
+        requested; at most two more per batch yielded, so the look-ahead grows to the
+        budget over the first batches and the first one is not delayed); a batch's ranges
+        are dropped once the caller comes back for the next one.
+        """
+        if not self.readers.streaming:
+            yield from batches
+            return
+        ahead = self._batches
+        more = True
+        try:
+            while True:
+                planned = 0
+                while more and (
+                    not ahead or (planned < 2 and self.fetching() < self.budget and len(ahead) < _MAX_BATCHES_AHEAD)
+                ):
+                    planned += 1
+                    batch = next(batches, None)
+                    if batch is None:
+                        more = False
+                        break
+                    ahead.append((batch, self.fetch_ahead(batch)))
+                if not ahead:
+                    return
+                batch, tickets = ahead.popleft()
+                yield batch
+                self.forget(tickets)
+        finally:
+            self.reset()
+
+    def fetch_ahead(self, runs: Sequence[Run]) -> list[tuple[int, Ticket | None]]:
+        """Streaming: start fetching the byte ranges of a planned batch's ``runs``; return the tickets to forget."""
+        readers = self.readers
+        by_stream: dict[int, list[tuple[int, Any]]] = {}
+        for run in runs:
+            s, local = readers.locate(run.shard)
+            if readers.sources[s].streaming:
+                by_stream.setdefault(s, []).append((local, run.locals))
+        return [(s, fetch_ahead(readers.sources[s], parts)) for s, parts in by_stream.items()]
+
+    def forget(self, tickets: Iterable[tuple[int, Ticket | None]]) -> None:
+        """Drop the ranges of a batch that was read."""
+        for s, ticket in tickets:
+            fetcher = self.readers.sources[s].fetcher
+            if ticket is not None and fetcher is not None:
+                fetcher.forget(ticket)

@@ -1,0 +1,299 @@
+"""One reader's iteration, as small stages: plan -> shard runs -> fetch ahead -> read -> transform/collate -> skip.
+
+::
+
+    plan          Planner.plan(epoch, world) -> EpochPlan; Position: where this reader starts
+    shard runs    plan.runs(world, start) -> Run(shard, [local indices], positions, items)
+    fetch ahead   FetchAhead: cached shards named to read-ahead; streamed batches' ranges fetched
+    read          Read.run / Read.batch: MixedSource.get(shard) -> format reader -> sample dicts
+                  (a corrupt copy read again once: streamload.recovery)
+    transform     the per-sample transform; collate: the dataset's per-batch collate
+    skip          Substitute: under on_error="skip", a bad sample counted and replaced
+
+Each stage keeps plain-data state (``state()``) and lets go of it (``reset()``), as
+torchdata's nodes do; :meth:`Pipeline.state` gathers them. A :class:`Pipeline` is a
+plain iterator: a DataLoader worker runs it in its process, a :class:`streamload.Loader`
+runs one per thread. Stage boundaries are per run or per batch, never per sample. A
+watched iteration (:func:`streamload.watch`) times the stages with a
+:class:`~streamload._stages.Clock`: fetch (shard opens, ranged GETs), read, transform, collate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ._errors import CacheError, SampleError, StreamloadError
+from ._stages import SAMPLE_EVERY, Clock, StageTable
+from .ahead import FetchAhead
+from .plan import EpochPlan, Run, World
+from .recovery import Failed, raise_located, read_batch, recovering_samples
+from .resume import Position
+from .skips import SkipLog, Substitute
+from .storage import Storage
+from .streams import MixedSource, Mixture
+
+__all__ = ["Pipeline", "Read", "Steps", "open_readers"]
+
+#: Shard readers a worker keeps open at once, at least (a shuffle window spans a few shards).
+_OPEN_READERS = 8
+#: ... and at most (file descriptors).
+_MAX_OPEN_READERS = 64
+#: A mixture's readers per stream, at least (each stream is read shard after shard).
+_STREAM_READERS = 2
+#: Streaming mode, samples yielded one by one: samples per fetch-ahead unit.
+_SAMPLE_UNIT = 64
+
+OnError = Literal["raise", "skip"]
+
+
+@dataclass(frozen=True)
+class Steps:
+    """What a dataset does to what it reads (the same for every iteration).
+
+    Attributes:
+        transform: Applied to each sample dict, if any.
+        collate: Makes each planned batch, if any.
+        on_error: ``"raise"`` or ``"skip"`` (see :class:`~streamload.StreamingDataset`).
+        skips: Counts and names skipped samples.
+        budget: Streaming: bytes of ranges fetched ahead (``stream_buffer``).
+        plain: One dataset read once (its messages name no stream).
+        table: The stage seconds of a watched dataset, else ``None``.
+    """
+
+    transform: Callable[[Any], Any] | None
+    collate: Callable[[list[Any]], Any] | None
+    on_error: OnError
+    skips: SkipLog
+    budget: int
+    plain: bool
+    table: StageTable | None
+
+
+def open_readers(streams: Mixture, storages: list[Storage], plan: EpochPlan, world: World) -> MixedSource:
+    """This reader's shard readers of every stream, sized to what ``plan`` keeps open; cached or streamed.
+
+    Each stream keeps the shards one shuffle window spans open (its share of the window in
+    a mixture; without shuffling, shard after shard). ``cache="auto"`` streams a stream
+    when its cache limit cannot hold that many shards for every reader of the machine (the
+    DataLoader workers times the ranks of the node, ``LOCAL_WORLD_SIZE``).
+    """
+    spans = []
+    for ref, count in zip(streams.refs, streams.counts, strict=True):
+        shards = ref.manifest.shards
+        if not shards or not streams.total:
+            spans.append(1)
+            continue
+        mean = max(1.0, ref.manifest.num_samples / len(shards))
+        spans.append(min(_MAX_OPEN_READERS, plan.open_shards(mean, count / streams.total)))
+    least = _OPEN_READERS if streams.plain else _STREAM_READERS
+    capacities = [min(_MAX_OPEN_READERS, max(least, n + 1)) for n in spans]
+    machine = max(1, world.num_workers) * _local_ranks()
+    streaming = [
+        ref.streams(storage, machine * n) for ref, storage, n in zip(streams.refs, storages, spans, strict=True)
+    ]
+    return streams.source(storages, capacities, streaming)
+
+
+def _local_ranks() -> int:
+    """Ranks of this node (``LOCAL_WORLD_SIZE``, as torchrun sets it; 1 when unset or unreadable)."""
+    import os
+
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+class Read:
+    """The read, transform and skip stages over one iteration's readers (per run or per batch).
+
+    Args:
+        steps: The dataset's transform, collate and error policy.
+        readers: The iteration's shard readers.
+        position: This reader's position (advanced as items are made).
+    """
+
+    def __init__(self, steps: Steps, readers: MixedSource, position: Position) -> None:
+        self.steps = steps
+        self.readers = readers
+        self.position = position
+        self.substitute = Substitute()
+        self.clock: Clock | None = None
+
+    def state(self) -> dict[str, Any]:
+        """Plain data: shards opened and recovered per stream, and what the skip stage owes."""
+        sources = self.readers.sources
+        return {
+            "opens": [src.opens for src in sources],
+            "recovered": [sorted(src.recovered) for src in sources],
+            "substitute": self.substitute.state(),
+        }
+
+    def reset(self) -> None:
+        """Forget the skip stage's stand-ins."""
+        self.substitute.reset()
+
+    def batch(self, runs: list[Run]) -> Any:
+        """One collated batch of a planned batch's ``runs`` (see :mod:`streamload.batch`).
+
+        A :class:`~streamload.batch.BatchReader` collate reads the batch straight from the
+        shard readers into one buffer, unless a per-sample ``transform`` or
+        ``on_error="skip"`` needs the dicts.
+        """
+        from .batch import BatchReader
+
+        steps, readers = self.steps, self.readers
+        collate = steps.collate
+        assert collate is not None
+        if isinstance(collate, BatchReader) and steps.transform is None and steps.on_error == "raise":
+            parts = [(run.shard, run.locals) for run in runs]
+            batch = read_batch(lambda: collate.read_batch(readers.get, parts), [s for s, _ in parts], readers)
+        else:
+            samples = [s for run in runs for s in self.run(run)]
+            clock = self.clock
+            batch = collate(samples) if clock is None else clock.collate(collate, samples)
+        self.position.next_item = int(runs[-1].positions[-1]) + 1
+        return batch
+
+    def run(self, run: Run) -> Iterator[Any]:
+        """Yield the run's samples (transformed).
+
+        Under ``on_error="skip"`` a sample that cannot be read or transformed is counted
+        and replaced by a repeat of the last good one, so every rank still yields
+        ``len(dataset)`` items and DDP cannot hang.
+        """
+        steps, readers, position = self.steps, self.readers, self.position
+        info = readers.info(run.shard)
+        entry, url, label = info.entry, info.url, info.label
+        stream = None if steps.plain else url  # a mixture names each stream's URL
+        substitute, skip = self.substitute, steps.on_error == "skip"
+        where = f"{url}/{entry.name}"
+        try:
+            reader = readers.get(run.shard)
+        except StreamloadError as exc:
+            if not skip or isinstance(exc, CacheError):  # the machine's fault: never a skip
+                raise_located(exc, url, where)
+            position.next_item = int(run.positions[-1]) + 1
+            steps.skips.skip(entry.name, exc, run.locals.tolist(), [None] * len(run.locals), source=stream)
+            yield from substitute.fail(len(run.locals), stream)
+            return
+        transform, clock = steps.transform, self.clock
+        samples = recovering_samples(readers, reader, run, skip, url, where)
+        epoch = position.epoch
+        # What a transform or collate sees carries its place in the epoch (the key of
+        # per-sample randomness); dicts yielded as they are stay the stored sample.
+        placed = transform is not None or steps.collate is not None
+        for pos, item, local, sample in zip(
+            run.positions.tolist(), run.items.tolist(), run.locals.tolist(), samples, strict=True
+        ):
+            position.next_item = pos + 1
+            if isinstance(sample, Failed):
+                steps.skips.skip(entry.name, sample.error, [local], [sample.key], source=stream)
+                yield from substitute.fail(1, stream)
+                continue
+            if placed:
+                sample["__epoch__"] = epoch
+                sample["__position__"] = item
+            if label is not None:
+                sample["__source__"] = label
+            if transform is None:
+                yield from substitute.good(sample, stream)
+                continue
+            try:
+                out = transform(sample) if clock is None else clock.transform(transform, sample)
+            except Exception as exc:  # noqa: BLE001 - re-raised with context or counted
+                if not skip:
+                    if isinstance(exc, StreamloadError):
+                        raise_located(exc, url, where)
+                    raise SampleError(f"{where}: sample {sample.get('__key__')!r}: transform failed: {exc}") from exc
+                steps.skips.skip(entry.name, exc, [local], [sample.get("__key__")], source=stream)
+                yield from substitute.fail(1, stream)
+                continue
+            yield from substitute.good(out, stream)
+
+
+class Pipeline:
+    """One reader's iteration of one epoch's plan: a plain iterator of samples (or batches).
+
+    Nothing is opened before the first item is asked for; everything is closed when the
+    iteration ends or is dropped.
+
+    Args:
+        steps: The dataset's transform, collate and error policy.
+        streams: The datasets read.
+        storages: This process's storage of each stream.
+        plan: The epoch's plan.
+        world: This reader's place (rank, worker or thread).
+        position: Where it starts (advanced as items are made).
+    """
+
+    def __init__(
+        self,
+        steps: Steps,
+        streams: Mixture,
+        storages: list[Storage],
+        plan: EpochPlan,
+        world: World,
+        position: Position,
+    ) -> None:
+        self.steps = steps
+        self.streams = streams
+        self.storages = storages
+        self.plan = plan
+        self.world = world
+        self.position = position
+        self.ahead: FetchAhead | None = None
+        self.read: Read | None = None
+
+    def state(self) -> dict[str, Any]:
+        """Every stage's plain-data state (position; fetch ahead, read and skip once started)."""
+        state: dict[str, Any] = {"position": self.position.state()}
+        if self.ahead is not None:
+            state["fetch_ahead"] = self.ahead.state()
+        if self.read is not None:
+            state["read"] = self.read.state()
+        return state
+
+    def reset(self) -> None:
+        """Drop what the stages hold ahead (ranges fetched, stand-ins); the position stays."""
+        if self.ahead is not None:
+            self.ahead.reset()
+        if self.read is not None:
+            self.read.reset()
+
+    def __iter__(self) -> Iterator[Any]:
+        steps, plan, world, position = self.steps, self.plan, self.world, self.position
+        readers = open_readers(self.streams, self.storages, plan, world)
+        start, first = position.next_item, position.first
+        try:
+            self.ahead = ahead = FetchAhead(readers, steps.budget)
+            self.read = read = Read(steps, readers, position)
+            runs = ahead.runs(plan.runs(world, start, first), plan.worker_shards(world, start, first))
+            items = self._items(read, ahead, runs)
+            if steps.table is not None:  # watched: time the readers' stages (streamload.watch)
+                read.clock = steps.table.clock()
+                items = read.clock.timed(items, 1 if steps.collate is not None else SAMPLE_EVERY)
+            for item in items:
+                yield item
+                readers.started()  # the first item is out: read-ahead may share the link now
+                yield from items
+        finally:
+            readers.close()
+
+    def _items(self, read: Read, ahead: FetchAhead, runs: Iterator[Run]) -> Iterator[Any]:
+        from .batch import group_runs
+
+        chunk = self.position.chunk
+        if self.steps.collate is not None:
+            for batch in ahead.batches(group_runs(runs, chunk)):
+                yield read.batch(batch)
+        elif read.readers.streaming:  # samples one by one, their ranges fetched a unit ahead
+            for unit in ahead.batches(group_runs(runs, min(chunk, _SAMPLE_UNIT))):
+                for run in unit:
+                    yield from read.run(run)
+        else:
+            for run in runs:
+                yield from read.run(run)
+        yield from read.substitute.finish()

@@ -1,0 +1,102 @@
+"""The read path as stages: each stage's state is plain data, a pipeline runs in a thread or a worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from streamload import StreamingDataset
+from streamload._stages import StageTable
+from streamload.plan import World
+from streamload.resume import Position
+from streamload.skips import SkipLog, Substitute
+from streamload.stages import Pipeline, Steps
+from tests.helpers.datasets import make_dataset
+
+COUNTS = [7, 5, 9, 4]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_dataset(tmp_path_factory.mktemp("stages"), COUNTS)
+
+
+def pipeline(ds: StreamingDataset, start: int = 0, transform: Any = None) -> Pipeline:
+    """One reader's stages over epoch 0 of ``ds``, built from public parts."""
+    plan = ds.plan(0, 1)
+    steps = Steps(transform, None, "raise", SkipLog(ds.source), 1 << 20, True, None)
+    position = Position(0, plan.chunk_size(1), start)
+    return Pipeline(steps, ds.streams, ds.streams.open_storages(), plan, World(0, 1, 0, 1), position)
+
+
+def test_a_pipeline_reads_what_the_dataset_reads_and_its_state_is_plain_data(root: Path) -> None:
+    ds = StreamingDataset(str(root), shuffle=True, seed=3, shuffle_window=6)
+    expected = [s["__key__"] for s in ds]
+    stages = pipeline(ds)
+    assert stages.state() == {"position": {"epoch": 0, "chunk": 25, "next_item": 0, "first": 0, "origin": 0}}
+    it = iter(stages)
+    head = [next(it)["__key__"] for _ in range(10)]
+    state = stages.state()
+    assert json.loads(json.dumps(state)) == state  # plain data, all the way down
+    assert state["position"]["next_item"] == 10
+    assert sum(state["read"]["opens"]) >= 1 and state["read"]["recovered"] == [[]]
+    assert state["read"]["substitute"] == {"owed": {}, "stand_ins": [None]}  # the last good sample, kept
+    assert head + [s["__key__"] for s in it] == expected
+
+
+def test_a_pipeline_started_at_a_position_reads_the_rest(root: Path) -> None:
+    ds = StreamingDataset(str(root), shuffle=True, seed=3, shuffle_window=6)
+    expected = [s["__key__"] for s in ds]
+    assert [s["__key__"] for s in pipeline(ds, start=12)] == expected[12:]
+
+
+def test_a_pipeline_runs_on_a_thread(root: Path) -> None:
+    ds = StreamingDataset(str(root))
+    got: list[str] = []
+    thread = threading.Thread(target=lambda: got.extend(s["__key__"] for s in pipeline(ds)))
+    thread.start()
+    thread.join(60)
+    assert got == [s["__key__"] for s in ds]
+
+
+def test_the_skip_stage_owes_stand_ins_until_a_good_item_and_reset_forgets() -> None:
+    sub = Substitute()
+    assert list(sub.fail(2, "a")) == []
+    assert sub.state() == {"owed": {"a": 2}, "stand_ins": []}
+    assert list(sub.good("x", "a")) == ["x", "x", "x"]
+    assert sub.state() == {"owed": {}, "stand_ins": ["a"]}
+    assert list(sub.fail(1, "a")) == ["x"]
+    sub.reset()
+    assert sub.state() == {"owed": {}, "stand_ins": []}
+
+
+def test_the_plan_stage_state_is_the_loaded_resume_point(root: Path) -> None:
+    ds = StreamingDataset(str(root), shuffle=True, seed=3, batch_size=2)
+    assert ds._planner.state() is None
+    state = ds.state_dict(samples_seen=4)
+    ds.load_state_dict(state)
+    assert ds._planner.state() == state
+    ds._planner.reset()
+    assert ds._planner.state() is None
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
+def test_a_forked_child_starts_with_no_stage_rows_of_its_parent() -> None:
+    table = StageTable(0)
+    table.clock().row[0] += 1.5  # the parent's thread recorded some fetch time
+    assert table.readers() == 1
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its own rows only
+        os.write(write, f"{table.readers()} {table.fields()[0]}".encode())
+        os._exit(0)
+    os.close(write)
+    out = os.read(read, 100).decode()
+    os.waitpid(pid, 0)
+    assert out == "0 0.0"
+    assert table.fields()[0] == 1.5
