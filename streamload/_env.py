@@ -41,6 +41,7 @@ __all__ = [
     "RETRY_TIMEOUT",
     "S3_DIRECT",
     "allowed_data_roots",
+    "aws_endpoint",
     "cache_dir",
     "cache_shared",
     "env_bytes",
@@ -139,3 +140,11 @@ def ray_address() -> str | None:
 def on_ci() -> bool:
     """Whether ``CI`` is set (to anything not empty), as CI services do: no progress bar by default."""
     return bool(os.environ.get("CI"))
+
+
+def aws_endpoint() -> str | None:
+    """The S3 endpoint botocore reads from the environment (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``).
+
+    Part of a dataset's cache key: the same ``s3://bucket/x`` on two servers must not share a cache.
+    """
+    return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None

@@ -28,6 +28,7 @@ from ._errors import CacheError, SampleError, StreamloadError
 from ._stages import SAMPLE_EVERY, Clock, StageTable
 from .ahead import FetchAhead
 from .plan import EpochPlan, Run, World
+from .plan.world import local_ranks
 from .recovery import Failed, raise_located, read_batch, recovering_samples
 from .resume import Position
 from .skips import SkipLog, Substitute
@@ -89,21 +90,11 @@ def open_readers(streams: Mixture, storages: list[Storage], plan: EpochPlan, wor
         spans.append(min(_MAX_OPEN_READERS, plan.open_shards(mean, count / streams.total)))
     least = _OPEN_READERS if streams.plain else _STREAM_READERS
     capacities = [min(_MAX_OPEN_READERS, max(least, n + 1)) for n in spans]
-    machine = max(1, world.num_workers) * _local_ranks()
+    machine = max(1, world.num_workers) * local_ranks()
     streaming = [
         ref.streams(storage, machine * n) for ref, storage, n in zip(streams.refs, storages, spans, strict=True)
     ]
     return streams.source(storages, capacities, streaming)
-
-
-def _local_ranks() -> int:
-    """Ranks of this node (``LOCAL_WORLD_SIZE``, as torchrun sets it; 1 when unset or unreadable)."""
-    import os
-
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
 
 
 class Read:

@@ -288,6 +288,38 @@ def test_memory_url_round_trip_and_second_epoch_from_cache(memory_dataset: str, 
     assert storage.stats.downloads == downloads  # type: ignore[attr-defined]
 
 
+def test_a_file_pinned_by_another_threads_early_download_is_acquired_once_cached(
+    memory_dataset: str, tmp_path: Path
+) -> None:
+    """Two readers of one process (a Loader's threads) want one shard: the first reads its
+    download as it lands, the second acquires the whole file and gets its path once it is
+    cached, not before (its open would find no file)."""
+    ds = StreamingDataset(memory_dataset, storage=StorageConfig(cache_dir=str(tmp_path), read_ahead=0))
+    storage = ds._get_storages()[0]
+    entry = ds.manifest.shards[0]
+    filler = storage._filler  # type: ignore[attr-defined]
+    fill = filler.fill
+
+    def slow_fill(*args: object, **kwargs: object) -> str:
+        time.sleep(0.5)  # the download is still landing when the second reader asks
+        return fill(*args, **kwargs)  # type: ignore[no-any-return]
+
+    filler.fill = slow_fill
+    try:
+        landing = storage.open_bytes(entry, early=True)
+        path = storage.acquire(entry)
+        assert os.path.exists(path) and os.path.getsize(path) == entry.num_bytes
+        assert landing.pread(entry.num_bytes, 0) == Path(path).read_bytes()
+        landing.close()
+        storage.release(entry)
+        storage.release(entry)
+        with open(os.path.join(os.path.dirname(os.path.dirname(path)), "pins", entry.name), "rb") as pin:
+            fcntl.flock(pin, fcntl.LOCK_EX | fcntl.LOCK_NB)  # both released: unpinned, evictable
+    finally:
+        filler.fill = fill
+        storage.close()
+
+
 def test_read_ahead_threads_end_when_the_iterator_is_closed_early(memory_dataset: str, tmp_path: Path) -> None:
     ds = StreamingDataset(memory_dataset, storage=StorageConfig(cache_dir=str(tmp_path)))
     it = iter(ds)

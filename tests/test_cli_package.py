@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import streamload
+import streamload.dataref
 from streamload.cli import build_parser, main
 from streamload.cli.convert import conversion_options
 from streamload.cli.options import storage_config
@@ -59,14 +60,14 @@ def test_the_command_leaves_the_environment_alone(
 ) -> None:
     monkeypatch.delenv("STREAMLOAD_ALLOW_DATA_ROOTS", raising=False)
     seen: list[str | None] = []
-    real = streamload.shards.DatasetRef.open.__func__  # type: ignore[attr-defined]
+    real = streamload.dataref.DatasetRef.open.__func__  # type: ignore[attr-defined]
 
     def spy(cls: type, url: str, config: streamload.StorageConfig | None = None) -> object:
         seen.append(os.environ.get("STREAMLOAD_ALLOW_DATA_ROOTS"))
         assert config is not None and config.allow_data_roots == {"s3://b/x": {}}
         return real(cls, url, config)
 
-    monkeypatch.setattr(streamload.shards.DatasetRef, "open", classmethod(spy))
+    monkeypatch.setattr(streamload.dataref.DatasetRef, "open", classmethod(spy))
     assert main(["info", str(tar_dataset), "--allow-data-root", "s3://b/x"]) == 0
     assert seen == [None]  # read as a parameter while the command ran, never set in the environment
     assert "samples" in capsys.readouterr().out

@@ -22,10 +22,10 @@ from streamload.formats import (
     register_format,
     set_row_group_cache_bytes,
 )
-from streamload.formats._bytes import FileBytes
 from streamload.formats.table_cache import CACHE, RowGroupCache
 from streamload.indexing import index_directory
 from streamload.manifest import Manifest
+from streamload.storage.bytes import FileBytes
 
 
 @pytest.fixture

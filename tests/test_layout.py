@@ -245,6 +245,41 @@ def test_no_converter_module_is_over_the_line_limit() -> None:
     assert not over, f"split these by job (at most {CONVERTER_MODULE_LINES} lines): {over}"
 
 
+#: Lines a module of the package may have at most, and a class: over it, a room holds more than one job.
+MODULE_LINES, CLASS_LINES = 600, 300
+
+
+def _over_the_limits(sources: dict[str, str]) -> list[str]:
+    """Modules over :data:`MODULE_LINES` and classes over :data:`CLASS_LINES` among ``sources``."""
+    over = []
+    for name, text in sorted(sources.items()):
+        lines = len(text.splitlines())
+        if lines > MODULE_LINES:
+            over.append(f"{name}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                size = node.end_lineno - node.lineno + 1
+                if size > CLASS_LINES:
+                    over.append(f"{name}:{node.lineno} class {node.name}: {size} lines")
+    return over
+
+
+def test_no_module_or_class_of_the_package_is_over_the_limits() -> None:
+    sources = {str(path.relative_to(ROOT)): path.read_text() for path in (ROOT / "streamload").rglob("*.py")}
+    assert len(sources) > 100, "streamload/ was not found"
+    over = _over_the_limits(sources)
+    assert not over, f"split these by job (modules <= {MODULE_LINES} lines, classes <= {CLASS_LINES}): {over}"
+
+
+def test_the_limits_check_finds_a_long_module_and_a_long_class() -> None:
+    long_class = "class Big:\n" + "    x = 1\n" * CLASS_LINES
+    long_module = "y = 1\n" * (MODULE_LINES + 1)
+    assert _over_the_limits({"a.py": long_class, "b.py": long_module, "c.py": "class Small:\n    x = 1\n"}) == [
+        f"a.py:1 class Big: {CLASS_LINES + 1} lines",
+        f"b.py: {MODULE_LINES + 1} lines",
+    ]
+
+
 def _source_class_names(tree: ast.AST) -> list[str]:
     """Names ending in ``Source`` that the second argument of an ``isinstance`` call names."""
     found: list[str] = []

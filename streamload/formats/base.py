@@ -30,6 +30,7 @@ import numpy as np
 
 from .._errors import ConfigError, SampleError, UnsafeShardError
 from ..manifest import ShardEntry
+from ..storage.bytes import ShardBytes
 
 __all__ = [
     "MAX_KEY_BYTES",
@@ -178,29 +179,6 @@ def check_sample(sample: Mapping[str, Any]) -> tuple[str, list[tuple[str, bytes]
             _check_label(key, name, bytes(value))
         fields.append((name, bytes(value)))
     return key, fields
-
-
-@runtime_checkable
-class ShardBytes(Protocol):
-    """What a format reader needs from its shard's bytes: positioned reads of one object.
-
-    A local file (``pread``/``preadv`` on its descriptor) and a remote object read by
-    ranged requests (streaming mode) both fit; a reader that knows every offset from its
-    index (tar, Parquet) serves either without knowing which. Reads past the end come
-    back short, never raise: the reader names the truncated shard.
-    """
-
-    #: The object's size in bytes.
-    size: int
-
-    def pread(self, n: int, offset: int) -> bytes:
-        """Return up to ``n`` bytes at ``offset`` (fewer only at the end)."""
-
-    def preadv(self, buffers: list[memoryview], offset: int) -> int:
-        """Fill ``buffers`` in order from ``offset``; return the bytes read (fewer only at the end)."""
-
-    def close(self) -> None:
-        """Release the source (the reader does not use it afterwards)."""
 
 
 class ShardWriter(ABC):

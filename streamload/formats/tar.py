@@ -44,7 +44,7 @@ import xxhash
 
 from .._errors import CorruptShardError, SampleError
 from ..manifest import ShardEntry
-from ._bytes import MAX_GAP, FileBytes, gather
+from ..storage.bytes import MAX_GAP, FileBytes, gather
 from ._record import open_regular_file
 from ._tar_scan import BLOCK, HEADER_SIZE_LIMIT, ZERO_BLOCK, index_tar, iter_members, pad, parse_octal, split_name
 from ._tar_sidecar import IndexBuilder, check_sidecar_hash, load_index

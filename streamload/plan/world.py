@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .._errors import PlanError
 
-__all__ = ["World", "detect_rank_world", "detect_world", "distributed_world"]
+__all__ = ["World", "detect_rank_world", "detect_world", "distributed_world", "local_ranks"]
 
 
 @dataclass(frozen=True)
@@ -104,3 +104,11 @@ def detect_world(
     if info is None:
         return World(rank, world_size, 0, 1)
     return World(rank, world_size, info.id, info.num_workers)
+
+
+def local_ranks() -> int:
+    """Ranks of this node (``LOCAL_WORLD_SIZE``, as torchrun sets it; 1 when unset or unreadable)."""
+    try:
+        return max(1, _env_int("LOCAL_WORLD_SIZE") or 1)
+    except PlanError:
+        return 1

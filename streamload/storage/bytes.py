@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from .._errors import CorruptShardError
 from .._stages import fetching
@@ -34,20 +34,27 @@ MAX_GAP = 64 << 10
 _IOV_MAX = 1024
 
 
+@runtime_checkable
 class ShardBytes(Protocol):
-    """Positioned reads of one shard's bytes."""
+    """What a format reader needs from its shard's bytes: positioned reads of one object.
 
-    #: The shard's size in bytes.
+    A local file (``pread``/``preadv`` on its descriptor) and a remote object read by
+    ranged requests (streaming mode) both fit; a reader that knows every offset from its
+    index (tar, Parquet) serves either without knowing which. Reads past the end come
+    back short, never raise: the reader names the truncated shard.
+    """
+
+    #: The object's size in bytes.
     size: int
 
     def pread(self, n: int, offset: int) -> bytes:
         """Return up to ``n`` bytes at ``offset`` (fewer only at the end)."""
 
     def preadv(self, buffers: list[memoryview], offset: int) -> int:
-        """Fill ``buffers`` in order from ``offset``; return the bytes read."""
+        """Fill ``buffers`` in order from ``offset``; return the bytes read (fewer only at the end)."""
 
     def close(self) -> None:
-        """Release the source."""
+        """Release the source (the reader does not use it afterwards)."""
 
 
 class FileBytes:

@@ -5,7 +5,7 @@
 * ``None`` (the default): half of the space the cache could use when the storage is
   opened (the free space of its filesystem plus what this dataset's cache already holds),
   and at least :data:`MIN_CACHE_SHARDS` of the largest shards. It is logged once (INFO),
-  and :class:`~streamload.shards.DatasetRef` hands the number it chose to every worker, so
+  and :class:`~streamload.dataref.DatasetRef` hands the number it chose to every worker, so
   the processes of a job share one bound.
 * ``"unbounded"``: no bound (the cache grows until every file is cached).
 * bytes, or a string like ``"20GB"``: that bound; at least two of the largest shards.

@@ -43,13 +43,13 @@ from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import Any
 
-from .._errors import CacheError
+from .._errors import CacheError, StorageError
 from .._files import FileEntry
 from .._fork import ProcessLocal
 from .._validate import MAX_READ_AHEAD, UNBOUNDED, check_int, parse_cache_limit
 from .admission import Admission
 from .base import Storage
-from .bytes import Landing, ShardBytes
+from .bytes import FileBytes, Landing, ShardBytes
 from .cache import DEFAULT_LOCK_TIMEOUT, DEFAULT_WAIT_TIMEOUT, CacheStats, Pin, ShardCache
 from .cachedir import dataset_cache_key, default_cache_dir
 from .executor import io_executor
@@ -121,20 +121,17 @@ class RemoteStorage(CacheLimit, FetchAhead, Storage):
         storage_options: Passed to the URL's backend (credentials, ``client_kwargs``,
             ``anon``...). Without them, fsspec's usual sources apply (``AWS_*`` variables,
             ``~/.aws/credentials``, ``GOOGLE_APPLICATION_CREDENTIALS``...).
-        cache_dir: Cache directory shared by all processes of the machine (default:
-            :func:`default_cache_dir`); this dataset uses ``<cache_dir>/<hash of URL>``.
+        cache_dir: The machine's cache directory (default: :func:`default_cache_dir`).
         cache_limit: Byte bound of this dataset's cache (int or ``"20GB"``); ``None``: the
             default bound (see .limit); ``"unbounded"``: none. Must hold at least two of the
             largest shards (with its sidecar), and one per reader on the machine (more are
             refused at once); allow ``(readers + 1)`` for downloads ahead.
-        read_ahead: The most shards each process downloads ahead (0: none). The depth
-            adapts below it (see .readahead).
+        read_ahead: The most shards each process downloads ahead (0: none; see .readahead).
         verify_hash: Hash every download against its entry (size is always checked).
         retry: How transient errors are retried (default: up to 120 s per call) and the
             read timeout (its ``inactivity_timeout``).
         wait_timeout: Seconds an acquire waits for other readers to free cache room.
-        lock_timeout: Most seconds a wait for one of the cache's locks lasts (``None``:
-            :data:`~.cache.DEFAULT_LOCK_TIMEOUT`).
+        lock_timeout: Most seconds a wait for one of the cache's locks lasts.
         s3_direct: S3 ranged reads on botocore directly (``None``: ``$STREAMLOAD_S3_DIRECT``).
         cache_shared: A cache directory other users may share (``None``: ``$STREAMLOAD_CACHE_SHARED``).
     """
@@ -242,18 +239,19 @@ class RemoteStorage(CacheLimit, FetchAhead, Storage):
         Raises:
             ShardNotFoundError: The object does not exist.
             StorageError: Access denied, or the storage stayed unavailable past the retry budget.
-            CorruptShardError: The downloaded bytes do not match the entry, again when
-                downloaded once more (:data:`DOWNLOAD_REFETCHES`): the file is bad at its source.
+            CorruptShardError: The bytes do not match the entry, again when downloaded once more.
             CacheError: No room could be made within ``wait_timeout``.
         """
         proc = self._proc.get()
         if not proc.first_read.is_set() and not proc.landings:
             proc.first_read.set()  # a whole-file acquire, not a cold start read early: no hold
         with proc.lock:
-            held = proc.pins.get(entry.name)
-            if held is not None and entry.name not in proc.stale:
+            held, landing = proc.pins.get(entry.name), proc.landings.get(entry.name)
+            fresh = held is not None and entry.name not in proc.stale
+            if held is not None and fresh:
                 proc.pins[entry.name] = (held[0], held[1] + 1)
-                return self.cache.data_path(entry.name)
+        if fresh:  # pinned here already (by another thread's early download: its path once cached)
+            return self.cache.data_path(entry.name) if landing is None else _landed(self, entry, landing)
         if held is not None:  # discarded while pinned here: fetch it again under the same pin
             path = self._fill(proc, entry)
             with proc.lock:
@@ -268,19 +266,17 @@ class RemoteStorage(CacheLimit, FetchAhead, Storage):
         except BaseException:
             pin.close()
             raise
-        with proc.lock:
-            proc.pins[entry.name] = (pin, 1)
-            proc.served[entry.name] = self.cache.generation(entry.name)
+        if _count_pin(proc, entry.name, pin):
+            with proc.lock:
+                proc.served[entry.name] = self.cache.generation(entry.name)
         return path
 
     def open_bytes(self, entry: FileEntry, *, early: bool = False, ranges: RangeFetcher | None = None) -> ShardBytes:
         """``entry``'s bytes, pinned until :meth:`release`; with ``early``, a miss is its download in progress.
 
-        The file is pinned at once and downloaded on the executor's ``side`` lane (the
-        first part small, so the file's first bytes land early); the returned
-        :class:`~.bytes.Landing` serves the byte ranges whose parts have landed, and
-        everything once the file is verified and cached. A cached file (or one pinned
-        here already) comes as a :class:`~.bytes.FileBytes`.
+        Pinned at once, downloaded on the executor's ``side`` lane (first part small): the
+        :class:`~.bytes.Landing` serves the ranges whose parts have landed, then all of it
+        once verified. A cached file (or one pinned here) comes as a :class:`~.bytes.FileBytes`.
         """
         if ranges is not None or not early:
             return super().open_bytes(entry, ranges=ranges)
@@ -291,10 +287,16 @@ class RemoteStorage(CacheLimit, FetchAhead, Storage):
             return super().open_bytes(entry)
         self._check_fits(entry, self._remote.url_of(entry.name))
         pin = self.cache.pin(entry.name)
+        if not _count_pin(proc, entry.name, pin):  # another thread pinned it meanwhile: wait for the file
+            try:
+                path = self._fill(proc, entry)
+            except BaseException:
+                self.release(entry)
+                raise
+            return _open_pinned(self, entry, path)
         landing = Landing(entry.name, entry.num_bytes)
         proc.first_read.clear()
         with proc.lock:
-            proc.pins[entry.name] = (pin, 1)
             proc.served[entry.name] = _EARLY
             proc.landings[entry.name] = landing
             proc.early = [f for f in proc.early if not f.done()]
@@ -411,3 +413,35 @@ class RemoteStorage(CacheLimit, FetchAhead, Storage):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._init_process_state()
+
+
+def _count_pin(proc: _Process, name: str, pin: Pin) -> bool:
+    """Keep ``pin`` as this process's pin of ``name``; False (``pin`` closed) if another thread's came first.
+
+    One pin per name, counted: a second one would be dropped by the first release, and
+    the file evicted under the reader still using it.
+    """
+    with proc.lock:
+        other = proc.pins.get(name)
+        proc.pins[name] = (pin, 1) if other is None else (other[0], other[1] + 1)
+    if other is not None:
+        pin.close()
+    return other is None
+
+
+def _open_pinned(storage: Storage, entry: FileEntry, path: str) -> ShardBytes:
+    """``path`` (``entry``, pinned in ``storage``) opened for reads; the pin is released if it cannot be."""
+    try:
+        return FileBytes(os.open(path, os.O_RDONLY))
+    except OSError as exc:
+        storage.release(entry)
+        raise StorageError(f"cannot open {path}: {exc}") from exc
+
+
+def _landed(storage: Storage, entry: FileEntry, landing: Landing) -> str:
+    """The path of ``entry`` once its early download is cached; its pin here is released if the download fails."""
+    try:
+        return landing.wait_done()
+    except BaseException:
+        storage.release(entry)
+        raise

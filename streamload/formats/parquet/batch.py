@@ -16,7 +16,7 @@ import numpy as np
 import xxhash
 
 from ..._errors import CorruptShardError
-from .._bytes import MAX_GAP, gather
+from ...storage.bytes import MAX_GAP, gather
 from ..base import FieldGroup, ShardBytes
 from .rowgroups import RowGroups
 

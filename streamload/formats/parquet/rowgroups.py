@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from ..._errors import CorruptShardError
 from ..._fork import ProcessLocal
 from ...manifest import ShardEntry
-from .._bytes import FileBytes
+from ...storage.bytes import FileBytes
 from .._record import open_regular_file
 from ..base import ShardBytes
 from ..table_cache import CACHE, Group, RowGroupCache

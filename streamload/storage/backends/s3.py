@@ -13,10 +13,10 @@ dataset's cache key.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ... import _env
 from ..bounded import check_answer, read_body
 from ..s3direct import DirectS3, direct_s3, shared_boto_loader
 from .fsspec import BackendSettings, FsspecBackend
@@ -74,12 +74,7 @@ class S3Backend(FsspecBackend):
     @classmethod
     def cache_endpoint(cls, options: Mapping[str, Any]) -> str | None:
         """The endpoint of the options, else the one botocore reads from the environment."""
-        return (
-            super().cache_endpoint(options)
-            or os.environ.get("AWS_ENDPOINT_URL_S3")
-            or os.environ.get("AWS_ENDPOINT_URL")
-            or None
-        )
+        return super().cache_endpoint(options) or _env.aws_endpoint()
 
     def get_range(self, path: str, url: str, start: int, end: int) -> bytes:
         """One GetObject of ``[start, end)``: on botocore directly, else through s3fs's client."""
