@@ -88,7 +88,7 @@ def _check_every_sample_once(got: list[tuple[str, bytes]]) -> None:
 FAULTS: dict[str, list[Fault]] = {
     "resets": [Fault("reset", match=".tar", at=40_000, times=3)],
     "truncated-bodies": [Fault("truncate", match=".tar", at=60_000, times=3)],
-    "slowdown-storm": [Fault("status", match="", times=12, code="SlowDown")],
+    "slowdown-storm": [Fault("status", match="", times=6, code="SlowDown")],
     "stall": [Fault("stall", match=".tar", at=30_000, seconds=2.5)],
     "throttling-burst": [Fault("status", match=".tar", times=20, status=429, code="TooManyRequests")],
     "flipped-bytes": [Fault("flip", match=".tar", at=25_000, count=3)],
