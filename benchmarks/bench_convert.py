@@ -188,7 +188,7 @@ def _create_empty_objects(server: SeaweedS3, bucket: str, prefix: str, objects: 
 
 _LIST_CHILD = """
 import json, os, sys, threading, time
-from streamload.converters.remote import _found, list_tree
+from streamload.converters.bucket import _found, list_tree
 from streamload.storage.filesystems import open_filesystem
 
 url, how = sys.argv[1], sys.argv[2]

@@ -338,7 +338,7 @@ def test_append_in_a_bucket_then_read_exactly_once(
 
 
 def test_list_tree_reads_the_bucket_listing_like_find(s3_server: SeaweedS3) -> None:
-    from streamload.converters.remote import _found, list_tree
+    from streamload.converters.bucket import _found, list_tree
     from streamload.storage.filesystems import open_filesystem
 
     bucket = s3_server.make_bucket()

@@ -551,7 +551,7 @@ def test_messages_name_a_url_once(tmp_path: Path, capsys: pytest.CaptureFixture[
     import json
 
     from streamload.cli import main
-    from streamload.converters.remote import read_url
+    from streamload.converters.bucket import read_url
 
     with pytest.raises(StreamloadError) as caught:
         read_url("nosuchproto://b/x.png")

@@ -8,10 +8,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .bucket import RemoteImageFolderSource
 from .dataset_source import DatasetSource
 from .engine import ConvertOptions, ConvertReport, convert, plan_shards
 from .imagefolder import IMAGE_EXTENSIONS, ImageFolderSource, path_to_key
-from .remote import RemoteImageFolderSource
 from .source import Item, ScanResult, Source
 from .table import TableSource, is_table
 

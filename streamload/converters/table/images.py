@@ -14,7 +14,7 @@ from streamload.manifest import SkippedInput
 from streamload.sample import image_field_for
 from streamload.storage import is_local, local_path_of
 
-from ..remote import read_url
+from ..bucket import read_url
 from ..source import printable
 from .checks import Where, arrow, ext_of, inside
 
