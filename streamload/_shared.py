@@ -38,7 +38,7 @@ class _Arena:
     """One shared segment and the offsets of its free blocks, by block size."""
 
     def __init__(self, words: int) -> None:
-        self.tensor = _new_shared_zeros(words)
+        self.tensor = shared_zeros(words, torch.int64)
         self.words = words
         self.top = 0  # words handed out at least once
         self.free: dict[int, list[int]] = {}  # block size -> free offsets below top
@@ -143,10 +143,6 @@ def shared_zeros(shape: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tens
         strides.append(step)
         step *= d
     return torch.empty(0, dtype=dtype).set_(storage, 0, dims, tuple(reversed(strides)))
-
-
-def _new_shared_zeros(words: int) -> torch.Tensor:
-    return shared_zeros(words, torch.int64)
 
 
 def _fd_usage() -> str:
