@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,3 +141,29 @@ def test_shared_memory_is_made_in_a_child_forked_after_openmp_ran() -> None:
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     raise AssertionError("the forked child hung making shared memory")
+
+
+def test_conversion_workers_start_clean_while_a_thread_of_the_converter_holds_a_lock(tmp_path: Path) -> None:
+    """A thread of the converting process holds a lock that a worker's reads take: the workers are not its forks."""
+    from streamload.converters import ConvertOptions, convert
+    from streamload.synthetic import make_image_folder
+    from tests.helpers import held_lock
+
+    make_image_folder(str(tmp_path / "images"), num_classes=2, per_class=6, size=(8, 8))
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with held_lock.LOCK:
+            held.set()
+            done.wait(120)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        source = held_lock.HeldLockSource(str(tmp_path / "images"))
+        report = convert(source, str(tmp_path / "out"), ConvertOptions(workers=2, samples_per_shard=3))
+    finally:
+        done.set()
+        holder.join()
+    assert report.manifest.num_samples == 12 and len(report.manifest.shards) == 4

@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from multiprocessing.context import BaseContext
 from typing import Any
 
 from streamload import _env
@@ -76,13 +77,43 @@ def _init_worker(source: Source, fmt: Format, dest: Destination, options: Conver
     _STATE.update(source=source, fmt=fmt, dest=dest, options=options)
     if parent and sys.platform.startswith("linux"):
         # A worker dies with the conversion: killed, it must not go on writing shards
-        # into a destination whose lock it never held.
+        # into a destination whose lock it never held. Its parent is the fork server,
+        # which ends when the conversion does; checked after the call, as either may
+        # have ended before it.
         import ctypes
 
+        forked_by = os.getppid()
         pr_set_pdeathsig = 1
         ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
-        if os.getppid() != parent:
+        if os.getppid() != forked_by or not _alive(parent):
             os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - another user's process took the number
+        return False
+    return True
+
+
+def _pool_context() -> BaseContext:
+    """The start method of the conversion's processes: a fork server where there is one, else spawn.
+
+    Not a plain fork: the converting process may run other threads (an fsspec event loop
+    and its resolver, a progress bar, the lock's refresher, the caller's own), and a fork
+    copies the locks they hold at that instant into a child that never sees them
+    released (a worker hung in its first lookup or allocation). The fork server is a
+    fresh single-threaded process that imports this module once; every worker is forked
+    from it.
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["__main__", __name__])  # the default ("__main__") and this module
+    return ctx
 
 
 def _write_task(task: tuple[int, Sequence[Item]]) -> ShardResult:
@@ -344,8 +375,7 @@ def _run_tasks(
         finally:
             _STATE.clear()
         return
-    method = "fork" if sys.platform.startswith("linux") else "spawn"
-    ctx = mp.get_context(method)
+    ctx = _pool_context()
     try:
         pool = ctx.Pool(workers, initializer=_init_worker, initargs=(source, fmt, dest, options, os.getpid()))
     except OSError as exc:
