@@ -20,10 +20,12 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-
-import torch
+from typing import TYPE_CHECKING
 
 from ._errors import StreamloadError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ARENA_WORDS", "shared_block", "shared_zeros"]
 
@@ -38,6 +40,8 @@ class _Arena:
     """One shared segment and the offsets of its free blocks, by block size."""
 
     def __init__(self, words: int) -> None:
+        import torch
+
         self.tensor = shared_zeros(words, torch.int64)
         self.words = words
         self.top = 0  # words handed out at least once
@@ -129,6 +133,8 @@ def shared_zeros(shape: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     Raises:
         StreamloadError: If the process has no file descriptor left for a new segment.
     """
+    import torch  # here, not at import: a conversion (which shares no counters) starts without torch
+
     dims = (shape,) if isinstance(shape, int) else shape
     count = 1
     for d in dims:

@@ -30,12 +30,13 @@ import threading
 from array import array
 from collections.abc import Callable, Iterator
 from time import perf_counter
-from typing import Any, Protocol, TypeVar, cast
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 from ._fork import ProcessLocal
 from ._shared import shared_zeros
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "BUSY",
@@ -211,6 +212,8 @@ class StageTable:
         self.rows = max(1, workers)
         self._shared: torch.Tensor | None = None
         if workers > 0:
+            import torch
+
             self._shared = shared_zeros((self.rows, FIELDS), torch.float64)
         self._reset()
 

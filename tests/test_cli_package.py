@@ -81,3 +81,23 @@ def test_python_dash_m_runs_the_command(module: str) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"streamload {streamload.__version__}"
+
+
+def test_convert_info_and_verify_start_without_torch(tmp_path: Path) -> None:
+    """The commands that read no samples into tensors never import torch (a second saved per command)."""
+    code = (
+        "import sys\n"
+        "from streamload.synthetic import make_image_folder\n"
+        "from streamload.cli import main\n"
+        f"root = {str(tmp_path)!r}\n"
+        "make_image_folder(root + '/images', num_classes=2, per_class=10, size=(8, 8))\n"
+        "args = ['--samples-per-shard', '4', '--no-progress']\n"
+        "assert main(['convert', root + '/images', root + '/ds', '--workers', '2', *args]) == 0\n"
+        "assert main(['info', root + '/ds']) == 0 and main(['verify', root + '/ds']) == 0\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
+        "import streamload\n"
+        "assert streamload.StreamingDataset.__name__ == 'StreamingDataset' and 'torch' in sys.modules\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "OK: 5 shards, 20 samples checked" in proc.stdout

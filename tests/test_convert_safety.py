@@ -177,15 +177,17 @@ def test_destination_inside_the_image_folder_is_refused(folder: Path, tmp_path: 
 
 # -- case 4: two conversions into one destination at once -----------------------------
 
-# A conversion slowed down (every image load sleeps) so that two of them overlap for sure;
-# with a gate file named, its loads also wait (at most a minute) until that file exists.
+# A conversion slowed down (every image load sleeps) so that two started together overlap
+# for sure; with a gate file named, its loads instead wait (at most a minute) until that
+# file exists, which holds it at work for as long as the test needs.
 _SLOW_CLI = """
 import os, sys, time
 from streamload.converters import imagefolder
 _load = imagefolder.ImageFolderSource.load
 _gate = os.environ.get("SLOW_CLI_GATE")
 def load(self, item):
-    time.sleep(0.2)
+    if not _gate:
+        time.sleep(0.1)
     deadline = time.monotonic() + 60
     while _gate and not os.path.exists(_gate) and time.monotonic() < deadline:
         time.sleep(0.05)

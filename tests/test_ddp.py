@@ -128,7 +128,9 @@ def test_ddp_epochs_and_stop_resume_on_2_3_and_1_ranks(tmp_path: Path) -> None:
         seen = [flat(rank[j]["batches"]) for rank in two]
         rest = [flat(rank[j + len(stops)]["batches"]) for rank in two]
         assert seen == [f[: 6 * k] for f in full], "the interrupted run saw the uninterrupted prefix"
-        assert len({json.dumps(rank[j]["state"], sort_keys=True) for rank in two}) == 1, "same state on all ranks"
+        assert len({json.dumps(rank[j]["state"], sort_keys=True) for rank in two}) == 1, (
+            f"same state on all ranks, stop {task}: {[rank[j]['state'] for rank in two]}"
+        )
         states[shuffle, k] = two[0][j]["state"]
         if k < STEPS:
             assert rest == [f[6 * k :] for f in full], "same world: exactly the unseen rest, in order"
