@@ -35,16 +35,18 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(root)
 
 
-@pytest.fixture
-def remote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One dataset in memory for the module (a remote writer's lock waits a second to settle)."""
     import fsspec
 
-    monkeypatch.setenv("STREAMLOAD_CACHE", str(tmp_path / "cache"))
-    url = f"memory://streamload-validation-{os.getpid()}-{time.monotonic_ns()}"
-    with DatasetWriter(url, max_samples=5) as w:
-        for i in range(SAMPLES):
-            w.write({"__key__": f"k{i:03d}", "txt": f"{i}".encode()})
-    yield url
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("STREAMLOAD_CACHE", str(tmp_path_factory.mktemp("validation-cache")))
+        url = f"memory://streamload-validation-{os.getpid()}-{time.monotonic_ns()}"
+        with DatasetWriter(url, max_samples=5) as w:
+            for i in range(SAMPLES):
+                w.write({"__key__": f"k{i:03d}", "txt": f"{i}".encode()})
+        yield url
     fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
 
 

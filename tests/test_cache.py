@@ -22,6 +22,7 @@ from streamload.storage.cache import ShardCache
 from streamload.storage.retry import RetryPolicy, is_transient, retry_call
 from streamload.writer import DatasetWriter
 from tests.helpers.cache_fills import file_entry, write_download
+from tests.helpers.datasets import without_lock_settle
 
 SIZE = 1000
 
@@ -270,7 +271,7 @@ def memory_dataset() -> Iterator[str]:
     import fsspec
 
     url = f"memory://streamload-test-{os.getpid()}-{time.monotonic_ns()}"
-    with DatasetWriter(url, max_samples=5) as w:
+    with without_lock_settle(), DatasetWriter(url, max_samples=5) as w:
         for i in range(23):
             w.write({"__key__": f"k{i:03d}", "txt": f"sample {i}".encode()})
     yield url

@@ -36,6 +36,7 @@ from streamload.manifest import FileEntry
 from streamload.storage.cache import ShardCache
 from streamload.verify import verify_dataset
 from streamload.writer import DatasetWriter
+from tests.helpers.datasets import without_lock_settle
 from tests.s3server import SeaweedS3
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,7 +66,8 @@ def memory_url() -> Iterator[str]:
     import fsspec
 
     url = f"memory://streamload-recovery-{os.getpid()}-{time.monotonic_ns()}"
-    _write(url)
+    with without_lock_settle():
+        _write(url)
     yield url
     fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
 

@@ -23,6 +23,7 @@ import pytest
 from streamload import ConfigError, ShardedDataset, StorageConfig, Stream, StreamingDataset
 from streamload._validate import DatasetArgs, dataset_args
 from streamload.writer import DatasetWriter
+from tests.helpers.datasets import without_lock_settle
 
 SAMPLES = 23
 
@@ -44,7 +45,8 @@ def remote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     import fsspec
 
     monkeypatch.setenv("STREAMLOAD_CACHE", str(tmp_path / "default-cache"))
-    url = _write(f"memory://streamload-settings-{os.getpid()}-{time.monotonic_ns()}", "r")
+    with without_lock_settle():
+        url = _write(f"memory://streamload-settings-{os.getpid()}-{time.monotonic_ns()}", "r")
     yield url
     fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
 

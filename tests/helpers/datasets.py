@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+
+@contextmanager
+def without_lock_settle() -> Iterator[None]:
+    """Writers to a bucket skip the lock's settle wait (a second): for a fixture's one writer, racing nobody."""
+    from streamload.storage.locks import RemoteLock
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(RemoteLock, "settle_s", 0.0)
+        yield
 
 
 def make_dataset(root: Path, counts: list[int]) -> Path:
