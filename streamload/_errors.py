@@ -49,7 +49,26 @@ __all__ = [
 
 
 class StreamloadError(Exception):
-    """Root of every error streamload raises on purpose."""
+    """Root of every error streamload raises on purpose.
+
+    Args:
+        *args: The message (and any further arguments), as for :class:`Exception`.
+        message: The message, as a keyword (how torch's DataLoader re-raises a worker's
+            error in the main process, see :attr:`message`).
+    """
+
+    def __init__(self, *args: object, message: str | None = None) -> None:
+        super().__init__(*args if message is None else (message, *args))
+
+    # A DataLoader re-raises a worker's error as ``type(message=...)`` when the class has a
+    # ``message`` attribute, and otherwise from a local variable: that frame and the
+    # exception then hold each other, so the iterator stays alive in a reference cycle.
+    # The garbage collector frees such a cycle later, closing the iterator's queues before
+    # its shutdown asks the workers to stop: each worker was then waited on for 5 s.
+    @property
+    def message(self) -> str:
+        """The error's message (its first argument)."""
+        return str(self.args[0]) if self.args else ""
 
 
 class ManifestError(StreamloadError, ValueError):

@@ -138,3 +138,41 @@ def test_hundreds_of_live_datasets_fit_a_low_descriptor_limit(datasets: dict[str
     assert lines[0].startswith("StorageError cannot read ") and "Too many open files" in lines[0]
     assert lines[1].startswith("StreamloadError cannot make shared memory for a dataset's counters: the process has ")
     assert "file descriptors open, its limit (ulimit -n) is 256" in lines[1]
+
+
+def test_a_worker_error_frees_the_dataloader_iterator_at_once(tmp_path: Path) -> None:
+    """A streamload error from a DataLoader worker leaves no reference cycle holding the iterator.
+
+    Re-raised in the main process from a local variable, the error and its frame would hold
+    each other, keeping the iterator for the garbage collector, which closes its queues
+    before the iterator's shutdown asks the workers to stop: 5 s of waiting per worker.
+    """
+    import gc
+    import weakref
+
+    from torch.utils.data import DataLoader
+
+    from streamload import CorruptShardError, DatasetWriter, StreamingDataset
+
+    root = tmp_path / "ds"
+    with DatasetWriter(str(root), max_samples=20) as writer:
+        for i in range(80):
+            writer.write({"__key__": f"k{i:03d}", "bin": bytes([i]) * 4000})
+    shard = root / "shard-000001.tar"
+    raw = bytearray(shard.read_bytes())
+    at = raw.index(bytes([25]) * 4000)
+    raw[at + 100 : at + 110] = bytes(10)
+    shard.write_bytes(bytes(raw))
+
+    loader = DataLoader(StreamingDataset(str(root)), batch_size=None, num_workers=2)
+    gc.disable()  # whatever stays alive here is held by a cycle
+    try:
+        iterator = iter(loader)
+        alive = weakref.ref(iterator)
+        with pytest.raises(CorruptShardError, match=r"shard-000001\.tar"):
+            for _ in iterator:
+                pass
+        del iterator
+        assert alive() is None, "the error's traceback keeps the iterator in a reference cycle"
+    finally:
+        gc.enable()
