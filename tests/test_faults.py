@@ -125,6 +125,9 @@ def test_a_shard_corrupt_at_its_source_names_it(
     with pytest.raises(Exception, match=rf"{url}/shard-000001\.tar.*bad at its source") as info:
         _read(url, faulty_s3, tmp_path, mode)
     assert "CorruptShardError" in str(info.value) or isinstance(info.value, CorruptShardError)
+    # The traceback holds this frame, which holds it: a cycle that keeps the DataLoader's iterator
+    # (and waits 5 s per worker when the collector frees it later, in another test). Let it go now.
+    del info
 
 
 def _shard_entry(url: str, faulty: FaultyS3, shard: int) -> FileEntry:
