@@ -334,13 +334,14 @@ def available_peers() -> list[str]:
 
 
 def our_formats() -> list[str]:
+    """The shard formats convert writes here (their extras installed); Parquet, read in place, is bench_parquet's."""
     from streamload.formats import available_formats, get_format
 
     out = []
     for name in available_formats():
         try:
-            get_format(name)
-            out.append(name)
+            if get_format(name).writable:
+                out.append(name)
         except Exception:  # noqa: BLE001
             continue
     return out
