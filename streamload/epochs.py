@@ -1,12 +1,16 @@
 """Who reads a dataset, and which epoch: two small tables in shared memory, seen by every process.
 
-:class:`EpochTable` is ``[base epoch, iterations claimed, (key, epoch, pid) * CLAIMS]``.
+:class:`EpochTable` is ``[base epoch, iterations claimed, (key, epoch, pid, time) * CLAIMS]``.
 Every iteration has a key that all of its readers share (the DataLoader iterator's base
 seed and the worker process's iteration count; a fresh random key in the main process);
 the first reader of an iteration to ask for a sample claims the next epoch for its key,
-the others find it there. A claim counts only while its claimer lives: a new DataLoader
-whose generator repeats an earlier one's seed has the same keys, but the earlier
-iteration's workers are gone. ``set_epoch`` sets the base and clears the claims.
+the others find it there. A claim counts while its claimer lives, or when it was made
+after the reader's own process started: a new DataLoader whose generator repeats an
+earlier one's seed has the same keys, but the earlier iteration's workers are gone and
+their claims are older than the new workers; a sibling worker of the same iterator may
+have ended already (the loop left after one batch) when a slow worker reads its first
+sample, but it claimed after every worker was started (a DataLoader sends no work before
+it has started all of them). ``set_epoch`` sets the base and clears the claims.
 
 :class:`Users` holds who iterates the dataset now, ``pid << 2 | kind`` per slot (one
 aligned word: never seen half-written), so that a :class:`streamload.Loader` (threads)
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
+import time
 from typing import Any
 
 from ._errors import ConfigError
@@ -26,7 +32,7 @@ from ._shared import shared_block
 __all__ = ["ITERATOR", "LOADER", "EpochTable", "Users", "alive"]
 
 _BASE, _CLAIMED, _TABLE = 0, 1, 2
-_CLAIMS, _CLAIM = 64, 3
+_CLAIMS, _CLAIM = 64, 4
 _KEY_MASK = (1 << 62) - 1
 #: Slots of :class:`Users`, and its kinds: the dataset's own iterator, a Loader's.
 _USERS = 64
@@ -84,7 +90,9 @@ class EpochTable:
         # Up to claim ``claimed`` itself: a sibling may have written it and not yet counted it.
         for i in range(max(0, claimed - _CLAIMS), claimed + 1):
             slot = _TABLE + _CLAIM * (i % _CLAIMS)
-            if int(table[slot]) == key and alive(int(table[slot + 2])):
+            if int(table[slot]) != key:
+                continue
+            if alive(int(table[slot + 2])) or int(table[slot + 3]) >= process_started_ns():
                 return int(table[slot + 1]), claimed
         return None, claimed
 
@@ -105,7 +113,8 @@ class EpochTable:
         epoch = self.next_epoch(claimed)
         table, slot = self.table, _TABLE + _CLAIM * (claimed % _CLAIMS)
         table[slot + 1] = epoch
-        table[slot + 2] = os.getpid()  # the claimer's identity: its claim counts while it lives
+        table[slot + 2] = os.getpid()  # the claimer's identity: its claim counts while it lives,
+        table[slot + 3] = clock_ns()  # and for readers started before it
         table[slot] = key
         table[_CLAIMED] = claimed + 1
         return epoch
@@ -171,6 +180,51 @@ def _mix(*words: int) -> int:
         h = (h ^ (h >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
         h ^= h >> 31
     return h
+
+
+def clock_ns() -> int:
+    """Nanoseconds on a clock every process of the machine shares (boot time on Linux)."""
+    if sys.platform.startswith("linux"):
+        return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+    return time.monotonic_ns()
+
+
+_STARTED: list[int] = [0, 0]  # [pid, start on clock_ns()] of this process, where not read from /proc
+
+
+def _before_fork() -> None:
+    # The parent's clock just before a fork: a lower bound of the child's start, inherited by it.
+    _STARTED[:] = [-1, clock_ns()]
+
+
+def _after_fork_in_child() -> None:
+    _STARTED[0] = os.getpid()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+
+
+def process_started_ns() -> int:
+    """When this process started, on :func:`clock_ns`.
+
+    On Linux the kernel's record, rounded down (never later than the truth); elsewhere the
+    moment before the fork that made it or, in a spawned process, the import of this module.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            with open("/proc/self/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            ticks = int(fields[19])  # field 22, starttime: clock ticks after boot
+            return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            pass
+    if _STARTED[0] != os.getpid():  # not a fork (spawned): started before this module's import
+        _STARTED[:] = [os.getpid(), _IMPORTED]
+    return _STARTED[1]
+
+
+_IMPORTED = clock_ns()
 
 
 def alive(pid: int) -> bool:

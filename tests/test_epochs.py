@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.utils.data import DataLoader
@@ -84,3 +87,46 @@ def test_tiny_datasets_over_large_worlds(tmp_path: Path, counts: list[int], worl
         parts.append(keys_of(ds, num_workers=2))
     assert [len(p) for p in parts] == [per_rank] * world_size
     assert {k for p in parts for k in p} == {f"s{i}_{j}" for i, n in enumerate(counts) for j in range(n)}
+
+
+def _forked(body: Any) -> int:
+    """Run ``body()`` in a forked child; return its exit code (0 when it returned True)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if body() else 2
+        finally:
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def test_a_sibling_workers_claim_counts_after_it_ended_and_an_older_iterators_does_not() -> None:
+    """A worker that reads its first sample after its sibling ended (the loop left after one batch)
+    finds the sibling's epoch; a worker started after an earlier iterator's worker ended does not."""
+    from streamload.epochs import EpochTable
+
+    table = EpochTable()
+    key = 12345 | 1
+    # The slow sibling: started first, asked for its first sample after the claimer has exited.
+    read, write = os.pipe()
+
+    def slow_sibling() -> bool:
+        os.read(read, 1)  # started; waits for its first sample
+        return table.lookup(key)[0] == 0 and table.claim(key) == 0
+
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if slow_sibling() else 2
+        finally:
+            os._exit(code)
+    assert _forked(lambda: table.claim(key) == 0) == 0  # the fast sibling claims epoch 0, and ends
+    os.write(write, b"x")
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "the sibling's claim was not found"
+    assert table.claimed() == 1
+    # A worker of a later iterator whose generator repeats the seed: the claim is older than it.
+    time.sleep(0.05)  # more than the kernel's start-time tick, so the child starts after the claim
+    assert _forked(lambda: table.lookup(key)[0] is None and table.claim(key) == 1) == 0
+    assert table.claimed() == 2
