@@ -89,8 +89,8 @@ def test_tiny_datasets_over_large_worlds(tmp_path: Path, counts: list[int], worl
     assert {k for p in parts for k in p} == {f"s{i}_{j}" for i, n in enumerate(counts) for j in range(n)}
 
 
-def _forked(body: Any) -> int:
-    """Run ``body()`` in a forked child; return its exit code (0 when it returned True)."""
+def _start(body: Any) -> int:
+    """Fork a child that runs ``body()`` and exits 0 when it returned True; return its pid."""
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -98,7 +98,16 @@ def _forked(body: Any) -> int:
             code = 0 if body() else 2
         finally:
             os._exit(code)
+    return pid
+
+
+def _exit_code(pid: int) -> int:
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def _forked(body: Any) -> int:
+    """Run ``body()`` in a forked child; return its exit code (0 when it returned True)."""
+    return _exit_code(_start(body))
 
 
 def test_a_sibling_workers_claim_counts_after_it_ended_and_an_older_iterators_does_not() -> None:
@@ -115,16 +124,10 @@ def test_a_sibling_workers_claim_counts_after_it_ended_and_an_older_iterators_do
         os.read(read, 1)  # started; waits for its first sample
         return table.lookup(key)[0] == 0 and table.claim(key) == 0
 
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            code = 0 if slow_sibling() else 2
-        finally:
-            os._exit(code)
+    pid = _start(slow_sibling)
     assert _forked(lambda: table.claim(key) == 0) == 0  # the fast sibling claims epoch 0, and ends
     os.write(write, b"x")
-    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "the sibling's claim was not found"
+    assert _exit_code(pid) == 0, "the sibling's claim was not found"
     assert table.claimed() == 1
     # A worker of a later iterator whose generator repeats the seed: the claim is older than it.
     time.sleep(0.05)  # more than the kernel's start-time tick, so the child starts after the claim
