@@ -55,7 +55,7 @@ def run_job(
     try:
         for proc in procs:
             stdout, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-            logs.append(stdout.decode(errors="replace")[-4000:])
+            logs.append(_log_tail(stdout.decode(errors="replace")))
     finally:
         for proc in procs:
             proc.kill()
@@ -64,3 +64,16 @@ def run_job(
     ranks = sorted(result["ranks"], key=lambda r: r["rank"])
     assert [r["rank"] for r in ranks] == list(range(nproc * nnodes))
     return [r["results"] for r in ranks]  # [rank][task]
+
+
+def _log_tail(text: str, keep: int = 12000) -> str:
+    """The end of a launcher's output, without the lines a warning repeats per worker (they hid the cause)."""
+    seen: set[str] = set()
+    lines = []
+    for line in text.splitlines():
+        if "Warning" in line or line.strip().startswith("data = fetcher.fetch"):
+            if line in seen:
+                continue
+            seen.add(line)
+        lines.append(line)
+    return "\n".join(lines)[-keep:]
