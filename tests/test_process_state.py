@@ -167,3 +167,29 @@ def test_conversion_workers_start_clean_while_a_thread_of_the_converter_holds_a_
         done.set()
         holder.join()
     assert report.manifest.num_samples == 12 and len(report.manifest.shards) == 4
+
+
+@pytest.mark.parametrize("how", ["a script without a main guard", "a script on standard input"])
+def test_a_conversion_with_workers_runs_the_callers_script_once(tmp_path: Path, how: str) -> None:
+    """The workers never run the caller's script again: a script without ``if __name__ == "__main__"``
+    converts once, and one read from standard input (no file to run again) converts at all."""
+    import subprocess
+    import sys
+
+    from streamload.synthetic import make_image_folder
+
+    make_image_folder(str(tmp_path / "images"), num_classes=2, per_class=6, size=(8, 8))
+    script = (
+        "from streamload.converters import ConvertOptions, ImageFolderSource, convert\n"
+        "print('the script ran', flush=True)\n"
+        "report = convert(ImageFolderSource('images'), 'out', ConvertOptions(workers=2, samples_per_shard=3))\n"
+        "print('shards', len(report.manifest.shards))\n"
+    )
+    if how == "a script on standard input":
+        cmd, stdin = [sys.executable, "-"], script
+    else:
+        (tmp_path / "convert_images.py").write_text(script)
+        cmd, stdin = [sys.executable, "convert_images.py"], ""
+    proc = subprocess.run(cmd, input=stdin, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("the script ran") == 1 and "shards 4" in proc.stdout, proc.stdout + proc.stderr

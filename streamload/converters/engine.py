@@ -23,7 +23,9 @@ import os
 import signal
 import sys
 import time
+import types
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 from typing import Any
@@ -99,21 +101,48 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _pool_context() -> BaseContext:
-    """The start method of the conversion's processes: a fork server where there is one, else spawn.
+def _pool_context(source: Source) -> BaseContext:
+    """The start method of the conversion's processes.
 
-    Not a plain fork: the converting process may run other threads (an fsspec event loop
-    and its resolver, a progress bar, the lock's refresher, the caller's own), and a fork
-    copies the locks they hold at that instant into a child that never sees them
-    released (a worker hung in its first lookup or allocation). The fork server is a
-    fresh single-threaded process that imports this module once; every worker is forked
-    from it.
+    On Linux, a fork server: not a plain fork, because the converting process may run
+    other threads (an fsspec event loop and its resolver, a progress bar, the lock's
+    refresher, the caller's own), and a fork copies the locks they hold at that instant
+    into a child that never sees them released (a worker hung in its first lookup or
+    allocation). The fork server is a fresh single-threaded process that imports this
+    module once; every worker is forked from it, and the caller's script is not run again
+    in it (see :func:`_main_hidden`). A source whose class is defined in the running
+    script itself (``__main__``) exists nowhere else: its workers are forked, as before.
+    Elsewhere, spawn.
     """
-    if "forkserver" not in mp.get_all_start_methods():
+    if not sys.platform.startswith("linux"):
         return mp.get_context("spawn")
+    if type(source).__module__ == "__main__" or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("fork")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["__main__", __name__])  # the default ("__main__") and this module
+    ctx.set_forkserver_preload([__name__])
     return ctx
+
+
+@contextmanager
+def _main_hidden(ctx: BaseContext) -> Iterator[None]:
+    """While the fork server starts the workers, hide the caller's ``__main__`` from them.
+
+    A process of a fork server or spawn runs the caller's main module again before its
+    work (as ``__mp_main__``): a script without a ``__main__`` guard would convert again
+    in every worker, and one read from standard input cannot be found at all. The
+    workers run only this module's functions on objects of importable classes, so they
+    are told of no main module.
+    """
+    if ctx.get_start_method() != "forkserver":
+        yield
+        return
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
 
 
 def _write_task(task: tuple[int, Sequence[Item]]) -> ShardResult:
@@ -375,9 +404,10 @@ def _run_tasks(
         finally:
             _STATE.clear()
         return
-    ctx = _pool_context()
+    ctx = _pool_context(source)
     try:
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(source, fmt, dest, options, os.getpid()))
+        with _main_hidden(ctx):
+            pool = ctx.Pool(workers, initializer=_init_worker, initargs=(source, fmt, dest, options, os.getpid()))
     except OSError as exc:
         raise ConfigError(f"cannot start {workers} conversion processes ({exc}); use fewer --workers") from exc
     with pool:
