@@ -169,7 +169,9 @@ def test_conversion_workers_start_clean_while_a_thread_of_the_converter_holds_a_
     assert report.manifest.num_samples == 12 and len(report.manifest.shards) == 4
 
 
-@pytest.mark.parametrize("how", ["a script without a main guard", "a script on standard input"])
+@pytest.mark.parametrize(
+    "how", ["a script without a main guard", "a script on standard input", "a source class of the script"]
+)
 def test_a_conversion_with_workers_runs_the_callers_script_once(tmp_path: Path, how: str) -> None:
     """The workers never run the caller's script again: a script without ``if __name__ == "__main__"``
     converts once, and one read from standard input (no file to run again) converts at all."""
@@ -185,6 +187,10 @@ def test_a_conversion_with_workers_runs_the_callers_script_once(tmp_path: Path, 
         "report = convert(ImageFolderSource('images'), 'out', ConvertOptions(workers=2, samples_per_shard=3))\n"
         "print('shards', len(report.manifest.shards))\n"
     )
+    if how == "a source class of the script":  # it exists only in the script: its workers are forked
+        script = script.replace("ImageFolderSource('images')", "Mine('images')").replace(
+            "print('the script ran'", "class Mine(ImageFolderSource):\n    pass\nprint('the script ran'"
+        )
     if how == "a script on standard input":
         cmd, stdin = [sys.executable, "-"], script
     else:
