@@ -25,7 +25,8 @@ def torchrun(
     config: Path, nproc: int, port: int, nnodes: int = 1, node_rank: int = 0, worker: str = DDP_WORKER
 ) -> subprocess.Popen[bytes]:
     """Start one torchrun launcher (one node) of ``nproc`` ranks running ``worker config``."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    # PYTHONFAULTHANDLER: a rank that dies of a signal (a native abort) prints every thread's Python stack.
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONFAULTHANDLER="1")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     if nnodes == 1:  # the launcher binds a free port itself: no race for the port
