@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from ._errors import StreamloadError
-from ._fork import ProcessLocal
+from ._fork import ProcessLocal, alive
 from ._shared import shared_zeros
 
 __all__ = ["POOL_SLOTS", "BufferPool", "Lease", "allocate", "pack", "unpack"]
@@ -243,16 +243,6 @@ _PEERS: dict[tuple[int, int], _Peer] = {}
 _PEERS_LOCK = threading.Lock()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _release(flags: torch.Tensor, slot: int) -> None:
     flags[slot] = 0
 
@@ -266,7 +256,7 @@ def unpack(message: Message, specs: Sequence[Spec | None]) -> list[torch.Tensor 
     token, slot, generation, storage, flags = message
     with _PEERS_LOCK:
         if flags is not None:
-            for old in [t for t in _PEERS if not _alive(t[0])]:
+            for old in [t for t in _PEERS if not alive(t[0])]:
                 del _PEERS[old]  # the segments of exited workers
             _PEERS[token] = _Peer(flags, {})
         peer = _PEERS.get(token)

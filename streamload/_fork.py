@@ -7,19 +7,22 @@ comparing it on every use, per-process state lives in a :class:`ProcessLocal`, a
 ``os.register_at_fork`` hook drops every such value in the child (without closing it: the
 resource is the parent's). Module-level state registers a reset with :func:`on_fork`; state
 a child must never see half-made (a descriptor opened but not yet recorded) is made in a
-:func:`no_fork` section.
+:func:`no_fork` section. Whether another process lives (:func:`alive`) and when this one
+started (:func:`process_started_ns`) are told here too.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Generic, TypeVar
 
-__all__ = ["ProcessLocal", "forks", "no_fork", "on_fork"]
+__all__ = ["ProcessLocal", "alive", "clock_ns", "forks", "no_fork", "on_fork", "process_started_ns"]
 
 T = TypeVar("T")
 
@@ -102,8 +105,51 @@ def forks() -> int:
     return _FORKS
 
 
+def alive(pid: int) -> bool:
+    """True if process ``pid`` exists (another user's process counts: it exists)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clock_ns() -> int:
+    """Nanoseconds on a clock every process of the machine shares (boot time on Linux)."""
+    if sys.platform.startswith("linux"):
+        return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+    return time.monotonic_ns()
+
+
+def process_started_ns() -> int:
+    """When this process started, on :func:`clock_ns`.
+
+    On Linux the kernel's record, rounded down (never later than the truth); elsewhere the
+    parent's clock just before the fork that made it or, in a spawned process, the import
+    of this module.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            with open("/proc/self/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            return int(fields[19]) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")  # field 22, starttime
+        except (OSError, ValueError, IndexError):
+            pass
+    return _STARTED
+
+
+_STARTED = clock_ns()  # this process's start where /proc does not tell it
+_FORKING = 0  # the parent's clock as it forks (inherited by the child)
+
+
 def _before_fork() -> None:
+    global _FORKING
     _GATE.acquire()
+    _FORKING = clock_ns()
 
 
 def _after_fork_in_parent() -> None:
@@ -111,9 +157,10 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _FORKS, _GATE
+    global _FORKS, _GATE, _STARTED
     _GATE = threading.Lock()  # the copy is held (by this fork)
     _FORKS += 1
+    _STARTED = _FORKING
     for local in list(_LIVE):
         local._forget()
     for reset in _RESETS:

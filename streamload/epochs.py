@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import os
 import secrets
-import sys
-import time
 from typing import Any
 
 from ._errors import ConfigError
-from ._fork import ProcessLocal
+from ._fork import ProcessLocal, alive, clock_ns, process_started_ns
 from ._shared import shared_block
 
-__all__ = ["ITERATOR", "LOADER", "EpochTable", "Users", "alive"]
+__all__ = ["ITERATOR", "LOADER", "EpochTable", "Users"]
 
 _BASE, _CLAIMED, _TABLE = 0, 1, 2
 _CLAIMS, _CLAIM = 64, 4
@@ -180,61 +178,3 @@ def _mix(*words: int) -> int:
         h = (h ^ (h >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
         h ^= h >> 31
     return h
-
-
-def clock_ns() -> int:
-    """Nanoseconds on a clock every process of the machine shares (boot time on Linux)."""
-    if sys.platform.startswith("linux"):
-        return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
-    return time.monotonic_ns()
-
-
-_STARTED: list[int] = [0, 0]  # [pid, start on clock_ns()] of this process, where not read from /proc
-
-
-def _before_fork() -> None:
-    # The parent's clock just before a fork: a lower bound of the child's start, inherited by it.
-    _STARTED[:] = [-1, clock_ns()]
-
-
-def _after_fork_in_child() -> None:
-    _STARTED[0] = os.getpid()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
-
-
-def process_started_ns() -> int:
-    """When this process started, on :func:`clock_ns`.
-
-    On Linux the kernel's record, rounded down (never later than the truth); elsewhere the
-    moment before the fork that made it or, in a spawned process, the import of this module.
-    """
-    if sys.platform.startswith("linux"):
-        try:
-            with open("/proc/self/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            ticks = int(fields[19])  # field 22, starttime: clock ticks after boot
-            return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError):
-            pass
-    if _STARTED[0] != os.getpid():  # not a fork (spawned): started before this module's import
-        _STARTED[:] = [os.getpid(), _IMPORTED]
-    return _STARTED[1]
-
-
-_IMPORTED = clock_ns()
-
-
-def alive(pid: int) -> bool:
-    """True if process ``pid`` exists (a claim of a process that has exited no longer counts)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: it exists
-        return True
-    return True

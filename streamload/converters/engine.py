@@ -39,6 +39,7 @@ from streamload._errors import (
     StorageError,
     StreamloadError,
 )
+from streamload._fork import alive
 from streamload.formats import Format, check_sample, get_format
 from streamload.manifest import DEFAULT_HASH_ALGORITHM, Manifest, SkippedInput
 from streamload.storage import Destination, LocalDestination, is_local, local_path_of, open_destination
@@ -87,18 +88,8 @@ def _init_worker(source: Source, fmt: Format, dest: Destination, options: Conver
         forked_by = os.getppid()
         pr_set_pdeathsig = 1
         ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
-        if os.getppid() != forked_by or not _alive(parent):
+        if os.getppid() != forked_by or not alive(parent):
             os._exit(1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover - another user's process took the number
-        return False
-    return True
 
 
 def _pool_context(source: Source) -> BaseContext:
