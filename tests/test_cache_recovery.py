@@ -519,3 +519,29 @@ def test_converting_a_remote_dataset_repairs_a_corrupt_cached_copy(memory_url: s
     source = DatasetSource(memory_url, cache_dir=str(cache))
     convert(source, str(tmp_path / "second"), ConvertOptions(progress=False))
     assert _texts(StreamingDataset(str(tmp_path / "second"))) == EXPECTED
+
+
+def test_a_copy_another_process_deletes_between_acquire_and_open_is_fetched_again(
+    memory_url: str, tmp_path: Path
+) -> None:
+    """A reader holds a shard acquired; another reader of the cache finds that copy corrupt and deletes it
+    before the first opens it: the open fetches the shard again instead of failing on the missing file."""
+    from streamload.storage.remote import RemoteStorage
+
+    ds = StreamingDataset(memory_url, storage=StorageConfig(cache_dir=str(tmp_path), read_ahead=0))
+    entry = ds.manifest.shards[1]
+    first, other = (RemoteStorage(memory_url, {}, cache_dir=str(tmp_path), read_ahead=0) for _ in range(2))
+    path = first.acquire(entry)
+    good = Path(path).read_bytes()
+    damaged = bytearray(good)  # the copy in the cache is damaged on disk
+    _flip_in(damaged)
+    Path(path).write_bytes(bytes(damaged))
+    assert other.cache.discard(entry, None)  # the other reader deletes it
+    assert not os.path.exists(path)
+    data = first.open_bytes(entry)
+    try:
+        assert data.pread(entry.num_bytes, 0) == good
+    finally:
+        data.close()
+        first.release(entry)
+        first.release(entry)

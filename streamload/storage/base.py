@@ -78,12 +78,26 @@ class Storage(ABC):
         """
         if ranges is not None:
             return StreamedFile(ranges, entry.name, entry.num_bytes)
-        path = self.acquire(entry)
-        try:
-            return FileBytes(os.open(path, os.O_RDONLY))
-        except OSError as exc:
-            self.release(entry)
-            raise StorageError(f"cannot open {path}: {exc}") from exc
+        for retry in (True, False):
+            path = self.acquire(entry)
+            try:
+                return FileBytes(os.open(path, os.O_RDONLY))
+            except OSError as exc:
+                # Gone between the acquire and the open: another process deleted a copy it
+                # found corrupt; the next acquire brings it again (once).
+                again = retry and isinstance(exc, FileNotFoundError) and self.copy_deleted(entry)
+                self.release(entry)
+                if not again:
+                    raise StorageError(f"cannot open {path}: {exc}") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def copy_deleted(self, entry: FileEntry) -> bool:
+        """``entry``'s local copy vanished while acquired: True if the next :meth:`acquire` fetches it again.
+
+        A dataset's own files are never deleted under it (False: the open fails); a cache
+        may be (see :meth:`streamload.storage.remote.RemoteStorage.copy_deleted`).
+        """
+        return False
 
     def open_ranges(self) -> RangeFetcher | None:
         """A new fetcher of byte ranges for streaming mode (its owner closes it); ``None``: it cannot stream."""
