@@ -83,21 +83,14 @@ class Storage(ABC):
             try:
                 return FileBytes(os.open(path, os.O_RDONLY))
             except OSError as exc:
-                # Gone between the acquire and the open: another process deleted a copy it
-                # found corrupt; the next acquire brings it again (once).
-                again = retry and isinstance(exc, FileNotFoundError) and self.copy_deleted(entry)
+                # Gone between the acquire and the open: another process deleted a cached copy it
+                # found corrupt. Discarded here too, the next acquire brings it again (once); a
+                # storage that reads files in place has no copy to discard.
+                again = retry and isinstance(exc, FileNotFoundError) and self.discard(entry)
                 self.release(entry)
                 if not again:
                     raise StorageError(f"cannot open {path}: {exc}") from exc
         raise AssertionError("unreachable")  # pragma: no cover
-
-    def copy_deleted(self, entry: FileEntry) -> bool:
-        """``entry``'s local copy vanished while acquired: True if the next :meth:`acquire` fetches it again.
-
-        A dataset's own files are never deleted under it (False: the open fails); a cache
-        may be (see :meth:`streamload.storage.remote.RemoteStorage.copy_deleted`).
-        """
-        return False
 
     def open_ranges(self) -> RangeFetcher | None:
         """A new fetcher of byte ranges for streaming mode (its owner closes it); ``None``: it cannot stream."""

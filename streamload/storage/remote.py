@@ -346,18 +346,6 @@ class RemoteStorage(CacheLimit, FetchAhead, Storage):
             proc.landings.pop(entry.name, None)
         pin.close()
 
-    def copy_deleted(self, entry: FileEntry) -> bool:
-        """The cached copy of ``entry`` vanished while acquired (another process found it corrupt and deleted it).
-
-        Marked stale, so that an acquire made while this process still pins it fetches it
-        again; without a pin, the next acquire misses the cache and fetches it anyway.
-        """
-        proc = self._proc.get()
-        with proc.lock:
-            if entry.name in proc.pins:
-                proc.stale.add(entry.name)
-        return True
-
     def discard(self, entry: FileEntry) -> bool:
         """A reader found the copy of ``entry`` it read corrupt: delete it so that it is downloaded again.
 
