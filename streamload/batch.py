@@ -38,7 +38,7 @@ import torch
 
 from ._batchmem import Lease, Message, Spec, allocate, pack, unpack
 from ._errors import ConfigError, SampleError
-from .formats.base import BatchReads, FieldGroup, ShardReader
+from .formats.base import BatchReads, FieldGroup, IntegerLabels, ShardReader
 from .plan import Run
 from .sample import IMAGE_FIELDS, Sample, label_of, parse_label
 
@@ -269,16 +269,39 @@ def parse_labels(
     raw: np.ndarray, offsets: np.ndarray, keys: Callable[[int], str], field: str, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Parse ASCII-decimal labels (WebDataset's ``cls``) stored back to back in ``raw`` (into ``out``)."""
-    blob = raw.tobytes()
     if out is None:
         out = torch.empty(len(offsets) - 1, dtype=torch.int64)
     values = out.numpy()
+    if _digits_only(raw, offsets, values):
+        return out
+    blob = raw.tobytes()
     for i in range(len(values)):
         try:
             values[i] = parse_label(blob[offsets[i] : offsets[i + 1]])
         except (ValueError, UnicodeDecodeError) as exc:
             raise SampleError(f"sample {keys(i)!r} field {field!r} is not an integer label") from exc
     return out
+
+
+#: Powers of ten of the digits of a label of up to 18 digits (below 2**63: no overflow).
+_POWERS = 10 ** np.arange(17, -1, -1, dtype=np.int64)
+
+
+def _digits_only(raw: np.ndarray, offsets: np.ndarray, values: np.ndarray) -> bool:
+    """Parse labels of 1 to 18 plain digits at once into ``values``; ``False``: some label is not (parse each)."""
+    n = len(offsets) - 1
+    if n == 0:
+        return True
+    lengths = np.diff(offsets)
+    if int(lengths.min()) < 1 or int(lengths.max()) > 18:
+        return False
+    digits = raw[int(offsets[0]) : int(offsets[-1])].astype(np.int64) - 48
+    if int(digits.min()) < 0 or int(digits.max()) > 9:
+        return False
+    # each digit times ten to the power of its place from its label's end
+    place = np.repeat(offsets[1:] - offsets[0], lengths) - np.arange(len(digits)) - 1
+    values[:] = np.add.reduceat(digits * _POWERS[17 - place], offsets[:-1] - offsets[0])
+    return True
 
 
 class BatchCollate(Protocol):
@@ -387,14 +410,17 @@ class RawCollate:
         groups = _group_by_shard(parts)
         n = sum(len(idx) for _, idx in parts)
         sizes = np.empty(n, dtype=np.int64)
-        label_sizes = []
+        label_sizes: list[np.ndarray | None] = []
+        label_values: list[np.ndarray | None] = []
         for shard, idx, pos in groups:
             reader = cast(BatchReads, open_reader(shard))
             sizes[pos] = reader.field_sizes(idx, self.fields)
-            label_sizes.append(reader.field_sizes(idx, label) if label else None)
+            values = _integer_labels(reader, idx, label[0]) if label else None
+            label_values.append(values)
+            label_sizes.append(reader.field_sizes(idx, label) if label and values is None else None)
         data, offsets_t, labels, lease = self._buffers(sizes)
         offsets, flat = offsets_t.numpy(), data.numpy()
-        for (shard, idx, pos), lsize in zip(groups, label_sizes, strict=True):
+        for (shard, idx, pos), lsize, values in zip(groups, label_sizes, label_values, strict=True):
             reader = cast(BatchReads, open_reader(shard))
             size = sizes[pos]
             first, last = int(pos[0]), int(pos[-1])
@@ -412,7 +438,9 @@ class RawCollate:
                 for p, k in zip(pos.tolist(), size.tolist(), strict=True):
                     flat[offsets[p] : offsets[p] + k] = out[at : at + k]
                     at += k
-            if label and lsize is not None and labels is not None:
+            if values is not None and labels is not None:
+                labels.numpy()[pos] = values
+            elif label and lsize is not None and labels is not None:
                 keys_of = _key_lookup(open_reader(shard), idx)
                 if in_place:
                     parse_labels(raw, loffsets, keys_of, label[0], out=labels[first : last + 1])
@@ -447,6 +475,19 @@ def _serves_batches(reader: ShardReader) -> bool:
     if known is None:
         known = _SERVES[kind] = isinstance(reader, BatchReads)
     return known
+
+
+#: Reader classes whose labels are integers in their index (:class:`IntegerLabels`).
+_INTEGER_LABELS: dict[type, bool] = {}
+
+
+def _integer_labels(reader: object, indices: np.ndarray, field: str) -> np.ndarray | None:
+    """The reader's integer labels of ``indices`` in ``field``, where its index holds them; else ``None``."""
+    kind = type(reader)
+    known = _INTEGER_LABELS.get(kind)
+    if known is None:
+        known = _INTEGER_LABELS[kind] = isinstance(reader, IntegerLabels)
+    return cast(IntegerLabels, reader).label_values(indices, field) if known else None
 
 
 def _key_lookup(reader: ShardReader, indices: np.ndarray) -> Callable[[int], str]:

@@ -206,6 +206,27 @@ def test_a_label_outside_int64_is_refused_when_written(tmp_path: Path) -> None:
             w.write({"__key__": "bad", "txt": b"x", "cls": label})
 
 
+def test_labels_parsed_together_equal_each_parsed_alone() -> None:
+    """Batches of ``cls`` labels parse as :func:`parse_label` parses each (plain digits take a faster path)."""
+    from streamload.batch import parse_labels
+    from streamload.sample import parse_label
+
+    rng = np.random.default_rng(7)
+    odd = [b" 7\n", b"+3", b"-12", b"007", b"9" * 18, b"9223372036854775807", b"1_0", b"0"]
+    for trial in range(300):
+        n = int(rng.integers(1, 80))
+        labels = [str(int(rng.integers(0, 10 ** int(rng.integers(1, 19))))).encode() for _ in range(n)]
+        if trial % 2:
+            labels[int(rng.integers(0, n))] = odd[trial % len(odd)]
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum([len(label) for label in labels], out=offsets[1:])
+        raw = np.frombuffer(b"".join(labels), dtype=np.uint8)
+        assert parse_labels(raw, offsets, str, "cls").tolist() == [parse_label(label) for label in labels]
+    raw = np.frombuffer(b"12x", dtype=np.uint8)
+    with pytest.raises(SampleError, match="sample '1' field 'cls'"):
+        parse_labels(raw, np.array([0, 2, 3]), str, "cls")
+
+
 @pytest.mark.parametrize("label", [b"12a", b"\xff"])
 def test_a_label_that_is_not_an_int64_names_the_sample(tmp_path: Path, label: bytes) -> None:
     from streamload.decode import DecodeBatch

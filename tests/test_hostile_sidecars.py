@@ -16,6 +16,7 @@ import pytest
 from PIL import Image
 
 from streamload import ImageLabel, SampleError, ShardedDataset, StreamingDataset, UnsafeShardError
+from streamload.batch import RawCollate
 from streamload.indexing import index_directory
 from tests.digests import digest
 
@@ -74,6 +75,9 @@ def test_sidecar_labels_outside_the_classes_name_the_sample(tmp_path: Path, capl
         list(StreamingDataset(str(ds), transform=ImageLabel(4)))
     with pytest.raises(SampleError, match=r"sample 'a/0000000004': label -3 in the sidecar is outside 0\.\.1"):
         ShardedDataset(str(ds))[4]
+    # a batch read takes the sidecar's integer labels as they are: checked the same
+    with pytest.raises(SampleError, match=r"sample 'a/0000000001': label 1000000000000000 .* 2 classes"):
+        list(StreamingDataset(str(ds), batch_size=3, collate=RawCollate()))
     skipping = StreamingDataset(str(ds), transform=ImageLabel(4), on_error="skip")
     with caplog.at_level(logging.WARNING, logger="streamload"):
         labels = [int(label) for _, label in skipping]
@@ -168,3 +172,48 @@ def test_a_blob_of_keys_is_checked_key_by_key() -> None:
     found = unsafe_keys(blob, bounds)
     assert sorted(found) == [1, 3, 4, 6, 7, 8, 9, 10, 13, 15]
     assert "U+202E" in found[4] and "longer than 4096" in found[13] and "'..'" in found[1]
+
+
+def _rewritten(tmp_path: Path, write: Callable[[Path, dict[str, Any]], None]) -> Path:
+    """The 6-row dataset whose sidecar ``write(path, arrays)`` wrote again (another writer), rehashed."""
+    ds = _parquet(tmp_path, lambda arrays, meta: None)
+    sidecar = ds / "a.parquet.slpq"
+    with np.load(sidecar, allow_pickle=False) as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    write(sidecar, arrays)
+    _rehash(ds, sidecar.name)
+    return ds
+
+
+def _savez_compressed(path: Path, arrays: dict[str, Any]) -> None:
+    with open(path, "wb") as f:
+        np.savez_compressed(f, **arrays)
+
+
+def test_a_compressed_sidecar_reads_the_same(tmp_path: Path) -> None:
+    """The sidecar's own fast parse takes what ``np.savez`` writes; numpy itself reads other ``.npz``."""
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "other").mkdir()
+    plain = _parquet(tmp_path / "plain", lambda arrays, meta: None)
+    other = _rewritten(tmp_path / "other", _savez_compressed)
+    assert (other / "a.parquet.slpq").read_bytes() != (plain / "a.parquet.slpq").read_bytes()
+    read = [(s["__key__"], s["png"], s["cls"]) for s in StreamingDataset(str(plain))]
+    assert [(s["__key__"], s["png"], s["cls"]) for s in StreamingDataset(str(other))] == read
+
+
+def test_a_sidecar_table_changed_without_a_manifest_hash_fails_its_crc(tmp_path: Path) -> None:
+    from streamload import CorruptShardError
+
+    ds = _parquet(tmp_path, lambda arrays, meta: None)
+    manifest = json.loads((ds / "index.json").read_text())
+    for shard in manifest["shards"]:
+        shard["sidecar"].pop("hash", None)
+    (ds / "index.json").write_text(json.dumps(manifest))
+    sidecar = ds / "a.parquet.slpq"
+    raw = bytearray(sidecar.read_bytes())
+    at = raw.index(b"size.npy")  # the sizes table: its local header's name, then its data
+    at = raw.index(b"\n", raw.index(b"'shape'", at)) + 1
+    raw[at] ^= 0x01  # row 0's size, one bit off
+    sidecar.write_bytes(bytes(raw))
+    with pytest.raises(CorruptShardError, match=r"a\.parquet: Parquet sidecar is damaged .*CRC"):
+        list(StreamingDataset(str(ds)))

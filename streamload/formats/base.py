@@ -37,6 +37,7 @@ __all__ = [
     "BatchReads",
     "FieldGroup",
     "Format",
+    "IntegerLabels",
     "RangedReads",
     "Sample",
     "ShardBytes",
@@ -286,6 +287,22 @@ class BatchReads(Protocol):
 
     def read_groups_into(self, indices: np.ndarray, groups: Sequence[FieldGroup]) -> None:
         """Read every group's fields of samples ``indices`` into the groups' ``out`` arrays in one pass."""
+
+
+@runtime_checkable
+class IntegerLabels(Protocol):
+    """What a :class:`BatchReads` reader adds whose labels are integers in its index (Parquet's sidecar).
+
+    A batch read takes them as they are, where other readers' ASCII-decimal ``cls``
+    bytes are read and parsed.
+    """
+
+    def label_values(self, indices: np.ndarray, field: str) -> np.ndarray | None:
+        """Return the ``int64`` labels of samples ``indices`` in ``field``, checked; ``None``: read ``field`` instead.
+
+        Raises:
+            SampleError: Naming the sample, if a label is out of the dataset's range.
+        """
 
 
 @runtime_checkable

@@ -89,13 +89,21 @@ class ParquetBatchReads:
 
     def _label_texts(self, index: np.ndarray) -> list[bytes]:
         """The labels of samples ``index`` as ``cls`` bytes, each checked as :meth:`_label` does."""
-        assert self._labels is not None
-        values = self._labels[index]
+        values = self.label_values(index, "cls")
+        assert values is not None
+        return [str(v).encode() for v in values.tolist()]
+
+    def label_values(self, indices: np.ndarray, field: str) -> np.ndarray | None:
+        """Return the sidecar's labels of samples ``indices`` (``field`` ``cls``), checked; ``None`` for others."""
+        if field != "cls" or self._labels is None:
+            return None
+        index = self._checked_indices(indices)
+        values: np.ndarray = self._labels[index]
         classes = self.num_classes
         bad = (values < 0) | (values >= classes) if classes is not None else values < 0
         if len(values) and bool(bad.any()):
             self._label(int(index[int(np.flatnonzero(bad)[0])]))  # raises, naming the sample
-        return [str(v).encode() for v in values.tolist()]
+        return values
 
     def read_groups_into(self, indices: np.ndarray, groups: Sequence[FieldGroup]) -> None:
         """Copy each group's fields of samples ``indices`` into the group's ``out``, each row checked.

@@ -164,17 +164,20 @@ def _plain_spans(data: Any, base: int, start: int, end: int, count: int) -> tupl
     """Spans (offsets ``base`` + position in ``data``) of ``count`` PLAIN byte arrays in ``data[start:end]``."""
     lo: list[int] = []
     hi: list[int] = []
+    add_lo, add_hi, unpack = lo.append, hi.append, _U32.unpack_from
     pos = start
-    for _ in range(count):
-        if pos + 4 > end:
-            raise ValueError("PLAIN values run past their page")
-        (n,) = _U32.unpack_from(data, pos)
-        pos += 4
-        if pos + n > end:
-            raise ValueError("PLAIN value runs past its page")
-        lo.append(base + pos)
-        hi.append(base + pos + n)
-        pos += n
+    try:
+        for _ in range(count):  # positions only grow: one bounds check at the end
+            pos += 4
+            add_lo(pos)
+            pos += unpack(data, pos - 4)[0]
+            add_hi(pos)
+    except struct.error:
+        raise ValueError("PLAIN values run past their page") from None
+    if pos > end:
+        raise ValueError("PLAIN value runs past its page")
+    if base:
+        return [base + p for p in lo], [base + p for p in hi]
     return lo, hi
 
 

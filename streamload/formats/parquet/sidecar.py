@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
+import re
+import struct
+import zipfile
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -125,11 +130,46 @@ def _read(path: str, entry: ShardEntry) -> bytes:
     return raw
 
 
+#: A ``.npy`` header as ``np.save`` writes it (version 1): a little-endian or byte dtype, C order.
+_NPY = re.compile(rb"\{'descr': '([<|][a-z]\d{1,2})', 'fortran_order': False, 'shape': \(((?:\d+, ?)*\d*)\), \} *\n")
+_LOCAL = struct.Struct("<4s22xHH")  # a zip member's local header: signature, name and extra lengths
+
+
+def _tables(raw: bytes) -> dict[str, np.ndarray] | None:
+    """The tables of an uncompressed ``.npz`` as views of ``raw``, CRCs checked; ``None``: not as ``np.savez`` writes.
+
+    ``np.load`` reads the same, at several times the cost (a file object per table, its
+    header through ``ast``); a sidecar is read by every reader of its file.
+    """
+    out: dict[str, np.ndarray] = {}
+    with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+        for info in archive.infolist():
+            if info.compress_type != zipfile.ZIP_STORED or not info.filename.endswith(".npy"):
+                return None
+            signature, name_len, extra_len = _LOCAL.unpack_from(raw, info.header_offset)
+            start = info.header_offset + _LOCAL.size + name_len + extra_len
+            data = memoryview(raw)[start : start + info.file_size]
+            if signature != b"PK\x03\x04" or len(data) != info.file_size or zlib.crc32(data) != info.CRC:
+                return None
+            head = _NPY.match(raw, start + 10, start + 10 + int.from_bytes(data[8:10], "little"))
+            if bytes(data[:8]) != b"\x93NUMPY\x01\x00" or head is None:
+                return None
+            dtype = np.dtype(head[1].decode())
+            shape = tuple(int(d) for d in head[2].split(b",") if d.strip())
+            count = math.prod(shape)
+            if head.end() - start + count * dtype.itemsize != info.file_size:
+                return None
+            out[info.filename[:-4]] = np.frombuffer(raw, dtype, count, head.end()).reshape(shape)
+    return out
+
+
 def _parse(raw: bytes, name: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """The sidecar's meta and tables (no pickle), or a ``CorruptShardError`` naming the shard."""
     try:
-        with np.load(io.BytesIO(raw), allow_pickle=False) as npz:
-            arrays = {k: npz[k] for k in npz.files}
+        arrays = _tables(raw)
+        if arrays is None:  # written otherwise: numpy reads it
+            with np.load(io.BytesIO(raw), allow_pickle=False) as npz:
+                arrays = {k: npz[k] for k in npz.files}
         meta = json.loads(arrays["meta"].tobytes())
     except Exception as exc:  # a damaged zip, a missing array, bad JSON
         raise CorruptShardError(f"{name}: Parquet sidecar is damaged ({type(exc).__name__}: {exc})") from exc
