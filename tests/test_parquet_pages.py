@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader
 from streamload import CorruptShardError, ShardedDataset, StreamingDataset
 from streamload.batch import RawCollate
 from streamload.formats import table_cache
-from streamload.formats.parquet import rowgroups
+from streamload.formats.parquet import pages
 from streamload.indexing import index_directory
 
 ROWS = 60
@@ -103,23 +104,73 @@ def test_a_reader_in_row_order_holds_only_the_row_groups_of_its_current_read(
     pq.write_table(table, tmp_path / "a.parquet", row_group_size=10, compression="zstd")  # 10 row groups
     index_directory(str(tmp_path), "parquet")
     held: list[int] = []
+    inflated = _count_inflated(monkeypatch)
     ds = StreamingDataset(str(tmp_path), batch_size=8, collate=RawCollate())
     for batch in ds:  # 8-row batches straddle the 10-row groups
         held.append(len(table_cache.CACHE.items))
         assert len(batch.offsets) == 9
     assert max(held) <= 2 and len(held) == 12, held
-    # shuffled: the process's budget keeps the window's row groups (each decoded once)
-    before = len(table_cache.CACHE.items)
-    decoded: list[int] = []
-    original = rowgroups.decode_chunk
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        decoded.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(rowgroups, "decode_chunk", counted)
+    in_file = len(inflated)  # read in order: each page once
+    assert sum(1 for page in inflated if page.kind != 2) >= 10  # (a data page or more per row group)
+    # shuffled: the process's budget keeps the window's row groups (each page decoded once)
+    inflated.clear()
     list(StreamingDataset(str(tmp_path), batch_size=8, collate=RawCollate(), shuffle=True, seed=1))
-    assert len(decoded) == 10, (before, decoded)
+    assert len(inflated) == in_file
+
+
+def _count_inflated(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The pages decompressed from now on (each a :class:`~streamload.formats.parquet.pages.Page`)."""
+    inflated: list[Any] = []
+    original = pages.inflate
+
+    def counted(page: Any, *args: Any) -> Any:
+        inflated.append(page)
+        return original(page, *args)
+
+    monkeypatch.setattr(pages, "inflate", counted)
+    return inflated
+
+
+def test_a_read_decodes_only_the_pages_holding_its_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row groups of many pages: one sample, or one DataLoader worker's batches, decode their own pages only."""
+    blobs = [image(i) for i in range(120)]
+    table = pa.table({"image": pa.array(blobs, pa.binary()), "label": pa.array([1] * 120, pa.int64())})
+    pq.write_table(
+        table,
+        tmp_path / "a.parquet",
+        row_group_size=60,
+        compression="snappy",
+        use_dictionary=False,
+        data_page_size=1000,
+        write_batch_size=1,  # (pages are cut between write batches)
+    )
+    index_directory(str(tmp_path), "parquet")
+    expected = {f"a/{i:010d}": blob for i, blob in enumerate(blobs)}
+    log = tmp_path / "inflated"
+    log.mkdir()
+    original = pages.inflate
+
+    def logged(page: Any, *args: Any) -> Any:  # one line per page decompressed, a file per process
+        with open(log / str(os.getpid()), "a") as f:
+            f.write(f"{page.first} {page.at}\n")
+        return original(page, *args)
+
+    monkeypatch.setattr(pages, "inflate", logged)
+    table_cache.CACHE.forget()
+    sharded = ShardedDataset(str(tmp_path))
+    assert sharded[70]["png" if 70 % 4 == 0 else "jpg"] == blobs[70]
+    (mine,) = log.iterdir()
+    first, _ = map(int, mine.read_text().split())
+    assert len(mine.read_text().splitlines()) == 1 and first <= 10  # one page: the one holding row 10 of group 1
+    mine.unlink()
+    table_cache.CACHE.forget()
+    assert read_back(tmp_path, 0) == expected  # in one process: every page once
+    in_file = len(mine.read_text().splitlines())
+    assert in_file >= 2 * 30
+    mine.unlink()
+    assert read_back(tmp_path, 2) == expected  # two workers, batches of 8 in turns
+    per_worker = [len(f.read_text().splitlines()) for f in log.iterdir()]
+    assert len(per_worker) == 2 and all(n < 0.8 * in_file for n in per_worker), (per_worker, in_file)
 
 
 def test_a_damaged_compressed_page_names_file_row_group_and_row(tmp_path: Path) -> None:

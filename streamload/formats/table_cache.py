@@ -75,6 +75,9 @@ class RowGroupCache:
         texts = group[4]
         nbytes = sum(int(a.nbytes) for a in (*group[0], group[1], group[2], group[3]))
         nbytes += sum(map(len, texts)) if texts else 0
+        old = self.items.pop(key, None)  # held already (decoded further since): counted anew
+        if old is not None:
+            self.total -= old[1]
         self.items[key] = (group, nbytes)
         self.total += nbytes
         self._trim()
@@ -84,6 +87,12 @@ class RowGroupCache:
         while self.total > budget and len(self.items) > 1:
             _, (_, dropped) = self.items.popitem(last=False)
             self.total -= dropped
+
+    def discard(self, key: tuple[int, int]) -> None:
+        """Drop row group ``key`` if held."""
+        old = self.items.pop(key, None)
+        if old is not None:
+            self.total -= old[1]
 
     def drop(self, reader: int, below: int | None = None) -> None:
         """Drop ``reader``'s row groups (only those before row group ``below`` if given)."""

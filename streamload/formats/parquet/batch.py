@@ -162,9 +162,9 @@ class ParquetBatchReads:
         self, index: np.ndarray, rows: np.ndarray, groups: np.ndarray, out: np.ndarray, at: np.ndarray
     ) -> None:
         for g in np.unique(groups).tolist():
-            data, page, starts, ends, _ = self._rg.group(g)
             sel = np.flatnonzero(groups == g)
             local = rows[sel] - int(self._starts[g])
+            data, page, starts, ends, _ = self._rg.rows(g, local)
             lo, hi, where = starts[local], ends[local], page[local]
             wrong = np.flatnonzero(hi - lo != at[sel + 1] - at[sel])
             if len(wrong):

@@ -87,9 +87,9 @@ class ParquetShardReader(ParquetBatchReads, ShardReader):
             field = self._fields[int(self._codes[index])]
             self._check(g, index, field, raw if len(raw) == size else None, self._digests[index], size)
             return g, np.frombuffer(raw, dtype=np.uint8)
+        r = row - int(self._starts[g])
         for attempt in (0, 1):
-            data, page, starts, ends, _ = self._rg.group(g)
-            r = row - int(self._starts[g])
+            data, page, starts, ends, _ = self._rg.rows(g, np.array([r]))
             view = data[int(page[r])][int(starts[r]) : int(ends[r])]
             try:
                 self._check(
@@ -109,7 +109,7 @@ class ParquetShardReader(ParquetBatchReads, ShardReader):
         sample: Sample = {"__key__": self._key(index), self._fields[int(self._codes[index])]: view.tobytes()}
         if self._labels is not None:
             sample["cls"] = self._label(index)
-        texts = self._rg.group(g)[4]
+        texts = self._rg.group(g)[4] if self._json_digests is not None else None
         if texts is not None and self._json_digests is not None:
             text = texts[self._row(index) - int(self._starts[g])]
             self._check(g, index, "json", text, self._json_digests[index], len(text))

@@ -30,7 +30,7 @@ from .._record import open_regular_file
 from ..base import ShardBytes
 from ..table_cache import CACHE, Group, RowGroupCache
 from .footer import SourceFile, check_footer, chunk_start, open_parquet
-from .pages import Unsupported, decode_chunk
+from .pages import HEADER_PROBE, MAX_HEADER, ChunkPages, Unsupported, decode_chunk
 from .schema import flat, image_array, json_texts, read_columns
 from .sidecar import Sidecar
 
@@ -79,6 +79,10 @@ class RowGroups:
         self.fast = True
         self._last_row = -2
         self._streak = 0  # rows read in row order up to _last_row
+        #: Per row group read page by page: its page directory (None: read whole).
+        self._chunks: dict[int, ChunkPages | None] = {}
+        self._sequential = False  # the latest read went on where the one before ended
+        self._leaf_index = -1  # the image column's index among the leaves
 
     def open_file(self) -> Any:
         """This process's pyarrow ``ParquetFile``, over the sidecar's footer (checked against the file)."""
@@ -133,8 +137,10 @@ class RowGroups:
     def group(self, g: int) -> Group:
         """Row group ``g`` decoded: its images' bytes and spans, its json texts."""
         kept = CACHE.get((self.token, g))
-        if kept is not None:
+        if kept is not None and bool(np.all(kept[1] >= 0)):
             return kept
+        if self._paged(g):
+            return self.rows(g, np.arange(int(self.sidecar.starts[g + 1] - self.sidecar.starts[g])))
         pf = self.open_file()
         sidecar = self.sidecar
         expected = int(sidecar.starts[g + 1] - sidecar.starts[g])
@@ -166,17 +172,94 @@ class RowGroups:
         CACHE.put((self.token, g), group)
         return group
 
+    def rows(self, g: int, local: np.ndarray) -> Group:
+        """Row group ``g`` with at least its rows ``local`` (positions in it) decoded.
+
+        A local file's image chunk is decoded page by page: the pages holding ``local``,
+        and the dictionary page if they need it. DataLoader workers take turns with the
+        batches, and a row group spans several, so each worker decodes the pages of its
+        own rows, not the whole row group. A read that goes on where the last one ended
+        takes a new row group whole, in one read. Elsewhere (streaming, json columns, a
+        page this decoder does not read) the whole row group is decoded (:meth:`group`).
+        """
+        key = (self.token, g)
+        kept = CACHE.get(key)
+        if kept is not None and bool(np.all(kept[1][local] >= 0)):
+            return kept
+        if not self._paged(g):
+            return self.group(g)
+        col = self._image_chunk(self.open_file(), g)
+        handle = self._local.get().handle
+        try:
+            if col is None:
+                raise Unsupported("no image column chunk")
+            start = chunk_start(col)
+            if kept is None and self._sequential:  # the whole chunk in one read, every page
+                chunk = memoryview(handle.read_at(int(col.total_compressed_size), start))
+                pages = self._directory(g, lambda n, at: chunk[at : at + n], MAX_HEADER)
+                group: Group = (*pages.empty(), None)
+                pages.decode(group[:4], list(range(len(pages.data))), lambda p: chunk[p.at : p.at + p.stored])
+            else:
+                pages = self._directory(g, lambda n, at: memoryview(handle.read_at(n, start + at)), HEADER_PROBE)
+                group = kept if kept is not None else (*pages.empty(), None)
+                missing = local[group[1][local] < 0]
+                pages.decode(group[:4], pages.pages_of(missing), lambda p: handle.read_at(p.stored, start + p.at))
+        except Unsupported:
+            self.fast = False  # the same for every row group of this file
+            CACHE.discard(key)
+            return self.group(g)
+        except Exception:  # noqa: BLE001 - a page that does not decode: the whole row group's way names it
+            CACHE.discard(key)
+            self._chunks[g] = None
+            return self.group(g)
+        CACHE.put(key, group)  # (again: its decoded bytes grew)
+        return group
+
+    def _paged(self, g: int) -> bool:
+        """Whether row group ``g`` is decoded page by page (a local file's image chunk, read by this decoder)."""
+        plan = self.sidecar.plan
+        return (
+            self.fast
+            and self.source is None
+            and self.sidecar.offsets is None
+            and not plan.json_columns
+            and self._chunks.get(g, True) is not None
+        )
+
+    def _directory(self, g: int, read: Any, probe: int) -> ChunkPages:
+        """Row group ``g``'s page directory (walked once, through ``read(n, offset)`` of its chunk)."""
+        known = self._chunks.get(g)
+        if known is not None:
+            return known
+        pf = self.open_file()
+        col = self._image_chunk(pf, g)
+        if col is None:
+            raise Unsupported("no image column chunk")
+        schema = pf.metadata.schema.column(self._leaf_index)
+        rows = int(self.sidecar.starts[g + 1] - self.sidecar.starts[g])
+        pages = ChunkPages(read, col, schema.max_definition_level, schema.max_repetition_level, rows, probe)
+        self._chunks[g] = pages
+        return pages
+
+    def _image_chunk(self, pf: Any, g: int) -> Any:
+        """Row group ``g``'s image column chunk (footer metadata), or ``None``."""
+        rg = pf.metadata.row_group(g)
+        if self._leaf_index < 0:
+            leaf = read_columns(self.sidecar.plan)[0]
+            self._leaf_index = next((j for j in range(rg.num_columns) if rg.column(j).path_in_schema == leaf), -1)
+            if self._leaf_index < 0:
+                return None
+        return rg.column(self._leaf_index) if self._leaf_index < rg.num_columns else None
+
     def _decode_pages(
         self, pf: Any, g: int, rows: int
     ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray] | None:
         """Row group ``g``'s image spans decoded from the column chunk's pages (``None``: read it through pyarrow)."""
-        md = pf.metadata
-        leaf = read_columns(self.sidecar.plan)[0]
-        rg = md.row_group(g)
-        j = next((j for j in range(rg.num_columns) if rg.column(j).path_in_schema == leaf), None)
-        if j is None:
+        col = self._image_chunk(pf, g)
+        if col is None:
             return None
-        col = rg.column(j)
+        md = pf.metadata
+        j = self._leaf_index
         start = chunk_start(col)
         size = int(col.total_compressed_size)
         schema = md.schema.column(j)
@@ -201,7 +284,8 @@ class RowGroups:
         group drops this reader's row groups before it: a reader so holds its current row
         group only. A shuffle window's random order keeps the process's budget.
         """
-        self._streak = self._streak + last - first + 1 if first == self._last_row + 1 else last - first + 1
+        self._sequential = first == self._last_row + 1
+        self._streak = self._streak + last - first + 1 if self._sequential else last - first + 1
         self._last_row = last
         if self._streak >= IN_ORDER and g != self._current:
             self._current = g
@@ -210,6 +294,7 @@ class RowGroups:
     def out_of_order(self) -> None:
         """The rows read next are not in row order."""
         self._streak = 0
+        self._sequential = False
 
     def held(self) -> list[int]:
         """The decoded row groups this reader holds now."""
