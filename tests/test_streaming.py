@@ -348,3 +348,54 @@ def test_one_rule_decides_cache_or_stream() -> None:
     assert choose_streaming("auto", True, 100, 10, 10) is None  # 10 shards of 10 bytes fit in 100
     why = choose_streaming("auto", True, 99, 10, 10)
     assert why is not None and "10 shards" in why and "cache_limit=99" in why
+
+
+def test_streamed_row_groups_that_batches_share_are_fetched_once(
+    s3_server: SeaweedS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Parquet row group two batches both read (10-row groups, 8-row batches) comes by one GET, not two."""
+    import fsspec
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from streamload.indexing import index_directory
+
+    from tests.test_parquet_pages import image
+
+    blobs = [image(i) for i in range(80)]
+    local = tmp_path / "a.parquet"
+    pq.write_table(
+        pa.table({"image": pa.array(blobs, pa.binary()), "label": pa.array([i % 3 for i in range(80)], pa.int64())}),
+        local,
+        row_group_size=10,
+        compression="snappy",
+        use_dictionary=False,
+    )
+    options = s3_server.storage_options()
+    url = f"s3://{s3_server.make_bucket()}/pq"
+    fsspec.filesystem("s3", **options).put_file(str(local), f"{url}/a.parquet")
+    index_directory(url, "parquet", storage_options=options)
+    md = pq.read_metadata(local)
+    chunks = sum(md.row_group(g).column(0).total_compressed_size for g in range(md.num_row_groups))
+    fetched: list[int] = []
+    get = RangeFetcher.get
+
+    def recording(self: RangeFetcher, name: str, start: int, end: int) -> bytes:
+        if name.endswith(".parquet"):
+            fetched.append(end - start)
+        return get(self, name, start, end)
+
+    monkeypatch.setattr(RangeFetcher, "get", recording)
+    ds = StreamingDataset(
+        url,
+        storage=StorageConfig(storage_options=options, cache_dir=str(tmp_path / "cache"), cache="none"),
+        batch_size=8,
+        collate=RawCollate(keys=True),
+    )
+    got = {}
+    for batch in ds:
+        offsets = batch.offsets.tolist()
+        got.update({key: batch.data[offsets[k] : offsets[k + 1]].numpy().tobytes() for k, key in enumerate(batch.keys)})
+    assert got == {f"a/{i:010d}": blob for i, blob in enumerate(blobs)}
+    assert len(got) == 80
+    assert chunks <= sum(fetched) < 1.2 * chunks, (sum(fetched), chunks)

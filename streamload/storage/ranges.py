@@ -103,11 +103,13 @@ class FetchStats:
     wanted: int = 0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Span:
     start: int
     end: int
     data: Future[bytes]
+    #: The tickets holding it (a batch whose bytes an earlier batch's span holds shares it).
+    refs: int = 1
 
 
 @dataclass
@@ -115,7 +117,7 @@ class Ticket:
     """The spans fetched for one planned batch; :meth:`RangeFetcher.forget` drops them.
 
     Attributes:
-        bytes: Bytes the spans hold.
+        bytes: Bytes of the spans fetched for it (not those it shares with earlier batches).
     """
 
     spans: list[tuple[str, _Span]] = field(default_factory=list)
@@ -205,7 +207,10 @@ class RangeFetcher:
     def fetch(self, wanted: Sequence[tuple[str, int, Sequence[tuple[int, int]]]]) -> Ticket:
         """Start fetching ``(name, size, extents)`` (coalesced per object); return the batch's ticket.
 
-        Extents are clipped to ``[0, size)``. The spans serve reads until :meth:`forget`.
+        Extents are clipped to ``[0, size)``. An extent a span of a batch not yet
+        forgotten holds whole is not fetched again: the ticket shares that span (a row
+        group, or a span's gap, that two batches both read). The spans serve reads until
+        every ticket holding them is forgotten (:meth:`forget`).
         """
         ticket = Ticket()
         if self._closed:
@@ -213,9 +218,19 @@ class RangeFetcher:
         gap, span_cap, executor = self.gap, self.max_span, io_executor()
         for name, size, extents in wanted:
             clipped = [(max(0, a), min(size, b)) for a, b in extents]
+            fresh: list[tuple[int, int]] = []
             with self._lock:
                 self.stats.wanted += sum(max(0, b - a) for a, b in clipped)
-            for start, end in coalesce(clipped, gap, span_cap):
+                shared = {id(span) for _, span in ticket.spans}
+                for start, end in clipped:
+                    span = self._covering_locked(name, start) if end > start else None
+                    if span is None or span.end < end or span.data.cancelled():
+                        fresh.append((start, end))
+                    elif id(span) not in shared:
+                        span.refs += 1
+                        shared.add(id(span))
+                        ticket.spans.append((name, span))
+            for start, end in coalesce(fresh, gap, span_cap):
                 span = _Span(start, end, executor.submit("ranges", self.get, name, start, end))
                 ticket.spans.append((name, span))
                 ticket.bytes += end - start
@@ -225,14 +240,17 @@ class RangeFetcher:
                     starts.insert(at, start)
                     self._spans.setdefault(name, []).insert(at, span)
                     self.stats.spans += 1
-        with self._lock:
-            self._outstanding += ticket.bytes
+                    self._outstanding += end - start
         return ticket
 
     def forget(self, ticket: Ticket) -> None:
-        """Drop a batch's spans (cancelled if not started); their bytes leave the budget."""
+        """Drop a batch's spans no other ticket holds (cancelled if not started); their bytes leave the budget."""
         with self._lock:
             for name, span in ticket.spans:
+                span.refs -= 1
+                if span.refs > 0:
+                    continue
+                self._outstanding -= span.end - span.start
                 spans = self._spans.get(name)
                 if spans is not None:
                     starts = self._starts[name]
@@ -244,7 +262,6 @@ class RangeFetcher:
                     if not spans:
                         del self._spans[name], self._starts[name]
                 span.data.cancel()
-            self._outstanding -= ticket.bytes
             ticket.spans, ticket.bytes = [], 0
 
     def drop(self, name: str) -> None:
@@ -258,15 +275,18 @@ class RangeFetcher:
     def _covering(self, name: str, offset: int) -> _Span | None:
         """The fetched span holding byte ``offset`` of ``name``, if any (the one reaching furthest)."""
         with self._lock:
-            spans = self._spans.get(name)
-            if not spans:
-                return None
-            i = bisect.bisect_right(self._starts[name], offset)
-            best: _Span | None = None
-            for span in reversed(spans[max(0, i - 8) : i]):  # overlaps are rare: look a few back
-                if span.start <= offset < span.end and (best is None or span.end > best.end):
-                    best = span
-            return best
+            return self._covering_locked(name, offset)
+
+    def _covering_locked(self, name: str, offset: int) -> _Span | None:
+        spans = self._spans.get(name)
+        if not spans:
+            return None
+        i = bisect.bisect_right(self._starts[name], offset)
+        best: _Span | None = None
+        for span in reversed(spans[max(0, i - 8) : i]):  # overlaps are rare: look a few back
+            if span.start <= offset < span.end and (best is None or span.end > best.end):
+                best = span
+        return best
 
     def span_bytes(self, name: str, start: int, end: int) -> memoryview | None:
         """The bytes ``[start, end)`` of ``name`` if one fetched span holds them all (waiting for it), else ``None``."""
