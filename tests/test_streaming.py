@@ -359,7 +359,6 @@ def test_streamed_row_groups_that_batches_share_are_fetched_once(
     import pyarrow.parquet as pq
 
     from streamload.indexing import index_directory
-
     from tests.test_parquet_pages import image
 
     blobs = [image(i) for i in range(80)]
