@@ -359,9 +359,9 @@ def test_streamed_row_groups_that_batches_share_are_fetched_once(
     import pyarrow.parquet as pq
 
     from streamload.indexing import index_directory
-    from tests.test_parquet_pages import image
+    from tests.helpers.parquet_tables import encode
 
-    blobs = [image(i) for i in range(80)]
+    blobs = [encode(i, "JPEG") for i in range(80)]
     local = tmp_path / "a.parquet"
     pq.write_table(
         pa.table({"image": pa.array(blobs, pa.binary()), "label": pa.array([i % 3 for i in range(80)], pa.int64())}),
