@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .loader import Loader
     from .manifest import Manifest, ShardEntry
     from .randomness import sample_generator, sample_seed
-    from .shards import StorageConfig
+    from .storageconfig import StorageConfig
     from .streams import Stream
     from .watching import DataReport, Watch, watch
     from .writer import DatasetWriter
@@ -56,7 +56,7 @@ _LAZY = {
     "ShardEntry": "manifest",
     "sample_generator": "randomness",
     "sample_seed": "randomness",
-    "StorageConfig": "shards",
+    "StorageConfig": "storageconfig",
     "Stream": "streams",
     "DataReport": "watching",
     "Watch": "watching",

@@ -59,8 +59,9 @@ from .formats import Sample
 from .manifest import Manifest
 from .plan import Run
 from .recovery import raise_located
-from .shards import ShardSource, StorageConfig
+from .shards import ShardSource
 from .storage import is_local, local_path_of
+from .storageconfig import StorageConfig
 
 if TYPE_CHECKING:
     from typing import Unpack  # Python 3.11 (only read by type checkers here)

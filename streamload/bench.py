@@ -164,7 +164,7 @@ def _fallbacks(loader: Any) -> int:
 
 def _storage(storage: Any, storage_options: dict[str, Any] | None, cache_dir: str | None) -> Any:
     """The storage settings to read with: ``storage``, else those of ``storage_options`` and ``cache_dir``."""
-    from .shards import StorageConfig
+    from .storageconfig import StorageConfig
 
     if storage is None:
         return StorageConfig(storage_options=storage_options, cache_dir=cache_dir)

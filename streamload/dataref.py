@@ -19,9 +19,9 @@ from typing import Any, TypedDict
 from ._errors import ConfigError, ManifestError
 from .formats import Format, get_format
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardEntry, data_root_place
-from .shards import CacheMode, StorageConfig, can_stream, choose_streaming, largest_sidecar
 from .storage import Storage, is_local
 from .storage.split import split_storage
+from .storageconfig import CacheMode, StorageConfig, can_stream, choose_streaming, largest_sidecar
 
 __all__ = [
     "CACHE_KEYWORDS",

@@ -38,11 +38,11 @@ from .iterations import Iterations
 from .manifest import Manifest
 from .plan import EpochPlan, Split, World, detect_rank_world, detect_world, distributed_world, rank_samples
 from .resume import Planner, Position
-from .shards import StorageConfig
 from .skips import MAX_NAMED_SKIPS, SkipCounts, SkipLog, SkippedSample
 from .stages import OnError, Pipeline, Steps
 from .storage import Storage
 from .storage.ranges import DEFAULT_STREAM_BUFFER
+from .storageconfig import StorageConfig
 from .streams import Mixture, StreamSource
 
 if TYPE_CHECKING:

@@ -34,7 +34,7 @@ from ._errors import ConfigError
 from .dataref import STORAGE_KEYWORDS, storage_config
 from .dataset import StreamingDataset
 from .loader import Loader
-from .shards import StorageConfig
+from .storageconfig import StorageConfig
 from .streams import StreamSource
 from .watching import Mark, Watch, watch
 

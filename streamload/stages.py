@@ -138,6 +138,11 @@ class Read:
         steps, readers = self.steps, self.readers
         collate = steps.collate
         assert collate is not None
+        for run in runs:  # a cold start: every sample's bytes asked for before the first is read
+            try:
+                readers.want(run.shard, run.locals, open_cold=True)
+            except StreamloadError:
+                break  # the read meets it again, as its error policy says
         if isinstance(collate, BatchReader) and steps.transform is None and steps.on_error == "raise":
             parts = [(run.shard, run.locals) for run in runs]
             batch = read_batch(lambda: collate.read_batch(readers.get, parts), [s for s, _ in parts], readers)
@@ -163,6 +168,7 @@ class Read:
         where = f"{url}/{entry.name}"
         try:
             reader = readers.get(run.shard)
+            readers.want(run.shard, run.locals)
         except StreamloadError as exc:
             if not skip or isinstance(exc, CacheError):  # the machine's fault: never a skip
                 raise_located(exc, url, where)

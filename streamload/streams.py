@@ -23,14 +23,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ._errors import ConfigError, StreamloadError
 from .dataref import DatasetRef, storage_config
 from .formats import ShardReader
 from .manifest import ShardEntry
 from .plan import Layout, MixLayout, Split, epoch_counts, mixture_fingerprint
 from .plan.state import manifest_fingerprint
-from .shards import ShardSource, StorageConfig
+from .shards import ShardSource
 from .storage import Storage
+from .storageconfig import StorageConfig
 
 __all__ = ["MixedSource", "Mixture", "ShardInfo", "Stream", "StreamSource"]
 
@@ -321,6 +324,18 @@ class MixedSource:
         """Return the open reader of global shard ``shard``, opening it if needed."""
         info = self._info.get(shard) or self.info(shard)
         return self.sources[info.stream].get(info.local)
+
+    def want(self, shard: int, indices: np.ndarray, open_cold: bool = False) -> None:
+        """Fetch now the bytes of samples ``indices`` of global ``shard`` if it is read over its download.
+
+        With ``open_cold``, a shard not open yet is opened first while its stream is in its
+        cold start (a batch's shards, all wanted before any is read).
+        """
+        info = self._info.get(shard) or self.info(shard)
+        src = self.sources[info.stream]
+        if open_cold and src.cold:
+            src.get(info.local)
+        src.want(info.local, indices)
 
     def recover(self, shard: int, error: StreamloadError) -> ShardReader | None:
         """Global ``shard`` read corrupt: a reader over a fresh copy, or ``None`` (see ``ShardSource.recover``)."""

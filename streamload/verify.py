@@ -37,8 +37,9 @@ from ._files import FileEntry, hash_stream
 from .dataref import DatasetRef
 from .manifest import ShardEntry
 from .sample import IMAGE_FIELDS, image_warnings
-from .shards import ShardSource, StorageConfig
+from .shards import ShardSource
 from .storage import is_local
+from .storageconfig import StorageConfig
 
 __all__ = ["VerifyReport", "verify_dataset"]
 

@@ -31,9 +31,10 @@ from streamload.ahead import ShardsAhead
 from streamload.dataref import DatasetRef
 from streamload.manifest import MANIFEST_NAME
 from streamload.plan.planner import Run
-from streamload.shards import ShardSource, StorageConfig
+from streamload.shards import ShardSource
 from streamload.storage.readahead import START_DEPTH, AheadDepth
 from streamload.storage.remote import RemoteStorage
+from streamload.storageconfig import StorageConfig
 from tests.s3server import SeaweedS3
 from tests.shaping import ShapedS3
 

@@ -226,3 +226,74 @@ def test_a_landing_record_never_points_outside_the_cache(tmp_path: Path) -> None
     assert cache.read_landing("a.tar") is None
     cache.clear_landing("a.tar")
     assert cache.read_landing("a.tar") is None
+
+
+def test_wanted_ranges_past_the_lead_are_read_before_the_download_lands_them(tmp_path: Path) -> None:
+    """A landing serves wanted ranges from their own GETs (nothing landed yet), leaves the lead to the download."""
+    data = np.random.default_rng(5).integers(0, 256, 200_000, dtype=np.uint8).tobytes()
+    part = tmp_path / "x.part"
+    part.write_bytes(b"")
+    asked: list[tuple[int, int]] = []
+
+    def get(start: int, end: int) -> bytes:
+        asked.append((start, end))
+        return data[start:end]
+
+    landing = Landing("x.tar", len(data), get, lead=1_000)
+    landing.begin(str(part))
+    landing.want([(5_000, 5_200), (5_300, 5_400), (120_000, 120_500), (100, 900), (0, 0)])
+    assert landing.pread(100, 5_250) == data[5_250:5_350]  # nothing has landed: from the wanted GET
+    out = bytearray(300)
+    assert landing.preadv([memoryview(out)[:100], memoryview(out)[100:]], 120_100) == 300
+    assert bytes(out) == data[120_100:120_400]
+    assert sorted(asked) == [(5_000, 5_400), (120_000, 120_500)]  # close ones together; the lead's left alone
+    landing.want([(5_000, 5_100)])
+    assert len(asked) == 2  # wanted already: no second GET
+    waiting = io_executor().submit("side", landing.pread, 100, 500)  # in the lead: it waits for the download
+    time.sleep(0.2)
+    assert not waiting.done()
+    part.write_bytes(data)
+    landing.land(0, len(data))
+    assert waiting.result(5) == data[500:600]
+    landing.finish(str(part))
+    landing.want([(150_000, 150_100)])
+    assert len(asked) == 2 and landing.pread(100, 5_250) == data[5_250:5_350]  # cached: from the file
+    landing.close()
+
+
+def test_a_cold_shuffled_first_batch_does_not_wait_for_the_parts_holding_its_samples(
+    s3_server: SeaweedS3, faulty_s3: FaultyS3, tmp_path: Path
+) -> None:
+    """A 12 MB shard whose part past the first 8 MB stalls for 4 s: the shuffled first batch, some of its
+    samples in that part, is read meanwhile (its samples by ranged GETs of their own), as the epoch after it."""
+    from streamload.storage.parts import FIRST_PART
+
+    url = f"s3://{s3_server.make_bucket()}/wanted"
+    count, size = 600, 20_000
+    with DatasetWriter(url, format="tar", max_samples=count, storage_options=s3_server.storage_options()) as w:
+        for i in range(count):
+            w.write({"__key__": f"w{i:04d}", "bin": np.full(size, i % 251, dtype=np.uint8).tobytes(), "cls": b"0"})
+    shard = f"{url.removeprefix('s3://')}/shard-000000.tar"
+    faulty_s3.inject(
+        Fault("stall", match=shard, unless=".idx", range_start=FIRST_PART, at=200_000, seconds=4.0, times=5)
+    )
+    ds = StreamingDataset(
+        url,
+        storage=StorageConfig(
+            storage_options=faulty_s3.storage_options(), cache_dir=str(tmp_path), cache="shards", read_ahead=0
+        ),
+        batch_size=16,
+        collate=RawCollate(field="bin", keys=True),
+        shuffle=True,
+        seed=3,
+    )
+    batches = iter(ds)
+    first = next(batches)
+    ours = f"/{shard}"
+    events = [e for e, _, path in faulty_s3.proxy.events if f"{ours}?" in path or path.endswith(ours)]
+    late = [int(key[1:]) for key in first.keys if int(key[1:]) * (size + 1024) > FIRST_PART]
+    assert late, first.keys  # (the seed puts samples past the first 8 MB in the first batch)
+    assert events.count("start") - events.count("end") >= 1, events  # the part holding them still on its way
+    assert [first.tobytes(k) for k in range(16)] == [bytes([int(key[1:]) % 251]) * size for key in first.keys]
+    seen = [*first.keys] + [key for batch in batches for key in batch.keys]
+    assert sorted(set(seen)) == [f"w{i:04d}" for i in range(count)] and len(seen) == 38 * 16  # (padded)

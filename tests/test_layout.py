@@ -44,7 +44,14 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload.plan",
     ),
     ("streamload.formats",),
-    ("streamload.recovery", "streamload.shards", "streamload.batch", "streamload.writer", "streamload.skips"),
+    (
+        "streamload.recovery",
+        "streamload.storageconfig",
+        "streamload.shards",
+        "streamload.batch",
+        "streamload.writer",
+        "streamload.skips",
+    ),
     (
         "streamload.decode",
         "streamload.dataref",

@@ -297,6 +297,6 @@ def test_each_setting_is_checked_in_one_place() -> None:
     sources = {p: p.read_text(encoding="utf-8") for p in root.rglob("*.py") if "converters" not in p.parts}
     for check in ("parse_cache_mode(", "parse_stream_buffer(", "check_storage_options(", "check_cache_dir("):
         calls = [str(p.relative_to(root)) for p, text in sources.items() for _ in range(text.count(check))]
-        assert calls == ["_validate.py", "shards.py"], (check, calls)  # its definition, and StorageConfig
+        assert calls == ["_validate.py", "storageconfig.py"], (check, calls)  # its definition, and StorageConfig
     on_error = [str(p.relative_to(root)) for p, text in sources.items() if "must be 'raise' or 'skip'" in text]
     assert on_error == ["_validate.py"]  # dataset_args

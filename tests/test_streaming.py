@@ -339,7 +339,7 @@ def test_coalesce_merges_close_extents_and_caps_spans() -> None:
 
 
 def test_one_rule_decides_cache_or_stream() -> None:
-    from streamload.shards import choose_streaming
+    from streamload.storageconfig import choose_streaming
 
     assert choose_streaming("none", True, None, 1, 10) == "none"
     assert choose_streaming("shards", True, 5, 10, 10) is None

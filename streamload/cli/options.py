@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import ConfigError
 
 if TYPE_CHECKING:
-    from ..shards import StorageConfig
+    from ..storageconfig import StorageConfig
 
 __all__ = ["add_storage_option", "parse_storage_options", "storage_config"]
 
@@ -68,7 +68,7 @@ def storage_config(args: argparse.Namespace, **settings: Any) -> StorageConfig:
         args: The parsed arguments (those without the options count as giving none).
         settings: Further :class:`~streamload.StorageConfig` fields (``cache_dir``...).
     """
-    from ..shards import StorageConfig
+    from ..storageconfig import StorageConfig
 
     options = parse_storage_options(getattr(args, "storage_option", None))
     roots = getattr(args, "allow_data_root", None) or []

@@ -23,7 +23,8 @@ from streamload._fork import ProcessLocal
 from streamload.dataref import DatasetRef
 from streamload.formats import ShardReader
 from streamload.manifest import SkippedInput
-from streamload.shards import ShardSource, StorageConfig
+from streamload.shards import ShardSource
+from streamload.storageconfig import StorageConfig
 
 from .places import same_place
 from .source import Item, ScanResult, Source

@@ -17,19 +17,29 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .._errors import CorruptShardError
 from .._stages import fetching
-from .parts import merge_range
+from .parts import FIRST_PART, merge_range
 
 if TYPE_CHECKING:
     from .ranges import RangeFetcher
 
-__all__ = ["MAX_GAP", "FileBytes", "Landing", "ShardBytes", "StreamedFile", "gather"]
+
+def _executor() -> Any:
+    from .executor import io_executor  # (the executor module imports the transport: not at import time)
+
+    return io_executor()
+
+
+__all__ = ["MAX_GAP", "WANT_SPAN", "FileBytes", "Landing", "ShardBytes", "StreamedFile", "gather"]
 
 #: Bytes between two wanted ranges read along (into a scratch buffer) rather than split into two reads.
 MAX_GAP = 64 << 10
+#: Longest ranged GET of :meth:`Landing.want` (a batch's run of samples comes over several connections).
+WANT_SPAN = 1 << 20
 #: Buffers one ``preadv`` takes at most (the kernel's IOV_MAX).
 _IOV_MAX = 1024
 
@@ -130,14 +140,30 @@ class Landing:
     Nothing read here was verified by the whole file's hash: the reader checks each
     sample's own digest, as for every read.
 
+    A reader may also :meth:`want` byte ranges before they land (a cold start's first
+    batches, their samples all over the file): those are fetched at once by ranged GETs
+    and kept here, not written into the part file (only the download writes, and checks,
+    the file), until the file is cached.
+
     Args:
         name: The file's name (for messages).
         size: Its size from its entry.
+        get: ``get(start, end)``: bytes ``[start, end)`` of the remote object by one ranged
+            GET (``None``: :meth:`want` does nothing).
+        lead: The bytes at the file's start its download brings first, in parallel parts
+            (:data:`~.parts.FIRST_PART`): ranges there are not wanted by GETs of their own.
     """
 
-    def __init__(self, name: str, size: int) -> None:
+    def __init__(
+        self, name: str, size: int, get: Callable[[int, int], bytes] | None = None, lead: int = FIRST_PART
+    ) -> None:
         self.name = name
         self.size = size
+        self._get = get
+        self._lead = lead
+        self._direct: list[tuple[int, int, Future[bytes]]] = []  # ranges wanted before they landed
+        #: Bytes fetched by ranged GETs because a reader wanted them before they landed.
+        self.direct_bytes = 0
         self._cond = threading.Condition()
         self._fd = -1
         self._fds: list[int] = []  # closed by close(): a reader may still be reading an older one
@@ -176,7 +202,63 @@ class Landing:
                 return
             self._fds.append(fd)
             self._fd, self._final = fd, path
+            self._direct = []
             self._cond.notify_all()
+
+    def want(self, extents: Iterable[tuple[int, int]]) -> None:
+        """Fetch the byte ranges ``extents`` now, by ranged GETs in parallel, where they have not landed.
+
+        Close extents are fetched together (:data:`MAX_GAP`), in GETs of at most
+        :data:`WANT_SPAN` bytes; those within the download's lead are left to it. A read
+        they cover waits for its GET rather than for the download's part; a GET that
+        fails leaves the read to the download.
+        """
+        get = self._get
+        if get is None:
+            return
+        spans: list[tuple[int, int]] = []
+        for start, end in sorted((max(0, int(a)), min(self.size, int(b))) for a, b in extents):
+            if end <= max(start, self._lead):
+                continue
+            if spans and start - spans[-1][1] <= MAX_GAP and end - spans[-1][0] <= WANT_SPAN:
+                spans[-1] = (spans[-1][0], max(spans[-1][1], end))
+            else:
+                spans.append((start, end))
+        with self._cond:
+            if self._final is not None or self._closed:
+                return
+            spans = [(a, b) for a, b in spans if not self._covered(a, b) and self._wanted(a, b) is None]
+            if not spans:
+                return
+            executor = _executor()
+            for a, b in spans:
+                self._direct.append((a, b, executor.submit("parts", get, a, b)))
+            self.direct_bytes += sum(b - a for a, b in spans)
+
+    def _wanted(self, start: int, end: int) -> tuple[int, Future[bytes]] | None:
+        for a, b, future in self._direct:
+            if a <= start and end <= b:
+                return a, future
+        return None
+
+    def _read_wanted(self, start: int, end: int) -> memoryview | None:
+        """Bytes ``[start, end)`` from a wanted range's GET (waiting for it) unless the file has them, else ``None``."""
+        with self._cond:
+            if not self._direct or self._final is not None or (self._fd >= 0 and self._covered(start, end)):
+                return None
+            found = self._wanted(start, end)
+        if found is None:
+            return None
+        at, future = found
+        try:
+            data = future.result()
+        except Exception:  # noqa: BLE001 - the download brings these bytes too (or names the failure)
+            return None
+        if len(data) < end - at:
+            return None
+        with self._cond:
+            self.early_reads += 1
+        return memoryview(data)[start - at : end - at]
 
     def fail(self, error: BaseException) -> None:
         """The download failed: reads not yet served raise ``error``."""
@@ -217,12 +299,23 @@ class Landing:
             return self._final
 
     def pread(self, n: int, offset: int) -> bytes:
-        """Return ``n`` bytes at ``offset`` once they have landed."""
+        """Return ``n`` bytes at ``offset`` once they have landed (or came by a wanted range's GET)."""
+        wanted = self._read_wanted(offset, min(self.size, offset + n))
+        if wanted is not None:
+            return bytes(wanted)
         return os.pread(self._wait(offset, offset + n), n, offset)
 
     def preadv(self, buffers: list[memoryview], offset: int) -> int:
         """Fill ``buffers`` in order from ``offset`` once their span has landed; return the bytes read."""
         total = sum(len(b) for b in buffers)
+        wanted = self._read_wanted(offset, min(self.size, offset + total))
+        if wanted is not None:
+            at = 0
+            for buf in buffers:
+                take = min(len(buf), len(wanted) - at)
+                buf[:take] = wanted[at : at + take]
+                at += take
+            return at
         return os.preadv(self._wait(offset, offset + total), buffers, offset)
 
     def close(self) -> None:
@@ -244,7 +337,10 @@ class Landing:
         finally:
             with self._cond:
                 fds, self._fds, self._fd, self._closed = self._fds, [], -1, True
+                direct, self._direct = self._direct, []
                 self._cond.notify_all()
+            for _, _, future in direct:
+                future.cancel()
             for fd in fds:
                 os.close(fd)
 

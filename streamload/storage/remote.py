@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 from .._errors import CacheError, StorageError
@@ -294,7 +295,7 @@ class RemoteStorage(CacheLimit, FetchAhead, Storage):
                 self.release(entry)
                 raise
             return _open_pinned(self, entry, path)
-        landing = Landing(entry.name, entry.num_bytes)
+        landing = Landing(entry.name, entry.num_bytes, partial(self._remote.get_range, entry.name))
         proc.first_read.clear()
         with proc.lock:
             proc.served[entry.name] = _EARLY
