@@ -226,17 +226,18 @@ class ShardSource:
         """Before the first item, in cached mode: the shards opened now are read over their downloads."""
         return not self._started and self._copies is not None and not self.streaming
 
-    def want(self, shard: int, indices: np.ndarray) -> None:
+    def want(self, shard: int, indices: np.ndarray, lead: bool = False) -> None:
         """The bytes of samples ``indices`` of open ``shard``, read over its download, fetched now by ranged GETs.
 
         A cold start's first batches take their samples from all over their shards: they
         come by ranged GETs in parallel rather than after the parts holding them
-        (:meth:`~streamload.storage.bytes.Landing.want`). Nothing for other shards.
+        (:meth:`~streamload.storage.bytes.Landing.want`; ``lead``: those in the download's
+        lead too). Nothing for other shards.
         """
         landing = self._landings.get(shard)
         reader = self._open.get(shard)
         if landing is not None and not landing.done and isinstance(reader, RangedReads):
-            landing.want(map(tuple, reader.sample_extents(indices).tolist()))
+            landing.want(map(tuple, reader.sample_extents(indices).tolist()), lead)
 
     def started(self) -> None:
         """The reader made its first item: the storage's read-ahead, held for the first bytes, may start."""

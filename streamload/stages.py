@@ -138,11 +138,13 @@ class Read:
         steps, readers = self.steps, self.readers
         collate = steps.collate
         assert collate is not None
-        for run in runs:  # a cold start: every sample's bytes asked for before the first is read
-            try:
-                readers.want(run.shard, run.locals, open_cold=True)
-            except StreamloadError:
-                break  # the read meets it again, as its error policy says
+        try:  # a cold start: every sample's bytes asked for before the first is read
+            readers.open_cold(run.shard for run in runs)
+            spread = len({run.shard for run in runs}) > 1
+            for run in runs:
+                readers.want(run.shard, run.locals, open_cold=True, spread=spread)
+        except StreamloadError:
+            pass  # the read meets it again, as its error policy says
         if isinstance(collate, BatchReader) and steps.transform is None and steps.on_error == "raise":
             parts = [(run.shard, run.locals) for run in runs]
             batch = read_batch(lambda: collate.read_batch(readers.get, parts), [s for s, _ in parts], readers)

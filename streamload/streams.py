@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import ConfigError, StreamloadError
+from ._files import FileEntry
 from .dataref import DatasetRef, storage_config
 from .formats import ShardReader
 from .manifest import ShardEntry
@@ -33,9 +34,16 @@ from .plan import Layout, MixLayout, Split, epoch_counts, mixture_fingerprint
 from .plan.state import manifest_fingerprint
 from .shards import ShardSource
 from .storage import Storage
+from .storage.executor import io_executor
 from .storageconfig import StorageConfig
 
 __all__ = ["MixedSource", "Mixture", "ShardInfo", "Stream", "StreamSource"]
+
+
+def _fetch(storage: Storage, entry: FileEntry) -> None:
+    """Bring ``entry`` into ``storage``'s cache (acquired, then released: it stays cached)."""
+    storage.acquire(entry)
+    storage.release(entry)
 
 
 @dataclass(frozen=True)
@@ -325,17 +333,36 @@ class MixedSource:
         info = self._info.get(shard) or self.info(shard)
         return self.sources[info.stream].get(info.local)
 
-    def want(self, shard: int, indices: np.ndarray, open_cold: bool = False) -> None:
+    def open_cold(self, shards: Iterable[int]) -> None:
+        """A cold start's batch: the sidecars of its shards not open yet fetched together, before each is opened.
+
+        A cold shard is opened over its download, after its sidecar (one GET each): one
+        after another, a shuffled first batch over several shards waited for each in turn.
+        """
+        jobs: list[tuple[Storage, FileEntry]] = []
+        for shard in dict.fromkeys(shards):
+            info = self._info.get(shard) or self.info(shard)
+            src, sidecar = self.sources[info.stream], info.entry.sidecar
+            if sidecar is not None and src.cold and info.local not in src:
+                jobs.append((src.storage, sidecar))
+        if len(jobs) > 1:
+            executor = io_executor()
+            for future in [executor.submit("side", _fetch, storage, entry) for storage, entry in jobs]:
+                future.exception()  # a failure is met again by the open, as its error policy says
+
+    def want(self, shard: int, indices: np.ndarray, open_cold: bool = False, spread: bool = False) -> None:
         """Fetch now the bytes of samples ``indices`` of global ``shard`` if it is read over its download.
 
         With ``open_cold``, a shard not open yet is opened first while its stream is in its
-        cold start (a batch's shards, all wanted before any is read).
+        cold start (a batch's shards, all wanted before any is read). ``spread``: the batch
+        reads several shards, whose downloads' leads wait for each other's parts: its
+        samples there are wanted too.
         """
         info = self._info.get(shard) or self.info(shard)
         src = self.sources[info.stream]
         if open_cold and src.cold:
             src.get(info.local)
-        src.want(info.local, indices)
+        src.want(info.local, indices, spread)
 
     def recover(self, shard: int, error: StreamloadError) -> ShardReader | None:
         """Global ``shard`` read corrupt: a reader over a fresh copy, or ``None`` (see ``ShardSource.recover``)."""

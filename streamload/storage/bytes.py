@@ -14,6 +14,7 @@ A storage hands them out: :meth:`~streamload.storage.Storage.open_bytes`.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -33,6 +34,8 @@ def _executor() -> Any:
 
     return io_executor()
 
+
+log = logging.getLogger("streamload")
 
 __all__ = ["MAX_GAP", "WANT_SPAN", "FileBytes", "Landing", "ShardBytes", "StreamedFile", "gather"]
 
@@ -205,20 +208,22 @@ class Landing:
             self._direct = []
             self._cond.notify_all()
 
-    def want(self, extents: Iterable[tuple[int, int]]) -> None:
+    def want(self, extents: Iterable[tuple[int, int]], lead: bool = False) -> None:
         """Fetch the byte ranges ``extents`` now, by ranged GETs in parallel, where they have not landed.
 
         Close extents are fetched together (:data:`MAX_GAP`), in GETs of at most
-        :data:`WANT_SPAN` bytes; those within the download's lead are left to it. A read
-        they cover waits for its GET rather than for the download's part; a GET that
-        fails leaves the read to the download.
+        :data:`WANT_SPAN` bytes; those within the download's lead are left to it, unless
+        ``lead`` (several downloads started at once: one's lead parts may queue behind
+        another's). A read they cover waits for its GET rather than for the download's
+        part; a GET that fails leaves the read to the download.
         """
         get = self._get
         if get is None:
             return
         spans: list[tuple[int, int]] = []
+        skip = 0 if lead else self._lead
         for start, end in sorted((max(0, int(a)), min(self.size, int(b))) for a, b in extents):
-            if end <= max(start, self._lead):
+            if end <= max(start, skip):
                 continue
             if spans and start - spans[-1][1] <= MAX_GAP and end - spans[-1][0] <= WANT_SPAN:
                 spans[-1] = (spans[-1][0], max(spans[-1][1], end))
@@ -232,8 +237,9 @@ class Landing:
                 return
             executor = _executor()
             for a, b in spans:
-                self._direct.append((a, b, executor.submit("parts", get, a, b)))
+                self._direct.append((a, b, executor.submit("ranges", get, a, b)))
             self.direct_bytes += sum(b - a for a, b in spans)
+        log.debug("want %s: %d ranges, %d bytes: start", self.name, len(spans), sum(b - a for a, b in spans))
 
     def _wanted(self, start: int, end: int) -> tuple[int, Future[bytes]] | None:
         for a, b, future in self._direct:

@@ -11,7 +11,8 @@ lane            threads  runs
 ``parts``       64      the parts of a download a reader waits for (never queued behind
                         read-ahead: a sidecar behind read-ahead parts would wait seconds)
 ``ahead_parts`` 16      the parts of read-ahead downloads (two downloads' worth at once)
-``ranges``      16      streaming mode's span GETs (a far bucket needs that many in flight)
+``ranges``      16      streaming mode's span GETs (a far bucket needs that many in flight),
+                        a cold start's wanted ranges (not queued behind its downloads' parts)
 ``ahead``       64      read-ahead downloads (each storage bounds its own by the depth)
 ``side``        64      a sidecar fetched beside its shard, a cold start's download
 ==============  ======  =================================================================
