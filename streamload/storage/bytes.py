@@ -237,7 +237,7 @@ class Landing:
                 return
             executor = _executor()
             for a, b in spans:
-                self._direct.append((a, b, executor.submit("ranges", get, a, b)))
+                self._direct.append((a, b, executor.submit("side", get, a, b)))
             self.direct_bytes += sum(b - a for a, b in spans)
         log.debug("want %s: %d ranges, %d bytes: start", self.name, len(spans), sum(b - a for a, b in spans))
 

@@ -11,10 +11,10 @@ lane            threads  runs
 ``parts``       64      the parts of a download a reader waits for (never queued behind
                         read-ahead: a sidecar behind read-ahead parts would wait seconds)
 ``ahead_parts`` 16      the parts of read-ahead downloads (two downloads' worth at once)
-``ranges``      16      streaming mode's span GETs (a far bucket needs that many in flight),
-                        a cold start's wanted ranges (not queued behind its downloads' parts)
+``ranges``      16      streaming mode's span GETs (a far bucket needs that many in flight)
 ``ahead``       64      read-ahead downloads (each storage bounds its own by the depth)
-``side``        64      a sidecar fetched beside its shard, a cold start's download
+``side``        64      a sidecar fetched beside its shard, a cold start's download and the
+                        ranges its first batches want (not queued behind the parts)
 ==============  ======  =================================================================
 
 A lane's threads exist only while it has work: one is started for a task no idle thread
