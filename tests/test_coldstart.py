@@ -297,3 +297,32 @@ def test_a_cold_shuffled_first_batch_does_not_wait_for_the_parts_holding_its_sam
     assert [first.tobytes(k) for k in range(16)] == [bytes([int(key[1:]) % 251]) * size for key in first.keys]
     seen = [*first.keys] + [key for batch in batches for key in batch.keys]
     assert sorted(set(seen)) == [f"w{i:04d}" for i in range(count)] and len(seen) == 38 * 16  # (padded)
+
+
+def test_wanted_ranges_held_stay_within_their_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past the budget a wanted range is left to the download; ranges the download has landed free their room."""
+    from streamload.storage import bytes as shard_bytes
+
+    monkeypatch.setattr(shard_bytes, "WANT_BUDGET", 250_000)
+    data = np.random.default_rng(6).integers(0, 256, 1_000_000, dtype=np.uint8).tobytes()
+    part = tmp_path / "y.part"
+    part.write_bytes(data)  # (written; landed only when said so)
+    asked: list[tuple[int, int]] = []
+
+    def get(start: int, end: int) -> bytes:
+        asked.append((start, end))
+        return data[start:end]
+
+    landing = Landing("y.tar", len(data), get, lead=0)
+    landing.begin(str(part))
+    landing.want([(0, 100_000), (200_000, 300_000), (400_000, 500_000)])  # the third is past the budget
+    assert landing.pread(10, 5) == data[5:15] and landing.pread(10, 200_000) == data[200_000:200_010]
+    assert sorted(asked) == [(0, 100_000), (200_000, 300_000)]
+    landing.land(0, 300_000)  # the download caught up: those GETs' bytes are not needed any more
+    landing.want([(400_000, 500_000), (600_000, 700_000)])
+    assert landing.pread(10, 450_000) == data[450_000:450_010]
+    assert landing.pread(10, 650_000) == data[650_000:650_010]
+    assert sorted(asked)[2:] == [(400_000, 500_000), (600_000, 700_000)]
+    landing.land(0, len(data))
+    landing.finish(str(part))
+    landing.close()

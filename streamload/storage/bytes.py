@@ -37,12 +37,15 @@ def _executor() -> Any:
 
 log = logging.getLogger("streamload")
 
-__all__ = ["MAX_GAP", "WANT_SPAN", "FileBytes", "Landing", "ShardBytes", "StreamedFile", "gather"]
+__all__ = ["MAX_GAP", "WANT_BUDGET", "WANT_SPAN", "FileBytes", "Landing", "ShardBytes", "StreamedFile", "gather"]
 
 #: Bytes between two wanted ranges read along (into a scratch buffer) rather than split into two reads.
 MAX_GAP = 64 << 10
 #: Longest ranged GET of :meth:`Landing.want` (a batch's run of samples comes over several connections).
 WANT_SPAN = 1 << 20
+#: Bytes of wanted ranges one :class:`Landing` holds at most (the first batches' samples of
+#: its shard; past it, reads wait for the download as before).
+WANT_BUDGET = 8 << 20
 #: Buffers one ``preadv`` takes at most (the kernel's IOV_MAX).
 _IOV_MAX = 1024
 
@@ -215,7 +218,8 @@ class Landing:
         :data:`WANT_SPAN` bytes; those within the download's lead are left to it, unless
         ``lead`` (several downloads started at once: one's lead parts may queue behind
         another's). A read they cover waits for its GET rather than for the download's
-        part; a GET that fails leaves the read to the download.
+        part; a GET that fails leaves the read to the download. The bytes held stay under
+        :data:`WANT_BUDGET` (those the download has landed since are dropped first).
         """
         get = self._get
         if get is None:
@@ -232,7 +236,15 @@ class Landing:
         with self._cond:
             if self._final is not None or self._closed:
                 return
-            spans = [(a, b) for a, b in spans if not self._covered(a, b) and self._wanted(a, b) is None]
+            # What the download has landed since is read from the file: its GETs' bytes go.
+            self._direct = [d for d in self._direct if not (self._fd >= 0 and self._covered(d[0], d[1]))]
+            room = WANT_BUDGET - sum(b - a for a, b, _ in self._direct)
+            kept: list[tuple[int, int]] = []
+            for a, b in spans:
+                if not self._covered(a, b) and self._wanted(a, b) is None and b - a <= room:
+                    kept.append((a, b))
+                    room -= b - a
+            spans = kept
             if not spans:
                 return
             executor = _executor()
