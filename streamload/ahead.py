@@ -23,10 +23,9 @@ from typing import Any, cast
 import numpy as np
 
 from ._errors import StreamloadError
-from ._files import FileEntry
 from .formats import RangedReads
 from .plan import Run
-from .shards import ShardSource
+from .shards import ShardSource, warm_sidecars
 from .storage.ranges import Ticket
 from .streams import MixedSource
 
@@ -163,21 +162,9 @@ def fetch_ahead(source: ShardSource, parts: Iterable[tuple[int, np.ndarray]]) ->
 
 
 def _warm_sidecars(source: ShardSource, shards: list[int]) -> None:
-    """Bring the sidecars of several shards about to open into the cache at once (one round trip, not one each)."""
-    if len(shards) < 2 or source.fetcher is None:
-        return
-    storage = source.storage
-    entries = source.ref.manifest.shards
-    sidecars = [e.sidecar for e in (entries[s] for s in shards) if e.sidecar is not None]
-
-    def warm(entry: FileEntry) -> Callable[[], None]:
-        def call() -> None:
-            storage.acquire(entry)
-            storage.release(entry)  # cached, unpinned: the reader's own acquire pins it
-
-        return call
-
-    source.fetcher.run([warm(entry) for entry in sidecars])
+    """Streaming: the sidecars of the shards about to open, fetched at once (see ``shards.warm_sidecars``)."""
+    if source.fetcher is not None:
+        warm_sidecars(source, shards)
 
 
 class _Feed:

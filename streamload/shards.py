@@ -32,7 +32,7 @@ from .storage.executor import io_executor
 from .storage.ranges import RangeFetcher
 from .storageconfig import StorageConfig, can_stream, largest_sidecar
 
-__all__ = ["ShardSet", "ShardSource"]
+__all__ = ["ShardSet", "ShardSource", "warm_sidecars"]
 
 log = logging.getLogger("streamload")
 
@@ -223,8 +223,8 @@ class ShardSource:
 
     @property
     def cold(self) -> bool:
-        """Before the first item, in cached mode: the shards opened now are read over their downloads."""
-        return not self._started and self._copies is not None and not self.streaming
+        """Before the first item, cached, with room for one more reader: a shard opened now reads its download."""
+        return not self._started and self._copies is not None and not self.streaming and len(self._open) < self.capacity
 
     def want(self, shard: int, indices: np.ndarray, lead: bool = False) -> None:
         """The bytes of samples ``indices`` of open ``shard``, read over its download, fetched now by ranged GETs.
@@ -369,3 +369,23 @@ class ShardSource:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def warm_sidecars(source: ShardSource, shards: Iterable[int]) -> None:
+    """Bring the sidecars of several shards about to open into the cache at once (one round trip, not one each).
+
+    Each is acquired and released on the I/O executor's ``side`` lane (cached, unpinned:
+    the reader's own acquire pins it); a failure is left to that acquire to meet again.
+    """
+    storage, entries = source.storage, source.ref.manifest.shards
+    sidecars = [e.sidecar for e in (entries[s] for s in dict.fromkeys(shards)) if e.sidecar is not None]
+    if len(sidecars) < 2:
+        return
+    executor = io_executor()
+    for future in [executor.submit("side", _warm, storage, entry) for entry in sidecars]:
+        future.exception()
+
+
+def _warm(storage: Storage, entry: FileEntry) -> None:
+    storage.acquire(entry)
+    storage.release(entry)

@@ -26,24 +26,16 @@ from typing import Any
 import numpy as np
 
 from ._errors import ConfigError, StreamloadError
-from ._files import FileEntry
 from .dataref import DatasetRef, storage_config
 from .formats import ShardReader
 from .manifest import ShardEntry
 from .plan import Layout, MixLayout, Split, epoch_counts, mixture_fingerprint
 from .plan.state import manifest_fingerprint
-from .shards import ShardSource
+from .shards import ShardSource, warm_sidecars
 from .storage import Storage
-from .storage.executor import io_executor
 from .storageconfig import StorageConfig
 
 __all__ = ["MixedSource", "Mixture", "ShardInfo", "Stream", "StreamSource"]
-
-
-def _fetch(storage: Storage, entry: FileEntry) -> None:
-    """Bring ``entry`` into ``storage``'s cache (acquired, then released: it stays cached)."""
-    storage.acquire(entry)
-    storage.release(entry)
 
 
 @dataclass(frozen=True)
@@ -334,21 +326,23 @@ class MixedSource:
         return self.sources[info.stream].get(info.local)
 
     def open_cold(self, shards: Iterable[int]) -> None:
-        """A cold start's batch: the sidecars of its shards not open yet fetched together, before each is opened.
+        """A cold start's batch: its first cold shard opened, then the others' sidecars fetched together.
 
         A cold shard is opened over its download, after its sidecar (one GET each): one
         after another, a shuffled first batch over several shards waited for each in turn.
+        The first is opened before the others' sidecars come, so that their acquires are
+        not taken for a whole-file read that ends the cold start's hold on read-ahead.
         """
-        jobs: list[tuple[Storage, FileEntry]] = []
+        by_stream: dict[int, list[int]] = {}
         for shard in dict.fromkeys(shards):
             info = self._info.get(shard) or self.info(shard)
-            src, sidecar = self.sources[info.stream], info.entry.sidecar
-            if sidecar is not None and src.cold and info.local not in src:
-                jobs.append((src.storage, sidecar))
-        if len(jobs) > 1:
-            executor = io_executor()
-            for future in [executor.submit("side", _fetch, storage, entry) for storage, entry in jobs]:
-                future.exception()  # a failure is met again by the open, as its error policy says
+            if info.local not in self.sources[info.stream]:
+                by_stream.setdefault(info.stream, []).append(info.local)
+        for stream, locals_ in by_stream.items():
+            src = self.sources[stream]
+            if src.cold and len(locals_) > 1:
+                src.get(locals_[0])
+                warm_sidecars(src, locals_[1:])
 
     def want(self, shard: int, indices: np.ndarray, open_cold: bool = False, spread: bool = False) -> None:
         """Fetch now the bytes of samples ``indices`` of global ``shard`` if it is read over its download.

@@ -65,6 +65,7 @@ class Fault:
         range_start: Only ranged requests from this byte on.
         unless: Not requests whose path holds this (``".idx"``: a shard, not its sidecar).
         hits: How many requests it hit so far.
+        stalled: How many of them a ``stall`` has let go on since (its pause over).
     """
 
     kind: FaultKind
@@ -81,6 +82,7 @@ class Fault:
     range_start: int | None = None
     unless: str = ""
     hits: int = 0
+    stalled: int = 0
     _seen: int = 0
 
     def claims(self, method: str, path: str, byte_range: str | None) -> bool:
@@ -256,6 +258,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(piece[:offset])
         if fault.kind == "stall":
             time.sleep(fault.seconds)
+            fault.stalled += 1
             return piece[offset:]
         if fault.kind == "reset":  # RST, not FIN: the client sees "connection reset"
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -398,3 +398,26 @@ def test_streamed_row_groups_that_batches_share_are_fetched_once(
     assert got == {f"a/{i:010d}": blob for i, blob in enumerate(blobs)}
     assert len(got) == 80
     assert chunks <= sum(fetched) < 1.2 * chunks, (sum(fetched), chunks)
+
+
+def test_a_span_whose_get_failed_is_not_shared_with_a_later_batch(
+    s3_server: SeaweedS3, dataset: str, tmp_path: Path
+) -> None:
+    """A later batch inside a span whose GET failed asks again rather than meeting the old error."""
+    from streamload.storage.remote import RemoteStorage
+
+    storage = RemoteStorage(dataset, s3_server.storage_options(), cache_dir=str(tmp_path))
+    fetcher = storage.open_ranges()
+    try:
+        first = fetcher.fetch([("no-such-shard.tar", 10_000, [(0, 1_000)])])
+        (_, failed), *_ = first.spans
+        with pytest.raises(Exception, match="no-such-shard"):
+            failed.data.result(30)
+        second = fetcher.fetch([("no-such-shard.tar", 10_000, [(100, 200)])])
+        assert [span for _, span in second.spans] != [failed] and fetcher.stats.spans == 2
+        fetcher.forget(first)
+        fetcher.forget(second)
+        assert fetcher.outstanding == 0
+    finally:
+        fetcher.close()
+        storage.close()

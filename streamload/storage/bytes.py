@@ -170,6 +170,8 @@ class Landing:
         self._direct: list[tuple[int, int, Future[bytes]]] = []  # ranges wanted before they landed
         #: Bytes fetched by ranged GETs because a reader wanted them before they landed.
         self.direct_bytes = 0
+        #: Reads served from those GETs: bytes that never came from the file its download checks.
+        self.wanted_reads = 0
         self._cond = threading.Condition()
         self._fd = -1
         self._fds: list[int] = []  # closed by close(): a reader may still be reading an older one
@@ -229,7 +231,8 @@ class Landing:
         for start, end in sorted((max(0, int(a)), min(self.size, int(b))) for a, b in extents):
             if end <= max(start, skip):
                 continue
-            if spans and start - spans[-1][1] <= MAX_GAP and end - spans[-1][0] <= WANT_SPAN:
+            near = spans and start - spans[-1][1] <= MAX_GAP and end - spans[-1][0] <= WANT_SPAN
+            if spans and (start < spans[-1][1] or near):  # overlapping ones always (the same row group twice)
                 spans[-1] = (spans[-1][0], max(spans[-1][1], end))
             else:
                 spans.append((start, end))
@@ -249,8 +252,13 @@ class Landing:
                 return
             executor = _executor()
             for a, b in spans:
-                self._direct.append((a, b, executor.submit("side", get, a, b)))
-            self.direct_bytes += sum(b - a for a, b in spans)
+                try:
+                    future = executor.submit("side", get, a, b)
+                except RuntimeError:  # the executor is shutting down (interpreter exit): the download serves
+                    break
+                future.add_done_callback(self._got)
+                self._direct.append((a, b, future))
+                self.direct_bytes += b - a
         log.debug("want %s: %d ranges, %d bytes: start", self.name, len(spans), sum(b - a for a, b in spans))
 
     def _wanted(self, start: int, end: int) -> tuple[int, Future[bytes]] | None:
@@ -260,13 +268,21 @@ class Landing:
         return None
 
     def _read_wanted(self, start: int, end: int) -> memoryview | None:
-        """Bytes ``[start, end)`` from a wanted range's GET (waiting for it) unless the file has them, else ``None``."""
+        """Bytes ``[start, end)`` from a wanted range's GET unless the file has them first, else ``None``.
+
+        Waits for whichever comes first: the GET, or the download landing the range (or
+        ending, or failing).
+        """
         with self._cond:
-            if not self._direct or self._final is not None or (self._fd >= 0 and self._covered(start, end)):
+            found = self._wanted(start, end) if self._direct else None
+            while found is not None and not found[1].done():
+                if self._final is not None or self._error is not None or self._closed:
+                    return None
+                if self._fd >= 0 and self._covered(start, end):
+                    return None
+                self._cond.wait()
+            if found is None or self._final is not None or (self._fd >= 0 and self._covered(start, end)):
                 return None
-            found = self._wanted(start, end)
-        if found is None:
-            return None
         at, future = found
         try:
             data = future.result()
@@ -276,7 +292,12 @@ class Landing:
             return None
         with self._cond:
             self.early_reads += 1
+            self.wanted_reads += 1
         return memoryview(data)[start - at : end - at]
+
+    def _got(self, _: Future[bytes]) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
         """The download failed: reads not yet served raise ``error``."""

@@ -103,6 +103,11 @@ class FetchStats:
     wanted: int = 0
 
 
+def _failed(data: Future[bytes]) -> bool:
+    """A span's GET cancelled, or ended in an error (not shared: a later batch asks again)."""
+    return data.cancelled() or (data.done() and data.exception() is not None)
+
+
 @dataclass(eq=False)
 class _Span:
     start: int
@@ -224,7 +229,7 @@ class RangeFetcher:
                 shared = {id(span) for _, span in ticket.spans}
                 for start, end in clipped:
                     span = self._covering_locked(name, start) if end > start else None
-                    if span is None or span.end < end or span.data.cancelled():
+                    if span is None or span.end < end or _failed(span.data):
                         fresh.append((start, end))
                     elif id(span) not in shared:
                         span.refs += 1

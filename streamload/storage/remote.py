@@ -362,15 +362,15 @@ class RemoteStorage(CacheLimit, FetchAhead, Storage):
             # The reader read parts of a download before its hash was checked. If that
             # download was verified at its first attempt, those were the cached file's
             # bytes: judge the cached copy as usual. If a copy failed its check and was
-            # fetched again, the bytes read may have been damaged in transit: the next
-            # acquire brings the verified file, nothing to delete.
+            # fetched again, or reads came by GETs of their own, the bytes read may have been
+            # damaged in transit: the next acquire brings the verified file, nothing to delete.
             try:
                 landing.wait_done()
             except Exception:  # noqa: BLE001 - the download failed: the next acquire tries again
                 pass
             with proc.lock:
                 proc.served[entry.name] = generation = self.cache.generation(entry.name)
-                if landing.attempts > 1 or not landing.done:
+                if landing.attempts > 1 or landing.wanted_reads or not landing.done:
                     if entry.name in proc.pins:
                         proc.stale.add(entry.name)
                     return True

@@ -177,7 +177,10 @@ class ParquetShardReader(ParquetBatchReads, ShardReader):
         return self._rg.held()
 
     def close(self) -> None:
-        """Drop the open file and the decoded row groups."""
+        """Drop the open file and the decoded row groups, and close the bytes it was given (``source``)."""
         rg = getattr(self, "_rg", None)  # None: the sidecar was refused
         if rg is not None:
             rg.close()
+            source, rg.source = rg.source, None
+            if source is not None:  # a download read early waits here until cached, as tar's does
+                source.close()
