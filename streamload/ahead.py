@@ -148,7 +148,7 @@ def fetch_ahead(source: ShardSource, parts: Iterable[tuple[int, np.ndarray]]) ->
     by_shard: dict[int, list[np.ndarray]] = {}
     for shard, locals_ in parts:
         by_shard.setdefault(shard, []).append(np.asarray(locals_, dtype=np.int64))
-    _warm_sidecars(source, [s for s in by_shard if s not in source])
+    warm_sidecars(source, [s for s in by_shard if s not in source])  # the shards about to open: at once
     wanted: list[tuple[str, int, list[tuple[int, int]]]] = []
     for shard, chunks in by_shard.items():
         try:
@@ -159,12 +159,6 @@ def fetch_ahead(source: ShardSource, parts: Iterable[tuple[int, np.ndarray]]) ->
         entry = source.ref.manifest.shards[shard]
         wanted.append((entry.name, entry.num_bytes, [(int(a), int(b)) for a, b in extents.tolist()]))
     return fetcher.fetch(wanted)
-
-
-def _warm_sidecars(source: ShardSource, shards: list[int]) -> None:
-    """Streaming: the sidecars of the shards about to open, fetched at once (see ``shards.warm_sidecars``)."""
-    if source.fetcher is not None:
-        warm_sidecars(source, shards)
 
 
 class _Feed:

@@ -465,29 +465,25 @@ def _group_by_shard(parts: Parts) -> list[tuple[int, np.ndarray, np.ndarray]]:
     ]
 
 
-#: Reader classes that serve zero-copy batches (``isinstance`` on a runtime protocol is slow).
-_SERVES: dict[type, bool] = {}
+#: ``(reader class, protocol)`` -> whether it implements it (``isinstance`` on a runtime protocol is slow).
+_IMPLEMENTS: dict[tuple[type, type], bool] = {}
 
 
-def _serves_batches(reader: ShardReader) -> bool:
-    kind = type(reader)
-    known = _SERVES.get(kind)
+def _implements(reader: object, protocol: type) -> bool:
+    key = (type(reader), protocol)
+    known = _IMPLEMENTS.get(key)
     if known is None:
-        known = _SERVES[kind] = isinstance(reader, BatchReads)
+        known = _IMPLEMENTS[key] = isinstance(reader, protocol)
     return known
 
 
-#: Reader classes whose labels are integers in their index (:class:`IntegerLabels`).
-_INTEGER_LABELS: dict[type, bool] = {}
+def _serves_batches(reader: ShardReader) -> bool:
+    return _implements(reader, BatchReads)
 
 
 def _integer_labels(reader: object, indices: np.ndarray, field: str) -> np.ndarray | None:
     """The reader's integer labels of ``indices`` in ``field``, where its index holds them; else ``None``."""
-    kind = type(reader)
-    known = _INTEGER_LABELS.get(kind)
-    if known is None:
-        known = _INTEGER_LABELS[kind] = isinstance(reader, IntegerLabels)
-    return cast(IntegerLabels, reader).label_values(indices, field) if known else None
+    return cast(IntegerLabels, reader).label_values(indices, field) if _implements(reader, IntegerLabels) else None
 
 
 def _key_lookup(reader: ShardReader, indices: np.ndarray) -> Callable[[int], str]:

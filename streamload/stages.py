@@ -149,14 +149,14 @@ class Read:
             parts = [(run.shard, run.locals) for run in runs]
             batch = read_batch(lambda: collate.read_batch(readers.get, parts), [s for s, _ in parts], readers)
         else:
-            samples = [s for run in runs for s in self.run(run)]
+            samples = [s for run in runs for s in self.run(run, wanted=True)]
             clock = self.clock
             batch = collate(samples) if clock is None else clock.collate(collate, samples)
         self.position.next_item = int(runs[-1].positions[-1]) + 1
         return batch
 
-    def run(self, run: Run) -> Iterator[Any]:
-        """Yield the run's samples (transformed).
+    def run(self, run: Run, wanted: bool = False) -> Iterator[Any]:
+        """Yield the run's samples (transformed); ``wanted``: its batch asked for their bytes already.
 
         Under ``on_error="skip"`` a sample that cannot be read or transformed is counted
         and replaced by a repeat of the last good one, so every rank still yields
@@ -170,7 +170,8 @@ class Read:
         where = f"{url}/{entry.name}"
         try:
             reader = readers.get(run.shard)
-            readers.want(run.shard, run.locals)
+            if not wanted:
+                readers.want(run.shard, run.locals)
         except StreamloadError as exc:
             if not skip or isinstance(exc, CacheError):  # the machine's fault: never a skip
                 raise_located(exc, url, where)

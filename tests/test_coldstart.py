@@ -228,18 +228,47 @@ def test_a_landing_record_never_points_outside_the_cache(tmp_path: Path) -> None
     assert cache.read_landing("a.tar") is None
 
 
-def test_wanted_ranges_past_the_lead_are_read_before_the_download_lands_them(tmp_path: Path) -> None:
-    """A landing serves wanted ranges from their own GETs (nothing landed yet), leaves the lead to the download."""
-    data = np.random.default_rng(5).integers(0, 256, 200_000, dtype=np.uint8).tobytes()
-    part = tmp_path / "x.part"
-    part.write_bytes(b"")
+def _recorded_landing(name: str, size: int, seed: int, lead: int) -> tuple[Landing, bytes, list[tuple[int, int]]]:
+    """A landing over ``size`` random bytes whose ranged GETs are recorded; its data and the GETs asked."""
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
     asked: list[tuple[int, int]] = []
 
     def get(start: int, end: int) -> bytes:
         asked.append((start, end))
         return data[start:end]
 
-    landing = Landing("x.tar", len(data), get, lead=1_000)
+    return Landing(name, len(data), get, lead=lead), data, asked
+
+
+def _write_shard(s3_server: SeaweedS3, prefix: str, count: int, size: int) -> str:
+    """One tar shard of ``count`` samples of ``size`` bytes (key ``<prefix[0]><i>``, each byte ``i % 251``); its URL."""
+    url = f"s3://{s3_server.make_bucket()}/{prefix}"
+    with DatasetWriter(url, format="tar", max_samples=count, storage_options=s3_server.storage_options()) as w:
+        for i in range(count):
+            payload = np.full(size, i % 251, dtype=np.uint8).tobytes()
+            w.write({"__key__": f"{prefix[0]}{i:04d}", "bin": payload, "cls": b"0"})
+    return url
+
+
+def _cold_shuffled(url: str, faulty: FaultyS3, cache: Path) -> Any:
+    """The shard read shuffled in batches of 16 (keys kept) through the fault proxy, on a cold cache, no read-ahead."""
+    return StreamingDataset(
+        url,
+        storage=StorageConfig(
+            storage_options=faulty.storage_options(), cache_dir=str(cache), cache="shards", read_ahead=0
+        ),
+        batch_size=16,
+        collate=RawCollate(field="bin", keys=True),
+        shuffle=True,
+        seed=3,
+    )
+
+
+def test_wanted_ranges_past_the_lead_are_read_before_the_download_lands_them(tmp_path: Path) -> None:
+    """A landing serves wanted ranges from their own GETs (nothing landed yet), leaves the lead to the download."""
+    landing, data, asked = _recorded_landing("x.tar", 200_000, 5, lead=1_000)
+    part = tmp_path / "x.part"
+    part.write_bytes(b"")
     landing.begin(str(part))
     landing.want([(5_000, 5_200), (5_300, 5_400), (120_000, 120_500), (100, 900), (0, 0)])
     assert landing.pread(100, 5_250) == data[5_250:5_350]  # nothing has landed: from the wanted GET
@@ -268,26 +297,13 @@ def test_a_cold_shuffled_first_batch_does_not_wait_for_the_parts_holding_its_sam
     samples in that part, is read meanwhile (its samples by ranged GETs of their own), as the epoch after it."""
     from streamload.storage.parts import FIRST_PART
 
-    url = f"s3://{s3_server.make_bucket()}/wanted"
     count, size = 600, 20_000
-    with DatasetWriter(url, format="tar", max_samples=count, storage_options=s3_server.storage_options()) as w:
-        for i in range(count):
-            w.write({"__key__": f"w{i:04d}", "bin": np.full(size, i % 251, dtype=np.uint8).tobytes(), "cls": b"0"})
+    url = _write_shard(s3_server, "wanted", count, size)
     shard = f"{url.removeprefix('s3://')}/shard-000000.tar"
     (stall,) = faulty_s3.inject(
         Fault("stall", match=shard, unless=".idx", range_start=FIRST_PART, at=200_000, seconds=4.0, times=5)
     )
-    ds = StreamingDataset(
-        url,
-        storage=StorageConfig(
-            storage_options=faulty_s3.storage_options(), cache_dir=str(tmp_path), cache="shards", read_ahead=0
-        ),
-        batch_size=16,
-        collate=RawCollate(field="bin", keys=True),
-        shuffle=True,
-        seed=3,
-    )
-    batches = iter(ds)
+    batches = iter(_cold_shuffled(url, faulty_s3, tmp_path))
     first = next(batches)
     late = [int(key[1:]) for key in first.keys if int(key[1:]) * (size + 1024) > FIRST_PART]
     assert late, first.keys  # (the seed puts samples past the first 8 MB in the first batch)
@@ -303,16 +319,9 @@ def test_wanted_ranges_held_stay_within_their_budget(tmp_path: Path, monkeypatch
     from streamload.storage import bytes as shard_bytes
 
     monkeypatch.setattr(shard_bytes, "WANT_BUDGET", 250_000)
-    data = np.random.default_rng(6).integers(0, 256, 1_000_000, dtype=np.uint8).tobytes()
+    landing, data, asked = _recorded_landing("y.tar", 1_000_000, 6, lead=0)
     part = tmp_path / "y.part"
     part.write_bytes(data)  # (written; landed only when said so)
-    asked: list[tuple[int, int]] = []
-
-    def get(start: int, end: int) -> bytes:
-        asked.append((start, end))
-        return data[start:end]
-
-    landing = Landing("y.tar", len(data), get, lead=0)
     landing.begin(str(part))
     landing.want([(0, 100_000), (200_000, 300_000), (400_000, 500_000)])  # the third is past the budget
     assert landing.pread(10, 5) == data[5:15] and landing.pread(10, 200_000) == data[200_000:200_010]
@@ -329,14 +338,7 @@ def test_wanted_ranges_held_stay_within_their_budget(tmp_path: Path, monkeypatch
 
 def test_the_same_long_range_wanted_twice_is_fetched_once(tmp_path: Path) -> None:
     """A Parquet row group's extent comes once per sample read from it: one GET, not one per sample."""
-    data = np.random.default_rng(7).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()
-    asked: list[tuple[int, int]] = []
-
-    def get(start: int, end: int) -> bytes:
-        asked.append((start, end))
-        return data[start:end]
-
-    landing = Landing("z.parquet", len(data), get, lead=0)
+    landing, data, asked = _recorded_landing("z.parquet", 4 << 20, 7, lead=0)
     group = (100, 3_000_100)  # longer than a GET of nearby samples may grow
     landing.want([group, group, (1_000, 2_000), group])
     assert landing.pread(10, 2_000_000) == data[2_000_000:2_000_010]
@@ -353,26 +355,11 @@ def test_a_sample_damaged_on_its_own_get_is_read_again_from_the_verified_file(
     from streamload.formats import get_format
     from streamload.storage.parts import FIRST_PART
 
-    url = f"s3://{s3_server.make_bucket()}/flipped"
     count, size = 600, 20_000
-    with DatasetWriter(url, format="tar", max_samples=count, storage_options=s3_server.storage_options()) as w:
-        for i in range(count):
-            w.write({"__key__": f"v{i:04d}", "bin": np.full(size, i % 251, dtype=np.uint8).tobytes(), "cls": b"0"})
-
-    def cold(cache: Path) -> Any:
-        return StreamingDataset(
-            url,
-            storage=StorageConfig(
-                storage_options=faulty_s3.storage_options(), cache_dir=str(cache), cache="shards", read_ahead=0
-            ),
-            batch_size=16,
-            collate=RawCollate(field="bin", keys=True),
-            shuffle=True,
-            seed=3,
-        )
+    url = _write_shard(s3_server, "flipped", count, size)
 
     # Where the first batch's wanted GETs start: its samples past the download's lead, alone within 64 KiB.
-    ds = cold(tmp_path / "plain")
+    ds = _cold_shuffled(url, faulty_s3, tmp_path / "plain")
     first = next(iter(list(ds))).keys  # (the whole epoch: the shard is cached after it)
     entry = ds.manifest.shards[0]
     data = next(p for p in (tmp_path / "plain").rglob(entry.name) if p.parent.name == "data")
@@ -388,10 +375,10 @@ def test_a_sample_damaged_on_its_own_get_is_read_again_from_the_verified_file(
         Fault("stall", match=shard, unless=".idx", range_start=FIRST_PART, at=200_000, seconds=2.0, times=5),
     )
     seen = []
-    for batch in cold(tmp_path / "flipped"):
+    for batch in _cold_shuffled(url, faulty_s3, tmp_path / "flipped"):
         assert [batch.tobytes(k) for k in range(len(batch))] == [
             bytes([int(key[1:]) % 251]) * size for key in batch.keys
         ]
         seen += batch.keys
-    assert sorted(set(seen)) == [f"v{i:04d}" for i in range(count)]
+    assert sorted(set(seen)) == [f"f{i:04d}" for i in range(count)]
     assert flip.hits == 1

@@ -26,7 +26,6 @@ import pyarrow as pa
 
 __all__ = [
     "HEADER_PROBE",
-    "MAX_HEADER",
     "ChunkPages",
     "Decoded",
     "Page",
@@ -41,7 +40,7 @@ _CODECS = {"UNCOMPRESSED": None, "SNAPPY": "snappy", "ZSTD": "zstd", "GZIP": "gz
 _PLAIN, _PLAIN_DICTIONARY, _RLE, _RLE_DICTIONARY = 0, 2, 3, 8
 _DATA_PAGE, _DICTIONARY_PAGE, _DATA_PAGE_V2 = 0, 2, 3
 #: Largest page header accepted (bytes), and nesting of its structs.
-MAX_HEADER = 1 << 16
+_MAX_HEADER = 1 << 16
 _MAX_DEPTH = 8
 
 
@@ -101,14 +100,14 @@ class _Thrift:
             n, inner = head >> 4, head & 0x0F
             if n == 15:
                 n = self.varint()
-            if n > MAX_HEADER:
+            if n > _MAX_HEADER:
                 raise ValueError("page header list too long")
             for _ in range(n):
                 self.value(inner, depth + 1) if inner not in (1, 2) else self.byte()
             return None
         if kind == 11:
             n = self.varint()
-            if n > MAX_HEADER:
+            if n > _MAX_HEADER:
                 raise ValueError("page header map too long")
             if n:
                 types = self.byte()
@@ -228,13 +227,13 @@ def _header(read: Callable[[int, int], Any], pos: int, length: int, probe: int) 
         try:
             return reader.struct(), pos + reader.pos
         except ValueError:
-            whole = min(MAX_HEADER, length - pos)
+            whole = min(_MAX_HEADER, length - pos)
             if window >= whole or len(buf) < window:
                 raise
             window = whole
 
 
-def walk(read: Callable[[int, int], Any], length: int, rows: int, budget: int, probe: int = MAX_HEADER) -> list[Page]:
+def walk(read: Callable[[int, int], Any], length: int, rows: int, budget: int, probe: int = _MAX_HEADER) -> list[Page]:
     """The pages of a column chunk up to its last row, from their headers (bodies are not read).
 
     Args:
@@ -447,7 +446,7 @@ def decode_chunk(
     view = memoryview(chunk).cast("B")
     if int(column.total_compressed_size) > len(view):
         raise ValueError("column chunk shorter than declared")
-    pages = ChunkPages(lambda n, at: view[at : at + n], column, max_def, max_rep, rows, MAX_HEADER)
+    pages = ChunkPages(lambda n, at: view[at : at + n], column, max_def, max_rep, rows, _MAX_HEADER)
     decoded = pages.empty()
     pages.decode(decoded, list(range(len(pages.data))), lambda page: view[page.at : page.at + page.stored])
     return decoded

@@ -30,7 +30,7 @@ from .._record import open_regular_file
 from ..base import ShardBytes
 from ..table_cache import CACHE, Group, RowGroupCache
 from .footer import SourceFile, check_footer, chunk_start, open_parquet
-from .pages import HEADER_PROBE, MAX_HEADER, ChunkPages, Unsupported, decode_chunk
+from .pages import HEADER_PROBE, ChunkPages, Unsupported, decode_chunk
 from .schema import flat, image_array, json_texts, read_columns
 from .sidecar import Sidecar
 
@@ -139,7 +139,7 @@ class RowGroups:
         kept = CACHE.get((self.token, g))
         if kept is not None and bool(np.all(kept[1] >= 0)):
             return kept
-        if self._paged(g):
+        if kept is not None and self._paged(g):  # partly decoded page by page: the rest likewise
             return self.rows(g, np.arange(int(self.sidecar.starts[g + 1] - self.sidecar.starts[g])))
         pf = self.open_file()
         sidecar = self.sidecar
@@ -186,7 +186,7 @@ class RowGroups:
         kept = CACHE.get(key)
         if kept is not None and bool(np.all(kept[1][local] >= 0)):
             return kept
-        if not self._paged(g):
+        if not self._paged(g) or (kept is None and self._sequential):  # in order: the whole chunk, one read
             return self.group(g)
         col = self._image_chunk(self.open_file(), g)
         handle = self._local.get().handle
@@ -194,16 +194,10 @@ class RowGroups:
             if col is None:
                 raise Unsupported("no image column chunk")
             start = chunk_start(col)
-            if kept is None and self._sequential:  # the whole chunk in one read, every page
-                chunk = memoryview(handle.read_at(int(col.total_compressed_size), start))
-                pages = self._directory(g, lambda n, at: chunk[at : at + n], MAX_HEADER)
-                group: Group = (*pages.empty(), None)
-                pages.decode(group[:4], list(range(len(pages.data))), lambda p: chunk[p.at : p.at + p.stored])
-            else:
-                pages = self._directory(g, lambda n, at: memoryview(handle.read_at(n, start + at)), HEADER_PROBE)
-                group = kept if kept is not None else (*pages.empty(), None)
-                missing = local[group[1][local] < 0]
-                pages.decode(group[:4], pages.pages_of(missing), lambda p: handle.read_at(p.stored, start + p.at))
+            pages = self._directory(g, lambda n, at: memoryview(handle.read_at(n, start + at)))
+            group: Group = kept if kept is not None else (*pages.empty(), None)
+            missing = local[group[1][local] < 0]
+            pages.decode(group[:4], pages.pages_of(missing), lambda p: handle.read_at(p.stored, start + p.at))
         except Unsupported:
             self.fast = False  # the same for every row group of this file
             CACHE.discard(key)
@@ -226,7 +220,7 @@ class RowGroups:
             and self._chunks.get(g, True) is not None
         )
 
-    def _directory(self, g: int, read: Any, probe: int) -> ChunkPages:
+    def _directory(self, g: int, read: Any) -> ChunkPages:
         """Row group ``g``'s page directory (walked once, through ``read(n, offset)`` of its chunk)."""
         known = self._chunks.get(g)
         if known is not None:
@@ -237,7 +231,7 @@ class RowGroups:
             raise Unsupported("no image column chunk")
         schema = pf.metadata.schema.column(self._leaf_index)
         rows = int(self.sidecar.starts[g + 1] - self.sidecar.starts[g])
-        pages = ChunkPages(read, col, schema.max_definition_level, schema.max_repetition_level, rows, probe)
+        pages = ChunkPages(read, col, schema.max_definition_level, schema.max_repetition_level, rows, HEADER_PROBE)
         self._chunks[g] = pages
         return pages
 
