@@ -1,0 +1,402 @@
+"""DeviceDecode: raw batches decoded in the training process, with the CPU path's crops and flips.
+
+What a machine without a GPU checks: ``device="cpu"`` gives exactly ``DecodeBatch``'s
+tensors for the same dataset and epoch (through DataLoader worker processes and through
+the thread ``Loader``), the raw batch carries each sample's (epoch, position), the boxes
+the GPU path draws are the ones Pillow's own resize reproduces DecodeBatch's pixels with,
+the batched resampler the GPU runs matches Pillow's bilinear resize (run here on CPU
+tensors), JPEG headers read like Pillow's, and every refusal is a ConfigError naming the
+argument. The tests marked ``gpu`` run where CUDA is present (``pytest -m gpu``).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+import streamload
+from streamload import ConfigError, DeviceDecode, Loader, SampleError, StreamingDataset
+from streamload._jpeghead import jpeg_head
+from streamload._resample import resample_boxes
+from streamload.batch import RawBatch, RawCollate
+from streamload.converters import ConvertOptions, ImageFolderSource, convert
+from streamload.decode import DecodeBatch
+from streamload.devicedecode import batch_geometry
+from streamload.synthetic import make_image_folder, synthetic_jpeg
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (pytest -m gpu on a GPU machine)")
+
+
+def _encode(array: np.ndarray, fmt: str = "JPEG", mode: str | None = None, **kw: Any) -> bytes:
+    img = Image.fromarray(array)
+    if mode is not None:
+        img = img.convert(mode)
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def mixed_images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Landscape and portrait JPEGs of many sizes (a few large: DCT-scaled on the CPU), a PNG,
+    a progressive, a grey and a CMYK JPEG, converted to tar shards of 8."""
+    root = tmp_path_factory.mktemp("device-images")
+    make_image_folder(str(root / "src"), num_classes=3, per_class=10, size=(96, 72), seed=4, jitter=0.5)
+    make_image_folder(str(root / "src"), num_classes=3, per_class=0, seed=5)
+    rng = np.random.default_rng(9)
+    extra = root / "src" / "class_000"
+    for i, (w, h) in enumerate([(60, 110), (400, 300), (37, 53), (640, 200)]):
+        (extra / f"extra_{i}.jpg").write_bytes(synthetic_jpeg(rng, w, h))
+    pixels = (rng.random((50, 70, 3)) * 255).astype(np.uint8)
+    (extra / "a_png.png").write_bytes(_encode(pixels, "PNG"))
+    (extra / "progressive.jpg").write_bytes(_encode(pixels, progressive=True, quality=90))
+    (extra / "grey.jpg").write_bytes(_encode(pixels, mode="L"))
+    (extra / "cmyk.jpg").write_bytes(_encode(pixels, mode="CMYK"))
+    out = root / "shards"
+    convert(ImageFolderSource(str(root / "src")), str(out), ConvertOptions(samples_per_shard=8, progress=False))
+    return out
+
+
+def _raw(root: Path, **kw: Any) -> StreamingDataset:
+    return StreamingDataset(str(root), batch_size=6, shuffle=True, seed=2, collate=RawCollate(keys=True), **kw)
+
+
+def _decoded(root: Path, decode: DecodeBatch, **kw: Any) -> StreamingDataset:
+    return StreamingDataset(str(root), batch_size=6, shuffle=True, seed=2, collate=decode, **kw)
+
+
+SETTINGS: list[dict[str, Any]] = [
+    {"size": 32, "crop": "random", "flip": True, "seed": 3},
+    {"size": (24, 40), "crop": "center", "flip": True, "seed": 0, "resize": 30},
+    {"size": 20, "crop": "center"},
+]
+
+
+def _pairs(dev: DeviceDecode, raw: Any, ref: Any) -> list[tuple[Any, Any]]:
+    got = [dev(batch) for batch in raw]
+    want = list(ref)
+    assert len(got) == len(want) > 0
+    return list(zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=["random-flip", "center-flip-rect", "center"])
+def test_cpu_is_decode_batch_bit_for_bit_through_dataloader_workers(
+    mixed_images: Path, settings: dict[str, Any]
+) -> None:
+    kw = dict(settings)
+    size = kw.pop("size")
+    dev = DeviceDecode(size, device="cpu", **kw)
+    ref_seed = kw.pop("seed", 0)
+    raw_ds, ref_ds = _raw(mixed_images), _decoded(mixed_images, DecodeBatch(size, seed=ref_seed, **kw))
+    raw_ds.set_epoch(1)
+    ref_ds.set_epoch(1)
+    raw = DataLoader(raw_ds, batch_size=None, num_workers=2)
+    ref = DataLoader(ref_ds, batch_size=None, num_workers=2)
+    for (images, labels), (ref_images, ref_labels) in _pairs(dev, raw, ref):
+        assert images.dtype == torch.uint8 and images.shape == ref_images.shape
+        assert images.is_contiguous()  # NCHW, not DecodeBatch's channels-last view
+        assert torch.equal(images, ref_images)
+        assert torch.equal(labels, ref_labels)
+    assert dev.fallbacks.value == 0 and dev.decoder_name == "cpu"
+
+
+def test_cpu_is_decode_batch_through_the_thread_loader_and_iterate(mixed_images: Path) -> None:
+    dev = DeviceDecode(28, crop="random", flip=True, seed=7, device="cpu")
+    raw_ds, ref_ds = _raw(mixed_images), _decoded(mixed_images, DecodeBatch(28, crop="random", flip=True, seed=7))
+    raw_ds.set_epoch(2)
+    ref_ds.set_epoch(2)
+    got = list(dev.iterate(Loader(raw_ds, threads=2)))
+    want = list(Loader(ref_ds, threads=2))
+    assert len(got) == len(want) == len(raw_ds)
+    for (images, labels), (ref_images, ref_labels) in zip(got, want, strict=True):
+        assert torch.equal(images, ref_images) and torch.equal(labels, ref_labels)
+
+
+def test_the_epoch_and_seed_change_the_crops(mixed_images: Path) -> None:
+    def first(epoch: int, seed: int) -> torch.Tensor:
+        ds = _raw(mixed_images)
+        ds.set_epoch(epoch)
+        images, _ = DeviceDecode(32, crop="random", flip=True, seed=seed, device="cpu")(next(iter(ds)))
+        return images
+
+    base = first(0, 0)
+    assert torch.equal(base, first(0, 0))
+    assert not torch.equal(base, first(1, 0)) and not torch.equal(base, first(0, 1))
+
+
+def test_raw_batches_carry_each_samples_epoch_and_position(mixed_images: Path) -> None:
+    """The fast read (straight from the readers) and the dict path give the places the dicts carry."""
+    seen: list[tuple[int, int]] = []
+
+    def note(sample: dict[str, Any]) -> dict[str, Any]:
+        seen.append((sample["__epoch__"], sample["__position__"]))
+        return sample
+
+    fast, slow = _raw(mixed_images), _raw(mixed_images, transform=note)
+    for ds in (fast, slow):
+        ds.set_epoch(3)
+    fast_batches, slow_batches = list(fast), list(slow)
+    fast_places = torch.cat([b.places for b in fast_batches]).tolist()
+    slow_places = torch.cat([b.places for b in slow_batches]).tolist()
+    assert [tuple(p) for p in fast_places] == [tuple(p) for p in slow_places] == seen
+    assert all(epoch == 3 for epoch, _ in seen) and len({p for _, p in seen}) == len(seen)
+    # crossing a process (a DataLoader worker's shared-memory batch) and a plain pickle keep them
+    worker = list(DataLoader(_raw(mixed_images), batch_size=None, num_workers=2))
+    assert all(b.places is not None and b.places.shape == (len(b), 2) for b in worker)
+    again = pickle.loads(pickle.dumps(fast_batches[0]))  # noqa: S301 - our own object
+    assert torch.equal(again.places, fast_batches[0].places)
+    assert torch.equal(fast_batches[0].pin_memory().places if CUDA else fast_batches[0].places, again.places)
+    assert torch.equal(fast_batches[0].to("cpu").places, again.places)
+    assert streamload.batch.RawCollate(places=False)([{"__key__": "k", "jpg": b"x", "cls": b"1"}]).places is None
+
+
+def test_random_crops_need_places(mixed_images: Path) -> None:
+    ds = StreamingDataset(str(mixed_images), batch_size=4, collate=RawCollate(places=False))
+    batch = next(iter(ds))
+    assert batch.places is None
+    images, _ = DeviceDecode(16, crop="center", device="cpu")(batch)  # nothing random: fine
+    assert images.shape == (4, 3, 16, 16)
+    with pytest.raises(ConfigError, match=r"RawCollate\(\)"):
+        DeviceDecode(16, crop="random", device="cpu")(batch)
+    with pytest.raises(ConfigError, match="places"):
+        DeviceDecode(16, flip=True, device="cpu")(batch)
+
+
+def test_the_gpu_paths_boxes_reproduce_decode_batch_with_pillow(mixed_images: Path) -> None:
+    """batch_geometry's boxes and flips, applied by Pillow itself, give DecodeBatch's pixels.
+
+    Output 64 and images of at most ~110 pixels: no DCT reduction on the CPU path, so its
+    pixels are Pillow's full decode resized over the box (backend="pillow").
+    """
+    settings = {"crop": "random", "flip": True, "scale": (0.08, 1.0)}
+    ds = StreamingDataset(str(mixed_images), batch_size=6, shuffle=True, seed=5, collate=RawCollate(keys=True))
+    ref_collate = DecodeBatch(64, backend="pillow", seed=11, label_field=None, **settings)  # type: ignore[arg-type]
+    dev = DeviceDecode(64, seed=11, device="cpu", backend="pillow", **settings)  # type: ignore[arg-type]
+    compared = flips = 0
+    for raw in ds:
+        samples = [{"__key__": k, "jpg": raw.tobytes(i)} for i, k in enumerate(raw.keys)]
+        for sample, (epoch, position) in zip(samples, raw.places.tolist(), strict=True):
+            sample["__epoch__"], sample["__position__"] = epoch, position
+        reference = ref_collate(samples).images
+        pictures = [Image.open(io.BytesIO(raw.tobytes(i))) for i in range(len(raw))]
+        small = [i for i, p in enumerate(pictures) if max(p.size) <= 128]
+        sizes = [pictures[i].size for i in small]
+        boxes, flipped = batch_geometry(dev.cpu, sizes, raw.places.numpy()[small], 11)
+        for k, i in enumerate(small):
+            img = pictures[i].convert("RGB").resize((64, 64), Image.Resampling.BILINEAR, box=boxes[k])
+            if flipped[k]:
+                img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            assert np.array_equal(np.asarray(img), reference[i].permute(1, 2, 0).numpy()), raw.keys[i]
+            compared += 1
+            flips += flipped[k]
+    assert compared > 20 and 0 < flips < compared
+
+
+def _pillow_resized(array: np.ndarray, box: tuple[float, ...], size: tuple[int, int]) -> np.ndarray:
+    img = Image.fromarray(array.squeeze(-1) if array.shape[-1] == 1 else array).convert("RGB")
+    return np.asarray(img.resize((size[1], size[0]), Image.Resampling.BILINEAR, box=box))
+
+
+def test_the_batched_resampler_is_pillows_bilinear() -> None:
+    """The GPU's crop + resize, run here on CPU tensors: within one level of Pillow, any scale or layout."""
+    rng = np.random.default_rng(1)
+    images, layouts, boxes, refs = [], [], [], []
+    size = (24, 30)
+    for k in range(24):
+        h, w = (int(v) for v in rng.integers(6, 260, 2))
+        channels = 1 if k % 5 == 4 else 3
+        array = (rng.random((h, w, channels)) * 255).astype(np.uint8)
+        if k % 4 == 0:
+            box = (0.0, 0.0, float(w), float(h))
+        else:
+            x0, y0 = rng.uniform(0, w - 1), rng.uniform(0, h - 1)
+            box = (x0, y0, rng.uniform(x0 + 0.5, w), rng.uniform(y0 + 0.5, h))
+        tensor = torch.from_numpy(array)
+        if k % 2:
+            images.append(tensor.permute(2, 0, 1).contiguous())
+            layouts.append("CHW")
+        else:
+            images.append(tensor)
+            layouts.append("HWC")
+        boxes.append(box)
+        refs.append(_pillow_resized(array, box, size))
+    out = resample_boxes(images, layouts, boxes, size)
+    assert out.shape == (24, 3, *size) and out.dtype == torch.uint8
+    exact = 0
+    for k in range(24):
+        diff = np.abs(out[k].permute(1, 2, 0).numpy().astype(int) - refs[k].astype(int))
+        assert diff.max() <= 1, (k, boxes[k], images[k].shape)
+        exact += int(diff.max() == 0)
+    assert exact >= 6  # many are exactly Pillow's
+    assert resample_boxes([], [], [], size).shape == (0, 3, *size)
+
+
+def test_jpeg_headers_read_like_pillow() -> None:
+    rng = np.random.default_rng(2)
+    pixels = (rng.random((33, 47, 3)) * 255).astype(np.uint8)
+    cases = {
+        "baseline": (_encode(pixels), 0xC0, 3, True),
+        "progressive": (_encode(pixels, progressive=True), 0xC2, 3, True),
+        "grey": (_encode(pixels, mode="L"), 0xC0, 1, True),
+        "cmyk": (_encode(pixels, mode="CMYK"), 0xC0, 4, False),
+        "exif": (_encode(pixels, exif=Image.Exif().tobytes()), 0xC0, 3, True),
+    }
+    for name, (data, marker, components, gpu) in cases.items():
+        head = jpeg_head(data)
+        assert head is not None, name
+        assert (head.width, head.height) == Image.open(io.BytesIO(data)).size == (47, 33), name
+        assert (head.marker, head.components, head.precision, head.gpu_decodable) == (marker, components, 8, gpu)
+        assert jpeg_head(np.frombuffer(data, dtype=np.uint8)) == head  # a batch's uint8 view reads the same
+        assert jpeg_head(data[:20]) is None  # cut before the frame header
+    assert jpeg_head(_encode(pixels, "PNG")) is None
+    assert jpeg_head(b"") is None and jpeg_head(b"\xff\xd8\xff\xda\x00\x02") is None
+
+
+def test_normalized_float_and_channels_last(mixed_images: Path) -> None:
+    batch = next(iter(_raw(mixed_images)))
+    plain, labels = DeviceDecode(20, crop="random", flip=True, device="cpu")(batch)
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    normed, labels2 = DeviceDecode(20, crop="random", flip=True, device="cpu", mean=mean, std=std, channels_last=True)(
+        batch
+    )
+    assert normed.dtype == torch.float32 and normed.is_contiguous(memory_format=torch.channels_last)
+    expect = (plain.numpy().astype(np.float64) / 255 - np.array(mean).reshape(1, 3, 1, 1)) / np.array(std).reshape(
+        1, 3, 1, 1
+    )
+    assert np.allclose(normed.numpy(), expect, atol=1e-5)
+    assert torch.equal(labels, labels2) and labels.dtype == torch.int64
+    half, _ = DeviceDecode(20, crop="random", flip=True, device="cpu", dtype=torch.float16)(batch)
+    assert half.dtype == torch.float16 and torch.allclose(half.float(), plain.float() / 255, atol=1e-3)
+    last, _ = DeviceDecode(20, crop="random", flip=True, device="cpu", channels_last=True)(batch)
+    assert last.dtype == torch.uint8 and last.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(last, plain)
+
+
+def test_a_bad_image_names_its_sample(mixed_images: Path) -> None:
+    good = next(iter(_raw(mixed_images)))
+    data = good.data.clone()
+    data[int(good.offsets[2]) + 2 : int(good.offsets[3])] = 0  # sample 2: a JPEG marker, then zeros
+    broken = RawBatch(data, good.offsets, good.labels, good.keys, places=good.places)
+    with pytest.raises(SampleError, match=repr(good.keys[2])):
+        DeviceDecode(16, device="cpu")(broken)
+    tiny = DeviceDecode(16, device="cpu", max_pixels=100)
+    with pytest.raises(SampleError, match="max_pixels"):
+        tiny(good)
+
+
+@pytest.mark.skipif(CUDA, reason="checks the refusal on a machine without CUDA")
+def test_cuda_without_cuda_is_a_config_error_saying_what_to_install() -> None:
+    with pytest.raises(ConfigError, match=r"streamload\[gpu\]") as err:
+        DeviceDecode(224, crop="random", flip=True)
+    assert "CUDA" in str(err.value) and "device='cpu'" in str(err.value)
+    with pytest.raises(ConfigError, match="CUDA"):
+        DeviceDecode(224, device="cuda:1")
+
+
+@pytest.mark.parametrize(
+    ("kw", "named"),
+    [
+        ({"size": 0}, "size="),
+        ({"size": (3, 0)}, "size="),
+        ({"size": True}, "size="),
+        ({"crop": "middle"}, "crop="),
+        ({"flip": 1}, "flip="),
+        ({"seed": -1}, "seed="),
+        ({"seed": 1.5}, "seed="),
+        ({"device": "tpu"}, "device="),
+        ({"device": "meta"}, "device="),
+        ({"resize": 0}, "resize="),
+        ({"scale": (0.5, 0.1)}, "scale="),
+        ({"scale": (0.1, 2.0)}, "scale="),
+        ({"ratio": (0, 1)}, "ratio="),
+        ({"mean": (0.5, 0.5, 0.5)}, "mean="),
+        ({"mean": (0.5, 0.5), "std": (1, 1)}, "mean="),
+        ({"mean": (0.5,) * 3, "std": (1, 0, 1)}, "std="),
+        ({"mean": (0.5,) * 3, "std": (1,) * 3, "dtype": torch.uint8}, "uint8"),
+        ({"dtype": torch.int32}, "dtype="),
+        ({"channels_last": "yes"}, "channels_last="),
+        ({"decoder": "dali"}, "decoder="),
+        ({"backend": "turbo"}, "backend="),
+        ({"max_pixels": 0}, "max_pixels="),
+    ],
+)
+def test_arguments_are_checked_up_front(kw: dict[str, Any], named: str) -> None:
+    args = {"size": 16, "device": "cpu", **kw}
+    size = args.pop("size")
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(")):
+        DeviceDecode(size, **args)
+
+
+def test_it_takes_raw_batches_only(mixed_images: Path) -> None:
+    decoded = next(iter(_decoded(mixed_images, DecodeBatch(16))))
+    with pytest.raises(ConfigError, match="RawCollate"):
+        DeviceDecode(16, device="cpu")(decoded)  # type: ignore[arg-type]
+
+
+def test_repr_and_pickle_say_what_runs() -> None:
+    dev = DeviceDecode((24, 32), crop="random", flip=True, seed=4, device="cpu", mean=(0.5,) * 3, std=(0.25,) * 3)
+    text = repr(dev)
+    assert "decoder='cpu'" in text and "device='cpu'" in text and "crop='random'" in text and "float32" in text
+    again = pickle.loads(pickle.dumps(dev))  # noqa: S301 - our own object
+    assert repr(again) == text
+
+
+# -- on a GPU (pytest -m gpu) -----------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_decodes_close_to_the_cpu_path_and_counts_fallbacks(mixed_images: Path) -> None:
+    gpu = DeviceDecode(48, crop="random", flip=True, seed=3)
+    cpu = DeviceDecode(48, crop="random", flip=True, seed=3, device="cpu")
+    assert gpu.decoder_name in ("nvimgcodec-hardware", "nvjpeg") and gpu.decoder_name in repr(gpu)
+    ds = _raw(mixed_images)
+    total = 0
+    for raw in ds:
+        images, labels = gpu(raw)
+        ref, ref_labels = cpu(raw)
+        assert images.is_cuda and images.dtype == torch.uint8 and images.shape == ref.shape
+        assert torch.equal(labels.cpu(), ref_labels)
+        # the same boxes and flips: the pixels differ only by decoder and DCT scaling
+        diff = (images.cpu().float() - ref.float()).abs().mean(dim=(1, 2, 3))
+        assert float(diff.max()) < 12, diff
+        total += len(raw)
+    # the PNG and the CMYK JPEG at least went to the CPU, each counted
+    assert gpu.fallbacks.value >= 2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_iterate_overlaps_and_times_the_decode_stage(mixed_images: Path) -> None:
+    dev = DeviceDecode(32, crop="random", flip=True, mean=(0.5,) * 3, std=(0.5,) * 3, channels_last=True)
+    loader = DataLoader(_raw(mixed_images), batch_size=None, num_workers=2, pin_memory=True)
+    watched = streamload.watch(dev.iterate(loader))
+    batches = 0
+    for images, labels in watched:
+        assert images.is_cuda and images.dtype == torch.float32
+        assert images.is_contiguous(memory_format=torch.channels_last)
+        assert labels is not None and labels.is_cuda
+        images.sum().item()
+        batches += 1
+    assert batches == len(loader)
+    torch.cuda.synchronize()
+    assert dev.device_stage_seconds()["decode"] > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_device_is_this_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    last = torch.cuda.device_count() - 1
+    monkeypatch.setenv("LOCAL_RANK", str(last))
+    assert DeviceDecode(16).device == torch.device("cuda", last)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert DeviceDecode(16).device == torch.device("cuda", torch.cuda.current_device())
