@@ -418,13 +418,21 @@ def _name(batch: RawBatch, i: int) -> str:
 
 
 class _Gpu:
-    """A device's decoder (nvImageCodec hardware, or torchvision's nvJPEG), its stream and its events."""
+    """A device's batched decode: its JPEG decoder, its CUDA stream and its timing events.
+
+    ``decode`` takes a list of encoded JPEGs (``uint8`` host arrays) and the stream, and
+    returns per image ``(tensor, "CHW" | "HWC")`` on the device, or ``None`` for an image
+    it refused. Everything after it (resize, flips, fallbacks, assembly) is the same code
+    on any device; on a device without streams (a CPU stand-in) the work runs in place.
+    """
 
     def __init__(self, device: torch.device, name: str, decode: Any) -> None:
         self.device = device
         self.name = name
         self._decode = decode
-        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self.stream: Any = None
+        if device.type == "cuda":
+            self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
 
     @classmethod
     def open(cls, device: torch.device, choice: str) -> _Gpu:
@@ -452,11 +460,31 @@ class _Gpu:
             nvjpeg = _torchvision_nvjpeg(device, tried)
             if nvjpeg is not None:
                 return cls(device, "nvjpeg", nvjpeg)
-        raise ConfigError(
-            f"DeviceDecode(decoder={choice!r}) found no GPU JPEG decoder ({'; '.join(tried)}): {_INSTALL}"
-        )
+        found = "; ".join(tried)
+        raise ConfigError(f"DeviceDecode(decoder={choice!r}) found no GPU JPEG decoder ({found}): {_INSTALL}")
 
     def start(self, owner: DeviceDecode, batch: RawBatch) -> Any:
+        """Queue the batch's decode (on the decode stream); return what :meth:`finish` hands over."""
+        stream = self.stream
+        if stream is None:
+            begun = perf_counter()
+            images, labels = self._work(owner, batch)
+            owner._device_seconds += perf_counter() - begun
+            return images, labels, None
+        begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # what the step queued before (the batch's copy)
+        with torch.cuda.stream(stream):
+            begin.record(stream)
+            images, labels = self._work(owner, batch)
+            end.record(stream)
+        with owner._lock:
+            owner._timings.append((begin, end))
+        return images, labels, end
+
+    def _work(self, owner: DeviceDecode, batch: RawBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from ._resample import resample_boxes
+
         places = owner._places(batch)
         n = batch.batch_size
         data = batch.data if batch.data.device.type == "cpu" else batch.data.cpu()
@@ -464,6 +492,7 @@ class _Gpu:
         raws = [data[bounds[i] : bounds[i + 1]].numpy() for i in range(n)]
         heads = [jpeg_head(raw) for raw in raws]
         gpu = [i for i, head in enumerate(heads) if head is not None and head.gpu_decodable]
+        sizes = []
         for i in gpu:
             head = heads[i]
             assert head is not None
@@ -471,52 +500,44 @@ class _Gpu:
                 check_pixels(head.width, head.height, owner.max_pixels)
             except SampleError as exc:
                 raise SampleError(f"sample {_name(batch, i)!r}: {exc}") from exc
-        sizes = [(h.width, h.height) for h in (heads[i] for i in gpu) if h is not None]
-        sub = None if places is None else places[gpu]
-        boxes, flips = batch_geometry(owner.cpu, sizes, sub, owner.seed)
-        from ._resample import resample_boxes
-
+            sizes.append((head.width, head.height))
+        boxes, flips = batch_geometry(owner.cpu, sizes, None if places is None else places[gpu], owner.seed)
         out = torch.empty((n, 3, owner.height, owner.width), dtype=torch.uint8, device=self.device)
-        begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        stream = self.stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # `out` was made on the current stream
-        with torch.cuda.stream(stream):
-            begin.record(stream)
-            decoded: Decoded = self._decode([raws[i] for i in gpu], stream) if gpu else []
-            pairs = [(k, image) for k, image in enumerate(decoded) if image is not None]
-            taken = [k for k, _ in pairs]
-            if taken:
-                images = [image for _, (image, _) in pairs]
-                layouts = [layout for _, (_, layout) in pairs]
-                resized = resample_boxes(images, layouts, [boxes[k] for k in taken], (owner.height, owner.width))
-                flipped = torch.tensor([flips[k] for k in taken], device=self.device)
-                resized = torch.where(flipped[:, None, None, None], resized.flip(-1), resized)
-                out[torch.tensor([gpu[k] for k in taken], device=self.device)] = resized
-            on_cpu = sorted(set(range(n)) - {gpu[k] for k in taken})
-            if on_cpu:
-                host = torch.empty((len(on_cpu), owner.height, owner.width, 3), dtype=torch.uint8).pin_memory()
-                owner.decode_on_cpu(batch, on_cpu, host.numpy(), places)
-                owner.fallbacks.add(len(on_cpu))
-                if _FALLBACK_LOGGED():
-                    _log.warning(
-                        "DeviceDecode: %d of %d images of a batch decoded on the CPU (not JPEGs the %s decoder "
-                        "takes, or refused by it); later ones are counted in .fallbacks, not logged",
-                        len(on_cpu),
-                        n,
-                        self.name,
-                    )
-                moved = host.to(self.device, non_blocking=True).permute(0, 3, 1, 2)
-                out[torch.tensor(on_cpu, device=self.device)] = moved
-            images_out = owner._finish_images(out)
-            labels = None if batch.labels is None else batch.labels.to(self.device, non_blocking=True)
-            end.record(stream)
-        with owner._lock:
-            owner._timings.append((begin, end))
-        return images_out, labels, end
+        decoded: Decoded = self._decode([raws[i] for i in gpu], self.stream) if gpu else []
+        pairs = [(k, image) for k, image in enumerate(decoded) if image is not None]
+        taken = [k for k, _ in pairs]
+        if taken:
+            images = [image for _, (image, _) in pairs]
+            layouts = [layout for _, (_, layout) in pairs]
+            resized = resample_boxes(images, layouts, [boxes[k] for k in taken], (owner.height, owner.width))
+            flipped = torch.tensor([flips[k] for k in taken], device=self.device)
+            resized = torch.where(flipped[:, None, None, None], resized.flip(-1), resized)
+            out[torch.tensor([gpu[k] for k in taken], device=self.device)] = resized
+        on_cpu = sorted(set(range(n)) - {gpu[k] for k in taken})
+        if on_cpu:  # not a JPEG the decoder takes, or refused by it: the CPU path, the same box
+            host = torch.empty((len(on_cpu), owner.height, owner.width, 3), dtype=torch.uint8)
+            if self.device.type == "cuda":
+                host = host.pin_memory()
+            owner.decode_on_cpu(batch, on_cpu, host.numpy(), places)
+            owner.fallbacks.add(len(on_cpu))
+            if _FALLBACK_LOGGED():
+                _log.warning(
+                    "DeviceDecode: %d of %d images of a batch decoded on the CPU (not JPEGs the %s decoder "
+                    "takes, or refused by it); later ones are counted in .fallbacks, not logged",
+                    len(on_cpu),
+                    n,
+                    self.name,
+                )
+            moved = host.to(self.device, non_blocking=True).permute(0, 3, 1, 2)
+            out[torch.tensor(on_cpu, device=self.device)] = moved
+        labels = None if batch.labels is None else batch.labels.to(self.device, non_blocking=True)
+        return owner._finish_images(out), labels
 
     def finish(self, owner: DeviceDecode, pending: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The current stream waits for the batch's decode; its tensors are marked as used by it."""
         images, labels, done = pending
+        if done is None:
+            return images, labels
         compute = torch.cuda.current_stream(self.device)
         compute.wait_event(done)
         images.record_stream(compute)
@@ -554,8 +575,17 @@ def _nvimgcodec_hardware(device: torch.device, tried: list[str]) -> Any:
         tried.append(f"nvImageCodec's hardware decoder unavailable: {exc}")
         return None
 
+    def one(raw: np.ndarray, stream: Any) -> Any:
+        try:
+            return decoder.decode([raw], params=params, cuda_stream=stream.cuda_stream)[0]
+        except Exception:  # noqa: BLE001 - refused: the CPU decodes it
+            return None
+
     def decode(raws: list[np.ndarray], stream: Any) -> Decoded:
-        images = decoder.decode(raws, params=params, cuda_stream=stream.cuda_stream)
+        try:
+            images = decoder.decode(raws, params=params, cuda_stream=stream.cuda_stream)
+        except Exception:  # noqa: BLE001 - a refusal failing the whole call: image by image
+            images = [one(raw, stream) for raw in raws]
         out: Decoded = []
         for image in images:
             if image is None:

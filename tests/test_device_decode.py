@@ -154,7 +154,6 @@ def test_raw_batches_carry_each_samples_epoch_and_position(mixed_images: Path) -
     assert all(b.places is not None and b.places.shape == (len(b), 2) for b in worker)
     again = pickle.loads(pickle.dumps(fast_batches[0]))  # noqa: S301 - our own object
     assert torch.equal(again.places, fast_batches[0].places)
-    assert torch.equal(fast_batches[0].pin_memory().places if CUDA else fast_batches[0].places, again.places)
     assert torch.equal(fast_batches[0].to("cpu").places, again.places)
     assert streamload.batch.RawCollate(places=False)([{"__key__": "k", "jpg": b"x", "cls": b"1"}]).places is None
 
@@ -199,6 +198,55 @@ def test_the_gpu_paths_boxes_reproduce_decode_batch_with_pillow(mixed_images: Pa
             compared += 1
             flips += flipped[k]
     assert compared > 20 and 0 < flips < compared
+
+
+def _stand_in(raws: list[np.ndarray], stream: Any) -> list[tuple[torch.Tensor, str] | None]:
+    """A device decoder's stand-in on the CPU: Pillow's full decode; progressive JPEGs refused."""
+    out: list[tuple[torch.Tensor, str] | None] = []
+    for k, raw in enumerate(raws):
+        img = Image.open(io.BytesIO(raw.tobytes()))
+        if img.info.get("progressive") or img.info.get("progression"):
+            out.append(None)
+            continue
+        array = torch.from_numpy(np.asarray(img.convert("RGB")).copy())
+        out.append((array, "HWC") if k % 2 else (array.permute(2, 0, 1).contiguous(), "CHW"))
+    return out
+
+
+def test_the_device_path_routes_refusals_to_the_cpu_and_counts_them(mixed_images: Path) -> None:
+    """The GPU path's code (headers, boxes, batched resize, flips, fallbacks, assembly) with a CPU stand-in decoder.
+
+    What the device decoder takes comes out within one level of DecodeBatch's pixels
+    (small images: no DCT reduction on the CPU path); what it cannot take (the PNG, the
+    CMYK JPEG) or refuses (the progressive JPEG, here) is exactly DecodeBatch's, counted.
+    """
+    from streamload.devicedecode import _Gpu
+
+    dev = DeviceDecode(64, crop="random", flip=True, seed=6, device="cpu", backend="pillow")
+    dev._gpu = _Gpu(torch.device("cpu"), "stand-in", _stand_in)
+    assert "decoder='stand-in'" in repr(dev)
+    ref = DecodeBatch(64, crop="random", flip=True, seed=6, backend="pillow")
+    ds = _raw(mixed_images)
+    routed: list[str] = []
+    resized = 0
+    for raw in ds:
+        images, labels = dev(raw)
+        samples = [{"__key__": k, "jpg": raw.tobytes(i), "cls": b"0"} for i, k in enumerate(raw.keys)]
+        for sample, (epoch, position) in zip(samples, raw.places.tolist(), strict=True):
+            sample["__epoch__"], sample["__position__"] = epoch, position
+        want = ref(samples).images
+        for i, key in enumerate(raw.keys):
+            if key.rsplit("/", 1)[-1] in ("a_png", "cmyk", "progressive"):
+                assert torch.equal(images[i], want[i]), key
+                routed.append(key.rsplit("/", 1)[-1])
+            elif max(Image.open(io.BytesIO(raw.tobytes(i))).size) <= 128:
+                diff = (images[i].int() - want[i].int()).abs()
+                assert int(diff.max()) <= 1, key
+                resized += 1
+        assert torch.equal(labels, raw.labels)
+    assert set(routed) == {"a_png", "cmyk", "progressive"} and resized > 20  # (a padded epoch repeats some)
+    assert dev.fallbacks.value == len(routed)
+    assert dev.device_stage_seconds()["decode"] > 0
 
 
 def _pillow_resized(array: np.ndarray, box: tuple[float, ...], size: tuple[int, int]) -> np.ndarray:
