@@ -24,6 +24,7 @@ the decoder.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
@@ -209,9 +210,7 @@ class DeviceDecode:
         self.fallbacks = SharedCount()
         self.warnings = 0
         self._gpu: _Gpu | None = None
-        self._lock = threading.Lock()
-        self._device_seconds = 0.0
-        self._timings: list[tuple[Any, Any]] = []
+        self._clock = _StageClock()
         if self.device.type == "cuda":
             self._gpu = _Gpu.open(self.device, decoder)  # a ConfigError now, not at the first batch
 
@@ -220,6 +219,8 @@ class DeviceDecode:
     @property
     def decoder_name(self) -> str:
         """The decoder that runs: ``"nvimgcodec-hardware"``, ``"nvjpeg"`` or ``"cpu"``."""
+        if self._gpu is None and self.device.type == "cuda":
+            self._gpu = _Gpu.open(self.device, self.decoder)
         return "cpu" if self._gpu is None else self._gpu.name
 
     @property
@@ -238,15 +239,11 @@ class DeviceDecode:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_gpu"] = None  # decoders, streams and events stay in their process
-        state["_lock"] = None
-        state["_timings"] = []
+        state["_clock"] = _StageClock()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-        if self.device.type == "cuda":
-            self._gpu = _Gpu.open(self.device, self.decoder)
+        self.__dict__.update(state)  # the GPU decoder is opened at the first batch of this process
 
     # -- decoding ------------------------------------------------------------------
 
@@ -269,19 +266,22 @@ class DeviceDecode:
                 f"DeviceDecode takes the RawBatch batches of StreamingDataset(collate=RawCollate()), "
                 f"not {type(batch).__name__}"
             )
-        if self._gpu is None:
+        gpu = self._gpu
+        if gpu is None and self.device.type == "cuda":
+            gpu = self._gpu = _Gpu.open(self.device, self.decoder)
+        if gpu is None:
             start = perf_counter()
             out = self._decode_cpu(batch)
-            self._device_seconds += perf_counter() - start
+            self._clock.add(perf_counter() - start)
             return out
-        return self._gpu.start(self, batch)
+        return gpu.start(self, batch)
 
     def finish(self, pending: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The images and labels of a :meth:`start`, the current stream made to wait for them."""
         if self._gpu is None:
             images, labels = pending
             return images, labels
-        return self._gpu.finish(self, pending)
+        return self._gpu.finish(self, pending)  # (images, labels, the decode's end event)
 
     def iterate(self, loader: Iterable[RawBatch]) -> DeviceBatches:
         """Iterate ``loader``'s raw batches decoded, batch ``n + 1`` decoding while the caller works on ``n``.
@@ -300,15 +300,24 @@ class DeviceDecode:
         through :meth:`iterate`. On CUDA the events are read when they have completed
         (no synchronization); a batch still in flight counts at its next call.
         """
-        with self._lock:
-            left = []
-            for begin, end in self._timings:
-                if end.query():
-                    self._device_seconds += begin.elapsed_time(end) / 1e3
-                else:
-                    left.append((begin, end))
-            self._timings = left
-            return {"decode": self._device_seconds}
+        return {"decode": self._clock.seconds()}
+
+    def to(self, device: str | torch.device) -> DeviceDecode:
+        """The same decode on ``device`` (its own decoder and stream; counts and stage time shared).
+
+        What :class:`~streamload.lightning.StreamingDataModule` does with the trainer's
+        device, so one ``DeviceDecode`` made before the ranks exist serves each rank's GPU.
+
+        Raises:
+            ConfigError: As the constructor's ``device=``.
+        """
+        target = _parse_device(device)
+        if target == self.device:
+            return self
+        moved = copy.copy(self)
+        moved.device = target
+        moved._gpu = _Gpu.open(target, self.decoder) if target.type == "cuda" else None
+        return moved
 
     def _decode_cpu(self, batch: RawBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every image on the CPU, exactly as :class:`DecodeBatch` decodes it."""
@@ -356,6 +365,34 @@ class DeviceDecode:
             std = torch.tensor(self.std, dtype=torch.float32, device=out.device).view(1, 3, 1, 1)
             out.sub_(mean).div_(std)
         return out if self.dtype == torch.float32 else out.to(self.dtype)
+
+
+class _StageClock:
+    """The decode stage's seconds: CPU time added, CUDA event pairs read once they have completed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds = 0.0
+        self._events: list[tuple[Any, Any]] = []
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self._seconds += seconds
+
+    def pending(self, begin: Any, end: Any) -> None:
+        with self._lock:
+            self._events.append((begin, end))
+
+    def seconds(self) -> float:
+        with self._lock:
+            left = []
+            for begin, end in self._events:
+                if end.query():
+                    self._seconds += begin.elapsed_time(end) / 1e3
+                else:
+                    left.append((begin, end))
+            self._events = left
+            return self._seconds
 
 
 class DeviceBatches:
@@ -469,7 +506,7 @@ class _Gpu:
         if stream is None:
             begun = perf_counter()
             images, labels = self._work(owner, batch)
-            owner._device_seconds += perf_counter() - begun
+            owner._clock.add(perf_counter() - begun)
             return images, labels, None
         begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -478,8 +515,7 @@ class _Gpu:
             begin.record(stream)
             images, labels = self._work(owner, batch)
             end.record(stream)
-        with owner._lock:
-            owner._timings.append((begin, end))
+        owner._clock.pending(begin, end)
         return images, labels, end
 
     def _work(self, owner: DeviceDecode, batch: RawBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -448,3 +448,60 @@ def test_gpu_device_is_this_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert DeviceDecode(16).device == torch.device("cuda", last)
     monkeypatch.delenv("LOCAL_RANK")
     assert DeviceDecode(16).device == torch.device("cuda", torch.cuda.current_device())
+
+
+def test_lightning_decodes_raw_batches_after_the_transfer(mixed_images: Path, tmp_path: Path) -> None:
+    """StreamingDataModule(device_decode=...): training_step gets DecodeBatch's (images, labels)."""
+    import lightning.pytorch as pl
+
+    from streamload.lightning import StreamingDataModule
+
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            images, labels = batch
+            seen.append((images.clone(), labels.clone()))
+            return (self.weight * images.float().mean()) ** 2
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    decode = DeviceDecode(16, crop="random", flip=True, seed=5, device="cpu")
+    dm = StreamingDataModule(mixed_images, batch_size=6, num_workers=2, device_decode=decode, seed=3)
+    assert isinstance(dm.collate, RawCollate)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.fit(Model(), datamodule=dm)
+    want = []
+    for epoch in (0, 1):
+        ref = StreamingDataset(
+            str(mixed_images),
+            batch_size=6,
+            shuffle=True,
+            seed=3,
+            collate=DecodeBatch(16, crop="random", flip=True, seed=5),
+        )
+        ref.set_epoch(epoch)
+        want.extend(ref)
+    assert len(seen) == len(want) > 0
+    for (images, labels), (ref_images, ref_labels) in zip(seen, want, strict=True):
+        assert torch.equal(images, ref_images) and torch.equal(labels, ref_labels)
+    with pytest.raises(ConfigError, match="device_decode="):
+        StreamingDataModule(mixed_images, device_decode=DecodeBatch(16))  # type: ignore[arg-type]
+
+
+def test_the_loaders_device_copy_keeps_the_places(mixed_images: Path) -> None:
+    """Loader(device=...) moves a raw batch (RawBatch.to): its places come along, the decode is the same."""
+    dev = DeviceDecode(20, crop="random", flip=True, device="cpu")
+    plain = [dev(b) for b in Loader(_raw(mixed_images), threads=2)]
+    moved = [dev(b) for b in Loader(_raw(mixed_images), threads=2, device="cpu")]
+    assert len(plain) == len(moved) > 0
+    for (a, la), (b, lb) in zip(plain, moved, strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
