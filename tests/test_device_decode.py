@@ -505,3 +505,26 @@ def test_the_loaders_device_copy_keeps_the_places(mixed_images: Path) -> None:
     assert len(plain) == len(moved) > 0
     for (a, la), (b, lb) in zip(plain, moved, strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+def test_watch_reports_the_decode_stage_on_the_device(mixed_images: Path) -> None:
+    from streamload.watch_report import DataReport
+
+    dev = DeviceDecode(24, crop="random", flip=True, device="cpu")
+    watched = streamload.watch(dev.iterate(DataLoader(_raw(mixed_images), batch_size=None, num_workers=2)))
+    assert len(watched) == len(_raw(mixed_images))
+    steps = sum(1 for _ in watched)
+    report = watched.report()
+    assert report.steps == steps > 0
+    decode = report.device_stages["decode"]
+    assert decode > 0 and report.readers > 0  # the workers' read stage is measured beside it
+    assert "on the device: decode" in str(report)
+    assert report.metrics()["data/device_decode_s"] == decode
+    assert DataReport.from_dict(report.to_dict()).device_stages == report.device_stages
+    mark = watched.mark()
+    assert watched.report(since=mark).device_stages["decode"] == 0.0
+    for _ in watched:
+        pass
+    assert watched.report(since=mark).device_stages["decode"] > 0
+    plain = streamload.watch(DataLoader(_raw(mixed_images), batch_size=None))
+    assert plain.report().device_stages == {}
