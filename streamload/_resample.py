@@ -91,6 +91,8 @@ def resample_boxes(
         return torch.empty((0, 3, height, width), dtype=torch.uint8)
     device = images[0].device
     flat = torch.cat([img.reshape(-1) for img in images])
+    # The geometry is worked out on the host and sent along (no read-back from the device:
+    # the caller's thread never waits for the decode queued before this).
     geometry = []  # base, H, W, row stride, column stride, channel stride
     base = 0
     for img, layout in zip(images, layouts, strict=True):
@@ -101,20 +103,31 @@ def resample_boxes(
             h, w, c = img.shape
             geometry.append((base, h, w, w * c, c, 1 if c == 3 else 0))
         base += img.numel()
-    geo = torch.tensor(geometry, dtype=torch.int64, device=device)
-    box = torch.tensor(boxes, dtype=torch.float64, device=device)
+    geo = torch.tensor(geometry, dtype=torch.int64)
+    box = torch.tensor(boxes, dtype=torch.float64)
     x_first, _, x_weights = _coefficients(box[:, 0], box[:, 2], geo[:, 2].double(), width)
     y_first, y_count, y_weights = _coefficients(box[:, 1], box[:, 3], geo[:, 1].double(), height)
     row0 = y_first[:, 0]
     rows = (y_first[:, -1] + y_count[:, -1] - row0).clamp(min=1)  # source rows each image's vertical taps span
     out = torch.empty((n, 3, height, width), dtype=torch.uint8, device=device)
     for chunk in _chunks(rows.tolist(), width):
-        index = torch.tensor(chunk, dtype=torch.int64, device=device)
-        out[index] = _resample_chunk(
-            flat, geo[index], x_first[index], x_weights[index], y_first[index], y_weights[index], row0[index],
+        index = torch.tensor(chunk, dtype=torch.int64)
+        out[_to(index, device)] = _resample_chunk(
+            flat,
+            _to(geo[index], device),
+            _to(x_first[index], device),
+            _to(x_weights[index], device),
+            _to(y_first[index], device),
+            _to(y_weights[index], device),
+            _to(row0[index], device),
             int(rows[index].max()),
-        )  # fmt: skip
+        )
     return out
+
+
+def _to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``, copied without waiting for the stream (a staged copy)."""
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
 
 
 def _chunks(rows: list[int], width: int) -> list[list[int]]:

@@ -239,11 +239,12 @@ class DeviceDecode:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_gpu"] = None  # decoders, streams and events stay in their process
-        state["_clock"] = _StageClock()
+        state["_clock"] = None  # a lock, and CUDA events of this process
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)  # the GPU decoder is opened at the first batch of this process
+        self._clock = _StageClock()
 
     # -- decoding ------------------------------------------------------------------
 
@@ -508,9 +509,11 @@ class _Gpu:
             images, labels = self._work(owner, batch)
             owner._clock.add(perf_counter() - begun)
             return images, labels, None
+        if batch.data.is_cuda:  # copied to the GPU by a loader: back to the host, on the stream that copied it
+            batch = batch.to("cpu")
         begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # what the step queued before (the batch's copy)
+        # Nothing read back from the device below: this thread queues the work and returns.
         with torch.cuda.stream(stream):
             begin.record(stream)
             images, labels = self._work(owner, batch)
@@ -546,9 +549,9 @@ class _Gpu:
             images = [image for _, (image, _) in pairs]
             layouts = [layout for _, (_, layout) in pairs]
             resized = resample_boxes(images, layouts, [boxes[k] for k in taken], (owner.height, owner.width))
-            flipped = torch.tensor([flips[k] for k in taken], device=self.device)
+            flipped = _host_to(torch.tensor([flips[k] for k in taken]), self.device)
             resized = torch.where(flipped[:, None, None, None], resized.flip(-1), resized)
-            out[torch.tensor([gpu[k] for k in taken], device=self.device)] = resized
+            out[_host_to(torch.tensor([gpu[k] for k in taken]), self.device)] = resized
         on_cpu = sorted(set(range(n)) - {gpu[k] for k in taken})
         if on_cpu:  # not a JPEG the decoder takes, or refused by it: the CPU path, the same box
             host = torch.empty((len(on_cpu), owner.height, owner.width, 3), dtype=torch.uint8)
@@ -565,7 +568,7 @@ class _Gpu:
                     self.name,
                 )
             moved = host.to(self.device, non_blocking=True).permute(0, 3, 1, 2)
-            out[torch.tensor(on_cpu, device=self.device)] = moved
+            out[_host_to(torch.tensor(on_cpu), self.device)] = moved
         labels = None if batch.labels is None else batch.labels.to(self.device, non_blocking=True)
         return owner._finish_images(out), labels
 
@@ -580,6 +583,11 @@ class _Gpu:
         if labels is not None:
             labels.record_stream(compute)
         return images, labels
+
+
+def _host_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without a synchronizing copy (pageable memory is staged)."""
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
 
 
 class _Once:

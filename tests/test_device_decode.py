@@ -528,3 +528,26 @@ def test_watch_reports_the_decode_stage_on_the_device(mixed_images: Path) -> Non
     assert watched.report(since=mark).device_stages["decode"] > 0
     plain = streamload.watch(DataLoader(_raw(mixed_images), batch_size=None))
     assert plain.report().device_stages == {}
+
+
+def test_a_samples_crop_is_the_same_on_one_rank_or_two(mixed_images: Path) -> None:
+    """RawBatch.places are the epoch's items, not the rank's: DeviceDecode crops a sample alike in any world."""
+    dev = DeviceDecode(24, crop="random", flip=True, seed=9, device="cpu")
+
+    def by_place(world: int) -> dict[tuple[int, int], torch.Tensor]:
+        out: dict[tuple[int, int], torch.Tensor] = {}
+        for rank in range(world):
+            ds = StreamingDataset(
+                str(mixed_images), batch_size=4, shuffle=True, seed=2, collate=RawCollate(), rank=rank, world_size=world
+            )
+            ds.set_epoch(1)
+            for raw in ds:
+                images, _ = dev(raw)
+                for place, image in zip(raw.places.tolist(), images, strict=True):
+                    out[(place[0], place[1])] = image
+        return out
+
+    one, two = by_place(1), by_place(2)
+    common = one.keys() & two.keys()
+    assert len(common) >= len(one) - 8 > 0  # all but the padding, which the worlds place differently
+    assert all(torch.equal(one[p], two[p]) for p in common)
