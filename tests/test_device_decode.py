@@ -401,15 +401,23 @@ def test_repr_and_pickle_say_what_runs() -> None:
 # -- on a GPU (pytest -m gpu) -----------------------------------------------------------
 
 
+def _on_gpu(size: int, decoder: str = "auto", **kw: Any) -> DeviceDecode:
+    """A CUDA DeviceDecode, or a skip naming what is missing (the gpu extra, torchvision, JPEG engines)."""
+    try:
+        return DeviceDecode(size, decoder=decoder, **kw)
+    except ConfigError as exc:
+        pytest.skip(f"no GPU decoder {decoder!r} here: {exc}")
+
+
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_decodes_close_to_the_cpu_path_and_counts_fallbacks(mixed_images: Path) -> None:
-    gpu = DeviceDecode(48, crop="random", flip=True, seed=3)
+@pytest.mark.parametrize("decoder", ["auto", "hardware", "nvjpeg"])
+def test_gpu_decodes_close_to_the_cpu_path_and_counts_fallbacks(mixed_images: Path, decoder: str) -> None:
+    gpu = _on_gpu(48, decoder, crop="random", flip=True, seed=3)
     cpu = DeviceDecode(48, crop="random", flip=True, seed=3, device="cpu")
-    assert gpu.decoder_name in ("nvimgcodec-hardware", "nvjpeg") and gpu.decoder_name in repr(gpu)
-    ds = _raw(mixed_images)
-    total = 0
-    for raw in ds:
+    names = {"auto": ("nvimgcodec-hardware", "nvjpeg"), "hardware": ("nvimgcodec-hardware",), "nvjpeg": ("nvjpeg",)}
+    assert gpu.decoder_name in names[decoder] and gpu.decoder_name in repr(gpu)
+    for raw in _raw(mixed_images):
         images, labels = gpu(raw)
         ref, ref_labels = cpu(raw)
         assert images.is_cuda and images.dtype == torch.uint8 and images.shape == ref.shape
@@ -417,7 +425,6 @@ def test_gpu_decodes_close_to_the_cpu_path_and_counts_fallbacks(mixed_images: Pa
         # the same boxes and flips: the pixels differ only by decoder and DCT scaling
         diff = (images.cpu().float() - ref.float()).abs().mean(dim=(1, 2, 3))
         assert float(diff.max()) < 12, diff
-        total += len(raw)
     # the PNG and the CMYK JPEG at least went to the CPU, each counted
     assert gpu.fallbacks.value >= 2
 
@@ -425,7 +432,7 @@ def test_gpu_decodes_close_to_the_cpu_path_and_counts_fallbacks(mixed_images: Pa
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_iterate_overlaps_and_times_the_decode_stage(mixed_images: Path) -> None:
-    dev = DeviceDecode(32, crop="random", flip=True, mean=(0.5,) * 3, std=(0.5,) * 3, channels_last=True)
+    dev = _on_gpu(32, crop="random", flip=True, mean=(0.5,) * 3, std=(0.5,) * 3, channels_last=True)
     loader = DataLoader(_raw(mixed_images), batch_size=None, num_workers=2, pin_memory=True)
     watched = streamload.watch(dev.iterate(loader))
     batches = 0
@@ -445,9 +452,10 @@ def test_gpu_iterate_overlaps_and_times_the_decode_stage(mixed_images: Path) -> 
 def test_gpu_device_is_this_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     last = torch.cuda.device_count() - 1
     monkeypatch.setenv("LOCAL_RANK", str(last))
-    assert DeviceDecode(16).device == torch.device("cuda", last)
+    assert _on_gpu(16).device == torch.device("cuda", last)
     monkeypatch.delenv("LOCAL_RANK")
-    assert DeviceDecode(16).device == torch.device("cuda", torch.cuda.current_device())
+    assert _on_gpu(16).device == torch.device("cuda", torch.cuda.current_device())
+    assert _on_gpu(16, device="cpu").to(f"cuda:{last}").device == torch.device("cuda", last)
 
 
 def test_lightning_decodes_raw_batches_after_the_transfer(mixed_images: Path, tmp_path: Path) -> None:
