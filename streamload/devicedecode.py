@@ -284,15 +284,19 @@ class DeviceDecode:
             return images, labels
         return self._gpu.finish(self, pending)  # (images, labels, the decode's end event)
 
-    def iterate(self, loader: Iterable[RawBatch]) -> DeviceBatches:
+    def iterate(self, loader: Iterable[RawBatch], ahead: bool = True) -> DeviceBatches:
         """Iterate ``loader``'s raw batches decoded, batch ``n + 1`` decoding while the caller works on ``n``.
 
         On CUDA the decode of the next batch is queued on the decode stream before the
         current one is handed over, so the GPU decodes it while the training step runs;
-        the caller's stream waits only for the batch it receives. On the CPU it is a plain
-        map. See :class:`DeviceBatches`.
+        the caller's stream waits only for the batch it receives. ``ahead=False`` takes a
+        batch from ``loader`` only when the caller asks for it (no overlap between steps;
+        the loader's own ``state_dict`` then counts exactly the batches handed over). See
+        :class:`DeviceBatches`.
         """
-        return DeviceBatches(self, loader)
+        if not isinstance(ahead, bool):
+            raise ConfigError(f"iterate(ahead={ahead!r}) must be True or False")
+        return DeviceBatches(self, loader, ahead)
 
     def device_stage_seconds(self) -> dict[str, float]:
         """Seconds spent in the ``decode`` stage so far: CUDA-event time of the device work, or CPU time.
@@ -399,20 +403,27 @@ class _StageClock:
 class DeviceBatches:
     """``DeviceDecode.iterate(loader)``: the loader's raw batches as ``(images, labels)`` on the device.
 
-    Iterating it iterates ``loader`` (each ``iter()`` an epoch). One batch is decoded ahead
-    on CUDA: when batch ``n`` is handed over, batch ``n + 1`` is already queued on the
-    decode stream, so the GPU decodes it while the step on ``n`` runs. ``len()``,
-    ``set_epoch``, ``state_dict`` and ``load_state_dict`` go to the loader. A resume
-    counts the batches handed over; the one decoded ahead is read again after a restart.
+    Iterating it iterates ``loader`` (each ``iter()`` an epoch). With ``ahead`` (the
+    default) one batch is decoded ahead: when batch ``n`` is handed over, batch ``n + 1``
+    is already taken from the loader and queued on the decode stream, so the GPU decodes
+    it while the step on ``n`` runs. ``len()``, ``set_epoch`` and the loader's other
+    attributes go to the loader.
+
+    Saving a mid-epoch position: ``dataset.state_dict(samples_seen=steps * global_batch)``
+    counts the loop's own steps and is exact. The loader's own ``state_dict()`` (a
+    :class:`~streamload.Loader`'s, a ``StatefulDataLoader``'s) also counts the batch taken
+    ahead, which a resume from it would skip; iterate with ``ahead=False`` to use it.
 
     Attributes:
         decode: The :class:`DeviceDecode`.
         loader: The loader of raw batches (what :func:`streamload.watch` looks through).
+        ahead: Whether one batch is taken and decoded ahead.
     """
 
-    def __init__(self, decode: DeviceDecode, loader: Iterable[RawBatch]) -> None:
+    def __init__(self, decode: DeviceDecode, loader: Iterable[RawBatch], ahead: bool = True) -> None:
         self.decode = decode
         self.loader = loader
+        self.ahead = ahead
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -420,6 +431,10 @@ class DeviceBatches:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
         decode = self.decode
         it = iter(self.loader)
+        if not self.ahead:
+            for raw in it:
+                yield decode(raw)
+            return
         try:
             pending = decode.start(next(it))
         except StopIteration:
@@ -436,7 +451,7 @@ class DeviceBatches:
         return self.decode.device_stage_seconds()
 
     def __getattr__(self, name: str) -> Any:  # set_epoch, state_dict... of the loader
-        if name in ("decode", "loader"):
+        if name in ("decode", "loader", "ahead"):
             raise AttributeError(name)
         return getattr(self.loader, name)
 

@@ -559,3 +559,21 @@ def test_a_samples_crop_is_the_same_on_one_rank_or_two(mixed_images: Path) -> No
     common = one.keys() & two.keys()
     assert len(common) >= len(one) - 8 > 0  # all but the padding, which the worlds place differently
     assert all(torch.equal(one[p], two[p]) for p in common)
+
+
+def test_iterate_ahead_or_not_gives_the_same_batches_and_ahead_false_keeps_the_loaders_count(
+    mixed_images: Path,
+) -> None:
+    dev = DeviceDecode(16, crop="random", flip=True, device="cpu")
+    ahead = list(dev.iterate(Loader(_raw(mixed_images), threads=2)))
+    loader = Loader(_raw(mixed_images), threads=2)
+    lazy = dev.iterate(loader, ahead=False)
+    got = []
+    for images, labels in lazy:
+        got.append((images, labels))
+        if len(got) == 2:
+            assert lazy.state_dict()["samples_seen"] == 2 * 6  # what the loop received, nothing taken ahead
+    assert len(got) == len(ahead) > 2
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(ahead, got, strict=True))
+    with pytest.raises(ConfigError, match="ahead="):
+        dev.iterate(loader, ahead=1)  # type: ignore[arg-type]
