@@ -218,7 +218,10 @@ class DeviceDecode:
 
     @property
     def decoder_name(self) -> str:
-        """The decoder that runs: ``"nvimgcodec-hardware"``, ``"nvjpeg"`` or ``"cpu"``."""
+        """The decoder that runs: ``"nvimgcodec-hardware"``, ``"nvjpeg"`` or ``"cpu"``.
+
+        ``"nvimgcodec-hardware+nvjpeg"``: the hardware decoder, nvJPEG taking the JPEGs it refuses.
+        """
         if self._gpu is None and self.device.type == "cuda":
             self._gpu = _Gpu.open(self.device, self.decoder)
         return "cpu" if self._gpu is None else self._gpu.name
@@ -479,10 +482,13 @@ class _Gpu:
     on any device; on a device without streams (a CPU stand-in) the work runs in place.
     """
 
-    def __init__(self, device: torch.device, name: str, decode: Any) -> None:
+    def __init__(self, device: torch.device, name: str, decode: Any, retry: Any = None) -> None:
         self.device = device
         self.name = name
         self._decode = decode
+        #: A second GPU decoder for the images the first refused (the hardware decoder takes
+        #: no progressive JPEGs, for one): nvJPEG on the SMs, when it loads.
+        self._retry = retry
         self.stream: Any = None
         if device.type == "cuda":
             self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
@@ -508,7 +514,8 @@ class _Gpu:
         if choice in ("auto", "hardware"):
             hardware = _nvimgcodec_hardware(device, tried)
             if hardware is not None:
-                return cls(device, "nvimgcodec-hardware", hardware)
+                retry = _torchvision_nvjpeg(device, []) if choice == "auto" else None
+                return cls(device, "nvimgcodec-hardware" + ("+nvjpeg" if retry is not None else ""), hardware, retry)
         if choice in ("auto", "nvjpeg"):
             nvjpeg = _torchvision_nvjpeg(device, tried)
             if nvjpeg is not None:
@@ -558,6 +565,10 @@ class _Gpu:
         boxes, flips = batch_geometry(owner.cpu, sizes, None if places is None else places[gpu], owner.seed)
         out = torch.empty((n, 3, owner.height, owner.width), dtype=torch.uint8, device=self.device)
         decoded: Decoded = self._decode([raws[i] for i in gpu], self.stream) if gpu else []
+        refused = [k for k, image in enumerate(decoded) if image is None]
+        if refused and self._retry is not None:
+            for k, image in zip(refused, self._retry([raws[gpu[k]] for k in refused], self.stream), strict=True):
+                decoded[k] = image
         pairs = [(k, image) for k, image in enumerate(decoded) if image is not None]
         taken = [k for k, _ in pairs]
         if taken:
