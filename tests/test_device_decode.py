@@ -581,3 +581,31 @@ def test_iterate_ahead_or_not_gives_the_same_batches_and_ahead_false_keeps_the_l
     assert all(torch.equal(a[0], b[0]) for a, b in zip(ahead, got, strict=True))
     with pytest.raises(ConfigError, match="ahead="):
         dev.iterate(loader, ahead=1)  # type: ignore[arg-type]
+
+
+def test_a_second_device_decoder_takes_what_the_first_refuses(mixed_images: Path) -> None:
+    """The hardware decoder's refusals go to the second decoder (nvJPEG on a GPU) before the CPU."""
+    from streamload.devicedecode import _Gpu
+
+    def everything(raws: list[np.ndarray], stream: Any) -> list[tuple[torch.Tensor, str] | None]:
+        return [
+            (torch.from_numpy(np.asarray(Image.open(io.BytesIO(r.tobytes())).convert("RGB")).copy()), "HWC")
+            for r in raws
+        ]
+
+    # 64 px from the 70x50 progressive JPEG: no DCT reduction on the CPU path
+    dev = DeviceDecode(64, crop="random", flip=True, device="cpu", backend="pillow")
+    dev._gpu = _Gpu(torch.device("cpu"), "stand-in+retry", _stand_in, everything)
+    ref = DeviceDecode(64, crop="random", flip=True, device="cpu", backend="pillow")
+    on_cpu = 0
+    for raw in _raw(mixed_images):
+        images, _ = dev(raw)
+        expect, _ = ref(raw)
+        for i, key in enumerate(raw.keys):
+            name = key.rsplit("/", 1)[-1]
+            on_cpu += name in ("a_png", "cmyk")
+            if name in ("a_png", "cmyk"):
+                assert torch.equal(images[i], expect[i])
+            elif name == "progressive":  # refused by the first, resized from the second's decode
+                assert int((images[i].int() - expect[i].int()).abs().max()) <= 1
+    assert dev.fallbacks.value == on_cpu > 0  # the progressive JPEG is not a CPU fallback
