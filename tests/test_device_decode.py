@@ -220,10 +220,10 @@ def test_the_device_path_routes_refusals_to_the_cpu_and_counts_them(mixed_images
     (small images: no DCT reduction on the CPU path); what it cannot take (the PNG, the
     CMYK JPEG) or refuses (the progressive JPEG, here) is exactly DecodeBatch's, counted.
     """
-    from streamload.devicedecode import _Gpu
+    from streamload._gpudecode import GpuDecoder
 
     dev = DeviceDecode(64, crop="random", flip=True, seed=6, device="cpu", backend="pillow")
-    dev._gpu = _Gpu(torch.device("cpu"), "stand-in", _stand_in)
+    dev._gpu = GpuDecoder(torch.device("cpu"), "stand-in", _stand_in)
     assert "decoder='stand-in'" in repr(dev)
     ref = DecodeBatch(64, crop="random", flip=True, seed=6, backend="pillow")
     ds = _raw(mixed_images)
@@ -388,6 +388,15 @@ def test_it_takes_raw_batches_only(mixed_images: Path) -> None:
     decoded = next(iter(_decoded(mixed_images, DecodeBatch(16))))
     with pytest.raises(ConfigError, match="RawCollate"):
         DeviceDecode(16, device="cpu")(decoded)  # type: ignore[arg-type]
+
+
+def test_it_is_exported_lazily() -> None:
+    import subprocess
+    import sys
+
+    assert "DeviceDecode" in streamload.__all__ and streamload.DeviceDecode is DeviceDecode
+    code = "import sys, streamload; assert 'streamload.devicedecode' not in sys.modules; streamload.DeviceDecode"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_repr_and_pickle_say_what_runs() -> None:
@@ -585,7 +594,7 @@ def test_iterate_ahead_or_not_gives_the_same_batches_and_ahead_false_keeps_the_l
 
 def test_a_second_device_decoder_takes_what_the_first_refuses(mixed_images: Path) -> None:
     """The hardware decoder's refusals go to the second decoder (nvJPEG on a GPU) before the CPU."""
-    from streamload.devicedecode import _Gpu
+    from streamload._gpudecode import GpuDecoder
 
     def everything(raws: list[np.ndarray], stream: Any) -> list[tuple[torch.Tensor, str] | None]:
         return [
@@ -595,7 +604,7 @@ def test_a_second_device_decoder_takes_what_the_first_refuses(mixed_images: Path
 
     # 64 px from the 70x50 progressive JPEG: no DCT reduction on the CPU path
     dev = DeviceDecode(64, crop="random", flip=True, device="cpu", backend="pillow")
-    dev._gpu = _Gpu(torch.device("cpu"), "stand-in+retry", _stand_in, everything)
+    dev._gpu = GpuDecoder(torch.device("cpu"), "stand-in+retry", _stand_in, everything)
     ref = DeviceDecode(64, crop="random", flip=True, device="cpu", backend="pillow")
     on_cpu = 0
     for raw in _raw(mixed_images):

@@ -31,6 +31,8 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload._env",
         "streamload._fork",
         "streamload._fields",
+        "streamload._jpeghead",
+        "streamload._resample",
     ),
     (
         "streamload.sample",
@@ -72,6 +74,8 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload.watch_report",
         "streamload.watching",
         "streamload.loader",
+        "streamload._gpudecode",
+        "streamload.devicedecode",
     ),
     ("streamload.lightning", "streamload.bench", "streamload.demo"),
     ("streamload.cli", "streamload.__main__", "streamload"),
