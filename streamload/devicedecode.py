@@ -316,8 +316,9 @@ class DeviceDecode:
             return images.contiguous(memory_format=fmt)
         out = images.to(dtype=torch.float32, memory_format=fmt).div_(255.0)
         if self.mean is not None and self.std is not None:
-            mean = torch.tensor(self.mean, dtype=torch.float32, device=out.device).view(1, 3, 1, 1)
-            std = torch.tensor(self.std, dtype=torch.float32, device=out.device).view(1, 3, 1, 1)
+            # staged host-to-device copies: no wait for the stream's queued decode
+            mean = torch.tensor(self.mean, dtype=torch.float32).view(1, 3, 1, 1).to(out.device, non_blocking=True)
+            std = torch.tensor(self.std, dtype=torch.float32).view(1, 3, 1, 1).to(out.device, non_blocking=True)
             out.sub_(mean).div_(std)
         return out if self.dtype == torch.float32 else out.to(self.dtype)
 
