@@ -618,3 +618,36 @@ def test_a_second_device_decoder_takes_what_the_first_refuses(mixed_images: Path
             elif name == "progressive":  # refused by the first, resized from the second's decode
                 assert int((images[i].int() - expect[i].int()).abs().max()) <= 1
     assert dev.fallbacks.value == on_cpu > 0  # the progressive JPEG is not a CPU fallback
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_queueing_a_batch_never_waits_for_the_device(mixed_images: Path) -> None:
+    """start() only queues work: torch's sync debug mode raises on any synchronizing call in it.
+
+    The decoder is a stand-in (Pillow, its pixels copied to the GPU without a sync), so this
+    checks streamload's own code: geometry, resize, flips, fallbacks, labels, normalization.
+    """
+    from streamload._gpudecode import GpuDecoder
+
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def on_gpu(raws: list[np.ndarray], stream: Any) -> list[tuple[torch.Tensor, str] | None]:
+        out: list[tuple[torch.Tensor, str] | None] = []
+        for image in _stand_in(raws, stream):
+            out.append(None if image is None else (image[0].to(device, non_blocking=True), image[1]))
+        return out
+
+    dev = DeviceDecode(32, crop="random", flip=True, device="cpu", mean=(0.5,) * 3, std=(0.5,) * 3)
+    dev.device = device
+    dev._gpu = GpuDecoder(device, "stand-in", on_gpu)
+    ref = DeviceDecode(32, crop="random", flip=True, device="cpu", mean=(0.5,) * 3, std=(0.5,) * 3)
+    for raw in _raw(mixed_images):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            pending = dev.start(raw)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        images, labels = dev.finish(pending)
+        expect, _ = ref(raw)
+        assert images.is_cuda and float((images.cpu() - expect).abs().mean()) < 0.05
