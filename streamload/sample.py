@@ -88,14 +88,36 @@ def image_field_for(data: bytes | bytearray | memoryview, name: str = "") -> str
     return sniff_image(data) or "img"
 
 
+class _InsideBlock:
+    """A warning filter's message pattern that matches only in a thread inside a recording block.
+
+    ``warnings`` calls a filter's ``message.match(text)``; this one answers from the calling
+    thread's state, so the ``"always"`` filter it sits in applies to the recording threads
+    alone, and every other thread's warnings meet the process's filters as they are.
+    """
+
+    def __init__(self, local: threading.local) -> None:
+        self.local = local
+
+    def match(self, text: str) -> bool:
+        return getattr(self.local, "sink", None) is not None
+
+    def __repr__(self) -> str:
+        return "<streamload: inside an image_warnings() block>"
+
+
 class _WarningRecorder:
     """Records library warnings per thread while a :func:`image_warnings` block runs.
 
     :func:`warnings.catch_warnings` swaps process-wide state and is not safe across
-    threads; this recorder is installed once while any thread is inside a block
-    (reference-counted under a lock), records into the calling thread's list, and hands
-    other threads' warnings to the hook it replaced. Pillow's own log records (its
-    ``PIL`` logger, warning and above) are recorded the same way.
+    threads. This recorder changes no filter of the process's while it records: it adds
+    one filter, once (again only if something removed it), whose ``"always"`` applies to
+    the threads inside a block and matches nothing elsewhere, so the user's own filters
+    keep holding for every other warning, and adding it once does not reset the "once per
+    location" registries again and again. While any thread is inside a block
+    (reference-counted under a lock) ``showwarning`` records into the calling thread's
+    list and hands other threads' warnings to the hook it replaced. Pillow's own log
+    records (its ``PIL`` logger, warning and above) are recorded the same way.
     """
 
     def __init__(self) -> None:
@@ -103,7 +125,7 @@ class _WarningRecorder:
         self.depth = 0
         self.local = threading.local()
         self.saved: Any = None
-        self.filter: tuple[Any, ...] | None = None
+        self.filter: tuple[Any, ...] = ("always", _InsideBlock(self.local), Warning, None, 0)
         self.handler = _PillowLogHandler(self)
 
     def show(self, message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
@@ -113,13 +135,20 @@ class _WarningRecorder:
         elif self.saved is not None:
             self.saved(message, category, filename, lineno, file, line)
 
+    def add_filter(self) -> None:
+        """Add the recording threads' filter, unless it is there (the caller holds :attr:`lock` or is alone)."""
+        filters: list[Any] = warnings.filters  # type: ignore[assignment]
+        if not any(f is self.filter for f in filters):
+            # After the process's own filters: a warning the user chose to ignore stays ignored.
+            filters.append(self.filter)
+            warnings._filters_mutated()  # type: ignore[attr-defined]
+
     def _install(self) -> None:
         with self.lock:
+            self.add_filter()
             if self.depth == 0:
                 self.saved = warnings.showwarning
                 warnings.showwarning = self.show
-                warnings.simplefilter("always")  # every file's warning, not the first per location
-                self.filter = warnings.filters[0]
                 logging.getLogger("PIL").addHandler(self.handler)
             self.depth += 1
 
@@ -130,11 +159,7 @@ class _WarningRecorder:
                 logging.getLogger("PIL").removeHandler(self.handler)
                 if warnings.showwarning == self.show:
                     warnings.showwarning = self.saved
-                filters: list[Any] = warnings.filters  # type: ignore[assignment]
-                if self.filter in filters:
-                    filters.remove(self.filter)
-                    warnings._filters_mutated()  # type: ignore[attr-defined]
-                self.saved = self.filter = None
+                self.saved = None
 
     @contextmanager
     def record(self, data: Any = None) -> Iterator[list[str]]:
@@ -175,6 +200,7 @@ class _PillowLogHandler(logging.Handler):
 
 
 _RECORDER = _WarningRecorder()
+_RECORDER.add_filter()  # now, before the user's script warns (adding a filter resets the "once" registries)
 
 
 def image_warnings(data: Any = None) -> Any:
