@@ -153,9 +153,10 @@ def _with_data_root(url: str, manifest: Manifest, config: StorageConfig, storage
         return storage
     try:
         fmt = get_format(manifest.format)
-        if fmt.writable:
+        if fmt.indexer is None and fmt.tables is None:
             raise ManifestError(
-                f"{url}/{MANIFEST_NAME}: data_root is only for formats read in place (parquet), not {fmt.name}"
+                f"{url}/{MANIFEST_NAME}: data_root is only for files streamload indexes in place "
+                f"(tar, parquet), not {fmt.name}"
             )
         data = config.open(root, _data_root_options(url, root, config))
     except BaseException:

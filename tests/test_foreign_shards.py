@@ -11,11 +11,12 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from streamload import StreamingDataset
-from streamload._errors import CorruptShardError, UnsafeShardError
+from streamload import StorageConfig, StreamingDataset
+from streamload._errors import ConfigError, CorruptShardError, ShardNotFoundError, UnsafeShardError
 from streamload.cli import main
 from streamload.decode import ImageLabel
 from streamload.indexing import index_directory
+from tests.s3server import SeaweedS3
 
 
 def _jpeg(value: int) -> bytes:
@@ -102,3 +103,152 @@ def test_a_suffix_twice_in_two_cases_is_refused_naming_it(tmp_path: Path) -> Non
         index_directory(str(tmp_path))
     with pytest.raises(ValueError, match="duplicate"):  # webdataset refuses it too
         _webdataset([tmp_path / "a.tar"])
+
+
+def _write_shards(folder: Path, count: int, per: int = 3) -> dict[str, bytes]:
+    """``count`` shards written by webdataset's ShardWriter (``wds-000000.tar``, ...); returns key -> txt."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = {}
+    with wds.ShardWriter(str(folder / "wds-%06d.tar"), maxcount=per, verbose=0) as sink:
+        for i in range(count * per):
+            key = f"s{i:04d}"
+            sink.write({"__key__": key, "txt": f"sample {i}", "cls": str(i % 2)})
+            written[key] = f"sample {i}".encode()
+    return written
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("STREAMLOAD_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_a_list_of_shard_paths_is_read_in_its_order(tmp_path: Path, cache: Path) -> None:
+    written = _write_shards(tmp_path / "shards", 3)
+    before = sorted(p.name for p in (tmp_path / "shards").iterdir())
+    shards = [str(tmp_path / "shards" / "wds-000002.tar"), str(tmp_path / "shards" / "wds-000000.tar")]
+    ds = StreamingDataset(shards)
+    got = [(s["__key__"], s["txt"]) for s in ds]
+    theirs = _webdataset([Path(s) for s in shards])
+    assert got == [(s["__key__"], s["txt"]) for s in theirs]
+    assert [k for k, _ in got] == ["s0006", "s0007", "s0008", "s0000", "s0001", "s0002"]
+    assert all(written[k] == v for k, v in got)
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == before  # nothing written beside them
+    assert len(list((cache / "shard-lists").iterdir())) == 1
+    # again: the index in the cache is reused; a brace pattern names the same shards
+    again = StreamingDataset(str(tmp_path / "shards" / "wds-{000000..000002}.tar"))
+    assert len(again) == 9
+    assert len(list((cache / "shard-lists").iterdir())) == 2
+
+
+def test_a_shard_that_changes_is_indexed_again(tmp_path: Path, cache: Path) -> None:
+    _write_shards(tmp_path / "shards", 1)
+    shard = tmp_path / "shards" / "wds-000000.tar"
+    assert len(StreamingDataset([str(shard)])) == 3
+    _tar(shard, [("x.txt", b"new")])
+    assert [s["txt"] for s in StreamingDataset([str(shard)])] == [b"new"]
+
+
+def test_shard_lists_that_cannot_be_read_say_why(tmp_path: Path, cache: Path) -> None:
+    _write_shards(tmp_path / "a", 1)
+    _write_shards(tmp_path / "b", 1)
+    with pytest.raises(ConfigError, match=r"wds-000000\.tar is named twice"):
+        StreamingDataset([str(tmp_path / "a" / "wds-000000.tar")] * 2)
+    with pytest.raises(ConfigError, match="2 folders"):
+        StreamingDataset([str(tmp_path / "a" / "wds-000000.tar"), str(tmp_path / "b" / "wds-000000.tar")])
+    with pytest.raises(ShardNotFoundError, match=r"wds-000001\.tar does not exist \(9 missing\)"):
+        StreamingDataset(str(tmp_path / "a" / "wds-{000000..000009}.tar"))
+    with pytest.raises(ConfigError, match="mixes tar shard files and datasets"):
+        StreamingDataset([str(tmp_path / "a" / "wds-000000.tar"), str(tmp_path / "b")])
+    with pytest.raises(ConfigError, match=r"x\.tgz is gzip-compressed.*gunzip"):
+        StreamingDataset([str(tmp_path / "a" / "x.tgz")])
+
+
+def test_expand_braces_matches_webdataset() -> None:
+    import braceexpand
+
+    from streamload.shardlist import expand_braces
+
+    for pattern in ["s/{000..012}.tar", "s/{a,b}-{0..3}.tar", "s/{7..10}.tar", "s/{08..10}.tar", "plain.tar"]:
+        assert expand_braces(pattern) == list(braceexpand.braceexpand(pattern))
+
+
+def _sample_files(folder: Path, count: int) -> None:
+    folder.mkdir(parents=True)
+    for i in range(count):
+        (folder / f"{i:03d}.txt").write_text(f"sample {i}")
+        (folder / f"{i:03d}.cls").write_text(str(i % 2))
+
+
+def test_gzip_shards_are_refused_in_one_line_saying_what_to_run(tmp_path: Path) -> None:
+    _sample_files(tmp_path / "src", 6)
+    folder = tmp_path / "gz"
+    folder.mkdir()
+    for name in ("a.tgz", "b.tar.gz"):
+        subprocess.run(["tar", "-C", str(tmp_path / "src"), "--sort=name", "-czf", str(folder / name), "."], check=True)
+    with pytest.raises(ConfigError) as caught:
+        index_directory(str(folder))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "a.tgz and 1 more is gzip-compressed" in message
+    assert f"`gunzip {folder}/*.tar.gz {folder}/*.tgz`" in message
+    with pytest.raises(ConfigError, match="a.tgz is gzip-compressed"):
+        index_directory(str(folder), match="*.tgz")
+    # what the message says to run works
+    subprocess.run(f"gunzip {folder}/*.tar.gz {folder}/*.tgz", shell=True, check=True)
+    assert index_directory(str(folder)).num_samples == 2 * 6
+
+
+def test_gzip_bytes_named_tar_are_named_as_such(tmp_path: Path) -> None:
+    _sample_files(tmp_path / "src", 2)
+    folder = tmp_path / "gz"
+    folder.mkdir()
+    tar = ["tar", "-C", str(tmp_path / "src"), "--sort=name", "-czf", str(folder / "a.tar"), "."]
+    subprocess.run(tar, check=True)
+    with pytest.raises(CorruptShardError, match=r"a\.tar is gzip-compressed.*gunzip"):
+        index_directory(str(folder))
+
+
+def test_index_output_elsewhere_works_for_tar(tmp_path: Path) -> None:
+    written = _write_shards(tmp_path / "shards", 2)
+    (tmp_path / "shards" / "index.json").write_text('{"shards": [{"format": "mds"}], "version": 2}')
+    with pytest.raises(ConfigError, match=r"write the index elsewhere \(--output DIR\)"):
+        index_directory(str(tmp_path / "shards"))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["index", str(tmp_path / "shards"), "--output", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "index.json",
+        "wds-000000.tar.idx",
+        "wds-000001.tar.idx",
+    ]
+    got = {s["__key__"]: s["txt"] for s in StreamingDataset(str(out))}
+    assert got == written
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_shard_urls_in_a_bucket_are_indexed_into_the_cache(s3_server: SeaweedS3, tmp_path: Path) -> None:
+    written = _write_shards(tmp_path / "up", 3)
+    fs = s3_server.filesystem()
+    bucket = s3_server.make_bucket()
+    for path in sorted((tmp_path / "up").iterdir()):
+        fs.put_file(str(path), f"s3://{bucket}/wds/{path.name}")
+    before = sorted(fs.find(bucket, detail=False))
+    pattern = f"s3://{bucket}/wds/wds-{{000000..000002}}.tar"
+    for mode in ("shards", "none"):
+        storage = StorageConfig(storage_options=s3_server.storage_options(), cache=mode, cache_dir=str(tmp_path / mode))
+        got = {s["__key__"]: s["txt"] for s in StreamingDataset(pattern, storage=storage, shuffle=True)}
+        assert got == written, mode
+        cached = [p.name for p in (tmp_path / mode).rglob("*") if p.is_file()]
+        assert "index.json" in cached
+        assert any(n.endswith(".tar") for n in cached) == (mode == "shards"), cached
+    assert sorted(fs.find(bucket, detail=False)) == before  # the bucket: no sidecar, no index, no lock
+    # a shard rewritten in the bucket is indexed again (its size or ETag changed), not read by a stale sidecar
+    raw = bytearray((tmp_path / "up" / "wds-000001.tar").read_bytes())
+    at = raw.find(b"sample 4")
+    raw[at] ^= 0x01
+    fs.pipe_file(f"s3://{bucket}/wds/wds-000001.tar", bytes(raw))
+    storage = StorageConfig(storage_options=s3_server.storage_options(), cache_dir=str(tmp_path / "shards"))
+    got = {s["__key__"]: s["txt"] for s in StreamingDataset(pattern, storage=storage)}
+    assert got == {**written, "s0004": b"rample 4"}

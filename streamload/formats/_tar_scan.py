@@ -129,6 +129,11 @@ def _members(fd: int, shard_name: str) -> Iterator[tuple[str, int, int, int]]:
     first_header: int | None = None
     pending: dict[str, str] = {}
     global_pax: dict[str, str] = {}
+    if os.pread(fd, 2, 0) == b"\x1f\x8b":
+        raise CorruptShardError(
+            f"{shard_name} is gzip-compressed, not a plain tar: tar shards are read by byte offsets, which a gzip "
+            f"stream does not have; decompress it first (`gunzip -c {shard_name} > plain.tar`) and index the .tar"
+        )
     while pos + BLOCK <= total:
         block = os.pread(fd, BLOCK, pos)
         if block == ZERO_BLOCK:
