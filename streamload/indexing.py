@@ -21,6 +21,7 @@ and readers of ``DST`` read the files in place there. Nothing is written to ``SR
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import re
 import stat
@@ -32,7 +33,15 @@ from ._errors import ConfigError, ShardNotFoundError
 from ._files import DEFAULT_HASH_ALGORITHM, FileEntry, hash_file
 from ._validate import check_on_error
 from .formats import Format, get_format
-from .manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedInput, check_data_root
+from .manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    ShardEntry,
+    SkippedInput,
+    check_data_root,
+    foreign_kind,
+)
 from .storage import Destination, is_local, local_path_of, open_destination
 from .storage.transport import open_transport
 
@@ -199,10 +208,18 @@ def _check_existing(dest: Destination, where: str, overwrite: bool) -> None:
     """Refuse to replace an ``index.json`` at ``dest``, unless ``index`` wrote it and ``overwrite`` says so."""
     if dest.exists(MANIFEST_NAME) is None:
         return
+    whose = "another dataset's"
+    raw = dest.read_bytes(MANIFEST_NAME)
     try:
-        found: Manifest | None = Manifest.loads(dest.read_bytes(MANIFEST_NAME))
+        found: Manifest | None = Manifest.loads(raw)
     except Exception:  # unreadable: someone else's, in any case not ours
         found = None
+        try:
+            foreign = foreign_kind(json.loads(raw)) if len(raw) <= MAX_MANIFEST_BYTES else None
+        except (ValueError, RecursionError):
+            foreign = None
+        if foreign is not None:
+            whose = f"{foreign[0]}'s"
     if found is not None and found.meta.get("indexed_by") == INDEXED_BY:
         if overwrite:
             return
@@ -220,7 +237,7 @@ def _check_existing(dest: Destination, where: str, overwrite: bool) -> None:
             "its manifest (classes and meta). Nothing was written"
         )
     raise ConfigError(
-        f"{where} holds another dataset's {MANIFEST_NAME} (not one streamload index wrote): index never "
+        f"{where} holds {whose} {MANIFEST_NAME} (not one streamload index wrote): index never "
         "replaces it, --overwrite or not; write the index elsewhere (--output DIR)"
     )
 

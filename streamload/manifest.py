@@ -68,6 +68,8 @@ __all__ = [
     "data_root_place",
     "is_under",
     "check_file_name",
+    "foreign_kind",
+    "foreign_manifest",
     "hash_file",
     "hash_stream",
     "new_hasher",
@@ -179,6 +181,41 @@ class SkippedInput:
         return {"path": self.path, "error": self.error}
 
 
+#: The shard formats of MosaicML Streaming (``"format"`` of each entry of its ``shards``).
+_MDS_FORMATS = ("mds", "csv", "tsv", "json", "jsonl")
+
+
+def foreign_kind(obj: object) -> tuple[str, str] | None:
+    """Which other tool's ``index.json`` ``obj`` (parsed JSON) is, and what reads it; ``None`` if none is known.
+
+    MosaicML Streaming (MDS) writes ``{"shards": [{"format": "mds", "column_encodings": ...}],
+    "version": 2}``; LitData (``litdata.optimize``) writes ``{"chunks": [...], "config": {...}}``.
+    Neither is a streamload manifest: their shards are not tar, Parquet, LMDB or HDF5 files.
+    """
+    if not isinstance(obj, dict) or "streamload" in obj:
+        return None
+    shards = obj.get("shards")
+    first = shards[0] if isinstance(shards, list) and shards else None
+    if isinstance(first, dict) and ("column_encodings" in first or first.get("format") in _MDS_FORMATS):
+        kind = str(first.get("format", "mds")).upper()
+        return f"a MosaicML Streaming ({kind}) dataset", "mosaicml-streaming's streaming.StreamingDataset"
+    if isinstance(obj.get("chunks"), list) and isinstance(obj.get("config"), dict):
+        return "a LitData (litdata.optimize) dataset", "litdata's StreamingDataset"
+    return None
+
+
+def foreign_manifest(obj: object) -> str | None:
+    """Say what another tool's ``index.json`` is and the way forward (see :func:`foreign_kind`)."""
+    found = foreign_kind(obj)
+    if found is None:
+        return None
+    kind, reader = found
+    return (
+        f"{kind}, not a streamload one: streamload cannot read its shards; read it with {reader}, "
+        "or write its samples into a streamload dataset with streamload.DatasetWriter"
+    )
+
+
 @dataclass(frozen=True)
 class Manifest:
     """The parsed, validated content of ``index.json``.
@@ -283,6 +320,9 @@ class Manifest:
     @classmethod
     def _from_json(cls, obj: Mapping[str, Any]) -> Manifest:
         version = obj.get("streamload")
+        foreign = foreign_manifest(obj)
+        if foreign is not None:
+            raise ManifestError(foreign)
         if version != MANIFEST_VERSION:
             raise ManifestError(f"unsupported manifest version {version!r} (this streamload reads {MANIFEST_VERSION})")
         fmt = obj.get("format")

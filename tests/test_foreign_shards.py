@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 import tarfile
 from pathlib import Path
@@ -12,7 +13,7 @@ import webdataset as wds
 from PIL import Image
 
 from streamload import StorageConfig, StreamingDataset
-from streamload._errors import ConfigError, CorruptShardError, ShardNotFoundError, UnsafeShardError
+from streamload._errors import ConfigError, CorruptShardError, ManifestError, ShardNotFoundError, UnsafeShardError
 from streamload.cli import main
 from streamload.decode import ImageLabel
 from streamload.indexing import index_directory
@@ -252,3 +253,63 @@ def test_shard_urls_in_a_bucket_are_indexed_into_the_cache(s3_server: SeaweedS3,
     storage = StorageConfig(storage_options=s3_server.storage_options(), cache_dir=str(tmp_path / "shards"))
     got = {s["__key__"]: s["txt"] for s in StreamingDataset(pattern, storage=storage)}
     assert got == {**written, "s0004": b"rample 4"}
+
+
+#: index.json as MosaicML Streaming's MDSWriter writes it (its shape in mosaicml/streaming) and as
+#: LitData's optimize() writes it (Lightning-AI/litdata).
+MDS_INDEX = {
+    "shards": [
+        {
+            "column_encodings": ["int", "jpeg"],
+            "column_names": ["class", "image"],
+            "column_sizes": [8, None],
+            "compression": None,
+            "format": "mds",
+            "hashes": [],
+            "raw_data": {"basename": "shard.00000.mds", "bytes": 125824, "hashes": {}},
+            "samples": 100,
+            "size_limit": 67108864,
+            "version": 2,
+            "zip_data": None,
+        }
+    ],
+    "version": 2,
+}
+LITDATA_INDEX = {
+    "chunks": [{"chunk_bytes": 4096, "chunk_size": 10, "dim": None, "filename": "chunk-0-0.bin"}],
+    "config": {
+        "chunk_bytes": 64000000,
+        "chunk_size": None,
+        "compression": None,
+        "data_format": ["int", "jpeg"],
+        "data_spec": '[1, {"type": null, "context": null, "children_spec": []}]',
+        "encryption": None,
+        "item_loader": "PyTreeLoader",
+    },
+    "updated_at": "1716470163.3513482",
+}
+
+
+@pytest.mark.parametrize(
+    ("index", "kind"),
+    [(MDS_INDEX, "a MosaicML Streaming (MDS) dataset"), (LITDATA_INDEX, "a LitData (litdata.optimize) dataset")],
+)
+def test_other_tools_datasets_are_named(
+    tmp_path: Path, index: dict[str, object], kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    folder = tmp_path / "theirs"
+    folder.mkdir()
+    (folder / "index.json").write_text(json.dumps(index))
+    (folder / "shard.00000.mds").write_bytes(b"\0" * 64)
+    said = f"{kind}, not a streamload one"
+    for command in (["info", str(folder)], ["verify", str(folder)], ["convert", str(folder), str(tmp_path / "out")]):
+        assert main(command) != 0
+        err = capsys.readouterr().err
+        assert said in err, command
+        assert "unsupported manifest version" not in err
+    with pytest.raises(ManifestError, match=re.escape(said)):
+        StreamingDataset(str(folder))
+    with pytest.raises(ConfigError, match=re.escape(f"holds {kind}'s index.json")):
+        index_directory(str(folder))
