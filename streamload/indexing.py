@@ -33,6 +33,7 @@ from ._errors import ConfigError, ShardNotFoundError
 from ._files import DEFAULT_HASH_ALGORITHM, FileEntry, hash_file
 from ._validate import check_on_error
 from .formats import Format, get_format
+from .formats._tar_scan import LabelTally, index_tar
 from .manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -190,7 +191,11 @@ def index_directory(
                     on_error,
                     meta,
                 )
-            indexed = [_index_one(fmt, source, dest, name, hash_algorithm) for name in names]
+            tally = LabelTally()
+            indexed = [_index_one(fmt, source, dest, name, hash_algorithm, tally) for name in names]
+            labels = _labels_meta(tally, classes)
+            if labels is not None:
+                meta["labels"] = labels
             lock.check()
             return publish_index(dest, fmt, indexed, hash_algorithm, classes, data_root, meta=meta)
     finally:
@@ -427,15 +432,33 @@ def _string_labels(
 
 
 def _index_one(
-    fmt: Format, source: _Source, dest: Destination, name: str, hash_algorithm: str | None
+    fmt: Format, source: _Source, dest: Destination, name: str, hash_algorithm: str | None, tally: LabelTally
 ) -> tuple[ShardEntry, list[str]]:
     """Index shard ``name`` of ``source`` (a remote one through a downloaded copy); its sidecar goes to ``dest``."""
     local, remote = source.local_copy(dest, name)
     try:
+        if fmt.indexer is index_tar:  # tar: its cls labels counted too
+            fmt = replace(fmt, indexer=lambda path, shard, out: index_tar(path, shard, out, tally))
         return index_shard(fmt, dest, local, name, hash_algorithm)
     finally:
         if remote:
             dest.discard(local)
+
+
+def _labels_meta(tally: LabelTally, classes: tuple[str, ...]) -> dict[str, Any] | None:
+    """``meta["labels"]`` of tar shards whose ``cls`` members are integers: how many distinct, lowest, highest.
+
+    Raises:
+        ConfigError: If ``classes`` are given and a label is not one of their indices.
+    """
+    if not tally.values or tally.other:
+        return None
+    low, high = min(tally.values), max(tally.values)
+    if classes and high >= len(classes):
+        raise ConfigError(
+            f"a cls label is {high}, but --classes names {len(classes)} classes (labels 0 to {len(classes) - 1})"
+        )
+    return {"field": "cls", "distinct": len(tally.values), "min": low, "max": high}
 
 
 #: Suffixes of gzip-compressed tar files (``webdataset`` reads them as a stream).

@@ -313,3 +313,66 @@ def test_other_tools_datasets_are_named(
         StreamingDataset(str(folder))
     with pytest.raises(ConfigError, match=re.escape(f"holds {kind}'s index.json")):
         index_directory(str(folder))
+
+
+def test_formats_doc_states_how_convert_and_indexing_differ_on_other_columns(tmp_path: Path) -> None:
+    from tests.helpers.parquet_tables import write_hf
+
+    doc = (Path(__file__).parent.parent / "docs" / "formats.md").read_text()
+    statement = doc[doc.index("**Sample model**") : doc.index("| column | sample field |")]
+    assert "--keep-columns" in statement and "no `json`" in statement
+    src = tmp_path / "src"
+    src.mkdir()
+    write_hf(src / "train-00000.parquet", 0, 6)
+    index_directory(str(src), "parquet")
+    assert main(["convert", str(src / "train-00000.parquet"), str(tmp_path / "plain")]) == 0
+    assert main(["convert", str(src / "train-00000.parquet"), str(tmp_path / "kept"), "--keep-columns", "caption"]) == 0
+    indexed = list(StreamingDataset(str(src)))
+    kept = list(StreamingDataset(str(tmp_path / "kept")))
+    plain = list(StreamingDataset(str(tmp_path / "plain")))
+    assert [s["json"] for s in indexed] == [f'{{"caption": "image number {i}"}}'.encode() for i in range(6)]
+    assert [_fields(s) | {"__key__": s["__key__"]} for s in kept] == [
+        _fields(s) | {"__key__": s["__key__"]} for s in indexed
+    ]
+    assert [_fields(s) | {"__key__": s["__key__"]} for s in plain] == [
+        {k: v for k, v in _fields(s).items() if k != "json"} | {"__key__": s["__key__"]} for s in indexed
+    ]
+    for where in (src, tmp_path / "kept", tmp_path / "plain"):
+        assert StreamingDataset(str(where)).manifest.classes == ("cat", "dog", "eel")
+
+
+def test_index_and_info_of_a_webdataset_folder_read_well(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "one"
+    folder.mkdir()
+    with wds.TarWriter(str(folder / "a.tar")) as sink:
+        for i in range(5):
+            sink.write({"__key__": f"k{i}", "jpg": _jpeg(i), "cls": str(i % 3)})
+    assert main(["index", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert f"indexed 1 shard, 5 samples; wrote {folder}/index.json" in out
+    assert main(["info", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "classes   3 labels in cls (0 to 2); no class names recorded" in out
+    assert "classes   0" not in out
+    assert "at conversion" not in out and "appends" not in out
+    # the names recorded with --classes are shown; a label past them is refused
+    assert main(["index", str(folder), "--classes", "a,b,c", "--overwrite"]) == 0
+    capsys.readouterr()
+    assert main(["info", str(folder)]) == 0
+    assert "classes   3: a, b, c" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"a cls label is 2, but --classes names 2 classes"):
+        index_directory(str(folder), classes=("a", "b"), overwrite=True)
+
+
+def test_info_on_folders_that_are_no_dataset_says_what_to_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    images = tmp_path / "images"
+    (images / "dog").mkdir(parents=True)
+    (images / "dog" / "a.jpg").write_bytes(_jpeg(1))
+    assert main(["info", str(images)]) != 0
+    err = capsys.readouterr().err
+    assert f"`streamload convert {images} OUT_DIR`" in err and "streamload index" not in err
+    _write_shards(tmp_path / "shards", 1)
+    assert main(["info", str(tmp_path / "shards")]) != 0
+    assert f"`streamload index {tmp_path / 'shards'}`" in capsys.readouterr().err

@@ -23,6 +23,7 @@ __all__ = [
     "HEADER_SIZE_LIMIT",
     "MAX_EXTENDED_HEADER_BYTES",
     "ZERO_BLOCK",
+    "LabelTally",
     "index_tar",
     "iter_members",
     "member_key_field",
@@ -237,14 +238,35 @@ def member_key_field(name: str, shard_name: str) -> tuple[str, str]:
     return key, field.lower()
 
 
-def index_tar(path: str, shard_name: str, sidecar_out: str) -> tuple[int, list[str]]:
+class LabelTally:
+    """The integer labels of the ``cls`` members met while tar shards are indexed (for ``info``)."""
+
+    def __init__(self) -> None:
+        #: The distinct integer labels.
+        self.values: set[int] = set()
+        #: ``cls`` members that are not one decimal integer (then the labels are not class indices).
+        self.other = 0
+
+    def add(self, data: bytes) -> None:
+        """Count one ``cls`` member's content."""
+        text = data.strip()
+        if 0 < len(text) <= 20 and text.isdigit():
+            self.values.add(int(text))
+        else:
+            self.other += 1
+
+
+def index_tar(
+    path: str, shard_name: str, sidecar_out: str, tally: LabelTally | None = None
+) -> tuple[int, list[str]]:
     """Build the sidecar for a tar shard written by another tool (e.g. webdataset).
 
     Member names become keys and fields as :func:`member_key_field` says (``./000.JPG``
     is sample ``000``, field ``jpg``), so the sidecar holds only keys every reader takes.
 
     Returns:
-        ``(num_samples, field_names)``; the sidecar is written to ``sidecar_out``.
+        ``(num_samples, field_names)``; the sidecar is written to ``sidecar_out``. The
+        ``cls`` members' labels are counted in ``tally`` when one is given.
 
     Raises:
         CorruptShardError: If a member has no extension, a sample's members are not
@@ -278,6 +300,8 @@ def index_tar(path: str, shard_name: str, sidecar_out: str) -> tuple[int, list[s
             current_fields.add(field)
             digest = _hash_range(fd, data_at, size, f"{shard_name}: member {name!r}")
             builder.add_member(field, data_at, size, digest)
+            if tally is not None and field == "cls":
+                tally.add(os.pread(fd, min(size, 64), data_at) if size <= 64 else b"")
             end = data_at + size + pad(size)
     finally:
         os.close(fd)
