@@ -256,9 +256,7 @@ class LabelTally:
             self.other += 1
 
 
-def index_tar(
-    path: str, shard_name: str, sidecar_out: str, tally: LabelTally | None = None
-) -> tuple[int, list[str]]:
+def index_tar(path: str, shard_name: str, sidecar_out: str, tally: LabelTally | None = None) -> tuple[int, list[str]]:
     """Build the sidecar for a tar shard written by another tool (e.g. webdataset).
 
     Member names become keys and fields as :func:`member_key_field` says (``./000.JPG``
