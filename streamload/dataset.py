@@ -207,15 +207,17 @@ class StreamingDataset(IterableDataset[Any]):
             partitions=args.partitions,
             pad=pad,
         )
+        given = source
         shards = shard_list(source)
         if shards is not None:  # tar shard files named one by one: indexed into the cache
+            given = shards  # the settings apply to them (remote ones; the cache holds their index)
             source = index_shard_list(shards, self.storage.storage_options, self.storage.cache_dir)
         #: The datasets read and each one's samples per epoch (one for a plain URL).
         self.streams: Mixture = Mixture.open(source, epoch_size, self.storage)
         self.epoch_size = epoch_size
         self.source = self.streams.describe()  # the URL, or the streams' URLs and counts
         self._ref = self.streams.refs[0]
-        warn_remote_only(source, self.storage.settings(), self._ref.data_url)
+        warn_remote_only(given, self.storage.settings(), self._ref.data_url)
         self.manifest: Manifest = self._ref.manifest
         self.format: Format = self._ref.format
         #: The plan stage: each epoch's plan, and the state to resume from.

@@ -479,12 +479,15 @@ def _refuse_compressed(fmt: Format, names: list[str], where: str, *, local: bool
     more = f" and {len(found) - 1} more" if len(found) > 1 else ""
     suffixes = sorted({".tgz" if n.lower().endswith(".tgz") else ".tar.gz" for n in found})
     if local:
-        how = f"`gunzip {' '.join(os.path.join(where, '*' + s) for s in suffixes)}` (each becomes a .tar)"
+        files = " ".join(os.path.join(where, "*" + s) for s in suffixes)
+        how = f"`gunzip {files}` (each becomes a .tar), then index again"
     else:
-        how = "download, `gunzip` each (it becomes a .tar) and upload the .tar files"
+        how = "download, `gunzip` and upload them as .tar files, then index again"
     raise ConfigError(
         f"{where}: {found[0]}{more} is gzip-compressed; tar shards are read by byte offsets, which a gzip "
-        f"stream does not have: decompress them first, {how}, then index again"
+        f"stream does not have: decompress them first, {how}; or read them as a list of shards, "
+        f"StreamingDataset('{where.rstrip('/')}/{found[0]}') or a brace pattern, which decompresses them "
+        "into the cache"
     )
 
 

@@ -8,6 +8,11 @@ naming the shards' folder as its ``data_root``. The shards themselves are never 
 remote ones are then read through the cache (or streamed) like any remote dataset, and
 checked against the manifest's sizes, hashes and sidecar digests as any other.
 
+Gzip-compressed shards (``.tgz``, ``.tar.gz``, which webdataset reads as a stream) are
+decompressed once into that folder instead (a remote one downloaded first), indexed and
+read there: a tar shard is read by byte offsets, which a gzip stream does not have.
+Decompression stops, naming the shard, before it would leave less than 1 GiB free.
+
 The key is a digest of the folder, the endpoint, and each shard's name and size (and,
 for local files, their modification time), so a shard that changes is indexed again.
 Indexing reads every shard whole once (a remote one is downloaded for it), so for a
@@ -16,6 +21,7 @@ large remote dataset ``streamload index`` where the shards are, once, is cheaper
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -23,17 +29,18 @@ import re
 import shutil
 import stat
 import tempfile
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from ._errors import CacheError, ConfigError
+from ._errors import CacheError, ConfigError, CorruptShardError, ShardNotFoundError
 from .indexing import COMPRESSED_TAR, index_directory
 from .manifest import MANIFEST_NAME
 from .storage import is_local, local_path_of
 from .storage.cachedir import dataset_cache_key, default_cache_dir
 from .storage.transport import open_transport
 
-__all__ = ["expand_braces", "index_shard_list", "shard_list"]
+__all__ = ["expand_braces", "index_shard_list", "plain_name", "shard_list"]
 
 #: ``{a..b}`` (numbers; zero-padded to the wider bound when one has a leading zero) or ``{x,y,z}``.
 _BRACE = re.compile(r"\{([^{}]*)\}")
@@ -153,17 +160,21 @@ def index_shard_list(urls: list[str], storage_options: Mapping[str, Any] | None,
     An index built before for the same files (same names, sizes and, locally,
     modification times) is reused.
 
+    Gzip-compressed shards (``.tgz``, ``.tar.gz``; all of the list's or none) are
+    decompressed once into the dataset's folder in the cache and read there.
+
     Raises:
-        ConfigError: For gzip-compressed shards, shards in several folders, or a name
-            given twice.
+        ConfigError: For compressed and plain shards mixed, shards in several folders, a
+            name given twice, or too little disk space for a decompressed shard.
         ShardNotFoundError: If a shard does not exist.
         CorruptShardError, UnsafeShardError: If a shard cannot be indexed (naming it).
     """
     compressed = [u for u in urls if u.lower().endswith(COMPRESSED_TAR)]
-    if compressed:
+    if compressed and len(compressed) != len(urls):
+        plain = next(u for u in urls if not u.lower().endswith(COMPRESSED_TAR))
         raise ConfigError(
-            f"{compressed[0]} is gzip-compressed: tar shards are read by byte offsets, which a gzip stream does "
-            "not have; decompress it first (`gunzip FILE` makes the .tar beside it) and name the .tar"
+            f"the shards mix gzip-compressed tar files ({compressed[0]}) and plain ones ({plain}): name one kind "
+            "(`gunzip` the compressed ones, or read them as a list of their own)"
         )
     places = [_split(u) for u in urls]
     folders = sorted({folder for folder, _ in places})
@@ -181,7 +192,11 @@ def index_shard_list(urls: list[str], storage_options: Mapping[str, Any] | None,
         return final
     work = tempfile.mkdtemp(prefix=f".{key}.", dir=base)
     try:
-        index_directory(root, "tar", storage_options=storage_options, output=work, files=names)
+        if compressed:  # decompressed once into the dataset's folder, read there in place
+            plain_names = _decompress_all(root, names, storage_options, work)
+            index_directory(work, "tar", files=plain_names)
+        else:
+            index_directory(root, "tar", storage_options=storage_options, output=work, files=names)
         try:
             os.rename(work, final)
         except OSError:
@@ -190,6 +205,60 @@ def index_shard_list(urls: list[str], storage_options: Mapping[str, Any] | None,
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return final
+
+
+#: Room left free on the cache's disk while shards are decompressed into it.
+_SPARE_DISK = 1 << 30
+_PIECE = 1 << 22
+
+
+def plain_name(name: str) -> str:
+    """The name of the decompressed copy of a compressed shard: ``a.tgz`` and ``a.tar.gz`` give ``a.tar``."""
+    lower = name.lower()
+    return name[: -len(".tgz")] + ".tar" if lower.endswith(".tgz") else name[: -len(".gz")]
+
+
+def _decompress_all(root: str, names: list[str], storage_options: Mapping[str, Any] | None, out: str) -> list[str]:
+    """Decompress each gzip-compressed shard ``root/name`` into ``out``; return the decompressed names."""
+    plain = [plain_name(n) for n in names]
+    seen: set[str] = set()
+    for name, target in zip(names, plain, strict=True):
+        if target in seen:
+            raise ConfigError(f"{root}/{name}: another shard of the list also decompresses to {target}")
+        seen.add(target)
+        if is_local(root):
+            _gunzip(os.path.join(root, name), os.path.join(out, target), f"{root}/{name}")
+            continue
+        download = os.path.join(out, f".{target}.gz")
+        files = open_transport(root, storage_options)
+        with open(download, "wb"):
+            pass  # the download writes into an existing file
+        files.download(name, download, lambda: False)
+        try:
+            _gunzip(download, os.path.join(out, target), f"{root}/{name}")
+        finally:
+            os.unlink(download)
+    return plain
+
+
+def _gunzip(src: str, dst: str, where: str) -> None:
+    """Decompress ``src`` into ``dst``, keeping :data:`_SPARE_DISK` free (a gzip bomb cannot fill the disk)."""
+    try:
+        with gzip.open(src, "rb") as f, open(dst, "wb") as out:
+            while True:
+                piece = f.read(_PIECE)
+                if not piece:
+                    break
+                out.write(piece)
+                if shutil.disk_usage(os.path.dirname(dst)).free < _SPARE_DISK:
+                    raise ConfigError(
+                        f"{where}: decompressing it would leave less than {_SPARE_DISK >> 30} GiB free in the "
+                        f"cache ({os.path.dirname(dst)}); use a cache directory on a larger disk"
+                    )
+    except FileNotFoundError as exc:
+        raise ShardNotFoundError(f"{where} does not exist") from exc
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise CorruptShardError(f"{where}: not a whole gzip file ({exc})") from exc
 
 
 def _fingerprint(root: str, names: list[str], storage_options: Mapping[str, Any] | None) -> list[list[Any]]:

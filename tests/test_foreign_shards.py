@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import re
 import subprocess
 import tarfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -161,8 +163,8 @@ def test_shard_lists_that_cannot_be_read_say_why(tmp_path: Path, cache: Path) ->
         StreamingDataset(str(tmp_path / "a" / "wds-{000000..000009}.tar"))
     with pytest.raises(ConfigError, match="mixes tar shard files and datasets"):
         StreamingDataset([str(tmp_path / "a" / "wds-000000.tar"), str(tmp_path / "b")])
-    with pytest.raises(ConfigError, match=r"x\.tgz is gzip-compressed.*gunzip"):
-        StreamingDataset([str(tmp_path / "a" / "x.tgz")])
+    with pytest.raises(ConfigError, match=r"mix gzip-compressed tar files \(.*x\.tgz\) and plain ones"):
+        StreamingDataset([str(tmp_path / "a" / "x.tgz"), str(tmp_path / "a" / "wds-000000.tar")])
 
 
 def test_expand_braces_matches_webdataset() -> None:
@@ -198,6 +200,31 @@ def test_gzip_shards_are_refused_in_one_line_saying_what_to_run(tmp_path: Path) 
     # what the message says to run works
     subprocess.run(f"gunzip {folder}/*.tar.gz {folder}/*.tgz", shell=True, check=True)
     assert index_directory(str(folder)).num_samples == 2 * 6
+
+
+def test_gzip_compressed_shards_in_a_list_are_read_as_webdataset_reads_them(tmp_path: Path, cache: Path) -> None:
+    for part in range(2):
+        _sample_files(tmp_path / f"src{part}", 3)
+    folder = tmp_path / "gz"
+    folder.mkdir()
+    for part, name in enumerate(("a.tgz", "b.tar.gz")):
+        tar = ["tar", "-C", str(tmp_path / f"src{part}"), "--sort=name", "-czf", str(folder / name), "."]
+        subprocess.run(tar, check=True)
+    before = sorted(p.name for p in folder.iterdir())
+    shards = [folder / "b.tar.gz", folder / "a.tgz"]
+    ours = list(StreamingDataset([str(s) for s in shards]))
+    theirs = _webdataset(shards)  # webdataset reads .tgz as a gzip stream
+    assert len(ours) == len(theirs) == 6
+    assert [_fields(s) for s in ours] == [_fields(s) for s in theirs]
+    assert [s["__key__"] for s in ours] == [_plain(str(s["__key__"])) for s in theirs]
+    assert sorted(p.name for p in folder.iterdir()) == before  # decompressed into the cache, not beside them
+    made = sorted(p.name for p in (cache / "shard-lists").rglob("*.tar"))
+    assert made == ["a.tar", "b.tar"]
+    # a truncated one is named
+    raw = (folder / "a.tgz").read_bytes()
+    (folder / "a.tgz").write_bytes(raw[: len(raw) // 2])
+    with pytest.raises(CorruptShardError, match=r"a\.tgz: not a whole gzip file"):
+        StreamingDataset([str(folder / "a.tgz")])
 
 
 def test_gzip_bytes_named_tar_are_named_as_such(tmp_path: Path) -> None:
@@ -239,7 +266,10 @@ def test_shard_urls_in_a_bucket_are_indexed_into_the_cache(s3_server: SeaweedS3,
     pattern = f"s3://{bucket}/wds/wds-{{000000..000002}}.tar"
     for mode in ("shards", "none"):
         storage = StorageConfig(storage_options=s3_server.storage_options(), cache=mode, cache_dir=str(tmp_path / mode))
-        got = {s["__key__"]: s["txt"] for s in StreamingDataset(pattern, storage=storage, shuffle=True)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ds = StreamingDataset(pattern, storage=storage, shuffle=True)
+        got = {s["__key__"]: s["txt"] for s in ds}
         assert got == written, mode
         cached = [p.name for p in (tmp_path / mode).rglob("*") if p.is_file()]
         assert "index.json" in cached
@@ -253,6 +283,14 @@ def test_shard_urls_in_a_bucket_are_indexed_into_the_cache(s3_server: SeaweedS3,
     storage = StorageConfig(storage_options=s3_server.storage_options(), cache_dir=str(tmp_path / "shards"))
     got = {s["__key__"]: s["txt"] for s in StreamingDataset(pattern, storage=storage)}
     assert got == {**written, "s0004": b"rample 4"}
+    # gzip-compressed shards in the bucket: downloaded, decompressed into the cache, read there
+    for path in sorted((tmp_path / "up").iterdir()):
+        fs.pipe_file(f"s3://{bucket}/tgz/{path.stem}.tgz", gzip.compress(path.read_bytes()))
+    storage = StorageConfig(storage_options=s3_server.storage_options(), cache_dir=str(tmp_path / "tgz"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the storage settings apply: the shards are remote
+        ds = StreamingDataset(f"s3://{bucket}/tgz/wds-{{000000..000002}}.tgz", storage=storage)
+    assert {s["__key__"]: s["txt"] for s in ds} == written
 
 
 #: index.json as MosaicML Streaming's MDSWriter writes it (its shape in mosaicml/streaming) and as
