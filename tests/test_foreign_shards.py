@@ -414,3 +414,15 @@ def test_info_on_folders_that_are_no_dataset_says_what_to_run(
     _write_shards(tmp_path / "shards", 1)
     assert main(["info", str(tmp_path / "shards")]) != 0
     assert f"`streamload index {tmp_path / 'shards'}`" in capsys.readouterr().err
+
+
+def test_tar_writer_refuses_upper_case_fields_webdataset_would_read_lower_cased(tmp_path: Path) -> None:
+    from streamload import DatasetWriter
+    from streamload._errors import SampleError
+
+    with pytest.raises(SampleError, match=r"field name 'JPG' has upper-case letters.*name it 'jpg'"):
+        with DatasetWriter(str(tmp_path / "out"), format="tar") as writer:
+            writer.write({"__key__": "a", "JPG": b"x"})
+    with DatasetWriter(str(tmp_path / "lmdb"), format="lmdb") as writer:  # not a tar suffix: kept as given
+        writer.write({"__key__": "a", "JPG": b"x"})
+    assert [s["JPG"] for s in StreamingDataset(str(tmp_path / "lmdb"))] == [b"x"]
