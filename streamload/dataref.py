@@ -96,6 +96,10 @@ class DatasetRef:
     def open(cls, url: str, config: StorageConfig | None = None) -> DatasetRef:
         """Read the manifest of the dataset at ``url`` and check the storage can serve its shards.
 
+        ``url`` may also name tar shard files, as a path or URL ending in ``.tar`` or a
+        brace pattern: they are indexed into the cache (:mod:`streamload.shardlist`) and
+        the dataset's URL is that index's folder.
+
         Raises:
             ManifestNotFoundError: If ``url`` holds no ``index.json``.
             ManifestError: If the manifest is malformed.
@@ -104,6 +108,11 @@ class DatasetRef:
         """
         config = (config or StorageConfig()).with_cache("shards")
         url = str(url)
+        from .shardlist import index_shard_list, shard_list
+
+        shards = shard_list(url)
+        if shards is not None:  # tar shard files ("s/{000..009}.tar"): their index in the cache
+            url = index_shard_list(shards, config.storage_options, config.cache_dir)
         storage = config.open(url)
         try:
             manifest = load_manifest(storage, url)

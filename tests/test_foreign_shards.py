@@ -426,3 +426,17 @@ def test_tar_writer_refuses_upper_case_fields_webdataset_would_read_lower_cased(
     with DatasetWriter(str(tmp_path / "lmdb"), format="lmdb") as writer:  # not a tar suffix: kept as given
         writer.write({"__key__": "a", "JPG": b"x"})
     assert [s["JPG"] for s in StreamingDataset(str(tmp_path / "lmdb"))] == [b"x"]
+
+
+def test_shard_patterns_work_as_streams_and_map_style(tmp_path: Path, cache: Path) -> None:
+    from streamload import ShardedDataset, Stream
+
+    a = _write_shards(tmp_path / "a", 2)
+    _write_shards(tmp_path / "b", 1)
+    mixed = StreamingDataset(
+        [Stream(str(tmp_path / "a" / "wds-{000000..000001}.tar")), Stream(str(tmp_path / "b" / "wds-000000.tar"))]
+    )
+    assert sorted(s["__source__"] for s in mixed) == [0] * 6 + [1] * 3
+    mapped = ShardedDataset(str(tmp_path / "a" / "wds-{000000..000001}.tar"))
+    assert [mapped[i]["txt"] for i in range(len(mapped))] == list(a.values())
+    assert mapped.get("s0004")["txt"] == a["s0004"]
