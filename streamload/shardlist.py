@@ -13,14 +13,18 @@ decompressed once into that folder instead (a remote one downloaded first), inde
 read there: a tar shard is read by byte offsets, which a gzip stream does not have.
 Decompression stops, naming the shard, before it would leave less than 1 GiB free.
 
-The key is a digest of the folder, the endpoint, and each shard's name and size (and,
-for local files, their modification time), so a shard that changes is indexed again.
-Indexing reads every shard whole once (a remote one is downloaded for it), so for a
-large remote dataset ``streamload index`` where the shards are, once, is cheaper.
+One process of a machine indexes a list while the others (the ranks of a job) wait for
+it, under a lock file beside the folder. The key is a digest of the folder, the endpoint,
+and each shard's name and size (and, for local files, their modification time; for remote
+ones, their ETag), so a shard that changes is indexed again (older folders stay until the
+cache directory is cleared). Indexing reads every shard whole once (a remote one is
+downloaded for it), so for a large remote dataset ``streamload index`` where the shards
+are, once, is cheaper.
 """
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import hashlib
 import json
@@ -190,6 +194,27 @@ def index_shard_list(urls: list[str], storage_options: Mapping[str, Any] | None,
     final = os.path.join(base, key)
     if os.path.isfile(os.path.join(final, MANIFEST_NAME)):
         return final
+    # One process of the machine indexes (the ranks of a job all ask at once); the others wait for it.
+    lock = os.open(os.path.join(base, f".{key}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(os.path.join(final, MANIFEST_NAME)):
+            _build(root, names, compressed, storage_options, base, key, final)
+    finally:
+        os.close(lock)  # releases the lock
+    return final
+
+
+def _build(
+    root: str,
+    names: list[str],
+    compressed: list[str],
+    storage_options: Mapping[str, Any] | None,
+    base: str,
+    key: str,
+    final: str,
+) -> None:
+    """Index the shards into a fresh folder of ``base`` and move it to ``final`` whole."""
     work = tempfile.mkdtemp(prefix=f".{key}.", dir=base)
     try:
         if compressed:  # decompressed once into the dataset's folder, read there in place
@@ -204,7 +229,6 @@ def index_shard_list(urls: list[str], storage_options: Mapping[str, Any] | None,
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return final
 
 
 #: Room left free on the cache's disk while shards are decompressed into it.

@@ -120,6 +120,11 @@ def _write_shards(folder: Path, count: int, per: int = 3) -> dict[str, bytes]:
     return written
 
 
+def _indexes(cache: Path) -> list[Path]:
+    """The indexed shard lists in the cache (not their lock files)."""
+    return [p for p in (cache / "shard-lists").iterdir() if not p.name.startswith(".")]
+
+
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("STREAMLOAD_CACHE", str(tmp_path / "cache"))
@@ -137,11 +142,11 @@ def test_a_list_of_shard_paths_is_read_in_its_order(tmp_path: Path, cache: Path)
     assert [k for k, _ in got] == ["s0006", "s0007", "s0008", "s0000", "s0001", "s0002"]
     assert all(written[k] == v for k, v in got)
     assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == before  # nothing written beside them
-    assert len(list((cache / "shard-lists").iterdir())) == 1
+    assert len(_indexes(cache)) == 1
     # again: the index in the cache is reused; a brace pattern names the same shards
     again = StreamingDataset(str(tmp_path / "shards" / "wds-{000000..000002}.tar"))
     assert len(again) == 9
-    assert len(list((cache / "shard-lists").iterdir())) == 2
+    assert len(_indexes(cache)) == 2
 
 
 def test_a_shard_that_changes_is_indexed_again(tmp_path: Path, cache: Path) -> None:
@@ -440,3 +445,18 @@ def test_shard_patterns_work_as_streams_and_map_style(tmp_path: Path, cache: Pat
     mapped = ShardedDataset(str(tmp_path / "a" / "wds-{000000..000001}.tar"))
     assert [mapped[i]["txt"] for i in range(len(mapped))] == list(a.values())
     assert mapped.get("s0004")["txt"] == a["s0004"]
+
+
+def _count(pattern: str) -> int:
+    return len(StreamingDataset(pattern))
+
+
+def test_processes_opening_one_list_at_once_index_it_once(tmp_path: Path, cache: Path) -> None:
+    import multiprocessing as mp
+
+    _write_shards(tmp_path / "s", 4)
+    pattern = str(tmp_path / "s" / "wds-{000000..000003}.tar")
+    with mp.get_context("fork").Pool(3) as pool:
+        assert pool.map(_count, [pattern] * 3) == [12] * 3
+    assert len(_indexes(cache)) == 1
+    assert not [p for p in (cache / "shard-lists").iterdir() if p.is_dir() and p.name.startswith(".")]
