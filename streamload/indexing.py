@@ -169,7 +169,7 @@ def index_directory(
                 if saved is not None:
                     raise ConfigError(saved)
                 pattern = match if match is not None else f"*{fmt.extension}"
-                raise ConfigError(f"{where}: no {pattern} files to index")
+                raise ConfigError(f"{where}: no {pattern} files to index{_other_files(fmt, listed, match, where)}")
             meta: dict[str, Any] = {"indexed_by": INDEXED_BY}
             if split is not None:
                 meta["split"] = split
@@ -489,6 +489,20 @@ def _refuse_compressed(fmt: Format, names: list[str], where: str, *, local: bool
         f"StreamingDataset('{where.rstrip('/')}/{found[0]}') or a brace pattern, which decompresses them "
         "into the cache"
     )
+
+
+def _other_files(fmt: Format, listed: list[str], match: str | None, where: str) -> str:
+    """What to do with a folder holding no file to index, by what it holds (``""``: nothing to say)."""
+    visible = [n for n in listed if not n.startswith(".") and n != MANIFEST_NAME]
+    if match is None:
+        other = "parquet" if fmt.name == "tar" else "tar"
+        if any(n.endswith("." + other) for n in visible):
+            return f"; it holds {other} files: --format {other}"
+    elif any(n.endswith(fmt.extension) for n in visible):
+        return f"; it holds {fmt.extension} files that --match {match!r} leaves out"
+    if not visible:
+        return " (the folder is empty)"
+    return f"; for a folder of images, `streamload convert {where} OUT_DIR` makes a dataset of them"
 
 
 def _named_files(listed: list[str], files: Sequence[str], where: str) -> list[str]:

@@ -257,6 +257,14 @@ def test_index_output_elsewhere_works_for_tar(tmp_path: Path) -> None:
     ]
     got = {s["__key__"]: s["txt"] for s in StreamingDataset(str(out))}
     assert got == written
+    assert main(["verify", str(out)]) == 0
+    # a damaged shard in the source folder is found through the index kept apart
+    raw = bytearray((tmp_path / "shards" / "wds-000001.tar").read_bytes())
+    raw[raw.find(b"sample 4")] ^= 0x01
+    (tmp_path / "shards" / "wds-000001.tar").write_bytes(bytes(raw))
+    assert main(["verify", str(out)]) == 1
+    with pytest.raises(CorruptShardError, match=r"wds-000001\.tar.*'s0004'"):
+        list(StreamingDataset(str(out)))
 
 
 @pytest.mark.slow
@@ -460,3 +468,20 @@ def test_processes_opening_one_list_at_once_index_it_once(tmp_path: Path, cache:
         assert pool.map(_count, [pattern] * 3) == [12] * 3
     assert len(_indexes(cache)) == 1
     assert not [p for p in (cache / "shard-lists").iterdir() if p.is_dir() and p.name.startswith(".")]
+
+
+def test_index_of_a_folder_without_shards_says_what_would_work(tmp_path: Path) -> None:
+    images = tmp_path / "images"
+    (images / "dog").mkdir(parents=True)
+    (images / "dog" / "a.jpg").write_bytes(_jpeg(1))
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(f"no *.tar files to index; for a folder of images, `streamload convert {images} OUT_DIR`"),
+    ):
+        index_directory(str(images))
+    assert main(["convert", str(images), str(tmp_path / "out")]) == 0  # the advice works
+    _write_shards(tmp_path / "s", 1)
+    with pytest.raises(
+        ConfigError, match=re.escape("no b*.tar files to index; it holds .tar files that --match 'b*.tar' leaves out")
+    ):
+        index_directory(str(tmp_path / "s"), match="b*.tar")
