@@ -37,7 +37,7 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from ._errors import CacheError, ConfigError, CorruptShardError, ShardNotFoundError
+from ._errors import CacheError, ConfigError, CorruptShardError, ShardNotFoundError, StreamloadError
 from .indexing import COMPRESSED_TAR, index_directory
 from .manifest import MANIFEST_NAME
 from .storage import is_local, local_path_of
@@ -298,4 +298,17 @@ def _fingerprint(root: str, names: list[str], storage_options: Mapping[str, Any]
             out.append([name, st.st_size, st.st_mtime_ns])
         return out
     files = open_transport(root, storage_options)
-    return [[name, files.size(name), files.version(name)] for name in names]
+    prefix = files.path(MANIFEST_NAME).rsplit("/", 1)[0]
+    try:  # one listing (paged), not a request per shard
+        listed = files.call("list", "", lambda: files.fs.ls(prefix, detail=True, refresh=True))
+        found = {str(i.get("name", "")).rstrip("/").rsplit("/", 1)[-1]: i for i in listed if isinstance(i, dict)}
+    except (StreamloadError, OSError, ValueError, NotImplementedError):
+        found = {}  # a server that does not list (plain HTTP): one request per shard
+    out = []
+    for name in names:
+        info = found.get(name)
+        if info is not None:
+            out.append([name, info.get("size"), files.backend.version_of(info)])
+        else:
+            out.append([name, files.size(name), files.version(name)])
+    return out
