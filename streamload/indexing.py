@@ -21,7 +21,6 @@ and readers of ``DST`` read the files in place there. Nothing is written to ``SR
 from __future__ import annotations
 
 import fnmatch
-import json
 import os
 import re
 import stat
@@ -34,15 +33,7 @@ from ._files import DEFAULT_HASH_ALGORITHM, FileEntry, hash_file
 from ._validate import check_on_error
 from .formats import Format, get_format
 from .formats._tar_scan import LabelTally, index_tar
-from .manifest import (
-    MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
-    Manifest,
-    ShardEntry,
-    SkippedInput,
-    check_data_root,
-    foreign_kind,
-)
+from .manifest import MANIFEST_NAME, ForeignManifestError, Manifest, ShardEntry, SkippedInput, check_data_root
 from .storage import Destination, is_local, local_path_of, open_destination
 from .storage.transport import open_transport
 
@@ -214,17 +205,12 @@ def _check_existing(dest: Destination, where: str, overwrite: bool) -> None:
     if dest.exists(MANIFEST_NAME) is None:
         return
     whose = "another dataset's"
-    raw = dest.read_bytes(MANIFEST_NAME)
     try:
-        found: Manifest | None = Manifest.loads(raw)
+        found: Manifest | None = Manifest.loads(dest.read_bytes(MANIFEST_NAME))
+    except ForeignManifestError as exc:  # MDS, LitData: named
+        found, whose = None, f"{exc.kind}'s"
     except Exception:  # unreadable: someone else's, in any case not ours
         found = None
-        try:
-            foreign = foreign_kind(json.loads(raw)) if len(raw) <= MAX_MANIFEST_BYTES else None
-        except (ValueError, RecursionError):
-            foreign = None
-        if foreign is not None:
-            whose = f"{foreign[0]}'s"
     if found is not None and found.meta.get("indexed_by") == INDEXED_BY:
         if overwrite:
             return

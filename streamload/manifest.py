@@ -68,6 +68,7 @@ __all__ = [
     "data_root_place",
     "is_under",
     "check_file_name",
+    "ForeignManifestError",
     "foreign_kind",
     "foreign_manifest",
     "hash_file",
@@ -204,15 +205,24 @@ def foreign_kind(obj: object) -> tuple[str, str] | None:
     return None
 
 
-def foreign_manifest(obj: object) -> str | None:
-    """Say what another tool's ``index.json`` is and the way forward (see :func:`foreign_kind`)."""
+class ForeignManifestError(ManifestError):
+    """An ``index.json`` another tool wrote (MDS, LitData): ``kind`` names it (see :func:`foreign_kind`)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def foreign_manifest(obj: object) -> ForeignManifestError | None:
+    """The error saying what another tool's ``index.json`` is and the way forward (see :func:`foreign_kind`)."""
     found = foreign_kind(obj)
     if found is None:
         return None
     kind, reader = found
-    return (
+    return ForeignManifestError(
         f"{kind}, not a streamload one: streamload cannot read its shards; read it with {reader}, "
-        "or write its samples into a streamload dataset with streamload.DatasetWriter"
+        "or write its samples into a streamload dataset with streamload.DatasetWriter",
+        kind,
     )
 
 
@@ -314,6 +324,8 @@ class Manifest:
             raise ManifestError(f"{where}: top level must be an object")
         try:
             return cls._from_json(obj)
+        except ForeignManifestError as exc:
+            raise ForeignManifestError(f"{where}: {exc}", exc.kind) from exc
         except ManifestError as exc:
             raise ManifestError(f"{where}: {exc}") from exc
 
@@ -322,7 +334,7 @@ class Manifest:
         version = obj.get("streamload")
         foreign = foreign_manifest(obj)
         if foreign is not None:
-            raise ManifestError(foreign)
+            raise foreign
         if version != MANIFEST_VERSION:
             raise ManifestError(f"unsupported manifest version {version!r} (this streamload reads {MANIFEST_VERSION})")
         fmt = obj.get("format")
