@@ -19,7 +19,17 @@ from .._errors import SampleError
 from .._fork import ProcessLocal
 from ..randomness import sample_generator
 from ..sample import IMAGE_FIELDS, image_field, image_warnings, label_of, parse_label
-from .image import DEFAULT_MAX_PIXELS, Backend, Crop, ImageDecoder, SharedCount, open_image, planar
+from .image import (
+    DEFAULT_MAX_PIXELS,
+    WIDE_MODES,
+    Backend,
+    Crop,
+    ImageDecoder,
+    SharedCount,
+    open_image,
+    planar,
+    to_eight_bits,
+)
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",
@@ -64,12 +74,20 @@ def _json(data: bytes) -> Any:
 def decode_image(data: bytes, mode: str = "RGB", max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Any:
     """Decode image bytes to a Pillow image in ``mode`` (``"RGB"`` by default).
 
+    An image of more than 8 bits per sample (16-bit PNG or TIFF, 32-bit integer or float
+    TIFF) asked for in an 8-bit mode is scaled to 8 bits, not clipped (see
+    :func:`streamload.decode.image.to_eight_bits`).
+
     Raises:
         SampleError: If the image header claims more than ``max_pixels`` pixels (checked
             before decoding; ``None``: no limit).
     """
     with open_image(data, max_pixels) as img:
-        return img.convert(mode) if img.mode != mode else img.copy()
+        if img.mode == mode:
+            return img.copy()
+        if mode not in WIDE_MODES:
+            img = to_eight_bits(img)
+        return img.convert(mode) if img.mode != mode else img
 
 
 #: Field name -> decoder. Unknown fields stay bytes.
