@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from streamload._errors import SourceError
-from streamload.sample import image_warnings, sniff_image
+from streamload.sample import image_problem, image_warnings, sniff_image
 
 from .source import Item
 
@@ -111,17 +110,6 @@ def assign_keys(items: Sequence[ImageItem]) -> list[Item]:
             key = path_to_key(item.relpath, disambiguate=True, exact_extension=exts.count(ext) > 1)
         out.append(dataclasses.replace(item, key=key))
     return out
-
-
-_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>")
-
-
-def image_problem(exc: BaseException) -> str:
-    """Why Pillow refused an image, for a person: no object reprs (``<_io.BytesIO object at 0x...>``)."""
-    text = _REPR.sub("", str(exc)).strip()
-    if type(exc).__name__ == "UnidentifiedImageError" or text == "cannot identify image file":
-        return "Pillow cannot identify its format (damaged, or a kind it cannot read)"
-    return text or type(exc).__name__
 
 
 def check_image(data: bytes, path: str, how: str) -> list[str]:

@@ -488,6 +488,7 @@ def to_rgb(img: Any) -> Any:
 
     See :func:`to_eight_bits`.
     """
+    img.load()  # decoded here (a lazily opened file's errors are raised by this call)
     if img.mode == "RGB":
         return img
     return to_eight_bits(img).convert("RGB")
