@@ -63,10 +63,14 @@ def test_skip_under_decode_batch_is_counted_named_and_keeps_the_batch(dataset: P
     [skipped] = batched.errors.samples
     # The same sample, named the same way: shard, index, key, and the reason (the shard's
     # name is what SkipLog puts in front of it in the log).
-    assert (skipped.shard, skipped.index, skipped.key) == (named.shard, named.index, named.key) == (
-        "shard-000000.tar",
-        3,
-        "a/img3",
+    assert (
+        (skipped.shard, skipped.index, skipped.key)
+        == (named.shard, named.index, named.key)
+        == (
+            "shard-000000.tar",
+            3,
+            "a/img3",
+        )
     )
     assert "cannot decode image" in skipped.reason and skipped.reason == named.reason
 
@@ -76,7 +80,9 @@ def test_skip_under_decode_batch_is_counted_named_and_keeps_the_batch(dataset: P
     assert torch.equal(images[3], images[2]) and int(labels[3]) == int(labels[2]) == 0
     # ...and the ImageLabel path repeated that same sample (the last good one) in its place.
     assert abs(_mean(items[3][0]) - _mean(images[3])) < 1
-    good = [_mean(images[i]) for i in range(3)] + [_mean(b) for b in batches[1][0]] + [_mean(b) for b in batches[2][0][:2]]
+    good = (
+        [_mean(images[i]) for i in range(3)] + [_mean(b) for b in batches[1][0]] + [_mean(b) for b in batches[2][0][:2]]
+    )
     assert len(set(np.round(good))) == 9  # every other slot is its own sample
 
 

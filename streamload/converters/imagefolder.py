@@ -18,9 +18,9 @@ sample without a ``cls`` field (sub-folders are only part of the key), and the d
 no classes. ``labels="auto"`` (the default) does that for a flat folder (images and no
 sub-folder), and reads class folders otherwise.
 
-Library warnings raised while an image is checked (Pillow's ``DecompressionBombWarning``,
-truncated or malformed files, TIFF tags) are not printed: each is listed with the file it
-came from in the conversion report (:attr:`~.engine.ConvertReport.warnings`).
+Library warnings raised while an image is checked (truncated or malformed files, TIFF
+tags) are not printed: each is listed with the file it in the conversion report (:attr:`~.engine.ConvertReport.warnings`). An image past the
+readers' pixel limit is a broken input (see :func:`.images.check_image`).
 
 What the scan does with unusual entries:
 

@@ -28,6 +28,7 @@ __all__ = [
     "image_problem",
     "escape_stem",
     "path_to_key",
+    "pixel_problem",
 ]
 
 
@@ -112,11 +113,37 @@ def assign_keys(items: Sequence[ImageItem]) -> list[Item]:
     return out
 
 
+def pixel_problem(width: int, height: int) -> str | None:
+    """Why an image of ``width`` x ``height`` is refused: more pixels than the readers decode by default.
+
+    The converters apply the readers' own limit (:data:`streamload.decode.DEFAULT_MAX_PIXELS`,
+    Pillow's ``MAX_IMAGE_PIXELS``), so a dataset that converts reads back with the default
+    decoders; ``None`` if the image is within it.
+    """
+    from streamload.decode.image import DEFAULT_MAX_PIXELS
+
+    if width * height <= DEFAULT_MAX_PIXELS:
+        return None
+    return _too_large(f"{width}x{height} = {width * height:,}")
+
+
+def _too_large(size: str) -> str:
+    from streamload.decode.image import DEFAULT_MAX_PIXELS
+
+    return (
+        f"image of {size} pixels is larger than the readers' limit of {DEFAULT_MAX_PIXELS:,} pixels "
+        "(max_pixels, streamload.decode.DEFAULT_MAX_PIXELS): ImageLabel, DecodeBatch and verify --decode "
+        "would refuse it as a possible decompression bomb; downscale it, or leave it out (--on-error skip)"
+    )
+
+
 def check_image(data: bytes, path: str, how: str) -> list[str]:
     """Check that ``data`` is an image: ``how`` is ``"decode"`` (at reduced size) or ``"header"``.
 
     Bytes of no kind :func:`~streamload.sample.sniff_image` knows are refused first (the rule
-    ``index`` applies too), so both keep the same images.
+    ``index`` applies too), so both keep the same images. An image whose header claims more
+    pixels than the readers decode by default is refused too (:func:`pixel_problem`): a
+    dataset that converts reads back.
 
     Returns:
         The library warnings the check raised (recorded, not printed), each once: Python
@@ -136,12 +163,22 @@ def check_image(data: bytes, path: str, how: str) -> list[str]:
     try:
         with image_warnings(data) as found:
             with Image.open(io.BytesIO(data)) as img:
+                too_large = pixel_problem(img.width, img.height)
+                if too_large:
+                    raise SourceError(f"{path}: {too_large}")
                 if how == "header":
                     img.verify()
                 else:
                     if img.format == "JPEG":
                         img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
                     img.load()
+    except SourceError:
+        raise
+    except Image.DecompressionBombError as exc:  # Pillow's refusal, past twice its limit
+        from streamload.decode.image import _pillow_refused_size
+
+        size = _pillow_refused_size(data)
+        raise SourceError(f"{path}: {_too_large(size) if size != 'more' else image_problem(exc)}") from exc
     except Exception as exc:
         said = list(dict.fromkeys(found))
         detail = f" ({'; '.join(said[:3])}{f'; and {len(said) - 3} more' if len(said) > 3 else ''})" if said else ""

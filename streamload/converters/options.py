@@ -109,8 +109,8 @@ class ConvertReport:
         ignored: Files of the source that are not inputs.
         resumed: Shards reused from an interrupted run.
         already_complete: ``--resume`` found this very conversion complete: nothing was written.
-        warnings: Library warnings (Pillow's ``DecompressionBombWarning``, truncated or
-            malformed files...) raised while checking inputs that were kept, each with its input.
+        warnings: Library warnings (truncated or malformed files, TIFF tags...) raised
+            while checking inputs that were kept, each with its input.
     """
 
     manifest: Manifest
