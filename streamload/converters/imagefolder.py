@@ -19,8 +19,9 @@ no classes. ``labels="auto"`` (the default) does that for a flat folder (images 
 sub-folder), and reads class folders otherwise.
 
 Library warnings raised while an image is checked (truncated or malformed files, TIFF
-tags) are not printed: each is listed with the file it in the conversion report (:attr:`~.engine.ConvertReport.warnings`). An image past the
-readers' pixel limit is a broken input (see :func:`.images.check_image`).
+tags) are not printed: each is listed with the file it came from in the conversion report
+(:attr:`~.engine.ConvertReport.warnings`). An image past the readers' pixel limit is a
+broken input (see :func:`.images.check_image`).
 
 What the scan does with unusual entries:
 
