@@ -27,7 +27,7 @@ from streamload.storage.retry import RetryPolicy, retry_call
 from streamload.storage.transport import translate_error
 
 from .imagefolder import unclassed_images
-from .images import WARNINGS_KEY, ImageItem, assign_keys, check_image, escape_folder
+from .images import WARNINGS_KEY, ImageItem, assign_keys, check_image, escape_folder, not_an_input
 from .source import Item, ScanResult, Source, printable
 
 __all__ = ["RemoteImageFolderSource", "RemoteImageItem", "read_url"]
@@ -182,7 +182,7 @@ class RemoteImageFolderSource(Source):
                 continue
             ext = parts[-1].rpartition(".")[2].lower() if "." in parts[-1] else ""
             if ext not in IMAGE_EXTENSIONS:
-                ignored.append(SkippedInput(printable(rel), "not an image file extension"))
+                ignored.append(SkippedInput(printable(rel), not_an_input(parts[-1])))
                 continue
             label = labels[parts[0]]
             size = self._objects[rel]

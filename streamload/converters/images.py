@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from streamload._errors import SourceError
+from streamload.manifest import SkippedInput
 from streamload.sample import image_problem, image_warnings, sniff_image
 
 from .source import Item
@@ -27,6 +28,9 @@ __all__ = [
     "escape_folder",
     "image_problem",
     "escape_stem",
+    "HIDDEN",
+    "ignored_first",
+    "not_an_input",
     "path_to_key",
     "pixel_problem",
 ]
@@ -35,6 +39,61 @@ __all__ = [
 #: Key of a loaded sample under which a source hands the engine the library warnings its
 #: check raised (a list of strings; never written: the writers skip ``__`` names).
 WARNINGS_KEY = "__warnings__"
+
+
+#: The reason listed for a hidden file or folder (its name starts with ``.``): not an input.
+HIDDEN = "hidden (its name starts with '.'): not taken"
+
+#: Photo kinds people have that streamload does not take (by lower-case extension).
+_OTHER_PHOTOS = {"heic": "HEIC", "heif": "HEIF", "avif": "AVIF"}
+#: What the reason of such a photo says (the CLI names these first).
+_NOT_TAKEN = "photo, a kind streamload does not take"
+
+
+def not_an_input(name: str) -> str:
+    """Why a file named ``name`` (not an image by extension) is not taken: for a person.
+
+    A HEIC/HEIF or AVIF photo is said to be one, with the Pillow plugin that reads its kind
+    and whether the installed Pillow reads it, since a folder of phone photos would
+    otherwise convert into nothing without a word.
+    """
+    ext = name.rpartition(".")[2].lower() if "." in name else ""
+    kind = _OTHER_PHOTOS.get(ext)
+    if kind is None:
+        return "not an image file extension"
+    if kind == "AVIF":
+        reads = (
+            f"Pillow reads AVIF itself from 11.3 when built with libavif (this Pillow {_pillow_reads('avif')}), "
+            "older ones through the pillow-avif-plugin package"
+        )
+        article = "an"
+    else:
+        reads = f"Pillow reads {kind} only through the pillow-heif plugin"
+        article = "a"
+    return f"{article} {kind} {_NOT_TAKEN}: {reads}; convert it to JPEG, PNG or WebP first"
+
+
+def _pillow_reads(feature: str) -> str:
+    """``"13.0.0 is"`` or ``"13.0.0 is not"``: whether the installed Pillow was built with ``feature``."""
+    import PIL
+    from PIL import features
+
+    try:
+        able = bool(features.check(feature))
+    except Exception:  # noqa: BLE001 - an older Pillow without the feature name
+        able = False
+    return f"{PIL.__version__} {'is' if able else 'is not'}"
+
+
+def ignored_first(ignored: Sequence[SkippedInput], limit: int = 20) -> tuple[list[SkippedInput], int]:
+    """The ignored files to name: photos of a kind not taken first, then the others, in order.
+
+    Returns:
+        The first ``limit`` of them, and how many more there are.
+    """
+    photos = [s for s in ignored if _NOT_TAKEN in s.error]
+    ordered = photos + [s for s in ignored if _NOT_TAKEN not in s.error]
+    return ordered[:limit], max(0, len(ordered) - limit)
 
 
 def _undecodable(text: str) -> bool:
