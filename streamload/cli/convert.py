@@ -185,6 +185,10 @@ def source_options(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     return chosen
 
 
+#: Files ignored, and normalization twins, named one by one after a conversion (the others counted).
+_NAMED = 20
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``streamload convert``; return the exit status."""
     from ..converters import convert, open_source, source_kind
@@ -200,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:  # the environment (disk, permissions, process limits): one line, no traceback
         raise StorageError(str(exc)) from exc
     say(report.summary())
-    named, more = ignored_first(report.ignored)
+    named, more = ignored_first(report.ignored, _NAMED)
     for ignored in named:
         say(f"  ignored {ignored.path}: {ignored.error}", file=sys.stderr)
     if more:
@@ -209,4 +213,8 @@ def run(args: argparse.Namespace) -> int:
         say(f"  skipped {skipped.path}: {skipped.error}", file=sys.stderr)
     for warned in report.warnings:
         say(f"  warning {warned.path}: {warned.error}", file=sys.stderr)
+    for twin in report.twins[:_NAMED]:
+        say(f"  twin {twin.path} {twin.error}", file=sys.stderr)
+    if len(report.twins) > _NAMED:
+        say(f"  ... and {len(report.twins) - _NAMED} more Unicode normalization twins", file=sys.stderr)
     return 0
