@@ -118,3 +118,24 @@ def test_raise_names_the_shard_in_both_paths(dataset: Path) -> None:
         list(StreamingDataset(str(dataset), transform=ImageLabel(size=SIDE)))
     with pytest.raises(SampleError, match="^" + re.escape(where)):
         list(StreamingDataset(str(dataset), batch_size=4, collate=DecodeBatch(SIDE)))
+
+
+def test_a_mixture_fills_the_slot_from_the_same_stream(dataset: Path, tmp_path: Path) -> None:
+    from streamload import Stream
+
+    other = tmp_path / "blue"
+    for i in range(10):
+        (other / "c").mkdir(parents=True, exist_ok=True)
+        buf = io.BytesIO()
+        Image.new("RGB", (24, 20), (7, 7, 20 * i + 10)).save(buf, "JPEG", quality=95)
+        (other / "c" / f"blue{i}.jpg").write_bytes(buf.getvalue())
+    convert(ImageFolderSource(str(other)), str(tmp_path / "blue-ds"), ConvertOptions(progress=False))
+    streams = [Stream(str(dataset), name="red"), Stream(str(tmp_path / "blue-ds"), name="blue")]
+    ds = StreamingDataset(streams, batch_size=20, collate=DecodeBatch(SIDE), on_error="skip")
+    [batch] = list(ds)
+    assert ds.skipped_samples == 1 and ds.errors.samples[0].key == "a/img3"
+    images = batch.images
+    pairs = [(i, j) for i in range(20) for j in range(i + 1, 20) if torch.equal(images[i], images[j])]
+    assert len(pairs) == 1  # the bad slot and the sample repeated in it
+    i, _ = pairs[0]
+    assert float(images[i][2].float().mean()) < 20 < float(images[i][0].float().mean())  # red: its own stream's

@@ -125,3 +125,29 @@ def test_wide_images_through_every_reading_path(tmp_path: Path) -> None:
     # verify --decode decodes them all with the same function, without a problem.
     report = verify_dataset(str(out), decode_images=True)
     assert report.images_decoded == len(FILES) and not report.problems
+
+
+def _other_kinds() -> dict[str, bytes]:
+    """8-bit kinds Pillow converts itself: CMYK JPEG (Adobe, inverted), palette PNG, grey+alpha PNG."""
+    out = {}
+    for name, img, fmt in (
+        ("cmyk.jpg", Image.new("RGB", (SIDE, SIDE), (200, 40, 90)).convert("CMYK"), "JPEG"),
+        ("palette.png", Image.new("RGB", (SIDE, SIDE), (10, 200, 90)).convert("P"), "PNG"),
+        ("grey_alpha.png", Image.new("LA", (SIDE, SIDE), (120, 30)), "PNG"),
+    ):
+        buf = io.BytesIO()
+        img.save(buf, fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+        out[name] = buf.getvalue()
+    return out
+
+
+@pytest.mark.parametrize(("name", "data"), sorted(_other_kinds().items()))
+def test_eight_bit_kinds_agree_with_pillow_on_every_path(name: str, data: bytes) -> None:
+    want = np.asarray(Image.open(io.BytesIO(data)).convert("RGB")).reshape(-1, 3).mean(0)
+    got = [np.asarray(decode_image(data)).reshape(-1, 3).mean(0)]
+    for backend in ("pillow", "simplejpeg") if have_simplejpeg() else ("pillow",):
+        got.append(ImageDecoder(SIDE, backend=backend).decode(data).reshape(-1, 3).mean(0))  # type: ignore[arg-type]
+    batch = DecodeBatch(SIDE, label_field=None)([{"__key__": "k", name.rpartition(".")[2]: data}])
+    got.append(np.asarray(batch.images[0]).reshape(3, -1).mean(1))
+    for mean in got:
+        assert np.abs(mean - want).max() < 1.5, (name, mean, want)
