@@ -143,6 +143,8 @@ class RemoteImageFolderSource(Source):
         SourceError: If the URL cannot be listed or holds no class folder.
     """
 
+    names_are_paths = True
+
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None, check: str = "decode") -> None:
         if check not in ("decode", "header", "none"):
             raise SourceError(f"check={check!r} must be 'decode', 'header' or 'none'")

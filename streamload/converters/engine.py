@@ -329,7 +329,9 @@ def _convert_locked(
     journal.finish()
     payload = sum(r.payload_bytes for r in ordered)
     warned = [w for r in ordered for w in r.warnings]
-    twins = normalization_twins(source, [item for shard in plan.shards for item in shard])
+    twins = normalization_twins(
+        source, [item for shard in plan.shards for item in shard] if source.names_are_paths else []
+    )
     return ConvertReport(manifest, 0.0, payload, plan.ignored, resumed=len(done), warnings=warned, twins=twins)
 
 

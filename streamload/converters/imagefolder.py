@@ -110,6 +110,8 @@ class ImageFolderSource(Source):
             (``labels="folders"``).
     """
 
+    names_are_paths = True
+
     def __init__(self, root: str, check: str = "decode", labels: str = "auto") -> None:
         if check not in ("decode", "header", "none"):
             raise SourceError(f"check={check!r} must be 'decode', 'header' or 'none'")

@@ -146,6 +146,11 @@ class Source(ABC):
         """Return where ``item`` comes from (a relative path), for error listings."""
         return item.key
 
+    #: Whether inputs are named by file paths a person chose (an image folder): their
+    #: Unicode normalization twins are listed (:func:`normalization_twins`); class names
+    #: are checked for every source.
+    names_are_paths = False
+
     def meta(self) -> dict[str, Any]:
         """Return JSON metadata about the source for the manifest."""
         return {"source": self.describe()}
@@ -247,13 +252,12 @@ def normalization_twins(source: Source, items: Sequence[Item]) -> list[SkippedIn
     and with ``e`` and a combining accent (NFD, what some file systems and tools give back)
     look identical but are different names: two samples, or two classes, where a person
     sees one. Each is listed (as ``info`` marks class names), naming the other and both
-    forms; nothing is dropped.
+    forms; nothing is dropped. Inputs are checked for sources whose inputs are files a
+    person named (:attr:`Source.names_are_paths`; a table's rows are not walked again).
     """
     out: list[SkippedInput] = []
-    for what, names in (
-        ("class", [f"{name}/" for name in source.classes]),
-        ("sample", [source.origin(item) for item in items]),
-    ):
+    named = [source.origin(item) for item in items] if source.names_are_paths else []
+    for what, names in (("class", [f"{name}/" for name in source.classes]), ("sample", named)):
         groups: dict[str, list[str]] = {}
         for name in names:
             if not name.isascii():
