@@ -123,3 +123,24 @@ def test_unlabelled_folder_names_hidden_files_too(tmp_path: Path) -> None:
     scan = ImageFolderSource(str(root)).scan()
     assert [i.key for i in scan.items] == ["a"]
     assert sorted(s.path for s in scan.ignored) == [".b.jpg", ".thumbs/"]
+
+
+def test_a_bucket_folder_names_hidden_objects_and_other_photos(tmp_path: Path) -> None:
+    import fsspec
+
+    from streamload.converters.bucket import RemoteImageFolderSource
+
+    fs = fsspec.filesystem("memory")
+    root = f"/newuser-{tmp_path.name}"
+    objects = {"cat/a.jpg": _image("JPEG", 1), "cat/.b.jpg": _image("JPEG", 2), "dog/c.png": _image("PNG", 3)}
+    objects |= {".git/config": b"[core]", ".git/HEAD": b"ref", "dog/note.txt": b"x", "dog/p.HEIC": b"x"}
+    try:
+        for rel, data in objects.items():
+            fs.pipe_file(f"{root}/{rel}", data)
+        scan = RemoteImageFolderSource(f"memory://{root}").scan()
+        assert sorted(i.key for i in scan.items) == ["cat/a", "dog/c"]
+        ignored = {s.path: s.error for s in scan.ignored}
+        assert set(ignored) == {".git/", "cat/.b.jpg", "dog/note.txt", "dog/p.HEIC"}  # a hidden folder once
+        assert ignored["cat/.b.jpg"].startswith("hidden") and "pillow-heif" in ignored["dog/p.HEIC"]
+    finally:
+        fs.rm(root, recursive=True)
