@@ -442,6 +442,10 @@ class ImageDecoder:
 WIDE_MODES = frozenset({"I", "F", "I;16", "I;16B", "I;16L", "I;16N"})
 
 
+#: ``round(value / 257)`` for every 16-bit value (65535 -> 255): a look-up table of 64 KiB.
+_SIXTEEN_BITS = ((np.arange(65536, dtype=np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
+
+
 def to_eight_bits(img: Any) -> Any:
     """A one-band image of more than 8 bits per sample (:data:`WIDE_MODES`) as an 8-bit ``"L"`` image.
 
@@ -471,15 +475,17 @@ def to_eight_bits(img: Any) -> Any:
         if not (0.0 <= lo and hi <= 1.0):
             values = (values - lo) / (hi - lo) if hi > lo else np.zeros_like(values)
         out = np.nan_to_num(np.rint(values * 255.0), nan=0.0)
+    elif img.mode != "I":  # I;16*: one table look-up per pixel
+        out = _SIXTEEN_BITS[values]
     else:
-        values = values.astype(np.int64)
         lo, hi = (int(values.min()), int(values.max())) if values.size else (0, 0)
         if lo >= 0 and hi <= 65535:
-            out = (values * 255 + 32767) // 65535  # round(value / 257)
+            out = _SIXTEEN_BITS[values.astype(np.uint16)]
         elif hi > lo:
-            out = ((values - lo) * 255 + (hi - lo) // 2) // (hi - lo)
+            wide = values.astype(np.int64) - lo
+            out = (wide * 255 + (hi - lo) // 2) // (hi - lo)
         else:
-            out = np.zeros_like(values)
+            out = np.zeros(values.shape, dtype=np.uint8)
     return Image.fromarray(np.ascontiguousarray(out, dtype=np.uint8))  # a 2-D uint8 array: mode "L"
 
 
