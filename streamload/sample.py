@@ -9,6 +9,7 @@ holds the few facts about fields that the formats, batches and decoders share.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
@@ -24,6 +25,7 @@ __all__ = [
     "Sample",
     "image_field",
     "image_field_for",
+    "image_problem",
     "image_warnings",
     "label_of",
     "parse_label",
@@ -40,6 +42,17 @@ Sample = dict[str, Any]
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm", "pbm", "pnm")
 #: :data:`IMAGE_FIELDS` as a set (lower-case file extensions, without the dot).
 IMAGE_EXTENSIONS = frozenset(IMAGE_FIELDS)
+
+
+_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>")
+
+
+def image_problem(exc: BaseException) -> str:
+    """Why Pillow refused an image, for a person: no object reprs (``<_io.BytesIO object at 0x...>``)."""
+    text = _REPR.sub("", str(exc)).strip()
+    if type(exc).__name__ == "UnidentifiedImageError" or text == "cannot identify image file":
+        return "Pillow cannot identify its format (damaged, or a kind it cannot read)"
+    return text or type(exc).__name__
 
 
 #: The first bytes of a TIFF: classic and BigTIFF (II+ and MM then NUL +), in the byte orders Pillow accepts.
