@@ -34,6 +34,7 @@ class DeviceDecode(Protocol):
     width: int
     seed: int
     max_pixels: int | None
+    on_error: str
     cpu: ImageDecoder
     fallbacks: Any
     stage_clock: Any
@@ -41,14 +42,28 @@ class DeviceDecode(Protocol):
     def places_of(self, batch: RawBatch) -> np.ndarray | None:
         """The batch's ``(epoch, position)`` rows."""
 
-    def decode_on_cpu(self, batch: RawBatch, which: Iterable[int], out: np.ndarray, places: np.ndarray | None) -> None:
-        """Decode samples ``which`` into ``out`` on the CPU."""
+    def decode_on_cpu(
+        self, batch: RawBatch, which: Iterable[int], out: np.ndarray, places: np.ndarray | None
+    ) -> list[int]:
+        """Decode samples ``which`` into ``out`` on the CPU; return those skipped."""
+
+    def skip(self, name: str, error: BaseException) -> None:
+        """Count and log a skipped sample."""
 
     def shape_images(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 NCHW to the asked dtype and memory format."""
 
 
-__all__ = ["INSTALL", "NO_PLACES", "Decoded", "GpuDecoder", "batch_geometry", "generator_of", "sample_name"]
+__all__ = [
+    "INSTALL",
+    "NO_PLACES",
+    "Decoded",
+    "GpuDecoder",
+    "batch_geometry",
+    "fill_slots",
+    "generator_of",
+    "sample_name",
+]
 
 _log = logging.getLogger("streamload.decode")
 
@@ -101,6 +116,30 @@ def generator_of(places: np.ndarray | None, i: int, seed: int) -> np.random.Gene
     assert places is not None
     epoch, position = int(places[i, 0]), int(places[i, 1])
     return sample_generator({"__epoch__": epoch, "__position__": position}, seed)
+
+
+def fill_slots(images: torch.Tensor, labels: torch.Tensor | None, bad: list[int]) -> torch.Tensor | None:
+    """Under ``on_error="skip"``: each bad slot (image and label) a repeat of a good sample of the batch.
+
+    The last good sample before it, else the first after it: ``DecodeBatch``'s rule. The
+    images are filled in place; the labels are returned (a copy, when any is filled).
+
+    Raises:
+        SampleError: If no sample of the batch could be decoded.
+    """
+    skipped = set(bad)
+    good = [i for i in range(images.shape[0]) if i not in skipped]
+    if not good:
+        raise SampleError(f"every one of the {images.shape[0]} images of this batch failed to decode")
+    source = [max((j for j in good if j < i), default=good[0]) for i in bad]
+    into = torch.tensor(bad).to(images.device, non_blocking=True)
+    take = torch.tensor(source).to(images.device, non_blocking=True)
+    images[into] = images[take]
+    if labels is None:
+        return None
+    labels = labels.clone()
+    labels[into] = labels[take]
+    return labels
 
 
 def sample_name(batch: RawBatch, i: int) -> str:
@@ -193,15 +232,23 @@ class GpuDecoder:
         bounds = batch.offsets.tolist()
         raws = [data[bounds[i] : bounds[i + 1]].numpy() for i in range(n)]
         heads = [jpeg_head(raw) for raw in raws]
-        gpu = [i for i, head in enumerate(heads) if head is not None and head.gpu_decodable]
+        candidates = [i for i, head in enumerate(heads) if head is not None and head.gpu_decodable]
+        gpu: list[int] = []
+        bad: list[int] = []  # skipped (on_error="skip")
         sizes = []
-        for i in gpu:
+        for i in candidates:
             head = heads[i]
             assert head is not None
             try:
                 check_pixels(head.width, head.height, owner.max_pixels)
             except SampleError as exc:
-                raise SampleError(f"sample {sample_name(batch, i)!r}: {exc}") from exc
+                error = SampleError(f"sample {sample_name(batch, i)!r}: {exc}")
+                if owner.on_error == "raise":
+                    raise error from exc
+                owner.skip(sample_name(batch, i), error)
+                bad.append(i)
+                continue
+            gpu.append(i)
             sizes.append((head.width, head.height))
         boxes, flips = batch_geometry(owner.cpu, sizes, None if places is None else places[gpu], owner.seed)
         out = torch.empty((n, 3, owner.height, owner.width), dtype=torch.uint8, device=self.device)
@@ -219,12 +266,13 @@ class GpuDecoder:
             flipped = _host_to(torch.tensor([flips[k] for k in taken]), self.device)
             resized = torch.where(flipped[:, None, None, None], resized.flip(-1), resized)
             out[_host_to(torch.tensor([gpu[k] for k in taken]), self.device)] = resized
-        on_cpu = sorted(set(range(n)) - {gpu[k] for k in taken})
+        on_cpu = sorted(set(range(n)) - {gpu[k] for k in taken} - set(bad))
         if on_cpu:  # not a JPEG the decoder takes, or refused by it: the CPU path, the same box
             host = torch.empty((len(on_cpu), owner.height, owner.width, 3), dtype=torch.uint8)
             if self.device.type == "cuda":
                 host = host.pin_memory()
-            owner.decode_on_cpu(batch, on_cpu, host.numpy(), places)
+            failed = owner.decode_on_cpu(batch, on_cpu, host.numpy(), places)
+            bad.extend(failed)
             owner.fallbacks.add(len(on_cpu))
             if _FALLBACK_LOGGED():
                 _log.warning(
@@ -237,6 +285,8 @@ class GpuDecoder:
             moved = host.to(self.device, non_blocking=True).permute(0, 3, 1, 2)
             out[_host_to(torch.tensor(on_cpu), self.device)] = moved
         labels = None if batch.labels is None else batch.labels.to(self.device, non_blocking=True)
+        if bad:
+            labels = fill_slots(out, labels, sorted(bad))
         return owner.shape_images(out), labels
 
     def finish(self, owner: DeviceDecode, pending: Any) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -19,7 +19,7 @@ from typing import Any, TypedDict
 from ._errors import ConfigError, ManifestError
 from .formats import Format, get_format
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardEntry, data_root_place
-from .storage import Storage, is_local
+from .storage import Storage, is_local, local_path_of
 from .storage.split import split_storage
 from .storageconfig import CacheMode, StorageConfig, can_stream, choose_streaming, largest_sidecar
 
@@ -47,12 +47,35 @@ def load_manifest(storage: Storage, url: str) -> Manifest:
         ManifestError: If it is malformed.
     """
     where = f"{url.rstrip('/')}/{MANIFEST_NAME}"
-    missing = (
-        f"{where} does not exist: is {url!r} a streamload dataset? "
-        "(for tar shards written by other tools, run `streamload index`)"
-    )
+    missing = f"{where} does not exist: is {url!r} a streamload dataset? ({_what_to_run(url)})"
     raw = storage.read_bytes(MANIFEST_NAME, MAX_MANIFEST_BYTES, not_found=missing)
     return Manifest.loads(raw, where=where)
+
+
+def _what_to_run(url: str) -> str:
+    """The command that makes a dataset of the folder ``url`` (by what a local one holds)."""
+    generic = (
+        "for tar shards or Parquet files written by other tools, run `streamload index`; "
+        "for a folder of images, `streamload convert`"
+    )
+    if not is_local(url):
+        return generic
+    path = local_path_of(url)
+    try:
+        with os.scandir(path) as entries:
+            names = [(e.name, e.is_dir()) for e, _ in zip(entries, range(1000), strict=False)]
+    except OSError:
+        return generic
+    files = [n.lower() for n, is_dir in names if not is_dir and not n.startswith(".")]
+    if any(n.endswith((".tgz", ".tar.gz")) for n in files):
+        return f"its gzip-compressed tar shards need `gunzip` first, then `streamload index {path}`"
+    if any(n.endswith(".tar") for n in files):
+        return f"its tar shards become one with `streamload index {path}`"
+    if any(n.endswith(".parquet") for n in files):
+        return f"its Parquet files become one with `streamload index {path} --format parquet`"
+    if any(is_dir for _, is_dir in names) or files:
+        return f"a folder of images becomes one with `streamload convert {path} OUT_DIR`"
+    return generic
 
 
 @dataclass(frozen=True)
@@ -73,6 +96,10 @@ class DatasetRef:
     def open(cls, url: str, config: StorageConfig | None = None) -> DatasetRef:
         """Read the manifest of the dataset at ``url`` and check the storage can serve its shards.
 
+        ``url`` may also name tar shard files, as a path or URL ending in ``.tar`` or a
+        brace pattern: they are indexed into the cache (:mod:`streamload.shardlist`) and
+        the dataset's URL is that index's folder.
+
         Raises:
             ManifestNotFoundError: If ``url`` holds no ``index.json``.
             ManifestError: If the manifest is malformed.
@@ -81,6 +108,11 @@ class DatasetRef:
         """
         config = (config or StorageConfig()).with_cache("shards")
         url = str(url)
+        from .shardlist import index_shard_list, shard_list
+
+        shards = shard_list(url)
+        if shards is not None:  # tar shard files ("s/{000..009}.tar"): their index in the cache
+            url = index_shard_list(shards, config.storage_options, config.cache_dir)
         storage = config.open(url)
         try:
             manifest = load_manifest(storage, url)
@@ -153,9 +185,10 @@ def _with_data_root(url: str, manifest: Manifest, config: StorageConfig, storage
         return storage
     try:
         fmt = get_format(manifest.format)
-        if fmt.writable:
+        if fmt.indexer is None and fmt.tables is None:
             raise ManifestError(
-                f"{url}/{MANIFEST_NAME}: data_root is only for formats read in place (parquet), not {fmt.name}"
+                f"{url}/{MANIFEST_NAME}: data_root is only for files streamload indexes in place "
+                f"(tar, parquet), not {fmt.name}"
             )
         data = config.open(root, _data_root_options(url, root, config))
     except BaseException:

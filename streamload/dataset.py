@@ -38,6 +38,7 @@ from .iterations import Iterations
 from .manifest import Manifest
 from .plan import EpochPlan, Split, World, detect_rank_world, detect_world, distributed_world, rank_samples
 from .resume import Planner, Position
+from .shardlist import index_shard_list, shard_list
 from .skips import MAX_NAMED_SKIPS, SkipCounts, SkipLog, SkippedSample
 from .stages import OnError, Pipeline, Steps
 from .storage import Storage
@@ -61,6 +62,9 @@ class StreamingDataset(IterableDataset[Any]):
     Args:
         source: Dataset directory or URL prefix holding ``index.json`` and the shards; or a
             :class:`~streamload.streams.Stream`, or a list of streams (and URLs) to mix.
+            Or tar shard files of one folder, as WebDataset takes them: a list of paths or
+            URLs, or a brace pattern (``"shards/{000..009}.tar"``), read in that order;
+            they are indexed once into the cache directory (see :mod:`streamload.shardlist`).
         epoch_size: Samples per epoch, all ranks (default: the dataset's size, or the
             streams' counts). Subsamples or upsamples a single dataset, or sets the size
             that the streams' weights share (see *Mixtures*).
@@ -203,12 +207,17 @@ class StreamingDataset(IterableDataset[Any]):
             partitions=args.partitions,
             pad=pad,
         )
+        given = source
+        shards = shard_list(source)
+        if shards is not None:  # tar shard files named one by one: indexed into the cache
+            given = shards  # the settings apply to them (remote ones; the cache holds their index)
+            source = index_shard_list(shards, self.storage.storage_options, self.storage.cache_dir)
         #: The datasets read and each one's samples per epoch (one for a plain URL).
         self.streams: Mixture = Mixture.open(source, epoch_size, self.storage)
         self.epoch_size = epoch_size
         self.source = self.streams.describe()  # the URL, or the streams' URLs and counts
         self._ref = self.streams.refs[0]
-        warn_remote_only(source, self.storage.settings(), self._ref.data_url)
+        warn_remote_only(given, self.storage.settings(), self._ref.data_url)
         self.manifest: Manifest = self._ref.manifest
         self.format: Format = self._ref.format
         #: The plan stage: each epoch's plan, and the state to resume from.

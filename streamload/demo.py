@@ -109,7 +109,7 @@ def run_demo(
         dt = time.perf_counter() - t
         results["decode_samples_s"] = count / dt
         print(
-            f"      {count} images {tuple(images_batch.shape[1:])} uint8: {count / dt:.0f} samples/s; "
+            f"      {count:,} images {tuple(images_batch.shape[1:])} uint8: {count / dt:.0f} samples/s; "
             f"per-class counts {labels.tolist()}"
         )
         print("demo finished: convert -> shards -> DataLoader works on this machine.")
@@ -184,8 +184,8 @@ def _read_all(
         raise RuntimeError(
             f"{what}: read {len(keys)} samples ({len(set(keys))} distinct), expected {total} ({expected} distinct)"
         )
-    print(
-        f"      {what}: {len(keys)} samples, each exactly once: "
-        f"{len(keys) / seconds:.0f} samples/s, {nbytes / seconds / 1e6:.1f} MB/s"
-    )
+    read = f"{expected:,} samples, each exactly once"
+    if total > expected:  # whole batches: the last one filled up by samples read again
+        read = f"{expected:,} samples, {total:,} with padding (the last batch filled up with samples again)"
+    print(f"      {what}: {read}: {len(keys) / seconds:.0f} samples/s, {nbytes / seconds / 1e6:.1f} MB/s")
     return len(keys) / seconds

@@ -25,6 +25,7 @@ the decoder.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -34,8 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._errors import ConfigError
-from ._gpudecode import NO_PLACES, GpuDecoder, batch_geometry, generator_of, sample_name
+from ._errors import ConfigError, SampleError
+from ._gpudecode import NO_PLACES, GpuDecoder, batch_geometry, fill_slots, generator_of, sample_name
 from .batch import RawBatch
 from .decode import DEFAULT_MAX_PIXELS, ImageDecoder, SharedCount, cannot_decode, report_warnings
 from .decode.image import Backend, Crop
@@ -43,6 +44,9 @@ from .sample import image_warnings
 
 __all__ = ["DeviceBatches", "DeviceDecode", "batch_geometry"]
 
+_log = logging.getLogger("streamload.decode")
+#: Skipped samples named in ``skipped_samples`` (all are counted).
+_KEEP_SKIPPED = 1000
 _DECODERS = ("auto", "hardware", "nvjpeg")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -58,19 +62,14 @@ class DeviceDecode:
         for images, labels in decode.iterate(DataLoader(ds, batch_size=None, num_workers=4)):
             ...                                  # the next batch is decoded meanwhile
 
-    Each sample's crop box and flip are the CPU path's (:class:`~streamload.decode.DecodeBatch`
-    with the same settings): drawn from :func:`streamload.sample_generator` keyed by
-    ``(seed, epoch, position)``, which the raw batch carries (:attr:`RawBatch.places`). So a
-    run keeps its crops across ranks, workers, resumes, and between the CPU and the GPU.
-    With ``device="cpu"`` the images are exactly ``DecodeBatch``'s.
-
-    On CUDA the decoder is chosen once, reported by ``repr`` and :attr:`decoder_name`:
-    nvImageCodec's hardware decoder (the GPU's JPEG engines, no SMs used) where the GPU has
-    one, else nvJPEG on the SMs through ``torchvision.io.decode_jpeg``. Crop and resize run
-    batched on the GPU (Pillow's bilinear filter, not bit-identical to the CPU path's
-    DCT-scaled decode: see ``docs/gpu.md``). JPEGs the GPU decoder refuses (CMYK, 12-bit,
-    arithmetic-coded, lossless, or refused at decode) and other formats are decoded on the
-    CPU for that batch, with the same boxes, and counted in :attr:`fallbacks`.
+    Each sample's crop box and flip are :class:`~streamload.decode.DecodeBatch`'s (same
+    settings), drawn from :func:`streamload.sample_generator` of ``(seed, epoch, position)``
+    (:attr:`RawBatch.places`): the same on any rank, worker, resume, CPU or GPU. With
+    ``device="cpu"`` the images are exactly ``DecodeBatch``'s. On CUDA (see ``docs/gpu.md``)
+    the decoder, named by ``repr``, is nvImageCodec's hardware decoder where the GPU has
+    JPEG engines, else nvJPEG on the SMs; crop and resize run batched (Pillow's bilinear
+    filter; close to, not bit-identical with, the CPU path); what the GPU cannot decode is
+    decoded on the CPU for that batch, with the same boxes, and counted in :attr:`fallbacks`.
 
     Args:
         size: Output ``(height, width)`` or one int for a square.
@@ -93,6 +92,12 @@ class DeviceDecode:
         backend: The CPU decoder's backend (:class:`ImageDecoder`), for ``device="cpu"``
             and the fallbacks.
         max_pixels: Largest image decoded (its header's width x height); ``None``: no limit.
+        on_error: ``"raise"`` (an image that cannot be decoded raises
+            :class:`~streamload.SampleError` naming it) or ``"skip"``: it is counted in
+            :attr:`skipped`, named in :attr:`skipped_samples` and the log, and its slot
+            (image and label) repeats another sample of the batch, as ``DecodeBatch`` does
+            under the dataset's ``on_error="skip"`` (the last good one before it, else the
+            next; a batch with none raises).
 
     Raises:
         ConfigError: For an argument out of range, or ``device="cuda"`` without CUDA or
@@ -101,6 +106,8 @@ class DeviceDecode:
     Attributes:
         fallbacks: Images decoded on the CPU instead of the GPU decoder (a
             :class:`~streamload.decode.SharedCount`; always 0 with ``device="cpu"``).
+        skipped: Images skipped under ``on_error="skip"`` (a ``SharedCount``).
+        skipped_samples: ``(name, reason)`` of the first 1,000 of them.
     """
 
     def __init__(
@@ -121,8 +128,12 @@ class DeviceDecode:
         decoder: str = "auto",
         backend: Backend = "auto",
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        on_error: str = "raise",
     ) -> None:
         self.height, self.width = _size(size)
+        if on_error not in ("raise", "skip"):
+            raise ConfigError(f"DeviceDecode(on_error={on_error!r}) must be 'raise' or 'skip'")
+        self.on_error = on_error
         if crop not in ("center", "random"):
             raise ConfigError(f"DeviceDecode(crop={crop!r}) must be 'center' or 'random'")
         _flag("flip", flip)
@@ -154,6 +165,8 @@ class DeviceDecode:
         )
         self.max_pixels = max_pixels
         self.fallbacks = SharedCount()
+        self.skipped = SharedCount()
+        self.skipped_samples: list[tuple[str, str]] = []
         self.warnings = 0
         self._gpu: GpuDecoder | None = None
         self.stage_clock = _StageClock()
@@ -248,19 +261,14 @@ class DeviceDecode:
         return DeviceBatches(self, loader, ahead)
 
     def device_stage_seconds(self) -> dict[str, float]:
-        """Seconds spent in the ``decode`` stage so far: CUDA-event time of the device work, or CPU time.
+        """The ``decode`` stage's seconds so far (what :func:`streamload.watch` reports for :meth:`iterate`).
 
-        What :func:`streamload.watch` reports as the ``decode`` stage of a loader fed
-        through :meth:`iterate`. On CUDA the events are read when they have completed
-        (no synchronization); a batch still in flight counts at its next call.
+        On CUDA: CUDA-event time, read once completed (a batch in flight counts later); else CPU time.
         """
         return {"decode": self.stage_clock.seconds()}
 
     def to(self, device: str | torch.device) -> DeviceDecode:
         """The same decode on ``device`` (its own decoder and stream; counts and stage time shared).
-
-        What :class:`~streamload.lightning.StreamingDataModule` does with the trainer's
-        device, so one ``DeviceDecode`` made before the ranks exist serves each rank's GPU.
 
         Raises:
             ConfigError: As the constructor's ``device=``.
@@ -278,10 +286,11 @@ class DeviceDecode:
         n = batch.batch_size
         buffer = torch.empty((n, self.height, self.width, 3), dtype=torch.uint8)
         places = self.places_of(batch)
-        self.decode_on_cpu(batch, range(n), buffer.numpy(), places)
-        images = self.shape_images(buffer.permute(0, 3, 1, 2))
+        bad = self.decode_on_cpu(batch, range(n), buffer.numpy(), places)
         labels = None if batch.labels is None else batch.labels.to(self.device)
-        return images, labels
+        if bad:
+            labels = fill_slots(buffer, labels, bad)
+        return self.shape_images(buffer.permute(0, 3, 1, 2)), labels
 
     def places_of(self, batch: RawBatch) -> np.ndarray | None:
         """The batch's ``(epoch, position)`` rows; ``ConfigError`` if missing where crops or flips are random."""
@@ -291,8 +300,15 @@ class DeviceDecode:
             raise ConfigError(NO_PLACES)
         return places
 
-    def decode_on_cpu(self, batch: RawBatch, which: Iterable[int], out: np.ndarray, places: np.ndarray | None) -> None:
-        """Decode samples ``which`` of ``batch`` into ``out[k]`` (``[len, H, W, 3]``) with the CPU decoder."""
+    def decode_on_cpu(
+        self, batch: RawBatch, which: Iterable[int], out: np.ndarray, places: np.ndarray | None
+    ) -> list[int]:
+        """Decode samples ``which`` of ``batch`` into ``out[k]`` (``[len, H, W, 3]``) with the CPU decoder.
+
+        Returns the samples (of ``which``) that could not be decoded, each counted and
+        logged (``on_error="skip"``); with ``on_error="raise"`` the first raises.
+        """
+        bad: list[int] = []
         decode_into = self.cpu.decode_into
         random = self.crop == "random" or self.flip
         data = batch.data if batch.data.device.type == "cpu" else batch.data.cpu()
@@ -305,9 +321,22 @@ class DeviceDecode:
                 with image_warnings(raw) as found:
                     decode_into(raw, out[k], generator_of(places, i, self.seed) if random else None, name=name)
             except Exception as exc:
-                raise cannot_decode({"__key__": name}, "image", exc, found) from exc
+                error = exc if isinstance(exc, SampleError) else cannot_decode({"__key__": name}, "image", exc, found)
+                if self.on_error == "raise":
+                    raise error from exc
+                self.skip(name, error)
+                bad.append(i)
+                continue
             if found:
                 self.warnings += report_warnings({"__key__": name}, "image", found)
+        return bad
+
+    def skip(self, name: str, error: BaseException) -> None:
+        """Count and log a sample skipped under ``on_error="skip"`` (its slot is filled from the batch)."""
+        self.skipped.add()
+        if len(self.skipped_samples) < _KEEP_SKIPPED:
+            self.skipped_samples.append((name, str(error)))
+        _log.warning("DeviceDecode skipped %s (on_error='skip', a repeat of the batch in its slot): %s", name, error)
 
     def shape_images(self, images: torch.Tensor) -> torch.Tensor:
         """uint8 NCHW (channels-last view or not) -> the asked dtype, normalization and memory format."""

@@ -24,7 +24,7 @@ import fnmatch
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -32,8 +32,9 @@ from ._errors import ConfigError, ShardNotFoundError
 from ._files import DEFAULT_HASH_ALGORITHM, FileEntry, hash_file
 from ._validate import check_on_error
 from .formats import Format, get_format
-from .manifest import MANIFEST_NAME, Manifest, ShardEntry, SkippedInput, check_data_root
-from .storage import Destination, RemoteDestination, is_local, local_path_of, open_destination
+from .formats._tar_scan import LabelTally, index_tar
+from .manifest import MANIFEST_NAME, ForeignManifestError, Manifest, ShardEntry, SkippedInput, check_data_root
+from .storage import Destination, is_local, local_path_of, open_destination
 from .storage.transport import open_transport
 
 __all__ = ["INDEXED_BY", "index_directory", "index_shard", "publish_index"]
@@ -58,6 +59,7 @@ def index_directory(
     overwrite: bool = False,
     split: str | None = None,
     on_error: str = "raise",
+    files: Sequence[str] | None = None,
 ) -> Manifest:
     """Write ``index.json`` (and sidecars) for shards written by another tool, in place.
 
@@ -85,14 +87,16 @@ def index_directory(
         image_column: Parquet: the image column (default: found from the schema).
         label_column: Parquet: the label column (default: ``label`` or the
             ``ClassLabel``; ``""``: none).
-        output: Parquet: write ``index.json`` and the sidecars to this directory or URL
-            instead, the manifest naming ``url`` as its ``data_root`` (for files in a
-            read-only place). ``url`` is then only read. A remote output cannot name
-            local files.
+        output: Write ``index.json`` and the sidecars to this directory or URL instead,
+            the manifest naming ``url`` as its ``data_root`` (for files in a read-only
+            place, or a folder holding another tool's ``index.json``). ``url`` is then
+            only read. A remote output cannot name local files.
         overwrite: Replace an index this function wrote before at the destination.
         split: Parquet: index one split into the sub-folder ``url/split`` (see above).
         on_error: Parquet: ``"raise"`` on a bad row, or ``"skip"`` it: the row is left
             out, listed in the manifest's ``skipped``, and readers yield the others.
+        files: Exactly these file names of the folder, in this order (instead of every
+            ``*.tar`` / ``*.parquet`` file in name order); each must exist.
 
     Raises:
         ConfigError: If the format cannot be indexed, the directory holds no shard, the
@@ -131,8 +135,6 @@ def index_directory(
     source = _Source(url, storage_options)
     data_root = None
     if output is not None and not source.same_place(output):
-        if tables is None:
-            raise ConfigError(f"--output is for formats read in place (parquet), not {fmt.name}")
         if is_local(url) and not is_local(output):
             raise ConfigError(f"{output}: a remote index cannot name the local files of {url}")
         data_root = source.root()
@@ -141,10 +143,16 @@ def index_directory(
     try:
         with dest.lock() as lock:  # one writer at a time, as for a conversion
             _check_existing(dest, target, overwrite)
-            names = [n for n in source.list_names() if n.endswith(fmt.extension) and not n.startswith(".")]
-            if match is not None:
-                names = [n for n in names if fnmatch.fnmatchcase(n, match)]
             where = local_path_of(url) if is_local(url) else url
+            listed = source.list_names()
+            if files is not None:
+                names = _named_files(listed, files, where)
+            else:
+                names = [n for n in listed if not n.startswith(".")]
+                if match is not None:
+                    names = [n for n in names if fnmatch.fnmatchcase(n, match)]
+                _refuse_compressed(fmt, names, where, local=is_local(url))
+                names = [n for n in names if n.endswith(fmt.extension)]
             if not names:
                 from ._hf import saved_to_disk
 
@@ -152,7 +160,7 @@ def index_directory(
                 if saved is not None:
                     raise ConfigError(saved)
                 pattern = match if match is not None else f"*{fmt.extension}"
-                raise ConfigError(f"{where}: no {pattern} files to index")
+                raise ConfigError(f"{where}: no {pattern} files to index{_other_files(fmt, listed, match, where)}")
             meta: dict[str, Any] = {"indexed_by": INDEXED_BY}
             if split is not None:
                 meta["split"] = split
@@ -174,9 +182,13 @@ def index_directory(
                     on_error,
                     meta,
                 )
-            indexed = [_index_one(fmt, dest, name, hash_algorithm) for name in names]
+            tally = LabelTally()
+            indexed = [_index_one(fmt, source, dest, name, hash_algorithm, tally) for name in names]
+            labels = _labels_meta(tally, classes)
+            if labels is not None:
+                meta["labels"] = labels
             lock.check()
-            return publish_index(dest, fmt, indexed, hash_algorithm, classes, meta=meta)
+            return publish_index(dest, fmt, indexed, hash_algorithm, classes, data_root, meta=meta)
     finally:
         dest.close()
 
@@ -192,8 +204,11 @@ def _check_existing(dest: Destination, where: str, overwrite: bool) -> None:
     """Refuse to replace an ``index.json`` at ``dest``, unless ``index`` wrote it and ``overwrite`` says so."""
     if dest.exists(MANIFEST_NAME) is None:
         return
+    whose = "another dataset's"
     try:
         found: Manifest | None = Manifest.loads(dest.read_bytes(MANIFEST_NAME))
+    except ForeignManifestError as exc:  # MDS, LitData: named
+        found, whose = None, f"{exc.kind}'s"
     except Exception:  # unreadable: someone else's, in any case not ours
         found = None
     if found is not None and found.meta.get("indexed_by") == INDEXED_BY:
@@ -213,7 +228,7 @@ def _check_existing(dest: Destination, where: str, overwrite: bool) -> None:
             "its manifest (classes and meta). Nothing was written"
         )
     raise ConfigError(
-        f"{where} holds another dataset's {MANIFEST_NAME} (not one streamload index wrote): index never "
+        f"{where} holds {whose} {MANIFEST_NAME} (not one streamload index wrote): index never "
         "replaces it, --overwrite or not; write the index elsewhere (--output DIR)"
     )
 
@@ -402,15 +417,93 @@ def _string_labels(
     return mappings, tuple(table)
 
 
-def _index_one(fmt: Format, dest: Destination, name: str, hash_algorithm: str | None) -> tuple[ShardEntry, list[str]]:
-    if not isinstance(dest, RemoteDestination):
-        return index_shard(fmt, dest, os.path.join(local_path_of(dest.url), name), name, hash_algorithm)
-    local = dest.staging_path(name)
+def _index_one(
+    fmt: Format, source: _Source, dest: Destination, name: str, hash_algorithm: str | None, tally: LabelTally
+) -> tuple[ShardEntry, list[str]]:
+    """Index shard ``name`` of ``source`` (a remote one through a downloaded copy); its sidecar goes to ``dest``."""
+    local, remote = source.local_copy(dest, name)
     try:
-        dest.files.download(name, local, lambda: False)
+        if fmt.indexer is index_tar:  # tar: its cls labels counted too
+            fmt = replace(fmt, indexer=lambda path, shard, out: index_tar(path, shard, out, tally))
         return index_shard(fmt, dest, local, name, hash_algorithm)
     finally:
-        dest.discard(local)
+        if remote:
+            dest.discard(local)
+
+
+def _labels_meta(tally: LabelTally, classes: tuple[str, ...]) -> dict[str, Any] | None:
+    """``meta["labels"]`` of tar shards whose ``cls`` members are integers: how many distinct, lowest, highest.
+
+    Raises:
+        ConfigError: If ``classes`` are given and a label is not one of their indices.
+    """
+    if not tally.values or tally.other:
+        return None
+    low, high = min(tally.values), max(tally.values)
+    if classes and high >= len(classes):
+        raise ConfigError(
+            f"a cls label is {high}, but --classes names {len(classes)} classes (labels 0 to {len(classes) - 1})"
+        )
+    return {"field": "cls", "distinct": len(tally.values), "min": low, "max": high}
+
+
+#: Suffixes of gzip-compressed tar files (``webdataset`` reads them as a stream).
+COMPRESSED_TAR = (".tar.gz", ".tgz")
+
+
+def _refuse_compressed(fmt: Format, names: list[str], where: str, *, local: bool) -> None:
+    """Refuse a folder holding gzip-compressed tar shards, in one line saying how to decompress them.
+
+    A tar shard is read by the byte offsets of its members (its sidecar), which a gzip
+    stream does not have; leaving such files out would lose their samples unsaid.
+    """
+    if fmt.name != "tar":
+        return
+    found = [n for n in names if n.lower().endswith(COMPRESSED_TAR)]
+    if not found:
+        return
+    more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+    suffixes = sorted({".tgz" if n.lower().endswith(".tgz") else ".tar.gz" for n in found})
+    if local:
+        files = " ".join(os.path.join(where, "*" + s) for s in suffixes)
+        how = f"`gunzip {files}` (each becomes a .tar), then index again"
+    else:
+        how = "download, `gunzip` and upload them as .tar files, then index again"
+    raise ConfigError(
+        f"{where}: {found[0]}{more} is gzip-compressed; tar shards are read by byte offsets, which a gzip "
+        f"stream does not have: decompress them first, {how}; or read them as a list of shards, "
+        f"StreamingDataset('{where.rstrip('/')}/{found[0]}') or a brace pattern, which decompresses them "
+        "into the cache"
+    )
+
+
+def _other_files(fmt: Format, listed: list[str], match: str | None, where: str) -> str:
+    """What to do with a folder holding no file to index, by what it holds (``""``: nothing to say)."""
+    visible = [n for n in listed if not n.startswith(".") and n != MANIFEST_NAME]
+    if match is None:
+        other = "parquet" if fmt.name == "tar" else "tar"
+        if any(n.endswith("." + other) for n in visible):
+            return f"; it holds {other} files: --format {other}"
+    elif any(n.endswith(fmt.extension) for n in visible):
+        return f"; it holds {fmt.extension} files that --match {match!r} leaves out"
+    if not visible:
+        return " (the folder is empty)"
+    return f"; for a folder of images, `streamload convert {where} OUT_DIR` makes a dataset of them"
+
+
+def _named_files(listed: list[str], files: Sequence[str], where: str) -> list[str]:
+    """The files of a shard list, in the order given; each must be in the folder's listing, once."""
+    present = set(listed)
+    missing = [n for n in files if n not in present]
+    if missing:
+        more = f" ({len(missing)} missing)" if len(missing) > 1 else ""
+        raise ShardNotFoundError(f"{where}/{missing[0]} does not exist{more}")
+    seen: set[str] = set()
+    for name in files:
+        if name in seen:
+            raise ConfigError(f"{where}/{name} is named twice in the list of shards")
+        seen.add(name)
+    return list(files)
 
 
 def index_shard(

@@ -111,13 +111,15 @@ class Iterations:
         """Register a :class:`streamload.Loader`'s iteration; return its slot (see :meth:`Users.enter`)."""
         return self.users.enter(LOADER, self.source)
 
-    def threads(self, rank: int, world_size: int, threads: int, stages: Stages) -> tuple[Position, list[Iterator[Any]]]:
+    def threads(
+        self, rank: int, world_size: int, threads: int, stages: Stages
+    ) -> tuple[EpochPlan, Position, list[Iterator[Any]]]:
         """One iteration read by ``threads`` readers of this process (:class:`streamload.Loader`).
 
         Claims the epoch now, and plans it as if this rank had ``threads`` DataLoader
         workers: reader ``w`` reads exactly what worker ``w`` would, so taking their
         batches in turn gives the DataLoader's batches for any number of workers. Returns
-        the rank's progress (set as this process's, its ``next_item`` advanced by the
+        the epoch's plan, the rank's progress (set as this process's, its ``next_item`` advanced by the
         caller as batches are consumed) and one lazy iterator per reader.
         """
         plan = self.planner.plan(self.epochs.claim(secrets.randbits(62) | 1), world_size)
@@ -130,7 +132,7 @@ class Iterations:
                 self.planner.warn_locality(plan, world)
             readers.append(iter(stages(plan, world, position)))
         self.progress = replace(position)  # the last reader's start (advanced by the Loader)
-        return self.progress, readers
+        return plan, self.progress, readers
 
 
 def _refused(exc: StreamloadError) -> Iterator[Any]:

@@ -214,6 +214,12 @@ class StreamingDataModule(pl.LightningDataModule):
         self.seed = seed
         self.dataset_options = options
         self.datasets: dict[str, StreamingDataset] = {}
+        # A split not given has no loader method as far as Lightning can tell: it decides
+        # "no validation loader" from whether val_dataloader is overridden, and would
+        # otherwise warn "You passed in a `val_dataloader` but have no `validation_step`".
+        for split, absent in _ABSENT.items():
+            if self.urls[split] is None:
+                setattr(self, f"{split}_dataloader", absent)
 
     # -- decoding on the device (device_decode=) ----------------------------------------
 
@@ -351,6 +357,22 @@ class StreamingDataModule(pl.LightningDataModule):
             collate_fn=opts.collate_fn,
             **extra,
         )
+
+
+def _no_val_dataloader() -> Any:
+    raise ConfigError("StreamingDataModule has no val dataset: pass val=URL")
+
+
+def _no_test_dataloader() -> Any:
+    raise ConfigError("StreamingDataModule has no test dataset: pass test=URL")
+
+
+# Lightning's override check (lightning_utilities' is_overridden) follows __wrapped__: these
+# stand-ins read as the base class's own hooks, not as loaders, and say what to pass if called.
+_no_val_dataloader.__wrapped__ = pl.LightningDataModule.val_dataloader  # type: ignore[attr-defined]
+_no_test_dataloader.__wrapped__ = pl.LightningDataModule.test_dataloader  # type: ignore[attr-defined]
+#: The loader method of each optional split, when it is not given.
+_ABSENT = {"val": _no_val_dataloader, "test": _no_test_dataloader}
 
 
 def _device_decodes(train: Any, evaluate: Any) -> tuple[DeviceDecode | None, DeviceDecode | None]:

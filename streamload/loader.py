@@ -32,14 +32,18 @@ import logging
 import os
 import queue
 import threading
+import time
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
+from ._atexit import close_at_exit
 from ._errors import ConfigError, PlanError
+from ._stages import LOADER_COLLATE
 from .dataset import StreamingDataset
-from .plan import detect_rank_world
+from .plan import EpochPlan, World, detect_rank_world
 from .resume import Position
 
 __all__ = ["Loader"]
@@ -48,6 +52,15 @@ log = logging.getLogger("streamload")
 
 #: How often a blocked thread looks whether the iteration was stopped (seconds).
 _POLL = 0.1
+#: How long leaving a loop (``break``, an error, Ctrl-C) waits for the threads to end; a
+#: thread still busy then (inside a slow or hung transform) ends in the background and its
+#: batch is dropped.
+STOP_WAIT = 1.0
+#: How long the interpreter's exit waits for the threads of iterations still alive then.
+EXIT_WAIT = 60.0
+#: Most threads one Loader runs: ``max(MIN_THREAD_CAP, THREADS_PER_CORE * cores)``.
+THREADS_PER_CORE = 4
+MIN_THREAD_CAP = 32
 
 
 class _End:
@@ -127,14 +140,24 @@ class Loader:
             raise ConfigError(
                 f"Loader needs a dataset with batch_size= (got {dataset!r}): the threads take whole batches in turn"
             )
+        cap = thread_cap()
+        if threads > cap:
+            warnings.warn(
+                f"Loader(threads={threads}): a process uses at most {cap} threads here "
+                f"({THREADS_PER_CORE} per core, at least {MIN_THREAD_CAP}); running {cap} (the batches are the same)",
+                UserWarning,
+                stacklevel=2,
+            )
+            threads = cap
         self.dataset = dataset
         self.threads = threads
         self.prefetch = prefetch
-        self.device = None if device is None else torch.device(device)
+        self.device = _check_device(device)
         self.pin_memory = pin_memory and _accelerator_present()
         if pin_memory and not self.pin_memory:
             log.warning("Loader(pin_memory=True): no accelerator present, batches are not pinned")
         self._run: _Run | None = None
+        self._loaded: dict[str, Any] | None = None  # a state loaded and not iterated yet
 
     # -- epochs and state ----------------------------------------------------------
 
@@ -152,52 +175,66 @@ class Loader:
         self.dataset.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        """Return where the epoch stands: the dataset's plain state, counting the batches yielded.
+        """Return where this loader's epoch stands: the dataset's plain state, counting the batches yielded.
 
         The state (ints, bools and ``None``: JSON-safe) is the one
         :meth:`StreamingDataset.state_dict` gives for the samples this loader's caller
         has consumed, all ranks (``steps * batch_size * world_size``); batches made
-        ahead by the threads and not yet yielded do not count.
+        ahead by the threads and not yet yielded do not count. It is this loader's own
+        position (its latest iteration's), whatever other loaders of the same dataset
+        do; after :meth:`load_state_dict`, the loaded state until the next iteration.
         """
+        if self._loaded is not None:
+            return dict(self._loaded)
+        if self._run is not None:
+            return self._run.state()
         ds = self.dataset
-        run = self._run
-        if run is not None and ds._iterations.progress is run.progress:
-            return ds.state_dict(samples_seen=run.world_size * run.progress.next_item)
         if ds._planner.resume is not None and ds._iterations.progress is None:  # loaded, not iterated yet
             return ds._planner.resume.to_dict()
         return ds.state_dict(samples_seen=0)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state`` at the next iteration (call it before iterating).
+        """Continue from ``state`` at the next iteration.
+
+        An iteration running now goes on as it was (as a ``StatefulDataLoader``'s does);
+        the next ``iter(loader)`` starts at the loaded position.
 
         Args:
             state: A state from :meth:`state_dict` or :meth:`StreamingDataset.state_dict`
                 (saved by any number of threads, DataLoader workers or ranks with the same
                 global batch), or a ``torchdata`` ``StatefulDataLoader``'s own
-                ``state_dict()`` of this dataset.
+                ``state_dict()`` of this dataset (every worker's position checked as the
+                DataLoader checks it).
 
         Raises:
-            PlanError: If the state is malformed or belongs to another dataset configuration.
+            PlanError: If the state is malformed, tampered with, or belongs to another
+                dataset configuration.
         """
-        self.close()
-        self.dataset.load_state_dict(_dataset_state(state))
+        ds = self.dataset
+        converted = _dataset_state(state, ds)
+        ds.load_state_dict(converted)
+        resume = ds._planner.resume
+        self._loaded = None if resume is None else resume.to_dict()
 
     # -- iteration -----------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
-        self.close()  # a new iteration ends the previous one, as a DataLoader's does
+        # Each iteration is its own, as a DataLoader's: one started inside a running loop
+        # (``next(iter(loader))``) does not end that loop. An iteration ends when it is
+        # exhausted, closed, or dropped (its threads are then stopped).
         return self._iterate()
 
     def _iterate(self) -> Iterator[Any]:
         run = _Run(self)
         self._run = run
+        self._loaded = None
         try:
             yield from run
         finally:
             run.stop()
 
     def close(self) -> None:
-        """Stop the current iteration's threads (a new iteration does it too)."""
+        """Stop the latest iteration's threads (dropping or exhausting an iteration does it too)."""
         if self._run is not None:
             self._run.stop()
 
@@ -212,37 +249,56 @@ class _Run:
         self.loader = loader
         self.stopped = threading.Event()
         self.threads: list[threading.Thread] = []
-        self.slot = -1
-        ds = loader.dataset
-        self.slot = ds._iterations.enter_threads()
-        try:
-            self.progress, readers = _thread_iterations(ds, loader.threads)
-        except BaseException:
-            ds._iterations.users.leave(self.slot)
-            self.slot = -1
-            raise
-        self.world_size = _world_size(ds)
-        self.chunk = self.progress.chunk
-        self.queues: list[queue.Queue[Any]] = [queue.Queue(loader.prefetch) for _ in readers]
-        self.gate = threading.BoundedSemaphore(_cores())
-        collate = ds.collate is None
-        for w, (reader, q) in enumerate(zip(readers, self.queues, strict=True)):
-            thread = threading.Thread(
-                target=self._read, args=(reader, q, collate), name=f"streamload-loader-{w}", daemon=True
-            )
-            self.threads.append(thread)
         self.transfer: threading.Thread | None = None
         self.out: queue.Queue[Any] | None = None
         self.stream: Any = None
-        if loader.pin_memory or loader.device is not None:
-            self.out = queue.Queue(loader.prefetch)
-            if loader.device is not None and loader.device.type == "cuda":
-                self.stream = torch.cuda.Stream(loader.device)  # type: ignore[no-untyped-call]
-            self.transfer = threading.Thread(target=self._transfer, name="streamload-loader-copy", daemon=True)
-        for thread in self.threads:
-            thread.start()
-        if self.transfer is not None:
-            self.transfer.start()
+        ds = loader.dataset
+        self.slot = ds._iterations.enter_threads()
+        readers: list[Iterator[Any]] = []
+        try:
+            self.plan, self.progress, readers = _thread_iterations(ds, loader.threads)
+            rank, self.world_size = detect_rank_world(ds.rank, ds.world_size, ds._inherited_world)
+            self.world = World(rank, self.world_size, 0, 1)
+            self.chunk = self.progress.chunk
+            self.queues: list[queue.Queue[Any]] = [queue.Queue(loader.prefetch) for _ in readers]
+            self.gate = threading.BoundedSemaphore(_cores())
+            collate = ds.collate is None
+            table = ds._stages  # watched: the threads time their default_collate too
+            for w, (reader, q) in enumerate(zip(readers, self.queues, strict=True)):
+                thread = threading.Thread(
+                    target=self._read, args=(reader, q, collate, table), name=f"streamload-loader-{w}", daemon=True
+                )
+                self.threads.append(thread)
+            if loader.pin_memory or loader.device is not None:
+                self.out = queue.Queue(loader.prefetch)
+                if loader.device is not None and loader.device.type == "cuda":
+                    self.stream = torch.cuda.Stream(loader.device)  # type: ignore[no-untyped-call]
+                self.transfer = threading.Thread(target=self._transfer, name="streamload-loader-copy", daemon=True)
+            close_at_exit(self)  # an iteration alive at exit is stopped and joined before the teardown
+            for thread in self.threads:
+                thread.start()
+            if self.transfer is not None:
+                self.transfer.start()
+        except BaseException:
+            self.stop()  # the threads started stop and close their readers
+            ran = [thread.ident is not None for thread in self.threads]
+            for w, reader in enumerate(readers):
+                close = getattr(reader, "close", None)
+                if close is not None and not (w < len(ran) and ran[w]):
+                    close()  # a reader no thread ran
+            raise
+
+    def state(self) -> dict[str, Any]:
+        """This iteration's dataset state, counting the batches its caller consumed."""
+        ds = self.loader.dataset
+        seen = self.world_size * self.progress.next_item
+        return ds._planner.epoch_state(self.world, self.plan, None, seen, 1).normalized().to_dict()
+
+    def _leave(self) -> None:
+        """Unregister the iteration from the dataset (once)."""
+        slot, self.slot = self.slot, -1
+        if slot >= 0:
+            self.loader.dataset._iterations.users.leave(slot)
 
     # -- threads -------------------------------------------------------------------
 
@@ -256,44 +312,55 @@ class _Run:
                 continue
         return False
 
-    def _read(self, reader: Iterator[Any], q: queue.Queue[Any], collate: bool) -> None:
+    def _read(self, reader: Iterator[Any], q: queue.Queue[Any], collate: bool, table: Any) -> None:
         """A reader thread: its batches, in its order, into its queue."""
         from torch.utils.data import default_collate, default_convert
 
         size = self.chunk
+        stopped = self.stopped
         # The first round of batches: no more at once than there are cores, so that batch 0
         # is not slowed down by every other thread's first batch (the first batch comes as
         # early as with one reader per core).
         gate = self.gate
         waiting = True
         while not gate.acquire(timeout=_POLL):
-            if self.stopped.is_set():
+            if stopped.is_set():
                 waiting = False
                 break
         try:
             if not waiting:
                 return
+            # Watched: this thread's clock times what the Loader itself runs, as a DataLoader's
+            # collate_fn is timed (the pipeline's own stages are timed by the same clock).
+            clock = None if table is None else table.clock()
             if collate:
                 samples: list[Any] = []
                 for sample in reader:
+                    if stopped.is_set():
+                        return
                     samples.append(sample)
                     if len(samples) == size:
-                        batch = default_collate(samples)
+                        if clock is None:
+                            batch = default_collate(samples)
+                        else:
+                            batch = clock.collate(default_collate, samples, LOADER_COLLATE)
                         if waiting:
                             gate.release()
                             waiting = False
                         if not self._put(q, batch):
                             return
                         samples = []
-                if samples and not self._put(q, default_collate(samples)):
-                    return
+                if samples:
+                    last = default_collate(samples) if clock is None else clock.collate(default_collate, samples)
+                    if not self._put(q, last):
+                        return
             else:
                 for batch in reader:
                     if waiting:
                         gate.release()
                         waiting = False
                     # What DataLoader(batch_size=None) does to each item in its workers.
-                    if self.stopped.is_set() or not self._put(q, default_convert(batch)):  # type: ignore[no-untyped-call]
+                    if stopped.is_set() or not self._put(q, default_convert(batch)):  # type: ignore[no-untyped-call]
                         return
             self._put(q, _END)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, in order
@@ -384,17 +451,27 @@ class _Run:
         except _Stopped:
             return
 
-    def stop(self) -> None:
-        """Stop every thread of the iteration and unregister it from the dataset."""
-        if self.stopped.is_set():
-            return
+    def stop(self, wait: float = STOP_WAIT) -> None:
+        """Stop the iteration: unregister it from the dataset, then wait up to ``wait`` s for its threads.
+
+        Unregistered first, so that an interrupt during the wait (a second Ctrl-C) leaves
+        the dataset free. A thread still busy after ``wait`` (a slow or hung transform)
+        ends in the background when its work returns; what it made is dropped.
+        """
         self.stopped.set()
+        self._leave()
         me = threading.current_thread()
+        deadline = time.monotonic() + wait
         for thread in [*self.threads, *([self.transfer] if self.transfer is not None else [])]:
             if thread is not me and thread.is_alive():
-                thread.join()
-        self.loader.dataset._iterations.users.leave(self.slot)
-        self.slot = -1
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        """Stop the iteration and wait for its threads (at exit: up to :data:`EXIT_WAIT` s)."""
+        self.stop(EXIT_WAIT)
+        busy = [t.name for t in self.threads if t.is_alive()]
+        if busy:
+            log.warning("streamload.Loader: threads %s still busy after %.0f s at exit", busy, EXIT_WAIT)
 
 
 class _Stopped(Exception):
@@ -453,12 +530,18 @@ def _tensors(batch: Any) -> Iterator[torch.Tensor]:
                 yield value
 
 
-def _dataset_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
+def _dataset_state(state: Mapping[str, Any], ds: StreamingDataset) -> Mapping[str, Any]:
     """Return the dataset state in ``state``: itself, or derived from a ``StatefulDataLoader``'s state.
 
     A ``StatefulDataLoader`` keeps each worker's dataset state as of the last batch it
     yielded (its rank-order position); the loader has consumed every batch before the
-    furthest of them, plus the steps since that snapshot.
+    furthest of them, plus the steps since that snapshot. Every worker's position is
+    checked first, as the DataLoader's workers check theirs when they resume
+    (:meth:`~streamload.plan.state.WorkerPosition.check`): one worker each, of one world,
+    each where the plan puts it.
+
+    Raises:
+        PlanError: If the state is malformed or a worker's position is not one the plan reaches.
     """
     if not isinstance(state, Mapping):
         raise PlanError(f"state must be a dict, got {type(state).__name__}")
@@ -481,19 +564,92 @@ def _dataset_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
     chunk = positions[0].get("chunk")
     since = state.get("_steps_since_snapshot", 0)
     well_formed = all(isinstance(n, int) and n >= 0 for n in nexts)
-    if not well_formed or not isinstance(chunk, int) or not isinstance(since, int):
+    if not well_formed or not isinstance(chunk, int) or chunk < 1:
         raise PlanError("StatefulDataLoader state with a malformed worker position")
+    if isinstance(since, bool) or not isinstance(since, int) or since < 0:
+        raise PlanError(f"StatefulDataLoader state with _steps_since_snapshot={since!r} (must be an integer >= 0)")
     first = dict(inner[0])  # type: ignore[arg-type]
     world_size = first.get("world_size")
     if not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"StatefulDataLoader state with world_size={world_size!r}")
+    _check_workers(ds, inner, positions)  # type: ignore[arg-type]
     first["worker"] = None
     first["samples_seen"] = world_size * (max(nexts) + since * chunk)
     return first
 
 
-def _thread_iterations(ds: StreamingDataset, threads: int) -> tuple[Position, list[Iterator[Any]]]:
+def _check_workers(ds: StreamingDataset, inner: list[Mapping[str, Any]], positions: list[Mapping[str, Any]]) -> None:
+    """Check a ``StatefulDataLoader``'s worker states as its workers would on resume.
+
+    Raises:
+        PlanError: If the workers are not ``0 .. n-1`` of one world with one chunk, or a
+            position is not where the plan puts its worker.
+    """
+    shape = {(p.get("rank"), p.get("world_size"), p.get("num_workers"), p.get("chunk")) for p in positions}
+    ids = sorted(int(p["worker"]) for p in positions if isinstance(p.get("worker"), int))
+    if len(shape) != 1 or ids != list(range(len(positions))) or next(iter(shape))[2] != len(positions):
+        raise PlanError(
+            "StatefulDataLoader state whose worker positions are not one world's workers 0..n-1 "
+            f"(workers {[p.get('worker') for p in positions]}, shapes {sorted(map(str, shape))})"
+        )
+    planner = ds._planner
+    saved = planner.resume
+    try:
+        for dataset_state in inner:
+            loaded = planner.load(dataset_state)  # the dataset's own checks (seed, size, manifest...)
+            position = loaded.worker
+            if position is None:  # a finished epoch: normalized to the next one's start
+                continue
+            world = World(position.rank, position.world_size, position.worker, position.num_workers)
+            plan = planner.plan(loaded.epoch, position.world_size)
+            if position.chunk != plan.chunk_size(position.num_workers):
+                raise PlanError(
+                    f"state worker position {position.describe()}: chunk={position.chunk} is not this dataset's "
+                    f"({plan.chunk_size(position.num_workers)} for {position.num_workers} workers)"
+                )
+            position.check(world, plan)
+    finally:
+        planner.resume = saved
+
+
+def _thread_iterations(ds: StreamingDataset, threads: int) -> tuple[EpochPlan, Position, list[Iterator[Any]]]:
     """One iteration of ``ds`` read by ``threads`` readers (:meth:`Iterations.threads`), its storages opened once."""
     rank, world_size = detect_rank_world(ds.rank, ds.world_size, ds._inherited_world)
     ds._get_storages()  # opened here, once, not by the readers at once
     return ds._iterations.threads(rank, world_size, threads, ds._pipeline)
+
+
+def thread_cap() -> int:
+    """Most threads a :class:`Loader` runs in this process."""
+    return max(MIN_THREAD_CAP, THREADS_PER_CORE * _cores())
+
+
+def _check_device(device: torch.device | str | None) -> torch.device | None:
+    """Return ``device`` as a ``torch.device``, checked to exist here.
+
+    Raises:
+        ConfigError: If it is not a device name, or names an accelerator this process lacks.
+    """
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"Loader(device={device!r}) is not a device: {exc}") from None
+    if dev.type == "cpu":
+        return dev
+    module = getattr(torch, dev.type, None)
+    available = getattr(module, "is_available", None)
+    try:
+        present = bool(available()) if callable(available) else False
+        count = int(getattr(module, "device_count", lambda: 0)()) if present else 0
+    except Exception:  # noqa: BLE001 - a broken driver: not present
+        present, count = False, 0
+    if not present:
+        raise ConfigError(
+            f"Loader(device={device!r}): no {dev.type} device is available to this process "
+            f"(torch {torch.__version__}); pass device=None (or 'cpu') and move batches yourself"
+        )
+    if dev.index is not None and count and dev.index >= count:
+        raise ConfigError(f"Loader(device={device!r}): this process sees {count} {dev.type} device(s)")
+    return dev

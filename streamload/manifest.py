@@ -68,6 +68,9 @@ __all__ = [
     "data_root_place",
     "is_under",
     "check_file_name",
+    "ForeignManifestError",
+    "foreign_kind",
+    "foreign_manifest",
     "hash_file",
     "hash_stream",
     "new_hasher",
@@ -179,6 +182,50 @@ class SkippedInput:
         return {"path": self.path, "error": self.error}
 
 
+#: The shard formats of MosaicML Streaming (``"format"`` of each entry of its ``shards``).
+_MDS_FORMATS = ("mds", "csv", "tsv", "json", "jsonl")
+
+
+def foreign_kind(obj: object) -> tuple[str, str] | None:
+    """Which other tool's ``index.json`` ``obj`` (parsed JSON) is, and what reads it; ``None`` if none is known.
+
+    MosaicML Streaming (MDS) writes ``{"shards": [{"format": "mds", "column_encodings": ...}],
+    "version": 2}``; LitData (``litdata.optimize``) writes ``{"chunks": [...], "config": {...}}``.
+    Neither is a streamload manifest: their shards are not tar, Parquet, LMDB or HDF5 files.
+    """
+    if not isinstance(obj, dict) or "streamload" in obj:
+        return None
+    shards = obj.get("shards")
+    first = shards[0] if isinstance(shards, list) and shards else None
+    if isinstance(first, dict) and ("column_encodings" in first or first.get("format") in _MDS_FORMATS):
+        kind = str(first.get("format", "mds")).upper()
+        return f"a MosaicML Streaming ({kind}) dataset", "mosaicml-streaming's streaming.StreamingDataset"
+    if isinstance(obj.get("chunks"), list) and isinstance(obj.get("config"), dict):
+        return "a LitData (litdata.optimize) dataset", "litdata's StreamingDataset"
+    return None
+
+
+class ForeignManifestError(ManifestError):
+    """An ``index.json`` another tool wrote (MDS, LitData): ``kind`` names it (see :func:`foreign_kind`)."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def foreign_manifest(obj: object) -> ForeignManifestError | None:
+    """The error saying what another tool's ``index.json`` is and the way forward (see :func:`foreign_kind`)."""
+    found = foreign_kind(obj)
+    if found is None:
+        return None
+    kind, reader = found
+    return ForeignManifestError(
+        f"{kind}, not a streamload one: streamload cannot read its shards; read it with {reader}, "
+        "or write its samples into a streamload dataset with streamload.DatasetWriter",
+        kind,
+    )
+
+
 @dataclass(frozen=True)
 class Manifest:
     """The parsed, validated content of ``index.json``.
@@ -277,12 +324,17 @@ class Manifest:
             raise ManifestError(f"{where}: top level must be an object")
         try:
             return cls._from_json(obj)
+        except ForeignManifestError as exc:
+            raise ForeignManifestError(f"{where}: {exc}", exc.kind) from exc
         except ManifestError as exc:
             raise ManifestError(f"{where}: {exc}") from exc
 
     @classmethod
     def _from_json(cls, obj: Mapping[str, Any]) -> Manifest:
         version = obj.get("streamload")
+        foreign = foreign_manifest(obj)
+        if foreign is not None:
+            raise foreign
         if version != MANIFEST_VERSION:
             raise ManifestError(f"unsupported manifest version {version!r} (this streamload reads {MANIFEST_VERSION})")
         fmt = obj.get("format")

@@ -9,6 +9,7 @@ holds the few facts about fields that the formats, batches and decoders share.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
@@ -24,6 +25,7 @@ __all__ = [
     "Sample",
     "image_field",
     "image_field_for",
+    "image_problem",
     "image_warnings",
     "label_of",
     "parse_label",
@@ -40,6 +42,17 @@ Sample = dict[str, Any]
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "bmp", "gif", "tif", "tiff", "ppm", "pgm", "pbm", "pnm")
 #: :data:`IMAGE_FIELDS` as a set (lower-case file extensions, without the dot).
 IMAGE_EXTENSIONS = frozenset(IMAGE_FIELDS)
+
+
+_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>")
+
+
+def image_problem(exc: BaseException) -> str:
+    """Why Pillow refused an image, for a person: no object reprs (``<_io.BytesIO object at 0x...>``)."""
+    text = _REPR.sub("", str(exc)).strip()
+    if type(exc).__name__ == "UnidentifiedImageError" or text == "cannot identify image file":
+        return "Pillow cannot identify its format (damaged, or a kind it cannot read)"
+    return text or type(exc).__name__
 
 
 #: The first bytes of a TIFF: classic and BigTIFF (II+ and MM then NUL +), in the byte orders Pillow accepts.
@@ -88,14 +101,36 @@ def image_field_for(data: bytes | bytearray | memoryview, name: str = "") -> str
     return sniff_image(data) or "img"
 
 
+class _InsideBlock:
+    """A warning filter's message pattern that matches only in a thread inside a recording block.
+
+    ``warnings`` calls a filter's ``message.match(text)``; this one answers from the calling
+    thread's state, so the ``"always"`` filter it sits in applies to the recording threads
+    alone, and every other thread's warnings meet the process's filters as they are.
+    """
+
+    def __init__(self, local: threading.local) -> None:
+        self.local = local
+
+    def match(self, text: str) -> bool:
+        return getattr(self.local, "sink", None) is not None
+
+    def __repr__(self) -> str:
+        return "<streamload: inside an image_warnings() block>"
+
+
 class _WarningRecorder:
     """Records library warnings per thread while a :func:`image_warnings` block runs.
 
     :func:`warnings.catch_warnings` swaps process-wide state and is not safe across
-    threads; this recorder is installed once while any thread is inside a block
-    (reference-counted under a lock), records into the calling thread's list, and hands
-    other threads' warnings to the hook it replaced. Pillow's own log records (its
-    ``PIL`` logger, warning and above) are recorded the same way.
+    threads. This recorder changes no filter of the process's while it records: it adds
+    one filter, once (again only if something removed it), whose ``"always"`` applies to
+    the threads inside a block and matches nothing elsewhere, so the user's own filters
+    keep holding for every other warning, and adding it once does not reset the "once per
+    location" registries again and again. While any thread is inside a block
+    (reference-counted under a lock) ``showwarning`` records into the calling thread's
+    list and hands other threads' warnings to the hook it replaced. Pillow's own log
+    records (its ``PIL`` logger, warning and above) are recorded the same way.
     """
 
     def __init__(self) -> None:
@@ -103,7 +138,7 @@ class _WarningRecorder:
         self.depth = 0
         self.local = threading.local()
         self.saved: Any = None
-        self.filter: tuple[Any, ...] | None = None
+        self.filter: tuple[Any, ...] = ("always", _InsideBlock(self.local), Warning, None, 0)
         self.handler = _PillowLogHandler(self)
 
     def show(self, message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
@@ -113,13 +148,20 @@ class _WarningRecorder:
         elif self.saved is not None:
             self.saved(message, category, filename, lineno, file, line)
 
+    def add_filter(self) -> None:
+        """Add the recording threads' filter, unless it is there (the caller holds :attr:`lock` or is alone)."""
+        filters: list[Any] = warnings.filters  # type: ignore[assignment]
+        if not any(f is self.filter for f in filters):
+            # After the process's own filters: a warning the user chose to ignore stays ignored.
+            filters.append(self.filter)
+            warnings._filters_mutated()  # type: ignore[attr-defined]
+
     def _install(self) -> None:
         with self.lock:
+            self.add_filter()
             if self.depth == 0:
                 self.saved = warnings.showwarning
                 warnings.showwarning = self.show
-                warnings.simplefilter("always")  # every file's warning, not the first per location
-                self.filter = warnings.filters[0]
                 logging.getLogger("PIL").addHandler(self.handler)
             self.depth += 1
 
@@ -130,11 +172,7 @@ class _WarningRecorder:
                 logging.getLogger("PIL").removeHandler(self.handler)
                 if warnings.showwarning == self.show:
                     warnings.showwarning = self.saved
-                filters: list[Any] = warnings.filters  # type: ignore[assignment]
-                if self.filter in filters:
-                    filters.remove(self.filter)
-                    warnings._filters_mutated()  # type: ignore[attr-defined]
-                self.saved = self.filter = None
+                self.saved = None
 
     @contextmanager
     def record(self, data: Any = None) -> Iterator[list[str]]:
@@ -175,6 +213,7 @@ class _PillowLogHandler(logging.Handler):
 
 
 _RECORDER = _WarningRecorder()
+_RECORDER.add_filter()  # now, before the user's script warns (adding a filter resets the "once" registries)
 
 
 def image_warnings(data: Any = None) -> Any:

@@ -4,20 +4,36 @@ Every rank still yields ``len(dataset)`` items (so DDP cannot hang): a skipped s
 replaced by a repeat of the last good one of its stream (:class:`Substitute`), counted in
 shared memory (the main process sees its workers' skips: ``skipped_samples``) and named,
 the first :data:`MAX_NAMED_SKIPS` of a process, in the log and in :class:`SkipCounts`.
+
+A collate that decodes samples itself (:class:`~streamload.decode.DecodeBatch`) meets a bad
+sample inside the batch, where the stage cannot replace it: it reports the sample with
+:func:`sample_failed`, which counts and names it the same way (and under
+``on_error="raise"`` raises its error naming the shard), then fills its slot from another
+sample of the batch, so the batch keeps its shape.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import StreamloadError
 from ._shared import shared_block
 
-__all__ = ["MAX_NAMED_SKIPS", "SkipCounts", "SkipLog", "SkippedSample", "Substitute"]
+__all__ = [
+    "MAX_NAMED_SKIPS",
+    "SkipCounts",
+    "SkipLog",
+    "SkippedSample",
+    "Substitute",
+    "batch_errors",
+    "sample_failed",
+]
 
 log = logging.getLogger("streamload")
 
@@ -187,3 +203,41 @@ class Substitute:
         stand_in = next(reversed(self.last.values()), None)
         for _ in range(owed):
             yield stand_in
+
+
+#: What a collate reports a bad sample of its batch to: ``(index in the batch, error) -> skipped``.
+SampleErrors = Callable[[int, BaseException], bool]
+
+_BATCH_ERRORS: ContextVar[SampleErrors | None] = ContextVar("streamload_batch_errors", default=None)
+
+
+@contextmanager
+def batch_errors(handler: SampleErrors) -> Iterator[None]:
+    """Within the block, :func:`sample_failed` reports to ``handler`` (the dataset's read stage sets it)."""
+    token = _BATCH_ERRORS.set(handler)
+    try:
+        yield
+    finally:
+        _BATCH_ERRORS.reset(token)
+
+
+def sample_failed(index: int, error: BaseException) -> bool:
+    """Report that sample ``index`` of the batch being collated failed (a collate calls this).
+
+    Inside a :class:`~streamload.StreamingDataset` (or :class:`~streamload.Loader`) with
+    ``on_error="skip"``, the sample is counted and named like any skipped sample
+    (``skipped_samples``, ``errors.samples``, the log) and True is returned: the collate
+    then fills its slot from another sample of the batch. With ``on_error="raise"`` the
+    error is raised with the sample's shard in front of its message. Outside a dataset's
+    iteration (a collate called directly) it returns False: the collate raises the error.
+
+    Args:
+        index: The sample's index in the list the collate was given.
+        error: Why it failed (its message names the sample).
+
+    Raises:
+        StreamloadError: ``error`` (a :class:`~streamload.SampleError` if it was none),
+            located, under ``on_error="raise"``.
+    """
+    handler = _BATCH_ERRORS.get()
+    return handler is not None and handler(index, error)

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from functools import partial
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -33,7 +34,7 @@ from .plan import EpochPlan, Run, World
 from .plan.world import local_ranks
 from .recovery import Failed, raise_located, read_batch, recovering_samples
 from .resume import Position
-from .skips import SkipLog, Substitute
+from .skips import SkipLog, Substitute, batch_errors
 from .storage import Storage
 from .streams import MixedSource, Mixture
 
@@ -99,6 +100,17 @@ def open_readers(streams: Mixture, storages: list[Storage], plan: EpochPlan, wor
     return streams.source(storages, capacities, streaming)
 
 
+class _Origin(NamedTuple):
+    """Where an item handed to a collate came from (for a sample the collate reports bad)."""
+
+    shard: str
+    local: int
+    key: str | None
+    stream: str | None
+    url: str
+    where: str
+
+
 def _batch_places(epoch: int, runs: list[Run]) -> np.ndarray:
     """``int64[B, 2]``: each sample's ``(epoch, item)`` of a planned batch, what its dict would carry."""
     items = np.concatenate([run.items for run in runs]) if len(runs) > 1 else runs[0].items
@@ -123,6 +135,8 @@ class Read:
         self.position = position
         self.substitute = Substitute()
         self.clock: Clock | None = None
+        #: Items of the batch being made (and stand-ins kept for later ones), by id: their origin.
+        self.origins: dict[int, _Origin] = {}
 
     def state(self) -> dict[str, Any]:
         """Plain data: shards opened and recovered per stream, and what the skip stage owes."""
@@ -165,11 +179,33 @@ class Read:
             else:
                 batch = read_batch(lambda: collate.read_batch(readers.get, parts), shards, readers)
         else:
+            kept = {id(item) for item in self.substitute.last.values()}
+            self.origins = {k: v for k, v in self.origins.items() if k in kept}
             samples = [s for run in runs for s in self.run(run, wanted=True)]
             clock = self.clock
-            batch = collate(samples) if clock is None else clock.collate(collate, samples)
+            with batch_errors(partial(self._sample_failed, samples, set())):
+                batch = collate(samples) if clock is None else clock.collate(collate, samples)
         self.position.next_item = int(runs[-1].positions[-1]) + 1
         return batch
+
+    def _sample_failed(self, samples: list[Any], skipped: set[int], index: int, error: BaseException) -> bool:
+        """A collate's bad sample ``samples[index]``: counted and named under skip, else raised located.
+
+        ``skipped``: the items of this batch already counted (a stand-in repeated in the
+        batch is counted once). False for an item of unknown origin (the collate raises).
+        """
+        item = samples[index] if 0 <= index < len(samples) else None
+        origin = self.origins.get(id(item))
+        if origin is None:
+            return False
+        if self.steps.on_error != "skip" or isinstance(error, CacheError):  # the machine's fault: never a skip
+            if isinstance(error, StreamloadError):
+                raise_located(error, origin.url, origin.where)
+            raise SampleError(f"{origin.where}: sample {origin.key!r}: collate failed: {error}") from error
+        if id(item) not in skipped:
+            skipped.add(id(item))
+            self.steps.skips.skip(origin.shard, error, [origin.local], [origin.key], source=origin.stream)
+        return True
 
     def run(self, run: Run, wanted: bool = False) -> Iterator[Any]:
         """Yield the run's samples (transformed); ``wanted``: its batch asked for their bytes already.
@@ -201,6 +237,7 @@ class Read:
         # What a transform or collate sees carries its place in the epoch (the key of
         # per-sample randomness); dicts yielded as they are stay the stored sample.
         placed = transform is not None or steps.collate is not None
+        origins = self.origins if steps.collate is not None else None
         for pos, item, local, sample in zip(
             run.positions.tolist(), run.items.tolist(), run.locals.tolist(), samples, strict=True
         ):
@@ -215,6 +252,8 @@ class Read:
             if label is not None:
                 sample["__source__"] = label
             if transform is None:
+                if origins is not None:
+                    origins[id(sample)] = _Origin(entry.name, local, sample.get("__key__"), stream, url, where)
                 yield from substitute.good(sample, stream)
                 continue
             try:
@@ -227,6 +266,8 @@ class Read:
                 steps.skips.skip(entry.name, exc, [local], [sample.get("__key__")], source=stream)
                 yield from substitute.fail(1, stream)
                 continue
+            if origins is not None:
+                origins[id(out)] = _Origin(entry.name, local, sample.get("__key__"), stream, url, where)
             yield from substitute.good(out, stream)
 
 

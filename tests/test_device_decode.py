@@ -651,3 +651,69 @@ def test_gpu_queueing_a_batch_never_waits_for_the_device(mixed_images: Path) -> 
         images, labels = dev.finish(pending)
         expect, _ = ref(raw)
         assert images.is_cuda and float((images.cpu() - expect).abs().mean()) < 0.1  # ~13 levels: DCT scaling
+
+
+@pytest.fixture(scope="module")
+def with_bad_images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """24 samples, 4 of them JPEGs that no decoder reads (a header, then zeros)."""
+    from streamload.writer import DatasetWriter
+
+    out = tmp_path_factory.mktemp("device-bad")
+    rng = np.random.default_rng(3)
+    with DatasetWriter(str(out), max_samples=8) as w:
+        for i in range(24):
+            data = synthetic_jpeg(rng, 40 + i, 30 + i)
+            if i in (3, 9, 10, 20):
+                data = data[:200] + bytes(len(data) - 200)
+            w.write({"__key__": f"k{i:02d}", "jpg": data, "cls": str(i % 5).encode()})
+    return out
+
+
+def test_skip_fills_bad_slots_as_decode_batch_does(with_bad_images: Path) -> None:
+    def batches(collate: Any) -> list[Any]:
+        ds = StreamingDataset(
+            str(with_bad_images), batch_size=6, shuffle=True, seed=4, collate=collate, on_error="skip"
+        )
+        return list(DataLoader(ds, batch_size=None, num_workers=2))
+
+    ref_ds_batches = batches(DecodeBatch(20, crop="random", flip=True))
+    dev = DeviceDecode(20, crop="random", flip=True, device="cpu", on_error="skip")
+    got = [dev(raw) for raw in batches(RawCollate(keys=True))]
+    assert len(got) == len(ref_ds_batches) > 0
+    for (images, labels), (ref_images, ref_labels) in zip(got, ref_ds_batches, strict=True):
+        assert torch.equal(images, ref_images) and torch.equal(labels, ref_labels)
+    assert dev.skipped.value == 4 and sorted(name for name, _ in dev.skipped_samples) == ["k03", "k09", "k10", "k20"]
+    assert all("cannot decode" in reason for _, reason in dev.skipped_samples)
+    raising = DeviceDecode(20, device="cpu")
+    with pytest.raises(SampleError, match="k03|k09|k10|k20"):
+        for raw in batches(RawCollate(keys=True)):
+            raising(raw)
+    with pytest.raises(ConfigError, match="on_error="):
+        DeviceDecode(20, device="cpu", on_error="ignore")
+
+
+def test_skip_on_the_device_path_too(with_bad_images: Path) -> None:
+    """The same fill through the device path's code (a CPU stand-in decoder that refuses the bad JPEGs)."""
+    from streamload._gpudecode import GpuDecoder
+
+    def refusing(raws: list[np.ndarray], stream: Any) -> list[tuple[torch.Tensor, str] | None]:
+        out: list[tuple[torch.Tensor, str] | None] = []
+        for raw in raws:
+            try:
+                array = np.asarray(Image.open(io.BytesIO(raw.tobytes())).convert("RGB")).copy()
+            except OSError:
+                out.append(None)
+                continue
+            out.append((torch.from_numpy(array), "HWC"))
+        return out
+
+    dev = DeviceDecode(20, crop="random", flip=True, device="cpu", on_error="skip", backend="pillow")
+    dev._gpu = GpuDecoder(torch.device("cpu"), "stand-in", refusing)
+    ref = DeviceDecode(20, crop="random", flip=True, device="cpu", on_error="skip", backend="pillow")
+    ds = StreamingDataset(str(with_bad_images), batch_size=6, collate=RawCollate(keys=True))
+    for raw in ds:
+        images, labels = dev(raw)
+        ref_images, ref_labels = ref(raw)
+        assert torch.equal(labels, ref_labels)
+        assert int((images.int() - ref_images.int()).abs().max()) <= 1
+    assert dev.skipped.value == ref.skipped.value == 4

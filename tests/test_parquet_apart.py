@@ -95,9 +95,7 @@ def test_verify_of_an_index_apart_catches_a_changed_file(tmp_path: Path, capsys:
         list(StreamingDataset(str(out)))
 
 
-def test_output_is_for_parquet_and_never_names_local_files_from_a_bucket(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="--output is for formats read in place"):
-        index_directory(str(tmp_path), "tar", output=str(tmp_path / "elsewhere"))
+def test_output_never_names_local_files_from_a_bucket(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="a remote index cannot name the local files"):
         index_directory(str(tmp_path), "parquet", output="s3://bucket/index")
     # the output being the source folder itself is a plain index in place (no data_root)
@@ -121,9 +119,9 @@ def test_a_data_root_must_be_absolute_and_plain(root: object) -> None:
         Manifest.loads(manifest_with(root))
 
 
-def test_a_data_root_is_refused_for_formats_streamload_writes(tmp_path: Path) -> None:
-    (tmp_path / "index.json").write_bytes(manifest_with(str(tmp_path / "elsewhere"), "tar"))
-    with pytest.raises(ManifestError, match="only for formats read in place"):
+def test_a_data_root_is_refused_for_formats_streamload_only_writes(tmp_path: Path) -> None:
+    (tmp_path / "index.json").write_bytes(manifest_with(str(tmp_path / "elsewhere"), "lmdb"))
+    with pytest.raises(ManifestError, match=r"only for files streamload indexes in place \(tar, parquet\), not lmdb"):
         StreamingDataset(str(tmp_path))
     assert Manifest.loads(manifest_with("s3://b/p/")).data_root == "s3://b/p"
 

@@ -185,9 +185,14 @@ def source_options(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     return chosen
 
 
+#: Files ignored, and normalization twins, named one by one after a conversion (the others counted).
+_NAMED = 20
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``streamload convert``; return the exit status."""
     from ..converters import convert, open_source, source_kind
+    from ..converters.images import ignored_first
 
     options = conversion_options(args)
     try:
@@ -199,8 +204,17 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:  # the environment (disk, permissions, process limits): one line, no traceback
         raise StorageError(str(exc)) from exc
     say(report.summary())
+    named, more = ignored_first(report.ignored, _NAMED)
+    for ignored in named:
+        say(f"  ignored {ignored.path}: {ignored.error}", file=sys.stderr)
+    if more:
+        say(f"  ... and {more} more non-input files ignored", file=sys.stderr)
     for skipped in report.skipped:
         say(f"  skipped {skipped.path}: {skipped.error}", file=sys.stderr)
     for warned in report.warnings:
         say(f"  warning {warned.path}: {warned.error}", file=sys.stderr)
+    for twin in report.twins[:_NAMED]:
+        say(f"  twin {twin.path} {twin.error}", file=sys.stderr)
+    if len(report.twins) > _NAMED:
+        say(f"  ... and {len(report.twins) - _NAMED} more Unicode normalization twins", file=sys.stderr)
     return 0

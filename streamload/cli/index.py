@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from .._errors import StorageError, StreamloadError
+from .._units import counted
 from .options import add_storage_option, parse_storage_options
 from .output import say
 
@@ -30,8 +31,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--output",
         metavar="DIR_OR_URL",
-        help="parquet: write index.json and the sidecars here instead (the files are read in place from "
-        "DIRECTORY, which is never written: for a read-only folder or someone else's bucket)",
+        help="write index.json and the sidecars here instead (the tar or parquet files are read in place from "
+        "DIRECTORY, which is never written: for a read-only folder, someone else's bucket, or a folder "
+        "holding another tool's index.json)",
     )
     p.add_argument(
         "--split",
@@ -66,8 +68,9 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:  # the environment (disk, permissions): one line, no traceback
         raise StorageError(str(exc)) from exc
     written = args.output or (f"{args.directory.rstrip('/')}/{args.split}" if args.split else args.directory)
-    skipped = f", {len(manifest.skipped)} bad rows skipped" if manifest.skipped else ""
-    say(f"indexed {len(manifest.shards)} shards, {manifest.num_samples} samples{skipped}; wrote {written}/index.json")
+    skipped = f", {counted(len(manifest.skipped), 'bad row')} skipped" if manifest.skipped else ""
+    counts = f"{counted(len(manifest.shards), 'shard')}, {counted(manifest.num_samples, 'sample')}"
+    say(f"indexed {counts}{skipped}; wrote {written}/index.json")
     for entry in manifest.skipped:
         say(f"  skipped {entry.path}: {entry.error}", file=sys.stderr)
     return 0

@@ -59,16 +59,28 @@ def run(args: argparse.Namespace) -> int:
     twins = twin_marks(names)
     shown = [f"{name} {twins[i]}" if i in twins else name for i, name in enumerate(names[:10])]
     classes = ", ".join(shown) + (" ..." if len(names) > 10 else "")
-    say(f"classes   {len(names)}: {classes or '-'}")
+    labels = manifest.meta.get("labels")
+    if not names and isinstance(labels, dict) and isinstance(labels.get("distinct"), int):
+        say(
+            f"classes   {labels['distinct']} labels in {labels.get('field', 'cls')} "
+            f"({labels.get('min')} to {labels.get('max')}); no class names recorded "
+            "(streamload index --classes NAME,... --overwrite records them)"
+        )
+    else:
+        say(f"classes   {len(names)}: {classes or '-'}")
     if twins:
         say(
             f"note      {counted(len(twins), 'class name')} look identical to another but differ in Unicode "
             "normalization (marked NFC/NFD twin): they are different classes"
         )
     say(f"hash      {manifest.hash_algorithm or 'none'}")
-    say(f"skipped   {counted(len(manifest.skipped), 'input')} at conversion")
+    if "indexed_by" not in manifest.meta:
+        say(f"skipped   {counted(len(manifest.skipped), 'input')} at conversion")
+    elif manifest.skipped:
+        say(f"skipped   {counted(len(manifest.skipped), 'bad row')} at indexing")
     appends = manifest.meta.get("appends") or []
-    say(f"appends   {len(appends)}" + (f" (last: {appends[-1].get('source')})" if appends else ""))
+    if "indexed_by" not in manifest.meta:  # an indexed dataset is never appended to
+        say(f"appends   {len(appends)}" + (f" (last: {appends[-1].get('source')})" if appends else ""))
     return 0
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from .._errors import ConversionInterrupted, StreamloadError
 from .output import SafeFormatter, say
-from .parser import build_parser, subparser
+from .parser import build_parser, cli_spelling, subparser
 
 __all__ = ["EXIT_CLOSED_OUTPUT", "main"]
 
@@ -125,8 +125,11 @@ def _main(argv: Sequence[str] | None) -> int:
     except ConversionInterrupted as exc:
         say(f"streamload {args.command}: {exc}", file=sys.stderr)
         return 130
-    except StreamloadError as exc:
-        say(f"streamload {args.command}: error: {exc}", file=sys.stderr)
+    except StreamloadError as exc:  # the library's message, its options spelled as this command's
+        say(
+            f"streamload {args.command}: error: {cli_spelling(str(exc), subparser(parser, args.command))}",
+            file=sys.stderr,
+        )
         return 2
     except BrokenPipeError:
         raise  # main() tells a closed stdout from another broken pipe

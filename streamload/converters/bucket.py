@@ -27,7 +27,7 @@ from streamload.storage.retry import RetryPolicy, retry_call
 from streamload.storage.transport import translate_error
 
 from .imagefolder import unclassed_images
-from .images import WARNINGS_KEY, ImageItem, assign_keys, check_image, escape_folder
+from .images import HIDDEN, WARNINGS_KEY, ImageItem, assign_keys, check_image, escape_folder, not_an_input
 from .source import Item, ScanResult, Source, printable
 
 __all__ = ["RemoteImageFolderSource", "RemoteImageItem", "read_url"]
@@ -143,6 +143,8 @@ class RemoteImageFolderSource(Source):
         SourceError: If the URL cannot be listed or holds no class folder.
     """
 
+    names_are_paths = True
+
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None, check: str = "decode") -> None:
         if check not in ("decode", "header", "none"):
             raise SourceError(f"check={check!r} must be 'decode', 'header' or 'none'")
@@ -173,16 +175,22 @@ class RemoteImageFolderSource(Source):
         labels = {name: i for i, name in enumerate(self._class_names)}
         items: list[RemoteImageItem] = []
         ignored: list[SkippedInput] = []
+        hidden: set[str] = set()
         for rel in sorted(self._objects, key=_order):
             parts = rel.split("/")
-            if any(p.startswith(".") for p in parts):
+            dot = next((k for k, p in enumerate(parts) if p.startswith(".")), None)
+            if dot is not None:  # a hidden object, or one in a hidden folder (listed once)
+                name = "/".join(parts[: dot + 1]) + ("/" if dot < len(parts) - 1 else "")
+                if name not in hidden:
+                    hidden.add(name)
+                    ignored.append(SkippedInput(printable(name), HIDDEN))
                 continue
             if len(parts) == 1:
                 ignored.append(SkippedInput(printable(rel), "file outside any class folder"))
                 continue
             ext = parts[-1].rpartition(".")[2].lower() if "." in parts[-1] else ""
             if ext not in IMAGE_EXTENSIONS:
-                ignored.append(SkippedInput(printable(rel), "not an image file extension"))
+                ignored.append(SkippedInput(printable(rel), not_an_input(parts[-1])))
                 continue
             label = labels[parts[0]]
             size = self._objects[rel]

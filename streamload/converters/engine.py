@@ -52,7 +52,7 @@ from .journal import Journal, plan_fingerprint
 from .options import DEFAULT_SHARD_BYTES, MAX_WORKERS, ConvertOptions, ConvertReport
 from .places import check_destination
 from .planning import plan_shards
-from .source import Item, PlanRequest, Source, SourcePlan, printable, printable_json
+from .source import Item, PlanRequest, Source, SourcePlan, normalization_twins, printable, printable_json
 
 __all__ = ["DEFAULT_SHARD_BYTES", "MAX_WORKERS", "ConvertOptions", "ConvertReport", "convert", "plan_shards"]
 
@@ -329,7 +329,10 @@ def _convert_locked(
     journal.finish()
     payload = sum(r.payload_bytes for r in ordered)
     warned = [w for r in ordered for w in r.warnings]
-    return ConvertReport(manifest, 0.0, payload, plan.ignored, resumed=len(done), warnings=warned)
+    twins = normalization_twins(
+        source, [item for shard in plan.shards for item in shard] if source.names_are_paths else []
+    )
+    return ConvertReport(manifest, 0.0, payload, plan.ignored, resumed=len(done), warnings=warned, twins=twins)
 
 
 def _stop(running: Iterator[ShardResult], dest: Destination) -> None:

@@ -1,7 +1,9 @@
 """The image-folder source: ``ROOT/<class>/<...>/<image>`` to samples.
 
-Classes are the sorted names of ROOT's sub-folders (label ``i`` = ``classes[i]``); any
-image below a class folder, at any depth, belongs to that class. Each sample holds the
+Classes are the sorted names of ROOT's sub-folders that hold an image (label ``i`` =
+``classes[i]``); any image below a class folder, at any depth, belongs to that class. A
+sub-folder that gives no image (empty, unreadable, a link loop) is no class: it is a
+problem, an error unless skipping, then listed in the skip report. Each sample holds the
 file's original bytes under its lower-cased extension and the label as ``cls`` (ASCII
 decimal). Keys are derived from the relative path only, so they are deterministic, and
 unique by construction (:func:`path_to_key`).
@@ -18,9 +20,10 @@ sample without a ``cls`` field (sub-folders are only part of the key), and the d
 no classes. ``labels="auto"`` (the default) does that for a flat folder (images and no
 sub-folder), and reads class folders otherwise.
 
-Library warnings raised while an image is checked (Pillow's ``DecompressionBombWarning``,
-truncated or malformed files, TIFF tags) are not printed: each is listed with the file it
-came from in the conversion report (:attr:`~.engine.ConvertReport.warnings`).
+Library warnings raised while an image is checked (truncated or malformed files, TIFF
+tags) are not printed: each is listed with the file it came from in the conversion report
+(:attr:`~.engine.ConvertReport.warnings`). An image past the readers' pixel limit is a
+broken input (see :func:`.images.check_image`).
 
 What the scan does with unusual entries:
 
@@ -31,13 +34,17 @@ What the scan does with unusual entries:
   problem: an error under ``on_error="raise"``, skipped and listed in the manifest under
   ``"skip"``; nothing is dropped silently. A FIFO, socket or device with an image
   extension is a problem too (never opened, so a conversion cannot hang on it).
-* Names starting with ``.`` are hidden and skipped, as before.
+* Names starting with ``.`` are hidden: not taken, and listed with the files that are not
+  inputs (a hidden folder once, not walked).
+* Files that are not images by extension are listed as not inputs, each with why: a HEIC,
+  HEIF or AVIF photo is named as one, with the Pillow plugin that reads its kind.
 * Names that are not valid UTF-8 get escaped keys: each undecodable byte becomes
   ``%XX`` (see :func:`path_to_key`); class names are escaped the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from collections.abc import Iterator
@@ -48,7 +55,16 @@ from streamload.manifest import SkippedInput
 from streamload.sample import IMAGE_EXTENSIONS
 from streamload.storage import is_local, local_path_of
 
-from .images import WARNINGS_KEY, ImageItem, assign_keys, check_image, escape_folder, path_to_key
+from .images import (
+    HIDDEN,
+    WARNINGS_KEY,
+    ImageItem,
+    assign_keys,
+    check_image,
+    escape_folder,
+    not_an_input,
+    path_to_key,
+)
 from .places import within
 from .source import Item, ScanResult, Source, printable
 
@@ -93,6 +109,8 @@ class ImageFolderSource(Source):
         SourceError: If ``root`` is not a readable folder or holds no class folder
             (``labels="folders"``).
     """
+
+    names_are_paths = True
 
     def __init__(self, root: str, check: str = "decode", labels: str = "auto") -> None:
         if check not in ("decode", "header", "none"):
@@ -169,8 +187,9 @@ class ImageFolderSource(Source):
         are ignored (listed and counted; images there were refused when the source was
         made: they have no class). An empty class folder, an entry that cannot be read
         (a folder whose listing fails, a dangling link), a link loop and an image that is
-        not a regular file are problems (an error unless skipping; a class's label is
-        kept either way so labels stay stable).
+        not a regular file are problems (an error unless skipping). Only the sub-folders
+        that gave images are classes: :attr:`classes` is narrowed to them here, and the
+        labels numbered over them.
         """
         if not self.labelled:
             return self._scan_unlabelled()
@@ -184,7 +203,10 @@ class ImageFolderSource(Source):
         except OSError as exc:
             raise SourceError(f"{printable(self.root)}: cannot list the folder: {_reason(exc)}") from exc
         for entry in top:
-            if entry.name.startswith(".") or entry.name in classes:
+            if entry.name in classes:
+                continue
+            if entry.name.startswith("."):
+                ignored.append(SkippedInput(printable(entry.name) + ("/" if _is_dir(entry.path) else ""), HIDDEN))
                 continue
             try:
                 st = os.stat(entry.path)
@@ -203,11 +225,13 @@ class ImageFolderSource(Source):
                 ext = _extension(name)
                 if kind == "file":
                     if ext not in IMAGE_EXTENSIONS:
-                        ignored.append(SkippedInput(printable(relpath), "not an image file extension"))
+                        ignored.append(SkippedInput(printable(relpath), not_an_input(name)))
                         continue
                     assert isinstance(info, int)
                     items.append(ImageItem(key="", nbytes=info + len(str(label)), relpath=relpath, label=label))
                     found += 1
+                elif kind == "hidden":
+                    ignored.append(SkippedInput(printable(relpath), str(info)))
                 elif kind == "special" and ext not in IMAGE_EXTENSIONS:
                     ignored.append(SkippedInput(printable(relpath), str(info)))
                 elif kind == "unreadable" and ext and ext not in IMAGE_EXTENSIONS:
@@ -217,7 +241,23 @@ class ImageFolderSource(Source):
                     problems.append(SkippedInput(printable(relpath), str(info)))
             if not found and not unreadable:
                 problems.append(SkippedInput(printable(cls) + "/", EMPTY_CLASS))
-        return ScanResult(assign_keys(items), ignored, problems)
+        return ScanResult(assign_keys(self._classes_with_images(items)), ignored, problems)
+
+    def _classes_with_images(self, items: list[ImageItem]) -> list[ImageItem]:
+        """Narrow the classes to the folders that gave ``items``; the items relabelled over them."""
+        used = sorted({item.label for item in items if item.label is not None})
+        if len(used) == len(self._class_names):
+            return items
+        label = {old: new for new, old in enumerate(used)}
+        self._class_names = [self._class_names[i] for i in used]
+        self.classes = [escape_folder(name) for name in self._class_names]
+        out = []
+        for item in items:
+            assert item.label is not None
+            new = label[item.label]
+            nbytes = item.nbytes - len(str(item.label)) + len(str(new))
+            out.append(dataclasses.replace(item, label=new, nbytes=nbytes))
+        return out
 
     def _scan_unlabelled(self) -> ScanResult:
         """Every image below the root, at any depth, without a label."""
@@ -228,11 +268,11 @@ class ImageFolderSource(Source):
             ext = _extension(relpath.rstrip("/").rpartition("/")[2])
             if kind == "file":
                 if ext not in IMAGE_EXTENSIONS:
-                    ignored.append(SkippedInput(printable(relpath), "not an image file extension"))
+                    ignored.append(SkippedInput(printable(relpath), not_an_input(relpath)))
                     continue
                 assert isinstance(info, int)
                 items.append(ImageItem(key="", nbytes=info, relpath=relpath, label=None))
-            elif kind in ("special", "unreadable") and ext not in IMAGE_EXTENSIONS:
+            elif kind == "hidden" or (kind in ("special", "unreadable") and ext not in IMAGE_EXTENSIONS):
                 ignored.append(SkippedInput(printable(relpath), str(info)))
             else:
                 problems.append(SkippedInput(printable(relpath), str(info)))
@@ -296,9 +336,10 @@ def _walk(root: str, cls: str) -> Iterator[tuple[str, str, int | str]]:
 
     Kinds: ``"file"`` (a regular file and its size), ``"special"`` (a FIFO, socket or
     device), ``"unreadable"`` (cannot be stat'ed), ``"problem"`` (a folder that cannot be
-    listed or a link loop; its relpath ends with ``/``). Order: a folder's files sorted
-    by name, then its sub-folders, each walked in turn (like :func:`os.walk` top-down);
-    hidden names (``.``) skipped. Iterative: no recursion limit on deep trees.
+    listed or a link loop; its relpath ends with ``/``), ``"hidden"`` (a name starting
+    with ``.``: a hidden folder, its relpath ending with ``/``, is not walked). Order: a
+    folder's files sorted by name, then its sub-folders, each walked in turn (like
+    :func:`os.walk` top-down). Iterative: no recursion limit on deep trees.
     """
     try:
         top = _ident(os.stat(os.path.join(root, cls)))
@@ -315,13 +356,16 @@ def _walk(root: str, cls: str) -> Iterator[tuple[str, str, int | str]]:
         rel, above = stack.pop()
         try:
             with os.scandir(os.path.join(root, rel)) as it:
-                entries = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
+                entries = sorted(it, key=lambda e: e.name)
         except OSError as exc:
             yield "problem", rel + "/", f"cannot list this folder: {_reason(exc)}"
             continue
         folders: list[tuple[str, frozenset[tuple[int, int]]]] = []
         for entry in entries:
             relpath = f"{rel}/{entry.name}" if rel else entry.name
+            if entry.name.startswith("."):
+                yield "hidden", relpath + ("/" if _is_dir(entry.path) else ""), HIDDEN
+                continue
             try:
                 st = os.stat(entry.path)
             except OSError as exc:

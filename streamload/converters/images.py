@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from streamload._errors import SourceError
-from streamload.sample import image_warnings, sniff_image
+from streamload.manifest import SkippedInput
+from streamload.sample import image_problem, image_warnings, sniff_image
 
 from .source import Item
 
@@ -28,13 +28,72 @@ __all__ = [
     "escape_folder",
     "image_problem",
     "escape_stem",
+    "HIDDEN",
+    "ignored_first",
+    "not_an_input",
     "path_to_key",
+    "pixel_problem",
 ]
 
 
 #: Key of a loaded sample under which a source hands the engine the library warnings its
 #: check raised (a list of strings; never written: the writers skip ``__`` names).
 WARNINGS_KEY = "__warnings__"
+
+
+#: The reason listed for a hidden file or folder (its name starts with ``.``): not an input.
+HIDDEN = "hidden (its name starts with '.'): not taken"
+
+#: Photo kinds people have that streamload does not take (by lower-case extension).
+_OTHER_PHOTOS = {"heic": "HEIC", "heif": "HEIF", "avif": "AVIF"}
+#: What the reason of such a photo says (the CLI names these first).
+_NOT_TAKEN = "photo, a kind streamload does not take"
+
+
+def not_an_input(name: str) -> str:
+    """Why a file named ``name`` (not an image by extension) is not taken: for a person.
+
+    A HEIC/HEIF or AVIF photo is said to be one, with the Pillow plugin that reads its kind
+    and whether the installed Pillow reads it, since a folder of phone photos would
+    otherwise convert into nothing without a word.
+    """
+    ext = name.rpartition(".")[2].lower() if "." in name else ""
+    kind = _OTHER_PHOTOS.get(ext)
+    if kind is None:
+        return "not an image file extension"
+    if kind == "AVIF":
+        reads = (
+            f"Pillow reads AVIF itself from 11.3 when built with libavif (this Pillow {_pillow_reads('avif')}), "
+            "older ones through the pillow-avif-plugin package"
+        )
+        article = "an"
+    else:
+        reads = f"Pillow reads {kind} only through the pillow-heif plugin"
+        article = "a"
+    return f"{article} {kind} {_NOT_TAKEN}: {reads}; convert it to JPEG, PNG or WebP first"
+
+
+def _pillow_reads(feature: str) -> str:
+    """``"13.0.0 is"`` or ``"13.0.0 is not"``: whether the installed Pillow was built with ``feature``."""
+    import PIL
+    from PIL import features
+
+    try:
+        able = bool(features.check(feature))
+    except Exception:  # noqa: BLE001 - an older Pillow without the feature name
+        able = False
+    return f"{PIL.__version__} {'is' if able else 'is not'}"
+
+
+def ignored_first(ignored: Sequence[SkippedInput], limit: int = 20) -> tuple[list[SkippedInput], int]:
+    """The ignored files to name: photos of a kind not taken first, then the others, in order.
+
+    Returns:
+        The first ``limit`` of them, and how many more there are.
+    """
+    photos = [s for s in ignored if _NOT_TAKEN in s.error]
+    ordered = photos + [s for s in ignored if _NOT_TAKEN not in s.error]
+    return ordered[:limit], max(0, len(ordered) - limit)
 
 
 def _undecodable(text: str) -> bool:
@@ -113,22 +172,37 @@ def assign_keys(items: Sequence[ImageItem]) -> list[Item]:
     return out
 
 
-_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>")
+def pixel_problem(width: int, height: int) -> str | None:
+    """Why an image of ``width`` x ``height`` is refused: more pixels than the readers decode by default.
+
+    The converters apply the readers' own limit (:data:`streamload.decode.DEFAULT_MAX_PIXELS`,
+    Pillow's ``MAX_IMAGE_PIXELS``), so a dataset that converts reads back with the default
+    decoders; ``None`` if the image is within it.
+    """
+    from streamload.decode.image import DEFAULT_MAX_PIXELS
+
+    if width * height <= DEFAULT_MAX_PIXELS:
+        return None
+    return _too_large(f"{width}x{height} = {width * height:,}")
 
 
-def image_problem(exc: BaseException) -> str:
-    """Why Pillow refused an image, for a person: no object reprs (``<_io.BytesIO object at 0x...>``)."""
-    text = _REPR.sub("", str(exc)).strip()
-    if type(exc).__name__ == "UnidentifiedImageError" or text == "cannot identify image file":
-        return "Pillow cannot identify its format (damaged, or a kind it cannot read)"
-    return text or type(exc).__name__
+def _too_large(size: str) -> str:
+    from streamload.decode.image import DEFAULT_MAX_PIXELS
+
+    return (
+        f"image of {size} pixels is larger than the readers' limit of {DEFAULT_MAX_PIXELS:,} pixels "
+        "(max_pixels, streamload.decode.DEFAULT_MAX_PIXELS): ImageLabel, DecodeBatch and verify --decode "
+        "would refuse it as a possible decompression bomb; downscale it, or leave it out (--on-error skip)"
+    )
 
 
 def check_image(data: bytes, path: str, how: str) -> list[str]:
     """Check that ``data`` is an image: ``how`` is ``"decode"`` (at reduced size) or ``"header"``.
 
     Bytes of no kind :func:`~streamload.sample.sniff_image` knows are refused first (the rule
-    ``index`` applies too), so both keep the same images.
+    ``index`` applies too), so both keep the same images. An image whose header claims more
+    pixels than the readers decode by default is refused too (:func:`pixel_problem`): a
+    dataset that converts reads back.
 
     Returns:
         The library warnings the check raised (recorded, not printed), each once: Python
@@ -148,12 +222,22 @@ def check_image(data: bytes, path: str, how: str) -> list[str]:
     try:
         with image_warnings(data) as found:
             with Image.open(io.BytesIO(data)) as img:
+                too_large = pixel_problem(img.width, img.height)
+                if too_large:
+                    raise SourceError(f"{path}: {too_large}")
                 if how == "header":
                     img.verify()
                 else:
                     if img.format == "JPEG":
                         img.draft(img.mode, (max(1, img.width // 8), max(1, img.height // 8)))
                     img.load()
+    except SourceError:
+        raise
+    except Image.DecompressionBombError as exc:  # Pillow's refusal, past twice its limit
+        from streamload.decode.image import _pillow_refused_size
+
+        size = _pillow_refused_size(data)
+        raise SourceError(f"{path}: {_too_large(size) if size != 'more' else image_problem(exc)}") from exc
     except Exception as exc:
         said = list(dict.fromkeys(found))
         detail = f" ({'; '.join(said[:3])}{f'; and {len(said) - 3} more' if len(said) > 3 else ''})" if said else ""

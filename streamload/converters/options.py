@@ -109,8 +109,10 @@ class ConvertReport:
         ignored: Files of the source that are not inputs.
         resumed: Shards reused from an interrupted run.
         already_complete: ``--resume`` found this very conversion complete: nothing was written.
-        warnings: Library warnings (Pillow's ``DecompressionBombWarning``, truncated or
-            malformed files...) raised while checking inputs that were kept, each with its input.
+        warnings: Library warnings (truncated or malformed files, TIFF tags...) raised
+            while checking inputs that were kept, each with its input.
+        twins: Inputs and class folders whose names differ from another's only in Unicode
+            normalization (NFC and NFD ``café``): kept, each listed with why.
     """
 
     manifest: Manifest
@@ -120,6 +122,7 @@ class ConvertReport:
     resumed: int = 0
     already_complete: bool = False
     warnings: list[SkippedInput] = field(default_factory=list)
+    twins: list[SkippedInput] = field(default_factory=list)
 
     @property
     def skipped(self) -> tuple[SkippedInput, ...]:
@@ -154,5 +157,6 @@ class ConvertReport:
             f"{m.num_samples / max(self.seconds, 1e-9):.0f} samples/s, {rate:.1f} MB/s; "
             + self.skip_counts()
             + (f", {counted(len(self.warnings), 'library warning')}" if self.warnings else "")
+            + (f", {counted(len(self.twins), 'Unicode normalization twin')}" if self.twins else "")
             + (f"; {counted(self.resumed, 'shard')} reused from the interrupted run" if self.resumed else "")
         )

@@ -12,6 +12,7 @@ says so by overriding :meth:`Source.make_plan`, :meth:`Source.check_destination`
 
 from __future__ import annotations
 
+import unicodedata
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from .._files import printable
 from .planning import plan_shards
 
 __all__ = [
+    "normalization_twins",
     "Item",
     "PlanRequest",
     "ScanResult",
@@ -144,6 +146,11 @@ class Source(ABC):
         """Return where ``item`` comes from (a relative path), for error listings."""
         return item.key
 
+    #: Whether inputs are named by file paths a person chose (an image folder): their
+    #: Unicode normalization twins are listed (:func:`normalization_twins`); class names
+    #: are checked for every source.
+    names_are_paths = False
+
     def meta(self) -> dict[str, Any]:
         """Return JSON metadata about the source for the manifest."""
         return {"source": self.describe()}
@@ -230,3 +237,41 @@ def drop_present(
     if all(keep):
         return items, problems
     return [item for item, k in zip(items, keep, strict=True) if k], problems
+
+
+def _form(name: str) -> str:
+    if unicodedata.is_normalized("NFC", name):
+        return "NFC"
+    return "NFD" if unicodedata.is_normalized("NFD", name) else "mixed"
+
+
+def normalization_twins(source: Source, items: Sequence[Item]) -> list[SkippedInput]:
+    """Inputs and classes whose names differ from another's only in Unicode normalization.
+
+    ``café`` written with a precomposed ``é`` (NFC, what macOS apps and most editors write)
+    and with ``e`` and a combining accent (NFD, what some file systems and tools give back)
+    look identical but are different names: two samples, or two classes, where a person
+    sees one. Each is listed (as ``info`` marks class names), naming the other and both
+    forms; nothing is dropped. Inputs are checked for sources whose inputs are files a
+    person named (:attr:`Source.names_are_paths`; a table's rows are not walked again).
+    """
+    out: list[SkippedInput] = []
+    named = [source.origin(item) for item in items] if source.names_are_paths else []
+    for what, names in (("class", [f"{name}/" for name in source.classes]), ("sample", named)):
+        groups: dict[str, list[str]] = {}
+        for name in names:
+            if not name.isascii():
+                groups.setdefault(unicodedata.normalize("NFC", name), []).append(name)
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            for name in group:
+                others = ", ".join(f"{other} ({_form(other)})" for other in group if other is not name)
+                out.append(
+                    SkippedInput(
+                        printable(name),
+                        f"[{_form(name)} twin] looks identical to {others} but differs in Unicode normalization: "
+                        f"a different {what}",
+                    )
+                )
+    return out

@@ -15,11 +15,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import SampleError
+from .._errors import SampleError, StreamloadError
 from .._fork import ProcessLocal
 from ..randomness import sample_generator
-from ..sample import IMAGE_FIELDS, image_field, image_warnings, label_of, parse_label
-from .image import DEFAULT_MAX_PIXELS, Backend, Crop, ImageDecoder, SharedCount, open_image, planar
+from ..sample import IMAGE_FIELDS, image_field, image_problem, image_warnings, label_of, parse_label
+from ..skips import sample_failed
+from .image import (
+    DEFAULT_MAX_PIXELS,
+    WIDE_MODES,
+    Backend,
+    Crop,
+    ImageDecoder,
+    SharedCount,
+    open_image,
+    planar,
+    to_eight_bits,
+)
 
 __all__ = [
     "DEFAULT_MAX_PIXELS",
@@ -50,7 +61,9 @@ def _cannot_decode(sample: Mapping[str, Any], field: str, exc: BaseException, fo
     """The error of an image that cannot be decoded, with what the libraries said about it."""
     said = list(dict.fromkeys(found))
     detail = f" ({'; '.join(said[:3])}{f'; and {len(said) - 3} more' if len(said) > 3 else ''})" if said else ""
-    return SampleError(f"sample {sample.get('__key__')!r} field {field!r}: cannot decode image: {exc}{detail}")
+    return SampleError(
+        f"sample {sample.get('__key__')!r} field {field!r}: cannot decode image: {image_problem(exc)}{detail}"
+    )
 
 
 def _text(data: bytes) -> str:
@@ -64,12 +77,20 @@ def _json(data: bytes) -> Any:
 def decode_image(data: bytes, mode: str = "RGB", max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Any:
     """Decode image bytes to a Pillow image in ``mode`` (``"RGB"`` by default).
 
+    An image of more than 8 bits per sample (16-bit PNG or TIFF, 32-bit integer or float
+    TIFF) asked for in an 8-bit mode is scaled to 8 bits, not clipped (see
+    :func:`streamload.decode.image.to_eight_bits`).
+
     Raises:
         SampleError: If the image header claims more than ``max_pixels`` pixels (checked
             before decoding; ``None``: no limit).
     """
     with open_image(data, max_pixels) as img:
-        return img.convert(mode) if img.mode != mode else img.copy()
+        if img.mode == mode:
+            return img.copy()
+        if mode not in WIDE_MODES:
+            img = to_eight_bits(img)
+        return img.convert(mode) if img.mode != mode else img
 
 
 #: Field name -> decoder. Unknown fields stay bytes.
@@ -245,6 +266,8 @@ class DecodeBatch:
         self.layout = layout
         self.seed = seed
         self.warnings = 0  # library warnings raised by decodes in this process (each logged naming its sample)
+        #: A good sample of an earlier batch: what fills a batch whose every sample was skipped.
+        self._stand_in: Mapping[str, Any] | None = None
         self._rng: ProcessLocal[np.random.Generator] = ProcessLocal(partial(_process_rng, seed))
 
     def __repr__(self) -> str:
@@ -258,6 +281,7 @@ class DecodeBatch:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         del state["_rng"]
+        state["_stand_in"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -275,7 +299,16 @@ class DecodeBatch:
         return self.rng()
 
     def __call__(self, samples: list[Any]) -> Any:
-        """Decode the samples into one :class:`~streamload.batch.ImageBatch`."""
+        """Decode the samples into one :class:`~streamload.batch.ImageBatch`.
+
+        A sample that cannot be decoded (or has no image field, or a bad label) raises a
+        :class:`~streamload.SampleError` naming it (its shard too, inside a dataset).
+        Under the dataset's ``on_error="skip"`` it is counted and named as a skipped
+        sample (:func:`streamload.skips.sample_failed`) and its slot, image and label,
+        holds a repeat of another sample of the batch: the last good one before it (of
+        the same stream in a mixture, if the batch has one), else the next; so the batch
+        keeps its shape, as the per-sample path keeps the item count.
+        """
         from ..batch import ImageBatch, batch_tensors
 
         parts: list[tuple[tuple[int, ...], torch.dtype]] = [((len(samples), *self.decoder.shape), torch.uint8)]
@@ -284,31 +317,83 @@ class DecodeBatch:
         tensors, lease = batch_tensors(parts)
         buffer = tensors[0]
         slots = buffer.numpy()
-        decode_into = self.decoder.decode_into
-        random = self.decoder.crop == "random" or self.decoder.flip
+        labels: list[int] = [0] * len(samples)
+        bad: list[int] = []
         for i, sample in enumerate(samples):
-            name = self._field_of(sample)
-            data = sample[name]
-            found: list[str] = []
             try:
-                with image_warnings(data) as found:
-                    decode_into(data, slots[i], self.sample_rng(sample) if random else None, name=sample.get("__key__"))
-            except Exception as exc:
-                raise _cannot_decode(sample, name, exc, found) from exc
-            if found:
-                self.warnings += _report(sample, name, found)
-        labels = None
+                labels[i] = self.decode_slot(sample, slots[i])
+            except SampleError as error:
+                if not sample_failed(i, error):
+                    raise
+                bad.append(i)
+        if bad:
+            self._fill(samples, bad, slots, labels)
+        elif samples:
+            self._stand_in = samples[-1]
+        label_tensor = None
         if self.label_field is not None:
-            labels = tensors[1]
-            labels.numpy()[:] = [label_of(s, self.label_field) for s in samples]
+            label_tensor = tensors[1]
+            label_tensor.numpy()[:] = labels
         images = buffer.permute(0, 3, 1, 2) if self.layout == "CHW" else buffer
-        return ImageBatch(images, labels, lease)
+        return ImageBatch(images, label_tensor, lease)
+
+    def decode_slot(self, sample: Mapping[str, Any], slot: np.ndarray) -> int:
+        """Decode one sample's image into ``slot`` (an ``(height, width, 3)`` ``uint8`` array); return its label.
+
+        The label is 0 when :attr:`label_field` is ``None``. Library warnings are logged
+        and counted (:attr:`warnings`).
+
+        Raises:
+            SampleError: Naming the sample and field: no image field, an image that cannot
+                be decoded, a missing or bad label.
+        """
+        name = self._field_of(sample)
+        data = sample[name]
+        found: list[str] = []
+        random = self.decoder.crop == "random" or self.decoder.flip
+        try:
+            with image_warnings(data) as found:
+                rng = self.sample_rng(sample) if random else None
+                self.decoder.decode_into(data, slot, rng, name=sample.get("__key__"))
+        except Exception as exc:
+            raise _cannot_decode(sample, name, exc, found) from exc
+        if found:
+            self.warnings += _report(sample, name, found)
+        return 0 if self.label_field is None else label_of(sample, self.label_field)
+
+    def _fill(self, samples: list[Any], bad: list[int], slots: np.ndarray, labels: list[int]) -> None:
+        """Fill the skipped slots ``bad`` with repeats of good samples of the batch (see :meth:`__call__`)."""
+        skipped = set(bad)
+        good = [i for i in range(len(samples)) if i not in skipped]
+        if not good:  # the whole batch failed: a good sample of an earlier batch, decoded again
+            stand_in = self._stand_in
+            if stand_in is None:
+                raise StreamloadError(
+                    f"every one of the {len(samples)} samples of this batch failed to decode, and no earlier "
+                    "batch of this process had a good one; nothing to substitute"
+                )
+            labels[bad[0]] = self.decode_slot(stand_in, slots[bad[0]])
+            good, skipped = [bad[0]], skipped - {bad[0]}
+        else:
+            self._stand_in = samples[good[-1]]
+        for i in sorted(skipped):
+            stream = _stream_of(samples[i])
+            same = [j for j in good if _stream_of(samples[j]) == stream] or good
+            before = [j for j in same if j < i]
+            j = before[-1] if before else same[0]
+            slots[i] = slots[j]
+            labels[i] = labels[j]
 
     def _field_of(self, sample: Mapping[str, Any]) -> str:
         for name in self.fields:
             if name in sample:
                 return name
         raise SampleError(f"sample {sample.get('__key__')!r} has none of the fields {self.fields}")
+
+
+def _stream_of(sample: Any) -> Any:
+    """A sample's stream in a mixture (its ``__source__``), ``None`` otherwise."""
+    return sample.get("__source__") if isinstance(sample, Mapping) else None
 
 
 #: What :class:`streamload.DeviceDecode` raises and logs for an image it decodes on the CPU: the same words.

@@ -42,6 +42,8 @@ __all__ = [
     "have_simplejpeg",
     "open_image",
     "planar",
+    "to_eight_bits",
+    "to_rgb",
 ]
 
 _log = logging.getLogger("streamload.decode")
@@ -432,8 +434,70 @@ class ImageDecoder:
         factor = self._reduction(width, height, box)
         if factor > 1 and src.format == "JPEG":
             src.draft("RGB", (width // factor, height // factor))  # Pillow: size // request >= scale
-        img = src.convert("RGB")
+        img = to_rgb(src)
         return img, _scaled(box, width, img.size[0])
+
+
+#: Pillow modes of more than 8 bits per sample (one band): scaled to 8 bits by :func:`to_eight_bits`.
+WIDE_MODES = frozenset({"I", "F", "I;16", "I;16B", "I;16L", "I;16N"})
+
+
+#: ``round(value / 257)`` for every 16-bit value (65535 -> 255): a look-up table of 64 KiB.
+_SIXTEEN_BITS = ((np.arange(65536, dtype=np.uint32) * 255 + 32767) // 65535).astype(np.uint8)
+
+
+def to_eight_bits(img: Any) -> Any:
+    """A one-band image of more than 8 bits per sample (:data:`WIDE_MODES`) as an 8-bit ``"L"`` image.
+
+    Pillow's own conversion of these to ``"L"`` or ``"RGB"`` clips every value above 255
+    (a 16-bit photo comes out almost white); here the values are scaled:
+
+    * 16-bit (``I;16*``): ``round(value / 257)`` (65535 -> 255);
+    * 32-bit integer (``I``): the same when every value lies in 0..65535 (Pillow opens
+      16-bit PNG, PGM and TIFF files as ``I`` or ``I;16``), else the image's own minimum
+      to maximum stretched over 0..255;
+    * floating point (``F``): ``round(value * 255)`` when every value lies in [0, 1], else
+      minimum to maximum stretched over 0..255. NaN becomes 0.
+
+    A constant image outside those ranges becomes 0. Other modes are returned as they are.
+    """
+    from PIL import Image
+
+    if img.mode not in WIDE_MODES:
+        return img
+    values = np.asarray(img)
+    if img.mode == "F":
+        values = values.astype(np.float64)
+        finite = np.isfinite(values)
+        if not finite.all():
+            values = np.where(finite, values, np.nan)
+        lo, hi = (float(np.nanmin(values)), float(np.nanmax(values))) if finite.any() else (0.0, 0.0)
+        if not (0.0 <= lo and hi <= 1.0):
+            values = (values - lo) / (hi - lo) if hi > lo else np.zeros_like(values)
+        out = np.nan_to_num(np.rint(values * 255.0), nan=0.0)
+    elif img.mode != "I":  # I;16*: one table look-up per pixel
+        out = _SIXTEEN_BITS[values]
+    else:
+        lo, hi = (int(values.min()), int(values.max())) if values.size else (0, 0)
+        if lo >= 0 and hi <= 65535:
+            out = _SIXTEEN_BITS[values.astype(np.uint16)]
+        elif hi > lo:
+            wide = values.astype(np.int64) - lo
+            out = (wide * 255 + (hi - lo) // 2) // (hi - lo)
+        else:
+            out = np.zeros(values.shape, dtype=np.uint8)
+    return Image.fromarray(np.ascontiguousarray(out, dtype=np.uint8))  # a 2-D uint8 array: mode "L"
+
+
+def to_rgb(img: Any) -> Any:
+    """``img`` converted to ``"RGB"``; one of more than 8 bits per sample is scaled, not clipped.
+
+    See :func:`to_eight_bits`.
+    """
+    img.load()  # decoded here (a lazily opened file's errors are raised by this call)
+    if img.mode == "RGB":
+        return img
+    return to_eight_bits(img).convert("RGB")
 
 
 def planar(img: Any) -> np.ndarray:

@@ -16,15 +16,17 @@ import xxhash
 from .._errors import CorruptShardError
 from ._record import open_regular_file
 from ._tar_sidecar import MAX_MEMBER_BYTES, IndexBuilder, check_tar_field
-from .base import MAX_KEY_BYTES, unsafe
+from .base import MAX_KEY_BYTES, key_problem, unsafe
 
 __all__ = [
     "BLOCK",
     "HEADER_SIZE_LIMIT",
     "MAX_EXTENDED_HEADER_BYTES",
     "ZERO_BLOCK",
+    "LabelTally",
     "index_tar",
     "iter_members",
+    "member_key_field",
     "pad",
     "parse_octal",
     "split_name",
@@ -128,6 +130,11 @@ def _members(fd: int, shard_name: str) -> Iterator[tuple[str, int, int, int]]:
     first_header: int | None = None
     pending: dict[str, str] = {}
     global_pax: dict[str, str] = {}
+    if os.pread(fd, 2, 0) == b"\x1f\x8b":
+        raise CorruptShardError(
+            f"{shard_name} is gzip-compressed, not a plain tar: tar shards are read by byte offsets, which a gzip "
+            f"stream does not have; decompress it first (`gunzip -c {shard_name} > plain.tar`) and index the .tar"
+        )
     while pos + BLOCK <= total:
         block = os.pread(fd, BLOCK, pos)
         if block == ZERO_BLOCK:
@@ -200,17 +207,71 @@ def split_name(name: str) -> tuple[str, str] | None:
     return name[:dot], name[dot + 1 :]
 
 
-def index_tar(path: str, shard_name: str, sidecar_out: str) -> tuple[int, list[str]]:
+def member_key_field(name: str, shard_name: str) -> tuple[str, str]:
+    """The sample key and field of member ``name``, as a tar reader such as ``webdataset`` sees them.
+
+    The name is normalised first: a leading ``./`` (what ``tar -C DIR -cf x.tar .`` writes)
+    and empty or ``.`` path components (``a//b.jpg``, ``a/./b.jpg``) are dropped, since
+    extracting the archive puts such members where the plain name would. The field
+    (the suffix after the first dot of the last component) is lower-cased, as
+    ``webdataset`` does: ``000.JPG`` is field ``jpg``.
+
+    Raises:
+        UnsafeShardError: For an absolute name, a ``..`` component, or a key that no
+            reader would accept (naming the member).
+        CorruptShardError: For a member without a suffix, or a key longer than
+            ``MAX_KEY_BYTES``.
+    """
+    parts = name.split("/")
+    if name.startswith("/") or ".." in parts:
+        raise unsafe(shard_name, f"member name {name!r} is absolute or contains '..' (it would escape an extraction)")
+    plain = "/".join(p for p in parts if p not in ("", "."))
+    found = split_name(plain)
+    if found is None:
+        raise CorruptShardError(f"{shard_name}: member {name!r} has no extension, so no sample field")
+    key, field = found
+    if len(key.encode("utf-8", "surrogateescape")) > MAX_KEY_BYTES:
+        raise CorruptShardError(f"{shard_name}: key {key[:80]!r}... is longer than {MAX_KEY_BYTES} bytes")
+    problem = key_problem(key)
+    if problem is not None:
+        raise unsafe(shard_name, f"member {name!r}: {problem}")
+    return key, field.lower()
+
+
+class LabelTally:
+    """The integer labels of the ``cls`` members met while tar shards are indexed (for ``info``)."""
+
+    def __init__(self) -> None:
+        #: The distinct integer labels.
+        self.values: set[int] = set()
+        #: ``cls`` members that are not one decimal integer (then the labels are not class indices).
+        self.other = 0
+
+    def add(self, data: bytes) -> None:
+        """Count one ``cls`` member's content."""
+        text = data.strip()
+        if 0 < len(text) <= 20 and text.isdigit():
+            self.values.add(int(text))
+        else:
+            self.other += 1
+
+
+def index_tar(path: str, shard_name: str, sidecar_out: str, tally: LabelTally | None = None) -> tuple[int, list[str]]:
     """Build the sidecar for a tar shard written by another tool (e.g. webdataset).
 
+    Member names become keys and fields as :func:`member_key_field` says (``./000.JPG``
+    is sample ``000``, field ``jpg``), so the sidecar holds only keys every reader takes.
+
     Returns:
-        ``(num_samples, field_names)``; the sidecar is written to ``sidecar_out``.
+        ``(num_samples, field_names)``; the sidecar is written to ``sidecar_out``. The
+        ``cls`` members' labels are counted in ``tally`` when one is given.
 
     Raises:
         CorruptShardError: If a member has no extension, a sample's members are not
             adjacent, a field repeats within a sample, a key is longer than
             ``MAX_KEY_BYTES`` or a field name is one the readers refuse.
-        UnsafeShardError: For absolute or ``..`` member names, links and device files.
+        UnsafeShardError: For absolute or ``..`` member names, keys with control
+            characters, links and device files (naming the member).
     """
     builder = IndexBuilder()
     seen: set[str] = set()
@@ -220,27 +281,25 @@ def index_tar(path: str, shard_name: str, sidecar_out: str) -> tuple[int, list[s
     fd = open_regular_file(path, shard_name)
     try:
         for name, header_at, data_at, size in iter_members(path, shard_name):
-            if name.startswith("/") or ".." in name.split("/"):
-                raise unsafe(shard_name, f"member name {name!r} is absolute or contains '..'")
-            parts = split_name(name)
-            if parts is None:
-                raise CorruptShardError(f"{shard_name}: member {name!r} has no extension, so no sample field")
-            key, field = parts
+            key, field = member_key_field(name, shard_name)
             if key != current:
                 if key in seen:
                     raise CorruptShardError(f"{shard_name}: members of sample {key!r} are not adjacent")
-                if len(key.encode("utf-8", "surrogateescape")) > MAX_KEY_BYTES:
-                    raise CorruptShardError(f"{shard_name}: key {key[:80]!r}... is longer than {MAX_KEY_BYTES} bytes")
                 seen.add(key)
                 current, current_fields = key, set()
                 builder.start_sample(key, header_at)
             if field in current_fields:
-                raise CorruptShardError(f"{shard_name}: sample {key!r} has field {field!r} twice")
+                raise CorruptShardError(
+                    f"{shard_name}: sample {key!r} has field {field!r} twice (member {name!r}; suffixes are "
+                    "compared lower-cased, as webdataset reads them)"
+                )
             if field not in builder.names:
                 check_tar_field(field, f"{shard_name}: member {name!r}")
             current_fields.add(field)
             digest = _hash_range(fd, data_at, size, f"{shard_name}: member {name!r}")
             builder.add_member(field, data_at, size, digest)
+            if tally is not None and field == "cls":
+                tally.add(os.pread(fd, min(size, 64), data_at) if size <= 64 else b"")
             end = data_at + size + pad(size)
     finally:
         os.close(fd)

@@ -92,6 +92,11 @@ class TarShardWriter(ShardWriter):
         for name, _ in fields:
             if "\n" in name:
                 raise SampleError(f"sample {key!r}: field name {name!r} has a newline (tar sidecars cannot hold it)")
+            if name != name.lower():
+                raise SampleError(
+                    f"sample {key!r}: field name {name!r} has upper-case letters: a tar member's suffix is read "
+                    f"lower-cased (webdataset, streamload index), so name it {name.lower()!r}"
+                )
         self._index.start_sample(key, self._pos)
         for name, data in fields:
             header = _header(f"{key}.{name}", len(data))

@@ -1,7 +1,8 @@
 """Admission: how many processes read through one cache, and whether its limit holds them all.
 
 Each process reading registers in the cache while it reads (a flock'd file in
-``readers/``, gone when the process dies; see :class:`~streamload.storage.cache.ShardCache`).
+``readers/``, gone when the process dies; see :class:`~streamload.storage.cache.ShardCache`);
+a process with several readers (a :class:`streamload.Loader`'s threads) counts each of them.
 A reader keeps one shard pinned while it reads it, and readers (DataLoader workers) may stop
 for long with their pins held, so N registered readers need room for N of the largest
 shards: a reader that would make them more than the limit holds fails at once with a
@@ -56,22 +57,23 @@ class Admission:
         """
         with self._lock:
             self._readers += 1
-            if self._registration is not None:
-                return
-            try:
-                self._registration = self.cache.register()
-            except BaseException:
-                self._readers -= 1
-                raise
+            first = self._registration is None
+            if first:
+                try:
+                    self._registration = self.cache.register()
+                except BaseException:
+                    self._readers -= 1
+                    raise
         if limit is None or largest <= 0:
             return
-        readers = self.registered(fresh=True)
+        readers = self.registered(fresh=first)  # another thread of this process: its own count is exact
         if readers * largest > limit:
             self.unregister()
             enough = (readers + 1) * largest
             raise CacheError(
-                f"{readers} readers share the cache {self.cache.root} of {self.url} (DataLoader workers and ranks "
-                f"on this machine, this one included), but cache_limit={format_bytes(limit)} holds only "
+                f"{readers} readers share the cache {self.cache.root} of {self.url} (DataLoader workers, Loader "
+                "threads and ranks on this machine, this one included), "
+                f"but cache_limit={format_bytes(limit)} holds only "
                 f"{limit // largest} of its largest shards ({format_bytes(largest)} with the sidecar): each "
                 "reader keeps the shard it reads cached, so they would wait on each other's room (for up to "
                 f"{self.cache.wait_timeout:.0f} s); raise cache_limit to at least {format_bytes(enough)} "
@@ -96,10 +98,16 @@ class Admission:
             registration.close()
 
     def registered(self, fresh: bool = False) -> int:
-        """Registered readers of the cache (counted again at most every :data:`_READERS_TTL` s)."""
+        """Readers of the cache: each reader of this process, and one per other registered process.
+
+        A thread loader's threads count one each. The registrations are counted again at
+        most every :data:`_READERS_TTL` s.
+        """
         count, when = self._counted
         now = time.monotonic()
         if fresh or now - when >= _READERS_TTL:
             count = self.cache.readers()
             self._counted = (count, now)
-        return count
+        with self._lock:
+            mine = self._readers if self._registration is not None else 0
+        return count + max(0, mine - 1)
