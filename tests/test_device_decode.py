@@ -89,6 +89,7 @@ def _pairs(dev: DeviceDecode, raw: Any, ref: Any) -> list[tuple[Any, Any]]:
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=["random-flip", "center-flip-rect", "center"])
+@pytest.mark.slow
 def test_cpu_is_decode_batch_bit_for_bit_through_dataloader_workers(
     mixed_images: Path, settings: dict[str, Any]
 ) -> None:
@@ -471,6 +472,7 @@ def test_gpu_device_is_this_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _on_gpu(16, device="cpu").to(f"cuda:{last}").device == torch.device("cuda", last)
 
 
+@pytest.mark.slow
 def test_lightning_decodes_raw_batches_after_the_transfer(mixed_images: Path, tmp_path: Path) -> None:
     """StreamingDataModule(device_decode=...): training_step gets DecodeBatch's (images, labels)."""
     import lightning.pytorch as pl
@@ -528,6 +530,7 @@ def test_the_loaders_device_copy_keeps_the_places(mixed_images: Path) -> None:
         assert torch.equal(a, b) and torch.equal(la, lb)
 
 
+@pytest.mark.slow
 def test_watch_reports_the_decode_stage_on_the_device(mixed_images: Path) -> None:
     from streamload.watch_report import DataReport
 
@@ -669,6 +672,7 @@ def with_bad_images(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_skip_fills_bad_slots_as_decode_batch_does(with_bad_images: Path) -> None:
     def batches(collate: Any) -> list[Any]:
         ds = StreamingDataset(
