@@ -63,6 +63,7 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload.dataset",
         "streamload.verify",
         "streamload.indexing",
+        "streamload.shardlist",
         "streamload.access",
     ),
     (
@@ -72,6 +73,7 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload.watch_report",
         "streamload.watching",
         "streamload.loader",
+        "streamload.loader_state",
     ),
     ("streamload.lightning", "streamload.bench", "streamload.demo"),
     ("streamload.cli", "streamload.__main__", "streamload"),
