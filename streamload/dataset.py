@@ -38,7 +38,7 @@ from .iterations import Iterations
 from .manifest import Manifest
 from .plan import EpochPlan, Split, World, detect_rank_world, detect_world, distributed_world, rank_samples
 from .resume import Planner, Position
-from .shardlist import index_shard_list, shard_list
+from .shardlist import open_shard_list
 from .skips import MAX_NAMED_SKIPS, SkipCounts, SkipLog, SkippedSample
 from .stages import OnError, Pipeline, Steps
 from .storage import Storage
@@ -62,9 +62,8 @@ class StreamingDataset(IterableDataset[Any]):
     Args:
         source: Dataset directory or URL prefix holding ``index.json`` and the shards; or a
             :class:`~streamload.streams.Stream`, or a list of streams (and URLs) to mix.
-            Or tar shard files of one folder, as WebDataset takes them: a list of paths or
-            URLs, or a brace pattern (``"shards/{000..009}.tar"``), read in that order;
-            they are indexed once into the cache directory (see :mod:`streamload.shardlist`).
+            Or tar shard files of one folder (a list, or ``"shards/{000..009}.tar"``), read in
+            that order, indexed once into the cache directory (:mod:`streamload.shardlist`).
         epoch_size: Samples per epoch, all ranks (default: the dataset's size, or the
             streams' counts). Subsamples or upsamples a single dataset, or sets the size
             that the streams' weights share (see *Mixtures*).
@@ -207,11 +206,7 @@ class StreamingDataset(IterableDataset[Any]):
             partitions=args.partitions,
             pad=pad,
         )
-        given = source
-        shards = shard_list(source)
-        if shards is not None:  # tar shard files named one by one: indexed into the cache
-            given = shards  # the settings apply to them (remote ones; the cache holds their index)
-            source = index_shard_list(shards, self.storage.storage_options, self.storage.cache_dir)
+        given, source = open_shard_list(source, self.storage)  # tar shard files named one by one: indexed
         #: The datasets read and each one's samples per epoch (one for a plain URL).
         self.streams: Mixture = Mixture.open(source, epoch_size, self.storage)
         self.epoch_size = epoch_size

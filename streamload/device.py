@@ -24,9 +24,10 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from ._errors import ConfigError
 from .batch import ImageBatch, RawBatch
 
-__all__ = ["DevicePrefetcher", "to_device"]
+__all__ = ["DevicePrefetcher", "check_device", "to_device"]
 
 T = TypeVar("T")
 
@@ -137,3 +138,34 @@ class DevicePrefetcher(Generic[T]):
         compute.wait_stream(side)
         _record(batch, compute)
         return batch
+
+
+def check_device(device: torch.device | str | None, who: str) -> torch.device | None:
+    """Return ``device`` as a ``torch.device``, checked to exist in this process (``who`` names the caller).
+
+    Raises:
+        ConfigError: If it is not a device name, or names an accelerator this process lacks.
+    """
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"{who}(device={device!r}) is not a device: {exc}") from None
+    if dev.type == "cpu":
+        return dev
+    module = getattr(torch, dev.type, None)
+    available = getattr(module, "is_available", None)
+    try:
+        present = bool(available()) if callable(available) else False
+        count = int(getattr(module, "device_count", lambda: 0)()) if present else 0
+    except Exception:  # noqa: BLE001 - a broken driver: not present
+        present, count = False, 0
+    if not present:
+        raise ConfigError(
+            f"{who}(device={device!r}): no {dev.type} device is available to this process "
+            f"(torch {torch.__version__}); pass device=None (or 'cpu') and move batches yourself"
+        )
+    if dev.index is not None and count and dev.index >= count:
+        raise ConfigError(f"{who}(device={device!r}): this process sees {count} {dev.type} device(s)")
+    return dev

@@ -123,11 +123,11 @@ class _WarningRecorder:
     """Records library warnings per thread while a :func:`image_warnings` block runs.
 
     :func:`warnings.catch_warnings` swaps process-wide state and is not safe across
-    threads. This recorder changes no filter of the process's while it records: it adds
-    one filter, once (again only if something removed it), whose ``"always"`` applies to
-    the threads inside a block and matches nothing elsewhere, so the user's own filters
-    keep holding for every other warning, and adding it once does not reset the "once per
-    location" registries again and again. While any thread is inside a block
+    threads. This recorder changes no filter of the process's while it records: it puts
+    one filter first, once (again only if another was put before it since), whose
+    ``"always"`` applies to the threads inside a block and matches nothing elsewhere, so
+    the user's own filters keep holding for every other thread's warnings, and the "once
+    per location" registries are not reset again and again. While any thread is inside a block
     (reference-counted under a lock) ``showwarning`` records into the calling thread's
     list and hands other threads' warnings to the hook it replaced. Pillow's own log
     records (its ``PIL`` logger, warning and above) are recorded the same way.
@@ -149,11 +149,19 @@ class _WarningRecorder:
             self.saved(message, category, filename, lineno, file, line)
 
     def add_filter(self) -> None:
-        """Add the recording threads' filter, unless it is there (the caller holds :attr:`lock` or is alone)."""
+        """Put the recording threads' filter first, unless it is (the caller holds :attr:`lock` or is alone).
+
+        First, so that a recording thread records every warning whatever the process's
+        filters say (``"error"`` would otherwise make a file's warning its failure); it
+        matches in no other thread, where the process's filters apply as they are. The
+        list is changed only when another filter was put before it since.
+        """
         filters: list[Any] = warnings.filters  # type: ignore[assignment]
-        if not any(f is self.filter for f in filters):
-            # After the process's own filters: a warning the user chose to ignore stays ignored.
-            filters.append(self.filter)
+        if not filters or filters[0] is not self.filter:
+            for i in reversed(range(len(filters))):
+                if filters[i] is self.filter:
+                    del filters[i]
+            filters.insert(0, self.filter)
             warnings._filters_mutated()  # type: ignore[attr-defined]
 
     def _install(self) -> None:

@@ -158,6 +158,17 @@ def _cache_folder(cache_dir: str | None) -> str:
     return base
 
 
+def open_shard_list(source: Any, storage: Any) -> tuple[Any, Any]:
+    """Return ``(given, source)``: a list of tar shards as its files and its indexed folder, else ``source`` twice.
+
+    ``storage`` is the dataset's :class:`~streamload.StorageConfig` (its options and cache directory).
+    """
+    shards = shard_list(source)
+    if shards is None:
+        return source, source
+    return shards, index_shard_list(shards, storage.storage_options, storage.cache_dir)
+
+
 def index_shard_list(urls: list[str], storage_options: Mapping[str, Any] | None, cache_dir: str | None) -> str:
     """Index the tar shards ``urls`` (one folder or URL prefix) into the cache; return the dataset's folder.
 

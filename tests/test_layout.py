@@ -65,6 +65,7 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload.dataset",
         "streamload.verify",
         "streamload.indexing",
+        "streamload.shardlist",
         "streamload.access",
     ),
     (
@@ -74,6 +75,7 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload.watch_report",
         "streamload.watching",
         "streamload.loader",
+        "streamload.loader_state",
         "streamload._gpudecode",
         "streamload.devicedecode",
     ),

@@ -234,9 +234,9 @@ def check_image(data: bytes, path: str, how: str) -> list[str]:
     except SourceError:
         raise
     except Image.DecompressionBombError as exc:  # Pillow's refusal, past twice its limit
-        from streamload.decode.image import _pillow_refused_size
+        from streamload.decode.image import pillow_refused_size
 
-        size = _pillow_refused_size(data)
+        size = pillow_refused_size(data)
         raise SourceError(f"{path}: {_too_large(size) if size != 'more' else image_problem(exc)}") from exc
     except Exception as exc:
         said = list(dict.fromkeys(found))

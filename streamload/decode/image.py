@@ -81,13 +81,13 @@ def open_image(data: Any, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> Any:
     try:
         img = Image.open(io.BytesIO(data))
     except Image.DecompressionBombError as exc:
-        size = _pillow_refused_size(data)
+        size = pillow_refused_size(data)
         raise SampleError(f"image of {size} pixels is larger than Pillow's limit ({exc})") from exc
     check_pixels(img.size[0], img.size[1], max_pixels)
     return img
 
 
-def _pillow_refused_size(data: Any) -> str:
+def pillow_refused_size(data: Any) -> str:
     """``"WxH = N"`` for a PNG or JPEG whose header Pillow refused to open, else ``"more"``."""
     head = bytes(data[:24])
     if head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR":

@@ -165,8 +165,7 @@ class RemoteStorage(CacheLimit, FetchAhead, Storage):
                 self.cache_root,
                 None,
                 verify_hash=verify_hash,
-                # Every wait of the cache honours lock_timeout, the wait for room included.
-                wait_timeout=wait_timeout if lock_timeout is None else min(wait_timeout, lock_timeout),
+                wait_timeout=wait_timeout if lock_timeout is None else min(wait_timeout, lock_timeout),  # every wait
                 lock_timeout=DEFAULT_LOCK_TIMEOUT if lock_timeout is None else lock_timeout,
                 shared=cache_shared,
             )
