@@ -27,17 +27,30 @@ from typing import NoReturn, Protocol, TypeVar
 
 import numpy as np
 
-from ._errors import CacheError, CorruptShardError, StreamloadError
+from ._errors import CorruptShardError, StorageError, StreamloadError
 from ._files import FileEntry
 from .formats import Sample, ShardReader
 from .manifest import ShardEntry
 from .plan import Run
 
-__all__ = ["Failed", "Refetch", "key_of", "raise_located", "read_batch", "recovering_samples"]
+__all__ = ["Failed", "Refetch", "key_of", "raise_located", "read_batch", "recovering_samples", "skippable"]
 
 log = logging.getLogger("streamload")
 
 T = TypeVar("T")
+
+
+def skippable(exc: BaseException) -> bool:
+    """True if ``on_error="skip"`` may skip what failed with ``exc``: it is about that shard or sample.
+
+    A :class:`~streamload.StorageError` never is: the storage refused (401/403), failed
+    past its retry budget (5xx, a connection refused or timed out) or the machine's cache
+    cannot work (a :class:`~streamload.CacheError`). Skipping it would skip every shard
+    after it and fill the epoch with one repeated sample. A missing shard (404, a
+    :class:`~streamload.ShardNotFoundError`), a corrupt or unsafe one and a sample that
+    cannot be decoded are about that shard or sample, and are skipped.
+    """
+    return not isinstance(exc, StorageError)
 
 
 def raise_located(exc: StreamloadError, url: str, where: str) -> NoReturn:
@@ -194,8 +207,8 @@ def recovering_samples(
     A corrupt cached copy of a remote shard is read again from a fresh download, once
     (``readers.recover``). With ``skip`` (``on_error="skip"``), a bad sample becomes a
     :class:`Failed` and reading goes on with the next one; else its error is raised,
-    located (``where``: ``<url>/<shard>``). A :class:`~streamload.CacheError` (the
-    machine's fault) is never skipped.
+    located (``where``: ``<url>/<shard>``). A :class:`~streamload.StorageError` (an
+    outage, access denied, the machine's cache) is never skipped (see :func:`skippable`).
     """
     locals_ = run.locals.tolist()
     done = 0
@@ -216,11 +229,13 @@ def recovering_samples(
         if fresh is not None:
             yield from recovering_samples(readers, fresh, run.part(done), skip, url, where)
             return
-        if not skip or isinstance(exc, CacheError):  # the machine's fault: never a skip
+        if not skip or not skippable(exc):  # the storage's or the machine's fault: never a skip
             raise_located(exc, url, where)
         yield Failed(exc, key_of(reader, locals_[done]))
         for index in locals_[done + 1 :]:
             try:
                 yield reader.get(index)
             except StreamloadError as again:
+                if not skippable(again):
+                    raise_located(again, url, where)
                 yield Failed(again, key_of(reader, index))

@@ -27,12 +27,12 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
-from ._errors import CacheError, SampleError, StreamloadError
+from ._errors import SampleError, StreamloadError
 from ._stages import SAMPLE_EVERY, Clock, StageTable
 from .ahead import FetchAhead
 from .plan import EpochPlan, Run, World
 from .plan.world import local_ranks
-from .recovery import Failed, raise_located, read_batch, recovering_samples
+from .recovery import Failed, raise_located, read_batch, recovering_samples, skippable
 from .resume import Position
 from .skips import SkipLog, Substitute, batch_errors
 from .storage import Storage
@@ -225,7 +225,7 @@ class Read:
             if not wanted:
                 readers.want(run.shard, run.locals)
         except StreamloadError as exc:
-            if not skip or isinstance(exc, CacheError):  # the machine's fault: never a skip
+            if not skip or not skippable(exc):  # the storage's or the machine's fault: never a skip
                 raise_located(exc, url, where)
             position.next_item = int(run.positions[-1]) + 1
             steps.skips.skip(entry.name, exc, run.locals.tolist(), [None] * len(run.locals), source=stream)

@@ -10,7 +10,12 @@ size, an ETag and a date, ``GET`` with or without ``Range``, and lies as told:
 * ``ignore_range=True``: a ranged GET is answered ``200`` with the whole object
   (``python -m http.server``, some CDNs);
 * ``tail=N``: every object is served as if it were ``N`` bytes longer (zeros past its
-  end, made as they are sent: never held in memory).
+  end, made as they are sent: never held in memory);
+* ``status=S`` (e.g. 401, 403, 503): every request is answered ``S`` with an S3-style
+  error body, as an endpoint that lost its credentials or is failing answers;
+* ``down=True``: every request's connection is reset without an answer (a server that
+  went away; :meth:`LyingServer.stop` closes the listener too, so new connections are
+  refused).
 
 It records every request's method, path and headers (:attr:`LyingServer.requests`) and
 counts the body bytes it managed to send (:attr:`LyingServer.sent`: what a client that
@@ -23,6 +28,8 @@ from __future__ import annotations
 import email.utils
 import hashlib
 import re
+import socket
+import struct
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -52,6 +59,8 @@ class LyingServer:
         self.extra = 0
         self.ignore_range = False
         self.tail = 0
+        self.status = 0
+        self.down = False
         self.requests: list[Seen] = []
         self.sent = 0
         self._lock = threading.Lock()
@@ -109,6 +118,23 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         return owner.objects.get(path)
 
+    def _refused(self, owner: LyingServer) -> bool:
+        """Answer as told when the server is failing (``status``/``down``); True if it did."""
+        if owner.down:
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            return True
+        if not owner.status:
+            return False
+        body = f"<?xml version='1.0'?><Error><Code>{owner.status}</Code><Message>failing</Message></Error>".encode()
+        self.send_response(owner.status)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+        return True
+
     def _missing(self) -> None:
         body = b"<?xml version='1.0'?><Error><Code>NoSuchKey</Code><Message>no such key</Message></Error>"
         self.send_response(404)
@@ -130,6 +156,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_HEAD(self) -> None:  # noqa: N802 - http.server's name
         owner = self._record()
+        if self._refused(owner):
+            return None
         data = self._object(owner)
         if data is None:
             return self._missing()
@@ -138,6 +166,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         owner = self._record()
+        if self._refused(owner):
+            return None
         data = self._object(owner)
         if data is None:
             return self._missing()

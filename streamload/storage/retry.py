@@ -54,6 +54,7 @@ __all__ = [
     "is_permanent",
     "is_transient",
     "retry_call",
+    "status_of",
 ]
 
 log = logging.getLogger("streamload")
@@ -188,6 +189,17 @@ def _error_code(exc: BaseException) -> str | None:
     return None
 
 
+def status_of(exc: BaseException) -> int | None:
+    """The HTTP status the storage answered, from ``exc`` or a cause (``None``: no answer, or a cut body's)."""
+    for node in _chain(exc):
+        if {cls.__name__ for cls in type(node).__mro__} & _CUT_BODY_CLASSES:
+            return None  # its "code" is not the storage's answer
+        status = _http_status(node)
+        if status is not None:
+            return status
+    return None
+
+
 def is_permanent(exc: BaseException) -> bool:
     """True if ``exc`` (or a cause) says the call can never succeed: missing, denied, invalid."""
     for node in _chain(exc):
@@ -280,6 +292,9 @@ def retry_call(
 ) -> T:
     """Call ``func`` until it succeeds, raises a non-transient error, or the policy gives up.
 
+    The first failure of a call is logged once (a WARNING stating the budget), its
+    retries at DEBUG, a success after retries at INFO.
+
     Args:
         func: The call (no arguments).
         policy: How long and how often to retry.
@@ -291,14 +306,15 @@ def retry_call(
 
     Raises:
         Exception: The last error of ``func``, unchanged, if it is not transient or the
-            time budget is spent; the caller translates it (see :mod:`.remote`).
+            time budget is spent (a note says how many attempts over how long, and the
+            budget); the caller translates it (see :mod:`.remote`).
     """
     first_failure: float | None = None
     attempt = 0
     while True:
         started = time.monotonic()
         try:
-            return func()
+            result = func()
         except Exception as exc:
             if not is_transient(exc):
                 raise
@@ -308,12 +324,31 @@ def retry_call(
             first_failure = started if first_failure is None else first_failure
             wait = policy.delay(attempt)
             if now + wait - first_failure > policy.timeout:
-                exc.add_note(f"gave up after {attempt + 1} attempts over {now - first_failure:.1f} s")
+                exc.add_note(
+                    f"gave up after {attempt + 1} attempts over {now - first_failure:.1f} s "
+                    f"(retry budget {policy.timeout:g} s)"
+                )
                 raise
-            log.warning("%s failed (%s: %s); retry %d in %.1f s", what, type(exc).__name__, exc, attempt + 1, wait)
+            # One warning per call, stating the budget; each retry after it is a debug line
+            # (an outage of two minutes would otherwise log thirty lines per call).
+            level = logging.WARNING if attempt == 0 else logging.DEBUG
+            log.log(
+                level,
+                "%s failed (%s: %s); retrying for up to %g s (retry %d in %.1f s)",
+                what,
+                type(exc).__name__,
+                exc,
+                policy.timeout,
+                attempt + 1,
+                wait,
+            )
             attempt += 1
             if stop is not None:
                 if stop.wait(wait):
                     raise
             else:
                 time.sleep(wait)
+        else:
+            if attempt:
+                log.info("%s succeeded at attempt %d", what, attempt + 1)
+            return result

@@ -19,7 +19,7 @@ from .backends import backend_class
 from .backends.fsspec import BackendSettings, FsspecBackend
 from .download import download_parts, download_stream
 from .parts import LinkModel, PartPlanner
-from .retry import RetryPolicy, is_permanent, is_transient, retry_call
+from .retry import RetryPolicy, is_permanent, is_transient, retry_call, status_of
 
 __all__ = ["PartPlanner", "RemoteFiles", "open_transport", "translate_error"]
 
@@ -46,6 +46,13 @@ def open_transport(
 def translate_error(exc: BaseException, url: str, action: str, *, not_found: str | None = None) -> StreamloadError:
     """Return the streamload error for a failed remote call (the caller raises it ``from exc``).
 
+    Only a 404 (``FileNotFoundError``) is a missing object; every other failure is a
+    :class:`~streamload.StorageError` naming the URL and the HTTP status where the storage
+    answered one (``HTTP 403``): access denied (401/403), a bad request (another 4xx), or
+    the storage unavailable past the retry budget (5xx, throttling, a connection refused,
+    reset or timed out). ``on_error="skip"`` never skips one (see
+    :func:`streamload.recovery.skippable`): it is not about one shard.
+
     Args:
         exc: The error of the last attempt.
         url: The object's URL, named in the message.
@@ -55,16 +62,21 @@ def translate_error(exc: BaseException, url: str, action: str, *, not_found: str
     """
     if isinstance(exc, StreamloadError):
         return exc
-    if isinstance(exc, FileNotFoundError) or getattr(exc, "status", None) == 404:
+    status = status_of(exc)
+    if (isinstance(exc, FileNotFoundError) and status in (None, 404)) or status == 404:
         if not_found is not None:
             return ManifestNotFoundError(not_found)
         return ShardNotFoundError(f"{url} does not exist (listed in the manifest)")
-    if isinstance(exc, PermissionError) or is_permanent(exc):
-        return StorageError(f"cannot {action} {url}: access denied or bad request ({type(exc).__name__}: {exc})")
+    answered = "" if status is None else f"HTTP {status}, "
+    why = f"{answered}{type(exc).__name__}: {exc}"
+    if status in (401, 403) or (isinstance(exc, PermissionError) and status is None):
+        return StorageError(f"cannot {action} {url}: access denied ({why}); check the credentials and permissions")
+    if is_permanent(exc):
+        return StorageError(f"cannot {action} {url}: bad request ({why})")
     if is_transient(exc):
-        notes = "; ".join(getattr(exc, "__notes__", []))
-        return StorageError(f"cannot {action} {url}: storage unavailable ({type(exc).__name__}: {exc}) {notes}".strip())
-    return StorageError(f"cannot {action} {url}: {type(exc).__name__}: {exc}")
+        notes = "".join(f"; {note}" for note in getattr(exc, "__notes__", []))
+        return StorageError(f"cannot {action} {url}: storage unavailable ({why}){notes}")
+    return StorageError(f"cannot {action} {url}: {why}")
 
 
 class RemoteFiles:

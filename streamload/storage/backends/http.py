@@ -4,6 +4,11 @@ A server may not serve ranges at all (``python -m http.server``): a download of 
 one sequential stream that resumes where it stopped, never parts; a ranged read that gets
 the whole object is refused before a byte past the range is read (see :mod:`..bounded`).
 Reads are bounded by aiohttp's ``sock_read`` (the read timeout).
+
+fsspec's HTTP filesystem turns *any* failure of its size request (a 403, a 503, a
+connection refused) into ``FileNotFoundError``: that would call an outage "does not
+exist" and never retry it. Here only a 404 is one; any other failure is raised as what
+it was (aiohttp's error with its status), for the retry policy to classify.
 """
 
 from __future__ import annotations
@@ -44,9 +49,29 @@ class HttpBackend(FsspecBackend):
         data: bytes = sync(fs.loop, _http_range, fs, path, url, start, end)
         return data
 
+    def info(self, path: str) -> Any:
+        """Fresh metadata of ``path``; a failure other than a 404 is raised as it was."""
+        try:
+            return super().info(path)
+        except FileNotFoundError as exc:
+            real = _unhidden(exc)
+        raise real
+
     def open_stream(self, path: str) -> Any:
-        """A plain stream: no range requests needed."""
-        return self.fs.open(path, "rb", block_size=0)
+        """A plain stream: no range requests needed (a failure other than a 404 is raised as it was)."""
+        try:
+            return self.fs.open(path, "rb", block_size=0)
+        except FileNotFoundError as exc:
+            real = _unhidden(exc)
+        raise real
+
+
+def _unhidden(exc: FileNotFoundError) -> BaseException:
+    """What fsspec's ``FileNotFoundError`` hides: its cause, unless that was a 404 (or there is none)."""
+    cause = exc.__cause__
+    if cause is None or getattr(cause, "status", None) == 404:
+        return exc
+    return cause
 
 
 async def _http_range(fs: Any, path: str, url: str, start: int, end: int) -> bytes:
