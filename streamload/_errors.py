@@ -22,10 +22,13 @@ Where a builtin exception has the same meaning, the error also derives from it, 
     ├── ConfigError (ValueError)             an option has a bad value or a missing extra
     └── ConversionInterrupted                Ctrl-C during a conversion; resumable
 
-Every message names the path, URL, shard, key or field involved.
+Every message names the path, URL, shard, key or field involved; the password of a URL in
+it is shown as ``***`` (``http://alice:***@host/...``, see :mod:`streamload._redact`).
 """
 
 from __future__ import annotations
+
+from ._redact import redact
 
 __all__ = [
     "CacheError",
@@ -51,6 +54,8 @@ __all__ = [
 class StreamloadError(Exception):
     """Root of every error streamload raises on purpose.
 
+    The password of any URL in a string argument is replaced by ``***``.
+
     Args:
         *args: The message (and any further arguments), as for :class:`Exception`.
         message: The message, as a keyword (how torch's DataLoader re-raises a worker's
@@ -58,7 +63,8 @@ class StreamloadError(Exception):
     """
 
     def __init__(self, *args: object, message: str | None = None) -> None:
-        super().__init__(*args if message is None else (message, *args))
+        given = args if message is None else (message, *args)
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in given))
 
     # A DataLoader re-raises a worker's error as ``type(message=...)`` when the class has a
     # ``message`` attribute, and otherwise from a local variable: that frame and the

@@ -53,6 +53,7 @@ import xxhash
 from ._atexit import close_at_exit
 from ._errors import ConfigError, SampleNotFoundError, StreamloadError
 from ._fork import ProcessLocal
+from ._redact import redact
 from .ahead import ShardsAhead
 from .dataref import CACHE_KEYWORDS, CacheKeywords, DatasetRef, storage_config
 from .formats import Sample
@@ -316,7 +317,7 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
         if i < 0:
             i += n
         if not 0 <= i < n:
-            raise IndexError(f"index {index} out of range for {self.source} ({n} samples)")
+            raise IndexError(f"index {index} out of range for {redact(self.source)} ({n} samples)")
         shard = int(np.searchsorted(self.starts, i, side="right")) - 1
         return shard, i - int(self.starts[shard])
 
@@ -507,7 +508,7 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
 
     def __repr__(self) -> str:
         return (
-            f"ShardedDataset({self.source!r}, format={self.manifest.format!r}, samples={len(self)}, "
+            f"ShardedDataset({redact(repr(self.source))}, format={self.manifest.format!r}, samples={len(self)}, "
             f"shards={len(self.manifest.shards)})"
         )
 
@@ -572,5 +573,5 @@ class SampleView:
         return [self.dataset.key_of(i) for i in self.indices]
 
     def __repr__(self) -> str:
-        r = self.indices
-        return f"SampleView({self.dataset.source!r}, range({r.start}, {r.stop}, {r.step}), {len(self)} samples)"
+        r, source = self.indices, redact(repr(self.dataset.source))
+        return f"SampleView({source}, range({r.start}, {r.stop}, {r.step}), {len(self)} samples)"

@@ -29,6 +29,7 @@ import numpy as np
 
 from ._errors import CorruptShardError, StorageError, StreamloadError
 from ._files import FileEntry
+from ._redact import redact
 from .formats import Sample, ShardReader
 from .manifest import ShardEntry
 from .plan import Run
@@ -59,7 +60,7 @@ def raise_located(exc: StreamloadError, url: str, where: str) -> NoReturn:
     An error type whose constructor takes something else than a message is raised as it is.
     """
     message = str(exc)
-    if url in message:
+    if redact(url) in message:  # a message shows a URL's password as ***
         raise exc
     try:
         located = type(exc)(f"{where}: {message}")

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import ConfigError, StreamloadError
+from ._redact import redact
 from .dataref import DatasetRef, storage_config
 from .formats import ShardReader
 from .manifest import ShardEntry
@@ -244,9 +245,11 @@ class Mixture:
     def summary(self) -> str:
         """The streams for a ``repr``: URL (or URLs), format, samples and shards."""
         if len(self.refs) > 1:
-            return f"{len(self.refs)} streams: {self.describe()}, samples={self.total}, shards={len(self.shard_counts)}"
+            described = redact(self.describe())
+            return f"{len(self.refs)} streams: {described}, samples={self.total}, shards={len(self.shard_counts)}"
         manifest = self.refs[0].manifest
-        return f"{self.refs[0].url!r}, format={manifest.format!r}, samples={self.total}, shards={len(manifest.shards)}"
+        url = redact(repr(self.refs[0].url))
+        return f"{url}, format={manifest.format!r}, samples={self.total}, shards={len(manifest.shards)}"
 
     def describe(self) -> str:
         """Return the streams' URLs (one URL for a single dataset)."""

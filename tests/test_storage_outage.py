@@ -1,4 +1,4 @@
-"""An outage is never a skip: a bucket that stops answering is an error naming its status, under ``on_error="skip"`` too.
+"""An outage is never a skip: a bucket that stops answering is an error naming its status, under on_error="skip" too.
 
 ``on_error="skip"`` is for a shard whose bytes are bad (its digest, its structure): that
 shard is counted, named and stood in for. A storage that starts answering 401/403 (its
@@ -178,7 +178,9 @@ def test_an_unreachable_endpoint_gives_up_within_its_stated_budget_logging_once(
         StreamingDataset(url, storage=storage)
     message = str(info.value)
     assert f"{url}/index.json" in message and "storage unavailable" in message
-    attempts, spent = re.search(r"gave up after (\d+) attempts over ([\d.]+) s \(retry budget 1.5 s\)", message).groups()
+    found = re.search(r"gave up after (\d+) attempts over ([\d.]+) s \(retry budget 1.5 s\)", message)
+    assert found is not None, message
+    attempts, spent = found.groups()
     assert int(attempts) > 1 and float(spent) <= 1.5
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]

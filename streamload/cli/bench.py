@@ -10,6 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .._errors import ConfigError
+from .._redact import redact
 from .._units import counted, format_bytes
 from .._validate import check_number, loader_worker_limit
 from ..bench import (
@@ -159,7 +160,7 @@ def run_bench(args: argparse.Namespace) -> list[BenchResult]:
     if not quiet:
         mode = args.mode if args.mode != "decode" else f"decode ({_backend_name(args.backend)})"
         print(
-            f"streamload bench {args.dataset}: mode {mode}, {args.seconds:g} s per setting, "
+            f"streamload bench {redact(args.dataset)}: mode {mode}, {args.seconds:g} s per setting, "
             f"{counted(os.cpu_count() or 1, 'CPU')}"
         )
         print(HEADER)

@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from .._redact import redact
 from .._units import counted, format_bytes
 from .options import add_storage_option, storage_config
 from .output import say, twin_marks
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if args.json:
-        print(json.dumps(_summary(args.dataset, manifest), indent=1))
+        print(redact(json.dumps(_summary(args.dataset, manifest), indent=1)))  # no URL's password shown
         return 0
     counts = manifest.shard_counts or [0]
     say(f"dataset   {args.dataset}")

@@ -14,6 +14,8 @@ import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
+from .._redact import redact
+
 __all__ = ["SafeFormatter", "say", "terminal_safe", "twin_marks"]
 
 #: Unicode categories a terminal acts on or shows as nothing: controls (C0, C1, DEL), format
@@ -62,13 +64,13 @@ def twin_marks(names: Sequence[str]) -> dict[int, str]:
 
 
 def say(*parts: object, file: Any = None) -> None:
-    """``print`` for a person: each part made :func:`terminal_safe`."""
-    print(*(terminal_safe(p) for p in parts), file=file)
+    """``print`` for a person: each part made :func:`terminal_safe`, the passwords of URLs in it shown as ``***``."""
+    print(*(terminal_safe(redact(str(p))) for p in parts), file=file)
 
 
 class SafeFormatter(logging.Formatter):
-    """Log lines of a command made :func:`terminal_safe` (keys and paths in them come from datasets)."""
+    """Log lines of a command made :func:`terminal_safe` (keys and paths in them come from datasets), URLs redacted."""
 
     def format(self, record: logging.LogRecord) -> str:
-        """The record formatted, then made :func:`terminal_safe`."""
-        return terminal_safe(super().format(record))
+        """The record formatted, the passwords of URLs in it shown as ``***``, then made :func:`terminal_safe`."""
+        return terminal_safe(redact(super().format(record)))

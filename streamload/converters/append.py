@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from streamload._errors import ConfigError, StreamloadError
+from streamload._redact import redact
 from streamload.formats import Format
 from streamload.manifest import MANIFEST_NAME, Manifest
 from streamload.storage import Destination
@@ -199,7 +200,7 @@ def appended(base: Manifest, offset: int, new: Manifest, source: Source, fingerp
     appends = list(meta.get("appends") or [])
     appends.append(
         {
-            "source": printable(source.describe()),
+            "source": printable(redact(source.describe())),
             "shards": len(new.shards),
             "samples": new.num_samples,
             "first_shard": new.shards[0].name if new.shards else None,

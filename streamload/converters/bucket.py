@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamload._errors import ConfigError, ShardNotFoundError, SourceError, StreamloadError
+from streamload._redact import redact
 from streamload.manifest import SkippedInput
 from streamload.sample import IMAGE_EXTENSIONS
 from streamload.storage.filesystems import open_filesystem
@@ -49,7 +50,7 @@ def read_url(url: str, storage_options: Mapping[str, Any] | None = None, retry: 
         err = translate_error(exc, url, "read")
         if isinstance(err, ShardNotFoundError):
             raise SourceError(f"{url}: does not exist (404)") from exc
-        raise SourceError(str(err) if url in str(err) else f"{url}: cannot read: {err}") from exc
+        raise SourceError(str(err) if redact(url) in str(err) else f"{url}: cannot read: {err}") from exc
     if not isinstance(data, bytes):
         raise SourceError(f"{url}: cannot read: the filesystem returned {type(data).__name__}")
     return data
@@ -57,7 +58,7 @@ def read_url(url: str, storage_options: Mapping[str, Any] | None = None, retry: 
 
 def _named(url: str, message: str) -> str:
     """``message`` led by ``url``, unless it names it already (no ``url: url: ...``)."""
-    return message if url in message else f"{url}: {message}"
+    return message if redact(url) in message else f"{url}: {message}"
 
 
 def list_tree(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[str, dict[str, int]]:

@@ -40,6 +40,7 @@ from streamload._errors import (
     StreamloadError,
 )
 from streamload._fork import alive
+from streamload._redact import redact
 from streamload.formats import Format, check_sample, get_format
 from streamload.manifest import DEFAULT_HASH_ALGORITHM, Manifest, SkippedInput
 from streamload.storage import Destination, LocalDestination, is_local, local_path_of, open_destination
@@ -365,7 +366,7 @@ def _scan_and_plan(source: Source, options: ConvertOptions, dst: str, appending:
 def _job(source: Source, options: ConvertOptions) -> dict[str, Any]:
     """What must not change between an interrupted run and its resume."""
     job: dict[str, Any] = {
-        "source": source.describe(),
+        "source": redact(source.describe()),
         "format": options.format,
         "hash": options.hash_algorithm,
         "on_error": options.on_error,

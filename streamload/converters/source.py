@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from streamload._errors import SampleError
+from streamload._redact import redact
 from streamload.formats import check_sample
 from streamload.manifest import SkippedInput
 
@@ -152,8 +153,8 @@ class Source(ABC):
     names_are_paths = False
 
     def meta(self) -> dict[str, Any]:
-        """Return JSON metadata about the source for the manifest."""
-        return {"source": self.describe()}
+        """Return JSON metadata about the source for the manifest (a URL's password never written)."""
+        return {"source": redact(self.describe())}
 
     def settings(self) -> dict[str, Any]:
         """Return the source's own settings that shape the output (JSON).

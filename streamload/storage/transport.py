@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._errors import ManifestNotFoundError, ShardNotFoundError, StorageError, StreamloadError
+from .._redact import scrub_chain
 from .backends import backend_class
 from .backends.fsspec import BackendSettings, FsspecBackend
 from .download import download_parts, download_stream
@@ -146,6 +147,7 @@ class RemoteFiles:
         try:
             return retry_call(func, self.retry, f"{action} {url}", stop)
         except Exception as exc:
+            scrub_chain(exc)  # a library's error may name the URL with its password
             raise translate_error(exc, url, action, not_found=not_found) from exc
         finally:
             self.backend.connected()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..._redact import redact
 from ..bounded import check_answer, read_body
 from .fsspec import FsspecBackend
 
@@ -81,7 +82,7 @@ async def _http_range(fs: Any, path: str, url: str, start: int, end: int) -> byt
     session = await fs.set_session()
     async with session.get(fs.encode_url(path), headers=headers, **kw) as r:
         if r.status == 404:
-            raise FileNotFoundError(url)
+            raise FileNotFoundError(redact(url))
         if r.status == 416:
             return b""  # the range starts past the object's end: no bytes there
         r.raise_for_status()  # a ClientResponseError carries the status (classified by .retry)
