@@ -8,13 +8,14 @@ a protocol name of its own, and it counts the ranged GETs the package asks of it
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from streamload import DatasetWriter, StorageConfig, StreamingDataset
+from streamload import ConfigError, DatasetWriter, StorageConfig, StreamingDataset
 from streamload.storage.backends import backend_class, register_backend, registered_backends
 from streamload.storage.backends.fsspec import FsspecBackend
 from streamload.storage.cachedir import dataset_cache_key
@@ -86,3 +87,43 @@ def test_a_registered_backend_streams_by_ranges(testmem_dataset: str, tmp_path: 
     assert shard_reads  # the samples' bytes came by its ranged GETs
     cached = [p.name for p in tmp_path.glob("*/data/*")]
     assert cached and all(name.endswith(".idx") for name in cached)  # only sidecars went to the cache
+
+
+class NotABackend:
+    """A class that is no FsspecBackend."""
+
+
+@pytest.mark.parametrize(
+    ("protocols", "backend", "named"),
+    [
+        ("nomodule", "streamload_no_such_package.gcs:GcsBackend", "streamload_no_such_package"),
+        ("badint", 42, "not 42"),
+        (None, CountingBackend, "protocols must be"),
+        (["ok", None], CountingBackend, "protocol None"),
+        ([], CountingBackend, "protocols is empty"),
+        ("bad://", CountingBackend, "protocol 'bad://'"),
+        ("file", CountingBackend, "protocol 'file'"),
+        ("notsub", NotABackend, "NotABackend is not a subclass of"),
+        ("noclass", "streamload.storage.backends.http", "is not 'module:Class'"),
+    ],
+)
+def test_a_bad_registration_is_refused_at_once_naming_the_argument(
+    protocols: Any, backend: Any, named: str, tmp_path: Path
+) -> None:
+    before = registered_backends()
+    with pytest.raises(ConfigError, match="register_backend: .*" + re.escape(named)):
+        register_backend(protocols, backend)
+    assert registered_backends() == before  # nothing half registered; the listing still works
+    assert backend_class("testmem://x") is CountingBackend
+
+
+def test_a_lazily_named_backend_that_cannot_be_had_is_a_config_error_naming_it(tmp_path: Path) -> None:
+    register_backend("lazymissing", "streamload.storage.backends.http:NoSuchBackend")
+    register_backend("lazynotsub", "streamload.storage.backends.http:FsspecBackend")  # imported there: accepted
+    register_backend("lazywrong", "json:JSONDecoder")
+    assert backend_class("lazynotsub://b/x").__name__ == "FsspecBackend"
+    with pytest.raises(ConfigError, match=r"lazymissing://.*has no 'NoSuchBackend'"):
+        StreamingDataset("lazymissing://bucket/ds", storage=StorageConfig(cache_dir=str(tmp_path)))
+    with pytest.raises(ConfigError, match=r"lazywrong://.*not a subclass of FsspecBackend"):
+        StreamingDataset("lazywrong://bucket/ds", storage=StorageConfig(cache_dir=str(tmp_path)))
+    assert registered_backends()["lazywrong"] == "json:JSONDecoder"

@@ -27,9 +27,13 @@ call of :func:`register_backend`::
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
+
+from ..._errors import ConfigError
 
 if TYPE_CHECKING:
     from .fsspec import FsspecBackend
@@ -43,6 +47,8 @@ _GENERIC = "streamload.storage.backends.fsspec:FsspecBackend"
 #: protocol -> the backend (a class, or ``"module:Class"`` imported on first use).
 _REGISTRY: dict[str, str | type[FsspecBackend]] = {"s3": _S3, "s3a": _S3, "http": _HTTP, "https": _HTTP}
 _LOCK = threading.Lock()
+#: A URL scheme (RFC 3986): what a registered protocol must be.
+_PROTOCOL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*")
 
 #: protocol -> what to install when fsspec cannot import its implementation.
 _INSTALL_HINTS: dict[str, str] = {
@@ -74,18 +80,83 @@ def register_backend(
 ) -> None:
     """Serve URLs of ``protocols`` with ``backend`` (replacing the backend they had).
 
+    Everything is checked here, before anything is registered: a bad registration is a
+    :class:`~streamload.ConfigError` naming the argument now, not a raw ``TypeError`` or
+    ``ModuleNotFoundError`` at the first open of a URL.
+
     Args:
-        protocols: A protocol name (``"gs"``) or several.
+        protocols: A protocol name (``"gs"``) or several: each a URL scheme
+            (``[a-z][a-z0-9+.-]*``, matched case-insensitively), not ``file``.
         backend: A subclass of :class:`~.fsspec.FsspecBackend`, or ``"module:Class"``
-            naming one (imported when a URL of the protocol is first opened).
+            naming one (imported when a URL of the protocol is first opened; its module
+            must be importable now).
         install_hint: What to ``pip install`` when the backend's package is missing.
+
+    Raises:
+        ConfigError: If a protocol is not a scheme name, ``backend`` is neither a backend
+            class nor a ``"module:Class"`` whose module can be found, or ``install_hint``
+            is not a string.
     """
-    names = [protocols] if isinstance(protocols, str) else list(protocols)
+    names = _checked_protocols(protocols)
+    _check_backend(backend)
+    if install_hint is not None and not isinstance(install_hint, str):
+        raise ConfigError(f"register_backend: install_hint must be a string or None, not {install_hint!r}")
     with _LOCK:
         for name in names:
-            _REGISTRY[name.lower()] = backend
+            _REGISTRY[name] = backend
             if install_hint is not None:
-                _INSTALL_HINTS[name.lower()] = install_hint
+                _INSTALL_HINTS[name] = install_hint
+
+
+def _checked_protocols(protocols: object) -> list[str]:
+    """The protocol names of ``protocols``, lower-cased; a :class:`ConfigError` naming a bad one."""
+    if isinstance(protocols, str):
+        given: list[object] = [protocols]
+    elif isinstance(protocols, Iterable) and not isinstance(protocols, (bytes, Mapping)):
+        given = list(protocols)
+    else:
+        raise ConfigError(f"register_backend: protocols must be a protocol name or a list of them, not {protocols!r}")
+    if not given:
+        raise ConfigError("register_backend: protocols is empty: name at least one protocol")
+    names = []
+    for name in given:
+        if not isinstance(name, str) or not _PROTOCOL.fullmatch(name):
+            raise ConfigError(
+                f"register_backend: protocol {name!r} is not a URL scheme (a letter, then letters, digits, "
+                "'+', '-' or '.', without '://')"
+            )
+        if name.lower() == "file":
+            raise ConfigError("register_backend: protocol 'file' is local paths, read without a backend")
+        names.append(name.lower())
+    return names
+
+
+def _check_backend(backend: object) -> None:
+    """Raise a :class:`ConfigError` naming ``backend`` unless it is a backend class or a findable ``module:Class``."""
+    from .fsspec import FsspecBackend
+
+    if isinstance(backend, type):
+        if not issubclass(backend, FsspecBackend):
+            raise ConfigError(
+                f"register_backend: backend {backend.__module__}.{backend.__qualname__} is not a subclass of "
+                "streamload.storage.backends.fsspec.FsspecBackend"
+            )
+        return
+    if not isinstance(backend, str):
+        raise ConfigError(
+            f"register_backend: backend must be a subclass of FsspecBackend or a 'module:Class' string, not {backend!r}"
+        )
+    module, colon, name = backend.partition(":")
+    if not colon or not all(part.isidentifier() for part in module.split(".")) or not name.isidentifier():
+        raise ConfigError(
+            f"register_backend: backend {backend!r} is not 'module:Class' (e.g. 'mypackage.gcs:GcsBackend')"
+        )
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as exc:  # a parent package is missing, or fails to import
+        raise ConfigError(f"register_backend: backend {backend!r}: cannot find module {module!r} ({exc})") from exc
+    if found is None:
+        raise ConfigError(f"register_backend: backend {backend!r}: no module named {module!r} can be imported")
 
 
 def registered_backends() -> dict[str, str]:
@@ -101,15 +172,36 @@ def install_hint(protocol: str) -> str:
 
 
 def backend_class(url: str) -> type[FsspecBackend]:
-    """The backend class serving ``url`` (its protocol's, else the generic fsspec one)."""
+    """The backend class serving ``url`` (its protocol's, else the generic fsspec one).
+
+    Raises:
+        ConfigError: If the ``"module:Class"`` registered for the protocol cannot be
+            imported, or is not a backend class (naming the protocol and the backend).
+    """
     protocol = protocol_of(url)
     with _LOCK:
         found = _REGISTRY.get(protocol, _GENERIC)
     if isinstance(found, str):
-        module, _, name = found.partition(":")
-        cls: type[FsspecBackend] = getattr(importlib.import_module(module), name)
+        cls = _imported(protocol, found)
         with _LOCK:
             if _REGISTRY.get(protocol) == found:
                 _REGISTRY[protocol] = cls
         return cls
     return found
+
+
+def _imported(protocol: str, spec: str) -> type[FsspecBackend]:
+    """The class ``spec`` (``"module:Class"``) names, imported; a :class:`ConfigError` naming it if it cannot be."""
+    from .fsspec import FsspecBackend
+
+    module, _, name = spec.partition(":")
+    where = f"the backend registered for {protocol}:// ({spec!r})"
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        raise ConfigError(f"{where} cannot be imported: {exc}") from exc
+    except AttributeError as exc:
+        raise ConfigError(f"{where}: module {module!r} has no {name!r}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, FsspecBackend)):
+        raise ConfigError(f"{where} is not a subclass of FsspecBackend ({cls!r})")
+    return cls
