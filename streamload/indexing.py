@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+from ._classes import long_name, repeated, shown
 from ._errors import ConfigError, ShardNotFoundError
 from ._files import DEFAULT_HASH_ALGORITHM, FileEntry, hash_file
 from ._validate import check_on_error
@@ -194,10 +195,13 @@ def index_directory(
 
 
 def _check_classes(classes: tuple[str, ...]) -> None:
-    """Refuse class names given twice (``--classes a,a``)."""
-    twice = sorted({c for c in classes if classes.count(c) > 1})
+    """Refuse class names given twice (``--classes a,a``) or longer than a class name may be."""
+    twice = repeated(classes)
     if twice:
-        raise ConfigError(f"--classes names class {twice[0]!r} more than once (each class is one label)")
+        raise ConfigError(f"--classes names class {shown(twice[0])!r} more than once (each class is one label)")
+    too_long = long_name(classes)
+    if too_long is not None:
+        raise ConfigError(f"--classes: {too_long}")
 
 
 def _check_existing(dest: Destination, where: str, overwrite: bool) -> None:

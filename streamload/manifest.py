@@ -39,6 +39,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ._classes import long_name
 from ._errors import ManifestError
 from ._files import (
     DEFAULT_HASH_ALGORITHM,
@@ -255,6 +256,9 @@ class Manifest:
     def __post_init__(self) -> None:
         # Every entry carries the manifest's hash algorithm: storage checks files by their entry alone.
         object.__setattr__(self, "shards", tuple(s.with_algorithm(self.hash_algorithm) for s in self.shards))
+        too_long = long_name(self.classes)
+        if too_long is not None:  # a label's name, not a document (info and show print them)
+            raise ManifestError(f"classes: {too_long}")
 
     @property
     def largest_shard_bytes(self) -> int:

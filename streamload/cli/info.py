@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from .._classes import shown as short
 from .._redact import redact
 from .._units import counted, format_bytes
 from .options import add_storage_option, storage_config
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     say(f"fields    {', '.join(manifest.fields) or '-'}")
     names = list(manifest.classes)
     twins = twin_marks(names)
-    shown = [f"{name} {twins[i]}" if i in twins else name for i, name in enumerate(names[:10])]
+    shown = [f"{short(name)} {twins[i]}" if i in twins else short(name) for i, name in enumerate(names[:10])]
     classes = ", ".join(shown) + (" ..." if len(names) > 10 else "")
     labels = manifest.meta.get("labels")
     if not names and isinstance(labels, dict) and isinstance(labels.get("distinct"), int):

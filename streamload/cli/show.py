@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Any
 
+from .._classes import shown as short
 from .._errors import ConfigError, StorageError
 from .._units import format_bytes
 from .caches import CacheUse, cache_dirs
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
                 label = parse_label(value)
                 classes = ds.manifest.classes
                 twin = f" {twins[label]}" if label in twins else ""
-                detail = f"label {label}" + (f" ({classes[label]}{twin})" if 0 <= label < len(classes) else "")
+                detail = f"label {label}" + (f" ({short(classes[label])}{twin})" if 0 <= label < len(classes) else "")
             except (ValueError, UnicodeDecodeError):
                 detail = "not an integer label"
         elif name in IMAGE_FIELDS:

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import numpy as np
 import xxhash
 
+from streamload._classes import repeated
 from streamload._errors import SourceError, StreamloadError
 
 from ..source import printable
@@ -67,7 +68,7 @@ class BlockReader(ABC):
 
     def check_unique(self, names: Sequence[str]) -> None:
         """Refuse a header naming a column twice (which of the two would a row's value be?)."""
-        twice = sorted({n for n in names if list(names).count(n) > 1})
+        twice = repeated(names)
         if twice:
             raise SourceError(
                 f"{self.url}: the header names column(s) {', '.join(map(repr, map(printable, twice)))} more than once; "

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from streamload._classes import long_name
 from streamload._errors import ConfigError, SourceError
 from streamload.manifest import SkippedInput
 from streamload.storage import is_local, local_path_of
@@ -215,6 +216,9 @@ class TableSource(Source):
             result = self._plan_pass(max_bytes, max_samples, shuffle, seed, present_rows, dst)
             rescan = self._labels.settle()
             self.classes = self._labels.classes
+            too_long = long_name(self.classes)
+            if too_long is not None:
+                raise SourceError(f"{self.url}: label column {self.label_column!r}: {too_long}")
             if not rescan:
                 return result
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ..._classes import long_name, repeated, shown
 from ..._errors import ConfigError
 
 __all__ = [
@@ -74,7 +75,8 @@ def class_label_names(schema: Any, column: str, name: str) -> tuple[str, ...] | 
     """The names of column ``column``'s Hugging Face ``ClassLabel`` (``None`` if it is not one).
 
     Raises:
-        ConfigError: Naming the file ``name``, if a class name is given twice.
+        ConfigError: Naming the file ``name``, if a class name is given twice or is longer
+            than :data:`~streamload._classes.MAX_CLASS_NAME_BYTES` (naming its index).
     """
     feature = _hf_features(schema).get(column)
     if not isinstance(feature, dict) or feature.get("_type") != "ClassLabel":
@@ -82,9 +84,12 @@ def class_label_names(schema: Any, column: str, name: str) -> tuple[str, ...] | 
     found = feature.get("names")
     if not isinstance(found, list) or not all(isinstance(n, str) for n in found):
         return None
-    twice = sorted({n for n in found if found.count(n) > 1})
+    twice = repeated(found)
     if twice:
-        raise ConfigError(f"{name}: the ClassLabel of column {column!r} names class {twice[0]!r} more than once")
+        raise ConfigError(f"{name}: the ClassLabel of column {column!r} names class {shown(twice[0])!r} more than once")
+    too_long = long_name(found)
+    if too_long is not None:
+        raise ConfigError(f"{name}: the ClassLabel of column {column!r}: {too_long}")
     return tuple(found)
 
 
