@@ -24,8 +24,9 @@ returns the wrong sample. The arrays are one ``.npy`` file under
 the dataset's URL and manifest digest, written atomically and memory-mapped, so every
 worker and rank on a machine shares one copy in the page cache and builds it at most once
 per process that finds it missing. The cache's rules hold for it: ``keys/`` must be a real
-directory of this user (a link is refused and the index kept in memory), the file is
-opened with ``O_NOFOLLOW`` and replaced by a rename (a link there is never followed), and
+directory of this user that others cannot write (else the index is kept in memory), the
+file is opened with ``O_NOFOLLOW``, used only if no one else could have written it (else
+rebuilt), and replaced by a rename (a link there is never followed), and
 a file read back is checked (hashes ascending, each position once, a few samples' keys where
 it says); a key it says is missing is confirmed against the shards' own indexes once per
 process, and a file that disagrees is rebuilt. For a remote dataset, building it reads every shard's
@@ -62,6 +63,7 @@ from .plan import Run
 from .recovery import raise_located
 from .shards import ShardSource
 from .storage import is_local, local_path_of
+from .storage.cache.layout import trusted_file
 from .storageconfig import StorageConfig
 
 if TYPE_CHECKING:
@@ -147,8 +149,10 @@ class KeyIndex:
     def load(cls, path: str, expected: int) -> KeyIndex | None:
         """Memory-map the index at ``path``; ``None`` if it is missing, not ``expected`` keys long, or unsafe.
 
-        Unsafe: a link (never followed), not a regular file, another user's file, or a file
-        in a folder that is a link (see :func:`open_keys_dir`). Its content is checked as
+        Unsafe: a link (never followed), not a regular file, a file someone else could have
+        written (the cache's rule: writable by every user, or, unless the cache is shared,
+        another user's or writable by the group), or a file in a folder that is a link or
+        others can write (see :func:`open_keys_dir`). Its content is checked as
         :meth:`check` does.
         """
         folder, name = os.path.split(path)
@@ -164,8 +168,8 @@ class KeyIndex:
             os.close(dir_fd)
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or (st.st_uid != os.geteuid() and not _shared_cache()):
-                return None
+            if not stat.S_ISREG(st.st_mode) or not trusted_file(st, _shared_cache()):
+                return None  # rebuilt and written over by this user
             try:
                 version = np.lib.format.read_magic(f)
                 if version == (1, 0):
@@ -201,8 +205,9 @@ def open_keys_dir(folder: str, *, create: bool = True) -> int:
     """Open the key index folder (``<cache_dir>/keys``) as a directory descriptor, never through a link.
 
     The cache's own rules: the folder is made with mode ``0o755``, must be a real
-    directory (``O_NOFOLLOW``: a symbolic link is refused, not followed) and belong to this
-    user unless ``STREAMLOAD_CACHE_SHARED=1``.
+    directory (``O_NOFOLLOW``: a symbolic link is refused, not followed), never writable by
+    every user, and belong to this user and not be writable by its group unless
+    ``STREAMLOAD_CACHE_SHARED=1``.
 
     Raises:
         OSError: If it cannot be made or opened, or is refused (the message says why).
@@ -218,9 +223,18 @@ def open_keys_dir(folder: str, *, create: bool = True) -> int:
             raise OSError(exc.errno, f"{folder} is a link or not a directory; the cache never follows one") from exc
         raise
     st = os.fstat(fd)
-    if st.st_uid != os.geteuid() and not _shared_cache():
+    shared = _shared_cache()
+    if st.st_uid != os.geteuid() and not shared:
         os.close(fd)
         raise OSError(errno.EPERM, f"{folder} belongs to another user (set STREAMLOAD_CACHE_SHARED=1 if on purpose)")
+    if st.st_mode & stat.S_IWOTH or (not shared and st.st_mode & stat.S_IWGRP):
+        os.close(fd)
+        who = "every user" if st.st_mode & stat.S_IWOTH else "its group"
+        raise OSError(
+            errno.EPERM,
+            f"{folder} is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}): another user could plant a key "
+            "index there",
+        )
     return fd
 
 

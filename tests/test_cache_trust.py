@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from streamload import CacheError, StorageConfig, StreamingDataset
+from streamload import CacheError, ShardedDataset, StorageConfig, StreamingDataset
+from streamload.storage.bytes import Landing
 from streamload.storage.cachedir import dataset_cache_key
+from streamload.storage.remote import RemoteStorage
 from tests.lying_server import LyingServer
 
 
@@ -107,3 +109,65 @@ def test_a_cached_file_others_could_write_is_downloaded_again(served: tuple[Lyin
         assert len(server.seen("GET", f"/ds/{name}")) == before + 1, "the suspect copy was served"
         st = cached.stat()
         assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o644
+
+
+def _key_file(cache_dir: Path) -> Path:
+    (found,) = (cache_dir / "keys").glob("*.npy")
+    return found
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_key_index_someone_else_could_have_written_is_rebuilt(
+    served: tuple[LyingServer, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared: bool
+) -> None:
+    """The cache's rule holds for the key index: never a file every user can write, nor (unless shared) another's."""
+    _, url = served
+    if shared:
+        monkeypatch.setenv("STREAMLOAD_CACHE_SHARED", "1")
+    storage = StorageConfig(cache_dir=str(tmp_path))
+    ds = ShardedDataset(url, storage=storage)
+    key = ds.key_of(7)
+    assert ds.index_of(key) == 7
+    planted = _key_file(tmp_path)
+    owner = 4242 if shared else os.geteuid()  # another user's in a shared cache; ours otherwise
+    os.chown(planted, owner, owner)
+    planted.chmod(0o666)
+    ds = ShardedDataset(url, storage=storage)
+    assert ds.index_of(key) == 7
+    kept = _key_file(tmp_path).stat()
+    assert kept.st_uid == os.geteuid() and kept.st_mode & 0o777 == 0o644, "the planted index was used"
+
+
+def test_a_key_index_folder_every_user_can_write_is_not_used(
+    served: tuple[LyingServer, str], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, url = served
+    storage = StorageConfig(cache_dir=str(tmp_path))
+    ds = ShardedDataset(url, storage=storage)
+    key = ds.key_of(3)
+    ds.index_of(key)
+    (tmp_path / "keys").chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="streamload"):
+        ds = ShardedDataset(url, storage=storage)
+        assert ds.index_of(key) == 3
+    assert "writable by every user" in caplog.text and "stays in memory" in caplog.text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_another_users_download_in_progress_is_not_read_early(served: tuple[LyingServer, str], tmp_path: Path) -> None:
+    """A reader follows another process's download (shown in ``landing/``) only from a trusted part file."""
+    _, url = served
+    storage = RemoteStorage(url, cache_dir=str(tmp_path))
+    entry = StreamingDataset(url, storage=StorageConfig(cache_dir=str(tmp_path))).manifest.shards[0]
+    for owner, mode, followed in [(os.geteuid(), 0o644, True), (4242, 0o644, False), (os.geteuid(), 0o666, False)]:
+        part = Path(storage.cache_root) / "tmp" / f"{entry.name}.{owner}-{mode:o}.part"
+        part.write_bytes(bytes(entry.num_bytes))
+        os.chown(part, owner, owner)
+        part.chmod(mode)
+        storage.cache.publish_landing(entry.name, str(part), 1, [(0, entry.num_bytes)])
+        landing = Landing(entry.name, entry.num_bytes, lambda start, end: b"")
+        storage._filler._follower(entry, landing)()
+        assert (landing.attempts == 1) == followed, (owner, oct(mode))
+        landing.fail(CacheError("the test's download ends here"))
+        landing.close()

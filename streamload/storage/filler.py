@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 
@@ -173,6 +174,10 @@ class Filler:
             part, attempt, ranges = shown
             if (part, attempt) != seen:
                 try:
+                    # Another user's part file, or one others could write, is never read
+                    # early (tmp/ is a trusted folder: the file checked is the one opened).
+                    if not self.cache.folder.trusted(os.lstat(part)):
+                        return  # the whole file is waited for, and checked, as before
                     landing.begin(part)
                 except OSError:
                     return  # renamed into place or gone: the wait for the lock ends soon

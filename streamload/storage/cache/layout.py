@@ -21,10 +21,23 @@ from ..._files import check_file_name
 from .flocks import close_fd, open_fd, wait_lock
 from .settings import SHARED_ENV, CacheSettings
 
-__all__ = ["SUBDIRS", "CacheDir", "unlink"]
+__all__ = ["SUBDIRS", "CacheDir", "trusted_file", "unlink"]
 
 #: The folders of a dataset's cache directory (see the layout in :mod:`streamload.storage.cache`).
 SUBDIRS = ("data", "pins", "downloads", "tmp", "meta", "readers", "landing")
+
+
+def trusted_file(st: os.stat_result, shared: bool) -> bool:
+    """Whether a file of the cache with status ``st`` may be read: no one else could have written it.
+
+    Never a file writable by every user; unless the cache is ``shared``, only this user's
+    files, not writable by the group either (the cache makes its files ``0o644``, owned by
+    the reader). The one rule for every file the cache serves: shards and sidecars in
+    ``data/``, the part files of another process's download in progress, key indexes.
+    """
+    if st.st_mode & stat.S_IWOTH:
+        return False
+    return shared or (st.st_uid == os.geteuid() and not st.st_mode & stat.S_IWGRP)
 
 
 class CacheDir:
@@ -117,11 +130,9 @@ class CacheDir:
         """Whether a cached file may be served: as the folders, no one else could have written it.
 
         Never writable by every user; unless the cache is shared, ours and not writable by
-        the group either (the cache makes its files ``0o644``, owned by the reader).
+        the group either (see :func:`trusted_file`).
         """
-        if st.st_mode & stat.S_IWOTH:
-            return False
-        return self.settings.shared or (st.st_uid == os.geteuid() and not st.st_mode & stat.S_IWGRP)
+        return trusted_file(st, self.settings.shared)
 
     def create(self, path: str, flags: int) -> int:
         """Open (creating) ``path`` in the cache; its directory is made again if it was deleted."""
