@@ -25,7 +25,18 @@ from typing import Any
 from ._errors import ConfigError
 from ._units import format_bytes
 
-__all__ = ["HEADER", "BenchResult", "PeakMemory", "plateau", "plot", "recommend", "run_one", "stage_split", "sweep"]
+__all__ = [
+    "HEADER",
+    "BenchResult",
+    "PeakMemory",
+    "check_plot",
+    "plateau",
+    "plot",
+    "recommend",
+    "run_one",
+    "stage_split",
+    "sweep",
+]
 
 MODES = ("raw", "decode", "samples")
 #: ``--backend`` choices: the JPEG decoder of the ``decode`` mode (see :class:`~streamload.decode.ImageDecoder`).
@@ -322,8 +333,8 @@ def _row(r: BenchResult) -> str:
     )
 
 
-def plot(results: Sequence[BenchResult], path: str, title: str) -> None:
-    """Draw samples/s against workers, one line per (prefetch, pin, batch) setting."""
+def _matplotlib() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (no display needed); a :class:`ConfigError` if it is missing."""
     try:
         import matplotlib
 
@@ -331,6 +342,40 @@ def plot(results: Sequence[BenchResult], path: str, title: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ConfigError("--plot needs matplotlib: pip install streamload[plot]") from exc
+    return plt
+
+
+def check_plot(path: str) -> None:
+    """Check, before anything is measured, that :func:`plot` can write ``path``.
+
+    Raises:
+        ConfigError: Naming ``path``, if matplotlib is missing, the extension is not a
+            format it writes (``.png``, ``.svg``, ``.pdf``...), the path is a folder, or
+            its folder does not exist or cannot be written.
+    """
+    _matplotlib()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    extension = os.path.splitext(path)[1].lower().lstrip(".")
+    if extension not in formats:
+        said = f"has the extension .{extension}" if extension else "has no extension"
+        raise ConfigError(
+            f"--plot {path} {said}: name an image file, with one of the extensions matplotlib writes "
+            f"({', '.join('.' + f for f in formats)}), e.g. --plot sweep.png"
+        )
+    if os.path.isdir(path):
+        raise ConfigError(f"--plot {path} is a folder: name the image file to write")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--plot {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ConfigError(f"--plot {path}: cannot write there (permission denied)")
+
+
+def plot(results: Sequence[BenchResult], path: str, title: str) -> None:
+    """Draw samples/s against workers, one line per (prefetch, pin, batch) setting."""
+    plt = _matplotlib()
     fig, ax = plt.subplots(figsize=(6, 4))
     series: dict[tuple[Any, ...], list[BenchResult]] = {}
     for r in results:

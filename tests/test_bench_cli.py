@@ -75,6 +75,33 @@ def test_bench_bad_worker_list(tar_dataset: Path, capsys: pytest.CaptureFixture[
     assert "comma-separated integers" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("x.json", "has the extension .json"),
+        ("plot", "has no extension"),
+        ("missing/x.png", "does not exist"),
+        ("folder.png", "is a folder"),
+    ],
+)
+def test_bench_checks_the_plot_before_measuring(
+    tar_dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, said: str
+) -> None:
+    (tmp_path / "folder.png").mkdir()
+    code = main(["bench", str(tar_dataset), "--workers", "0", "--seconds", "0.2", "--plot", str(tmp_path / name)])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert f"--plot {tmp_path / name}" in err and said in err and "Traceback" not in err
+    assert "samples/s" not in out  # nothing was measured
+
+
+def test_bench_over_one_worker_count_claims_no_trend(tar_dataset: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", str(tar_dataset), "--workers", "0", "--seconds", "0.2", "--batch-size", "8,16"]) == 0
+    out = capsys.readouterr().out
+    assert "still grows" not in out and "stops growing at" not in out
+    assert "one num_workers value tried (0)" in out
+
+
 def _r(workers: int, rate: float, pss: int = 1) -> BenchResult:
     return BenchResult(workers, 2, False, 256, 100, 1.0, rate, 1.0, 0.1, pss)
 

@@ -21,6 +21,7 @@ from ..bench import (
     MAX_SIZE,
     MODES,
     BenchResult,
+    check_plot,
     plateau,
     plot,
     recommend,
@@ -79,7 +80,12 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--seconds", type=float, default=5.0, help="reading time per setting (default: 5)")
     p.add_argument("--cache-dir", help="local cache directory for remote shards")
-    p.add_argument("--plot", metavar="FILE.png", help="draw samples/s against workers (needs matplotlib)")
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw samples/s against workers into an image (.png, .svg, .pdf...; needs matplotlib); the file "
+        "name and its folder are checked before measuring",
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     add_storage_option(p)
     p.set_defaults(func=_run)
@@ -153,6 +159,8 @@ def run_bench(args: argparse.Namespace) -> list[BenchResult]:
     Every number is checked first (:func:`_checked`), before a worker starts.
     """
     workers, prefetch, batch_sizes = _checked(args)
+    if args.plot:
+        check_plot(args.plot)  # before measuring: a plot that cannot be written fails now, not after the sweep
     storage = storage_config(args, cache_dir=args.cache_dir)
     _check_memory(args, workers, prefetch, batch_sizes, storage)
     pins = {"off": [False], "on": [True], "both": [False, True]}[args.pin_memory]
@@ -193,7 +201,13 @@ def run_bench(args: argparse.Namespace) -> list[BenchResult]:
                 f"{fallbacks} JPEG decodes fell back to Pillow (simplejpeg refused those files); "
                 "their time is in the rates above"
             )
-        if flat is not None:
+        tried = sorted({r.workers for r in results})
+        if len(tried) < 2:  # one worker count: no trend to tell
+            print(
+                f"one num_workers value tried ({tried[0]}): give several (e.g. --workers 0,2,4,8) "
+                "to see where throughput stops growing"
+            )
+        elif flat is not None:
             print(f"throughput stops growing at num_workers={flat} (the next step adds < 5 %)")
         else:
             print("throughput still grows at the largest num_workers tried")
