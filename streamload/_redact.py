@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
+from typing import TypeVar
 
-__all__ = ["LOGGERS", "RedactingFilter", "redact", "scrub_chain"]
+T = TypeVar("T", bound=type)
+
+__all__ = ["LOGGERS", "RedactingFilter", "redact", "redacted_repr", "scrub_chain"]
 
 #: ``scheme://user:password@``: the password is anything up to the ``@`` that ends the user
 #: information (no ``/``, ``?``, ``#``, white space or ``@`` in it, as RFC 3986 allows there).
@@ -39,6 +43,17 @@ def redact(text: str) -> str:
     if "@" not in text or "://" not in text:  # the common case, without a regex
         return text
     return _USERINFO.sub(r"\g<head>:***@", text)
+
+
+def redacted_repr(cls: T) -> T:
+    """Class decorator: the class's ``repr`` (a dataclass's, naming its URL) with passwords redacted."""
+    plain: Callable[[object], str] = cls.__dict__["__repr__"]
+
+    def __repr__(self: object) -> str:  # noqa: N807 - the method it replaces
+        return redact(plain(self))
+
+    cls.__repr__ = __repr__  # type: ignore[assignment]
+    return cls
 
 
 def scrub_chain(exc: BaseException) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypedDict
 
 from ._errors import ConfigError, ManifestError
+from ._redact import redacted_repr
 from .formats import Format, get_format
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardEntry, data_root_place
 from .storage import Storage, is_local, local_path_of
@@ -78,6 +79,7 @@ def _what_to_run(url: str) -> str:
     return generic
 
 
+@redacted_repr
 @dataclass(frozen=True)
 class DatasetRef:
     """A dataset opened once: URL, manifest, format and storage settings (picklable, no I/O).

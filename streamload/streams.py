@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ._errors import ConfigError, StreamloadError
-from ._redact import redact
+from ._redact import redact, redacted_repr
 from .dataref import DatasetRef, storage_config
 from .formats import ShardReader
 from .manifest import ShardEntry
@@ -39,6 +39,7 @@ from .storageconfig import StorageConfig
 __all__ = ["MixedSource", "Mixture", "ShardInfo", "Stream", "StreamSource"]
 
 
+@redacted_repr
 @dataclass(frozen=True)
 class Stream:
     """One dataset of a mixture, and how many of its samples each epoch reads.

@@ -34,6 +34,7 @@ from typing import Any
 
 from ._errors import ConfigError, CorruptShardError, StreamloadError
 from ._files import FileEntry, hash_stream
+from ._redact import redacted_repr
 from .dataref import DatasetRef
 from .manifest import ShardEntry
 from .sample import IMAGE_FIELDS, image_warnings
@@ -44,6 +45,7 @@ from .storageconfig import StorageConfig
 __all__ = ["VerifyReport", "verify_dataset"]
 
 
+@redacted_repr
 @dataclass
 class VerifyReport:
     """The result of :func:`verify_dataset`: every problem found, per shard.

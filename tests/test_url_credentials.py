@@ -23,6 +23,7 @@ from streamload import (
     ShardedDataset,
     StorageConfig,
     StorageError,
+    Stream,
     StreamingDataset,
 )
 from streamload.cli import main
@@ -87,7 +88,7 @@ def test_reading_sends_the_credentials_and_shows_them_nowhere(
     with caplog.at_level(logging.DEBUG, logger="streamload"):
         ds = StreamingDataset(url, storage=_storage(tmp_path))
         assert len(list(ds)) == SHARDS * PER_SHARD
-        shown = repr(ds) + repr(ShardedDataset(url, storage=_storage(tmp_path)))
+        shown = repr(ds) + repr(ShardedDataset(url, storage=_storage(tmp_path))) + repr(Stream(url, weight=1.0))
     token = base64.b64encode(f"alice:{PASSWORD}".encode()).decode()
     assert {r.headers.get("authorization") for r in server.requests} == {f"Basic {token}"}
     assert "alice:***@" in caplog.text and "alice:***@" in shown  # the INFO cache line names the dataset
