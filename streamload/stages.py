@@ -198,7 +198,7 @@ class Read:
         origin = self.origins.get(id(item))
         if origin is None:
             return False
-        if self.steps.on_error != "skip" or isinstance(error, CacheError):  # the machine's fault: never a skip
+        if self.steps.on_error != "skip" or not skippable(error):  # the storage's or the machine's fault: never a skip
             if isinstance(error, StreamloadError):
                 raise_located(error, origin.url, origin.where)
             raise SampleError(f"{origin.where}: sample {origin.key!r}: collate failed: {error}") from error
