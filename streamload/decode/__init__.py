@@ -19,6 +19,7 @@ from .._errors import SampleError
 from .._fork import ProcessLocal
 from ..randomness import sample_generator
 from ..sample import IMAGE_FIELDS, image_field, image_warnings, label_of, parse_label
+from . import native as _native
 from .image import DEFAULT_MAX_PIXELS, Backend, Crop, ImageDecoder, SharedCount, open_image, planar
 
 __all__ = [
@@ -207,6 +208,11 @@ class DecodeBatch:
             ``__epoch__``/``__position__``) draw from a per-process generator
             (seed, worker id; the worker's torch seed when ``seed`` is ``None``).
         max_pixels: Largest image decoded (see :class:`ImageDecoder`); ``None``: no limit.
+        native: Decode the batch's JPEGs with streamload's native batch kernel (one call a
+            batch, the GIL released once: :mod:`streamload.decode.native`). ``None`` (the
+            default): when it is built and ``backend="auto"``; ``True``: required;
+            ``False``: the per-sample path. The crops and flips are the same either way;
+            pixels may differ from the per-sample path's by a small bound (docs/design.md).
 
     Library warnings of a decode (Python's, Pillow's log, libtiff's stderr lines) are
     logged naming the sample and counted in :attr:`warnings` (per process); JPEGs the
@@ -234,6 +240,7 @@ class DecodeBatch:
         layout: str = "CHW",
         seed: int | None = None,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        native: bool | None = None,
     ) -> None:
         if layout not in ("CHW", "HWC"):
             raise SampleError(f"layout={layout!r} must be 'CHW' or 'HWC'")
@@ -244,6 +251,7 @@ class DecodeBatch:
         self.label_field = label_field
         self.layout = layout
         self.seed = seed
+        self.native = _native.use_native(native, backend)
         self.warnings = 0  # library warnings raised by decodes in this process (each logged naming its sample)
         self._rng: ProcessLocal[np.random.Generator] = ProcessLocal(partial(_process_rng, seed))
 
@@ -286,13 +294,21 @@ class DecodeBatch:
         slots = buffer.numpy()
         decode_into = self.decoder.decode_into
         random = self.decoder.crop == "random" or self.decoder.flip
+        taken = self._native_batch(samples, slots) if self.native else None
         for i, sample in enumerate(samples):
+            done = None if taken is None else taken[i]
+            if done is _native.DONE:
+                continue
             name = self._field_of(sample)
             data = sample[name]
             found: list[str] = []
             try:
                 with image_warnings(data) as found:
-                    decode_into(data, slots[i], self.sample_rng(sample) if random else None, name=sample.get("__key__"))
+                    if isinstance(done, _native.Refusal):
+                        _native.refused_into(self.decoder, data, slots[i], done, sample.get("__key__"))
+                    else:
+                        rng = self.sample_rng(sample) if random else None
+                        decode_into(data, slots[i], rng, name=sample.get("__key__"))
             except Exception as exc:
                 raise _cannot_decode(sample, name, exc, found) from exc
             if found:
@@ -303,6 +319,11 @@ class DecodeBatch:
             labels.numpy()[:] = [label_of(s, self.label_field) for s in samples]
         images = buffer.permute(0, 3, 1, 2) if self.layout == "CHW" else buffer
         return ImageBatch(images, labels, lease)
+
+    def _native_batch(self, samples: list[Any], slots: np.ndarray) -> list[Any]:
+        """The native kernel's pass over the batch (per sample: DONE, a Refusal, or None: not taken)."""
+        datas = [next((sample[name] for name in self.fields if name in sample), b"") for sample in samples]
+        return _native.decode_batch(self, samples, datas, slots)
 
     def _field_of(self, sample: Mapping[str, Any]) -> str:
         for name in self.fields:
