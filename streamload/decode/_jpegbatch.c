@@ -68,6 +68,7 @@ typedef struct {
     block rows;    /* scanlines from libjpeg */
     block temp;    /* the horizontal pass's output (uint8, as Pillow's intermediate image) */
     block kk_h, kk_v, bounds_h, bounds_v;
+    block acc;     /* one output row's sums */
 } scratch;
 
 static void scratch_free(scratch *s) {
@@ -77,6 +78,7 @@ static void scratch_free(scratch *s) {
     free(s->kk_v.ptr);
     free(s->bounds_h.ptr);
     free(s->bounds_v.ptr);
+    free(s->acc.ptr);
 }
 
 static double bilinear(double x) {
@@ -158,7 +160,7 @@ enum { OK = 0, REFUSED = 1, SKIPPED = 2 };
 static int decode_one(struct jpeg_decompress_struct *cinfo, error_mgr *err, scratch *s, const unsigned char *data,
                       size_t size, int factor, const float box[4], int flip, uint8_t *out, int height, int width) {
     int ksize_h = 0, ksize_v = 0, need_h, need_v, in_w, in_h, y_first, y_last, row_h, yy, xx, c;
-    int32_t *kk_h = NULL, *kk_v = NULL;
+    int32_t *kk_h = NULL, *kk_v = NULL, *acc;
     int *bounds_h = NULL, *bounds_v = NULL;
     uint8_t *temp;
     JSAMPROW rowptr[16];
@@ -225,8 +227,17 @@ static int decode_one(struct jpeg_decompress_struct *cinfo, error_mgr *err, scra
             return REFUSED;
         }
         for (yy = 0; yy < row_h; yy++) rowptr[yy] = (JSAMPROW)((uint8_t *)s->rows.ptr + row_bytes * yy);
-        /* Every scanline is decoded (a damaged end is refused whatever the crop). */
+        /* Rows below the box are skipped (still entropy-decoded: a damaged end is refused
+         * whatever the crop); every row from the top is decoded (as the per-sample path). */
         while (cinfo->output_scanline < cinfo->output_height) {
+            if ((int)cinfo->output_scanline < y_first) {
+                jpeg_skip_scanlines(cinfo, (JDIMENSION)(y_first - (int)cinfo->output_scanline));
+                continue;
+            }
+            if ((int)cinfo->output_scanline >= y_last) {
+                jpeg_skip_scanlines(cinfo, cinfo->output_height - cinfo->output_scanline);
+                break;
+            }
             int first = (int)cinfo->output_scanline;
             int got = (int)jpeg_read_scanlines(cinfo, rowptr, (JDIMENSION)row_h);
             int r;
@@ -258,34 +269,42 @@ static int decode_one(struct jpeg_decompress_struct *cinfo, error_mgr *err, scra
             if (got == 0) break; /* suspended (cannot happen with a memory source); a guard */
         }
         jpeg_finish_decompress(cinfo);
-        /* The vertical pass (or a copy), the flip, and the write into the slot. */
+        /* The vertical pass (or a copy), the flip, and the write into the slot: one output row at
+         * a time, accumulated row-wise (the same integer sums as Pillow's, in another order). */
+        acc = (int32_t *)grow(&s->acc, (size_t)width * 3 * sizeof(int32_t));
+        if (acc == NULL) {
+            snprintf(err->message, sizeof err->message, "out of memory");
+            return REFUSED;
+        }
         for (yy = 0; yy < height; yy++) {
             uint8_t *dst = out + (size_t)yy * width * 3;
+            const int n3 = width * 3;
+            int i;
             if (!need_v) {
-                const uint8_t *src = temp + (size_t)(yy + 0) * temp_w * 3;
-                if (yy >= y_last - y_first) src = temp + (size_t)(y_last - y_first - 1) * temp_w * 3;
-                for (xx = 0; xx < width; xx++) {
-                    int o = flip ? width - 1 - xx : xx;
-                    for (c = 0; c < 3; c++) dst[o * 3 + c] = src[xx * 3 + c];
+                int row = yy < y_last - y_first ? yy : y_last - y_first - 1;
+                const uint8_t *src = temp + (size_t)row * temp_w * 3;
+                if (!flip) {
+                    memcpy(dst, src, (size_t)n3);
+                } else {
+                    for (xx = 0; xx < width; xx++)
+                        for (c = 0; c < 3; c++) dst[(width - 1 - xx) * 3 + c] = src[xx * 3 + c];
                 }
                 continue;
             }
             {
                 int ymin = bounds_v[yy * 2], ymax = bounds_v[yy * 2 + 1], y;
                 const int32_t *k = &kk_v[(size_t)yy * ksize_v];
-                for (xx = 0; xx < width; xx++) {
-                    int32_t s0 = 1 << (PRECISION_BITS - 1), s1 = s0, s2 = s0;
-                    const uint8_t *p = temp + (size_t)ymin * temp_w * 3 + (size_t)xx * 3;
-                    int o = flip ? width - 1 - xx : xx;
-                    for (y = 0; y < ymax; y++) {
-                        s0 += p[0] * k[y];
-                        s1 += p[1] * k[y];
-                        s2 += p[2] * k[y];
-                        p += (size_t)temp_w * 3;
-                    }
-                    dst[o * 3 + 0] = clip8(s0);
-                    dst[o * 3 + 1] = clip8(s1);
-                    dst[o * 3 + 2] = clip8(s2);
+                for (i = 0; i < n3; i++) acc[i] = 1 << (PRECISION_BITS - 1);
+                for (y = 0; y < ymax; y++) {
+                    const uint8_t *p = temp + (size_t)(ymin + y) * temp_w * 3;
+                    const int32_t w = k[y];
+                    for (i = 0; i < n3; i++) acc[i] += p[i] * w;
+                }
+                if (!flip) {
+                    for (i = 0; i < n3; i++) dst[i] = clip8(acc[i]);
+                } else {
+                    for (xx = 0; xx < width; xx++)
+                        for (c = 0; c < 3; c++) dst[(width - 1 - xx) * 3 + c] = clip8(acc[xx * 3 + c]);
                 }
             }
         }
@@ -545,7 +564,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_jpegbatch", "A batch of JPEGs decoded, cropped, resized and flipped in one call.", -1,
-    methods,
+    methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__jpegbatch(void) {
