@@ -69,6 +69,7 @@ typedef struct {
     block temp;    /* the horizontal pass's output (uint8, as Pillow's intermediate image) */
     block kk_h, kk_v, bounds_h, bounds_v;
     block acc;     /* one output row's sums */
+    block vrow;    /* one row after the vertical pass */
 } scratch;
 
 static void scratch_free(scratch *s) {
@@ -79,6 +80,7 @@ static void scratch_free(scratch *s) {
     free(s->bounds_h.ptr);
     free(s->bounds_v.ptr);
     free(s->acc.ptr);
+    free(s->vrow.ptr);
 }
 
 static double bilinear(double x) {
@@ -153,16 +155,55 @@ static inline uint8_t clip8(int32_t in) {
 /* Status of one sample. */
 enum { OK = 0, REFUSED = 1, SKIPPED = 2 };
 
+/* One row through the horizontal pass (Pillow's _8bpc arithmetic), mirrored when flip. */
+static void horizontal(const uint8_t *src, uint8_t *dst, int width, const int32_t *kk, const int *bounds, int ksize,
+                       int flip) {
+    int xx;
+    for (xx = 0; xx < width; xx++) {
+        int xmin = bounds[xx * 2], xmax = bounds[xx * 2 + 1], x;
+        const int32_t *k = &kk[(size_t)xx * ksize];
+        const uint8_t *p = src + (size_t)xmin * 3;
+        int32_t s0 = 1 << (PRECISION_BITS - 1), s1 = s0, s2 = s0;
+        int o = flip ? width - 1 - xx : xx;
+        for (x = 0; x < xmax; x++) {
+            s0 += p[x * 3 + 0] * k[x];
+            s1 += p[x * 3 + 1] * k[x];
+            s2 += p[x * 3 + 2] * k[x];
+        }
+        dst[o * 3 + 0] = clip8(s0);
+        dst[o * 3 + 1] = clip8(s1);
+        dst[o * 3 + 2] = clip8(s2);
+    }
+}
+
+/* A row copied, mirrored when flip. */
+static void copy_row(const uint8_t *src, uint8_t *dst, int width, int flip) {
+    int xx;
+    if (!flip) {
+        memcpy(dst, src, (size_t)width * 3);
+        return;
+    }
+    for (xx = 0; xx < width; xx++) {
+        dst[(width - 1 - xx) * 3 + 0] = src[xx * 3 + 0];
+        dst[(width - 1 - xx) * 3 + 1] = src[xx * 3 + 1];
+        dst[(width - 1 - xx) * 3 + 2] = src[xx * 3 + 2];
+    }
+}
+
 /*
  * Decode one JPEG into out (height x width x 3, HWC RGB). box: the source box in the
- * decoded image's coordinates (Pillow's float box). Returns OK or REFUSED (message set).
+ * decoded image's coordinates (Pillow's float box). vertical_first: Pillow 13's order of
+ * the two passes (the vertical first when the height shrinks by more than twice the
+ * width; before 13, always the horizontal first). Returns OK or REFUSED (message set).
  */
 static int decode_one(struct jpeg_decompress_struct *cinfo, error_mgr *err, scratch *s, const unsigned char *data,
-                      size_t size, int factor, const float box[4], int flip, uint8_t *out, int height, int width) {
-    int ksize_h = 0, ksize_v = 0, need_h, need_v, in_w, in_h, y_first, y_last, row_h, yy, xx, c;
+                      size_t size, int factor, const float box[4], int flip, int pillow13, uint8_t *out, int height,
+                      int width) {
+    int ksize_h = 0, ksize_v = 0, need_h, need_v, h_first, in_w, in_h, y_first, y_last, row_h, yy, temp_w, rows;
     int32_t *kk_h = NULL, *kk_v = NULL, *acc;
     int *bounds_h = NULL, *bounds_v = NULL;
-    uint8_t *temp;
+    uint8_t *temp, *vrow;
+    size_t row_bytes;
     JSAMPROW rowptr[16];
 
     if (setjmp(err->jump)) {
@@ -197,9 +238,10 @@ static int decode_one(struct jpeg_decompress_struct *cinfo, error_mgr *err, scra
         jpeg_abort_decompress(cinfo);
         return REFUSED;
     }
-    /* Pillow's ImagingResampleInner: which passes, and which source rows the vertical one reads */
+    /* Pillow's ImagingResampleInner: which passes, in which order, and which source rows */
     need_h = width != in_w || box[0] != 0 || box[2] != width;
     need_v = height != in_h || box[1] != 0 || box[3] != height;
+    h_first = !(pillow13 && (in_h - height) > 0 && (in_h - height) > (in_w - width) * 2);
     ksize_v = coefficients(in_h, box[1], box[3], height, &s->kk_v, &s->bounds_v, &kk_v, &bounds_v);
     if (need_h) ksize_h = coefficients(in_w, box[0], box[2], width, &s->kk_h, &s->bounds_h, &kk_h, &bounds_h);
     if (ksize_v == 0 || (need_h && ksize_h == 0)) {
@@ -210,104 +252,78 @@ static int decode_one(struct jpeg_decompress_struct *cinfo, error_mgr *err, scra
     y_first = bounds_v[0];
     y_last = bounds_v[height * 2 - 2] + bounds_v[height * 2 - 1];
     if (y_last > in_h) y_last = in_h;
+    if (y_first >= in_h) y_first = in_h - 1;
     if (y_last <= y_first) y_last = y_first + 1;
-    for (yy = 0; yy < height; yy++) {
+    rows = y_last - y_first;
+    for (yy = 0; yy < height; yy++) { /* rows relative to y_first, kept inside the rows kept */
         bounds_v[yy * 2] -= y_first;
-        if (bounds_v[yy * 2] < 0) bounds_v[yy * 2] = 0; /* guards: a row outside temp is never read */
-        if (bounds_v[yy * 2] + bounds_v[yy * 2 + 1] > y_last - y_first) bounds_v[yy * 2 + 1] = y_last - y_first - bounds_v[yy * 2];
+        if (bounds_v[yy * 2] < 0) bounds_v[yy * 2] = 0;
+        if (bounds_v[yy * 2] > rows) bounds_v[yy * 2] = rows;
+        if (bounds_v[yy * 2] + bounds_v[yy * 2 + 1] > rows) bounds_v[yy * 2 + 1] = rows - bounds_v[yy * 2];
     }
-    {
-        int temp_w = need_h ? width : in_w;
-        size_t row_bytes = (size_t)in_w * 3;
-        row_h = cinfo->rec_outbuf_height;
-        temp = (uint8_t *)grow(&s->temp, (size_t)(y_last - y_first) * temp_w * 3);
-        if (grow(&s->rows, row_bytes * row_h) == NULL || temp == NULL) {
-            snprintf(err->message, sizeof err->message, "out of memory");
-            jpeg_abort_decompress(cinfo);
-            return REFUSED;
+    /* temp: the rows y_first..y_last, through the horizontal pass when it comes first */
+    temp_w = (need_h && h_first) ? width : in_w;
+    row_bytes = (size_t)in_w * 3;
+    row_h = cinfo->rec_outbuf_height;
+    temp = (uint8_t *)grow(&s->temp, (size_t)rows * temp_w * 3);
+    acc = (int32_t *)grow(&s->acc, (size_t)temp_w * 3 * sizeof(int32_t));
+    vrow = (uint8_t *)grow(&s->vrow, (size_t)temp_w * 3);
+    if (grow(&s->rows, row_bytes * row_h) == NULL || temp == NULL || acc == NULL || vrow == NULL) {
+        snprintf(err->message, sizeof err->message, "out of memory");
+        jpeg_abort_decompress(cinfo);
+        return REFUSED;
+    }
+    for (yy = 0; yy < row_h; yy++) rowptr[yy] = (JSAMPROW)((uint8_t *)s->rows.ptr + row_bytes * yy);
+    /* Rows above and below the box are skipped (still entropy-decoded: a damaged stream is
+     * refused whatever the crop). */
+    while (cinfo->output_scanline < cinfo->output_height) {
+        int first = (int)cinfo->output_scanline, got, r;
+        if (first < y_first) {
+            jpeg_skip_scanlines(cinfo, (JDIMENSION)(y_first - first));
+            continue;
         }
-        for (yy = 0; yy < row_h; yy++) rowptr[yy] = (JSAMPROW)((uint8_t *)s->rows.ptr + row_bytes * yy);
-        /* Rows below the box are skipped (still entropy-decoded: a damaged end is refused
-         * whatever the crop); every row from the top is decoded (as the per-sample path). */
-        while (cinfo->output_scanline < cinfo->output_height) {
-            if ((int)cinfo->output_scanline < y_first) {
-                jpeg_skip_scanlines(cinfo, (JDIMENSION)(y_first - (int)cinfo->output_scanline));
-                continue;
-            }
-            if ((int)cinfo->output_scanline >= y_last) {
-                jpeg_skip_scanlines(cinfo, cinfo->output_height - cinfo->output_scanline);
-                break;
-            }
-            int first = (int)cinfo->output_scanline;
-            int got = (int)jpeg_read_scanlines(cinfo, rowptr, (JDIMENSION)row_h);
-            int r;
-            for (r = 0; r < got; r++) {
-                int y = first + r;
-                const uint8_t *src = (const uint8_t *)rowptr[r];
-                uint8_t *dst;
-                if (y < y_first || y >= y_last) continue;
-                dst = temp + (size_t)(y - y_first) * temp_w * 3;
-                if (!need_h) {
-                    memcpy(dst, src, row_bytes);
-                    continue;
-                }
-                for (xx = 0; xx < width; xx++) {
-                    int xmin = bounds_h[xx * 2], xmax = bounds_h[xx * 2 + 1], x;
-                    const int32_t *k = &kk_h[(size_t)xx * ksize_h];
-                    const uint8_t *p = src + (size_t)xmin * 3;
-                    int32_t s0 = 1 << (PRECISION_BITS - 1), s1 = s0, s2 = s0;
-                    for (x = 0; x < xmax; x++) {
-                        s0 += p[x * 3 + 0] * k[x];
-                        s1 += p[x * 3 + 1] * k[x];
-                        s2 += p[x * 3 + 2] * k[x];
-                    }
-                    dst[xx * 3 + 0] = clip8(s0);
-                    dst[xx * 3 + 1] = clip8(s1);
-                    dst[xx * 3 + 2] = clip8(s2);
-                }
-            }
-            if (got == 0) break; /* suspended (cannot happen with a memory source); a guard */
+        if (first >= y_last) {
+            jpeg_skip_scanlines(cinfo, cinfo->output_height - cinfo->output_scanline);
+            break;
         }
-        jpeg_finish_decompress(cinfo);
-        /* The vertical pass (or a copy), the flip, and the write into the slot: one output row at
-         * a time, accumulated row-wise (the same integer sums as Pillow's, in another order). */
-        acc = (int32_t *)grow(&s->acc, (size_t)width * 3 * sizeof(int32_t));
-        if (acc == NULL) {
-            snprintf(err->message, sizeof err->message, "out of memory");
-            return REFUSED;
+        got = (int)jpeg_read_scanlines(cinfo, rowptr, (JDIMENSION)row_h);
+        for (r = 0; r < got; r++) {
+            int y = first + r;
+            uint8_t *dst;
+            if (y < y_first || y >= y_last) continue;
+            dst = temp + (size_t)(y - y_first) * temp_w * 3;
+            if (need_h && h_first)
+                horizontal((const uint8_t *)rowptr[r], dst, width, kk_h, bounds_h, ksize_h, 0);
+            else
+                memcpy(dst, rowptr[r], row_bytes);
         }
-        for (yy = 0; yy < height; yy++) {
-            uint8_t *dst = out + (size_t)yy * width * 3;
-            const int n3 = width * 3;
-            int i;
-            if (!need_v) {
-                int row = yy < y_last - y_first ? yy : y_last - y_first - 1;
-                const uint8_t *src = temp + (size_t)row * temp_w * 3;
-                if (!flip) {
-                    memcpy(dst, src, (size_t)n3);
-                } else {
-                    for (xx = 0; xx < width; xx++)
-                        for (c = 0; c < 3; c++) dst[(width - 1 - xx) * 3 + c] = src[xx * 3 + c];
-                }
-                continue;
+        if (got == 0) break; /* suspended (cannot happen with a memory source); a guard */
+    }
+    jpeg_finish_decompress(cinfo);
+    /* The vertical pass (rows accumulated whole: the same integer sums as Pillow's), then
+     * the horizontal one when it comes second, the flip, and the write into the slot. */
+    for (yy = 0; yy < height; yy++) {
+        uint8_t *dst = out + (size_t)yy * width * 3;
+        const uint8_t *src;
+        if (need_v) {
+            int ymin = bounds_v[yy * 2], ymax = bounds_v[yy * 2 + 1], y, i;
+            const int n3 = temp_w * 3;
+            const int32_t *k = &kk_v[(size_t)yy * ksize_v];
+            for (i = 0; i < n3; i++) acc[i] = 1 << (PRECISION_BITS - 1);
+            for (y = 0; y < ymax; y++) {
+                const uint8_t *p = temp + (size_t)(ymin + y) * temp_w * 3;
+                const int32_t w = k[y];
+                for (i = 0; i < n3; i++) acc[i] += p[i] * w;
             }
-            {
-                int ymin = bounds_v[yy * 2], ymax = bounds_v[yy * 2 + 1], y;
-                const int32_t *k = &kk_v[(size_t)yy * ksize_v];
-                for (i = 0; i < n3; i++) acc[i] = 1 << (PRECISION_BITS - 1);
-                for (y = 0; y < ymax; y++) {
-                    const uint8_t *p = temp + (size_t)(ymin + y) * temp_w * 3;
-                    const int32_t w = k[y];
-                    for (i = 0; i < n3; i++) acc[i] += p[i] * w;
-                }
-                if (!flip) {
-                    for (i = 0; i < n3; i++) dst[i] = clip8(acc[i]);
-                } else {
-                    for (xx = 0; xx < width; xx++)
-                        for (c = 0; c < 3; c++) dst[(width - 1 - xx) * 3 + c] = clip8(acc[xx * 3 + c]);
-                }
-            }
+            for (i = 0; i < n3; i++) vrow[i] = clip8(acc[i]);
+            src = vrow;
+        } else {
+            src = temp + (size_t)(yy < rows ? yy : rows - 1) * temp_w * 3;
         }
+        if (need_h && !h_first)
+            horizontal(src, dst, width, kk_h, bounds_h, ksize_h, flip);
+        else
+            copy_row(src, dst, width, flip);
     }
     return OK;
 }
@@ -454,23 +470,25 @@ done:
 }
 
 PyDoc_STRVAR(decode_doc,
-             "decode(datas, boxes, params, out, height, width) -> list\n\n"
+             "decode(datas, boxes, params, out, height, width, pillow13) -> list\n\n"
              "Decode a batch of JPEGs into out (uint8, n x height x width x 3, RGB), the GIL released once for\n"
              "the whole batch. boxes: float32, 4 a sample (the source box in the decoded image's coordinates,\n"
              "as Pillow's resize takes it); params: int32, 2 a sample (DCT reduction 1/2/4/8, or 0 to leave the\n"
-             "sample alone; flip 0/1). Returns per sample None (decoded or left alone) or why it was refused.");
+             "sample alone; flip 0/1); pillow13: Pillow 13's order of the resize passes. Returns per sample None\n"
+             "(decoded or left alone) or why it was refused.");
 
 static PyObject *decode(PyObject *self, PyObject *args) {
     PyObject *datas, *boxes_obj, *params_obj, *out_obj, *seq, *result = NULL;
     Py_buffer boxes_view, params_view, out_view, *views;
     Py_ssize_t n, i;
-    int height, width, failed = 0;
+    int height, width, pillow13 = 0, failed = 0;
     int *status;
     char(*messages)[JMSG_LENGTH_MAX];
     size_t slot;
     (void)self;
 
-    if (!PyArg_ParseTuple(args, "OOOOii", &datas, &boxes_obj, &params_obj, &out_obj, &height, &width)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOOOiip", &datas, &boxes_obj, &params_obj, &out_obj, &height, &width, &pillow13))
+        return NULL;
     if (height < 1 || width < 1 || height > 65535 || width > 65535) {
         PyErr_SetString(PyExc_ValueError, "height and width must be in 1..65535");
         return NULL;
@@ -532,7 +550,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
                     continue;
                 }
                 status[i] = decode_one(&cinfo, &err, &s, (const unsigned char *)views[i].buf, (size_t)views[i].len,
-                                       factor, &boxes[i * 4], flip, out + slot * (size_t)i, height, width);
+                                       factor, &boxes[i * 4], flip, pillow13, out + slot * (size_t)i, height, width);
                 if (status[i] == REFUSED) memcpy(messages[i], err.message, JMSG_LENGTH_MAX);
             }
             jpeg_destroy_decompress(&cinfo);

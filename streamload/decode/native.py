@@ -145,14 +145,21 @@ def decode_batch(
         params[i] = (factor, 1 if flip else 0)
         full[i] = box
         flips[i] = flip
-    reasons = module.decode(datas, boxes, params, slots, decoder.height, decoder.width)
+    reasons = module.decode(datas, boxes, params, slots, decoder.height, decoder.width, _pillow13())
     out: list[Any] = [None] * n
-    for i, box in enumerate(full):
-        if box is None:
-            continue
-        reason = reasons[i]
-        out[i] = DONE if reason is None else Refusal(box, flips[i], reason)
+    for i, drawn in enumerate(full):
+        if drawn is not None:
+            out[i] = DONE if reasons[i] is None else Refusal(drawn, flips[i], reasons[i])
     return out
+
+
+def _pillow13() -> bool:
+    """Whether the installed Pillow orders its resize passes as 13 does (the kernel follows it)."""
+    if "pillow13" not in _STATE:
+        import PIL
+
+        _STATE["pillow13"] = int(PIL.__version__.split(".")[0]) >= 13
+    return bool(_STATE["pillow13"])
 
 
 def _box_scale(width: int, factor: int) -> int:
