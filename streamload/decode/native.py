@@ -26,6 +26,7 @@ same box and flip, counted in the decoder's ``fallbacks`` like simplejpeg's refu
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -54,10 +55,8 @@ def kernel() -> ModuleType | None:
         return _STATE["module"]  # type: ignore[no-any-return]
     with _LOCK:
         if "module" not in _STATE:
-            try:
-                from . import _jpegbatch  # type: ignore[attr-defined]
-
-                module: ModuleType | None = _jpegbatch
+            try:  # the compiled extension (no .py: imported by name)
+                module: ModuleType | None = importlib.import_module(f"{__package__}._jpegbatch")
             except ImportError as exc:
                 module = None
                 _log.warning(
