@@ -11,7 +11,8 @@ average:
    alone. Each as a rate and as a ratio (beside / alone). Per-sample path (``native=False``)
    and the kernel (``native=True``).
 2. ``DataLoader(num_workers=2)`` + ``DecodeBatch``: decode rate with the kernel off and on.
-3. Per core, one process, the same files: today's ``ImageDecoder`` (one ``decode_into`` a
+3. The cost of ``watch``'s GIL probe to a loop that runs Python all along.
+4. Per core, one process, the same files: today's ``ImageDecoder`` (one ``decode_into`` a
    sample) against the kernel (one call a batch), images per CPU-second, and where the time
    goes (the kernel's Python part: headers, boxes, flips; its C call; the per-sample path's
    decode and its resize + pack).
@@ -188,6 +189,22 @@ def main() -> None:
     result: dict[str, Any] = {"load_before": os.getloadavg()}
     loop = loop_alone(args.seconds)
     result["loop_alone_per_s"] = loop
+    # The cost of watch's GIL probe to a thread that runs Python all along.
+    from streamload._gil import GilProbe
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    GilProbe(owner)
+    probed = loop_alone(args.seconds)
+    del owner
+    loop_again = loop_alone(args.seconds)
+    result["loop_with_gil_probe_per_s"] = probed
+    print(
+        f"busy loop alone {loop / 1e6:.2f} M/s; with watch's GIL probe {probed / 1e6:.2f} M/s "
+        f"({probed / max(loop, loop_again):.3f} of alone; alone again {loop_again / 1e6:.2f} M/s)"
+    )
     for flag in (False, True):
         key = "kernel" if flag else "per_sample"
         alone = loader_beside_loop(root, flag, args.seconds, busy=False)

@@ -254,3 +254,32 @@ def test_random_geometries_match_pillows_resize(corpus: list[bytes]) -> None:
             boxes = np.array([box], dtype=np.float32)
             assert module.decode([data], boxes, params, out, oh, ow, native._pillow13()) == [None]
             assert int(np.abs(out[0].astype(int) - np.asarray(want).astype(int)).max()) <= BOUND, (box, ow, oh)
+
+
+def test_a_samples_generator_draws_as_philox_keyed_alone_and_reads_no_os_entropy() -> None:
+    # The key alone decides the draws (the same as np.random.Philox(key=...)), and making
+    # the generator makes no os.urandom call: a system call that lets go of the GIL.
+    import os
+    import sys
+
+    from streamload.randomness import _words, sample_generator
+
+    calls: list[str] = []
+
+    def watch_calls(frame: object, event: str, arg: object) -> None:
+        if event == "c_call" and getattr(arg, "__name__", "") == "urandom":
+            calls.append("urandom")
+
+    for position in range(50):
+        sample = {"__epoch__": 2, "__position__": position}
+        sys.setprofile(watch_calls)
+        try:
+            rng = sample_generator(sample, 7)
+        finally:
+            sys.setprofile(None)
+        key = np.random.SeedSequence(_words(7, 2, position)).generate_state(2, np.uint64)
+        reference = np.random.Generator(np.random.Philox(key=key))
+        assert rng.uniform(size=5).tolist() == reference.uniform(size=5).tolist()
+        assert rng.integers(0, 1 << 40, size=3).tolist() == reference.integers(0, 1 << 40, size=3).tolist()
+        assert rng.random() == reference.random()
+    assert calls == [] and os.urandom is not None
