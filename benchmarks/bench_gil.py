@@ -1,6 +1,6 @@
 """The GIL: the thread Loader beside a Python training loop, with and without the native kernel.
 
-Usage: ``python benchmarks/bench_gil.py [--images 1280] [--seconds 6] [--out FILE.json]``
+Usage: ``python benchmarks/bench_gil.py [--images 1280] [--seconds 5] [--rounds 3] [--out FILE.json]``
 
 On the photo-like JPEGs of ``bench_threads.py`` (~500x375, shuffled, batch 64,
 ``DecodeBatch(160, crop="random", flip=True)``), side by side in one run, with the load
@@ -181,44 +181,58 @@ def per_core(root: str, batches: int = 10) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=1280)
-    parser.add_argument("--seconds", type=float, default=6.0)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, kernel off and on interleaved in each")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     root = dataset_root(args.images)
     print(f"load average before: {os.getloadavg()}, switch interval {sys.getswitchinterval() * 1e3:.0f} ms")
-    result: dict[str, Any] = {"load_before": os.getloadavg()}
-    loop = loop_alone(args.seconds)
-    result["loop_alone_per_s"] = loop
-    # The cost of watch's GIL probe to a thread that runs Python all along.
+    result: dict[str, Any] = {"load_before": os.getloadavg(), "rounds": []}
+    # The cost of watch's GIL probe to a thread that runs Python all along (alone, probed, alone).
     from streamload._gil import GilProbe
 
     class Owner:
         pass
 
+    loop = loop_alone(args.seconds)
     owner = Owner()
     GilProbe(owner)
     probed = loop_alone(args.seconds)
     del owner
     loop_again = loop_alone(args.seconds)
-    result["loop_with_gil_probe_per_s"] = probed
+    result["gil_probe"] = {"alone": loop, "probed": probed, "alone_again": loop_again}
     print(
-        f"busy loop alone {loop / 1e6:.2f} M/s; with watch's GIL probe {probed / 1e6:.2f} M/s "
-        f"({probed / max(loop, loop_again):.3f} of alone; alone again {loop_again / 1e6:.2f} M/s)"
+        f"busy loop alone {loop / 1e6:.2f} M/s; with watch's GIL probe {probed / 1e6:.2f} M/s; "
+        f"alone again {loop_again / 1e6:.2f} M/s (probed / mean of the two: {2 * probed / (loop + loop_again):.3f})"
     )
-    for flag in (False, True):
-        key = "kernel" if flag else "per_sample"
-        alone = loader_beside_loop(root, flag, args.seconds, busy=False)
-        beside = loader_beside_loop(root, flag, args.seconds, busy=True)
-        result[key] = {"alone": alone, "beside": beside}
+    for r in range(args.rounds):
+        row: dict[str, Any] = {"load": os.getloadavg()}
+        for flag in (False, True):
+            key = "kernel" if flag else "per_sample"
+            loop = loop_alone(args.seconds)
+            alone = loader_beside_loop(root, flag, args.seconds, busy=False)
+            beside = loader_beside_loop(root, flag, args.seconds, busy=True)
+            row[key] = {"loop_alone": loop, "alone": alone, "beside": beside}
+            print(
+                f"round {r + 1} Loader(threads=1) {key:10s}: alone {alone['images_s']:5.0f} img/s; beside a busy "
+                f"loop {beside['images_s']:5.0f} img/s ({beside['images_s'] / alone['images_s']:.2f} of alone); "
+                f"the loop keeps {beside['loop_s'] / loop:.2f} of its {loop / 1e6:.1f} M/s "
+                f"(load {os.getloadavg()[0]:.1f})"
+            )
+        for flag in (False, True):
+            rate = dataloader_rate(root, flag)
+            row[f"dataloader2_{'kernel' if flag else 'per_sample'}"] = rate
+            name = "kernel" if flag else "per-sample"
+            print(f"round {r + 1} DataLoader(num_workers=2) + DecodeBatch, {name}: {rate:.0f} img/s")
+        result["rounds"].append(row)
+    for key in ("per_sample", "kernel"):
+        loader = [x[key]["beside"]["images_s"] / x[key]["alone"]["images_s"] for x in result["rounds"]]
+        kept = [x[key]["beside"]["loop_s"] / x[key]["loop_alone"] for x in result["rounds"]]
+        dl = [x[f"dataloader2_{key}"] for x in result["rounds"]]
         print(
-            f"Loader(threads=1) {key:10s}: alone {alone['images_s']:6.0f} img/s; beside a busy loop "
-            f"{beside['images_s']:6.0f} img/s ({beside['images_s'] / alone['images_s']:.2f} of alone), "
-            f"the loop keeps {beside['loop_s'] / loop:.2f} of its {loop / 1e6:.1f} M/s"
+            f"{key:10s}: beside a busy loop the Loader keeps {min(loader):.2f}-{max(loader):.2f} of its rate alone, "
+            f"the loop {min(kept):.2f}-{max(kept):.2f} of its own; DataLoader(2) {min(dl):.0f}-{max(dl):.0f} img/s"
         )
-    for flag in (False, True):
-        rate = dataloader_rate(root, flag)
-        result[f"dataloader2_{'kernel' if flag else 'per_sample'}"] = rate
-        print(f"DataLoader(num_workers=2) + DecodeBatch, {'kernel' if flag else 'per-sample'}: {rate:.0f} img/s")
     core = per_core(root)
     result["per_core"] = core
     print(
