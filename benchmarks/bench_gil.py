@@ -60,6 +60,50 @@ def _consume(loader: Any, stop: threading.Event, counts: list[int]) -> None:
                 break
 
 
+class _Sched:
+    """The loader threads' Linux schedstat (seconds on a CPU, runnable without one), over a window.
+
+    The Loader starts threads each epoch; a poller keeps each thread's last figures, so a
+    thread that ends inside the window still counts (up to one poll interval short).
+    """
+
+    def __init__(self) -> None:
+        self.first: dict[int, tuple[float, float]] = {}
+        self.last: dict[int, tuple[float, float]] = {}
+        self.stop = threading.Event()
+        self.poll()
+        self.first = dict(self.last)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def poll(self) -> None:
+        for t in threading.enumerate():
+            if not t.name.startswith("streamload-loader") or t.native_id is None:
+                continue
+            try:
+                with open(f"/proc/self/task/{t.native_id}/schedstat") as f:
+                    on_cpu, waiting, _ = f.read().split()
+            except OSError:
+                continue
+            self.last[t.native_id] = (int(on_cpu) / 1e9, int(waiting) / 1e9)
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.05):
+            self.poll()
+
+    def done(self) -> tuple[float, float, int]:
+        """(CPU seconds, run-queue seconds, threads seen) since the start."""
+        self.stop.set()
+        self.thread.join()
+        self.poll()
+        cpu = queued = 0.0
+        for tid, (c, q) in self.last.items():
+            c0, q0 = self.first.get(tid, (0.0, 0.0))
+            cpu += c - c0
+            queued += q - q0
+        return cpu, queued, len(self.last)
+
+
 def loader_beside_loop(root: str, native: bool, seconds: float, busy: bool) -> dict[str, float]:
     """Images/s of ``Loader(threads=1)`` over ``seconds`` (after its first batch), and the loop's count/s."""
     import streamload
@@ -72,7 +116,7 @@ def loader_beside_loop(root: str, native: bool, seconds: float, busy: bool) -> d
     reader.start()
     time.sleep(0.5)
     start_images, start = counts[0], time.perf_counter()
-    cpu = time.process_time()
+    sched = _Sched()
     loop = 0
     if busy:
         timer = threading.Timer(seconds, stop.set)
@@ -83,10 +127,21 @@ def loader_beside_loop(root: str, native: bool, seconds: float, busy: bool) -> d
         stop.set()
     wall = time.perf_counter() - start
     images = counts[0] - start_images
-    cpu = time.process_time() - cpu
+    cpu, queued, _seen = sched.done()
     reader.join(30)
     loader.close()
-    return {"images_s": images / wall, "loop_s": loop / wall, "cpu_cores": cpu / wall}
+    # The loader's threads: on a CPU, runnable but without one (other jobs: the machine's
+    # share, not the GIL), and the rest of their wall time blocked (the GIL; queues, I/O).
+    threads = loader.threads
+    blocked = max(0.0, threads * wall - cpu - queued)
+    return {
+        "images_s": images / wall,
+        "loop_s": loop / wall,
+        "loader_cpu": cpu / wall,
+        "loader_queued": queued / wall,
+        "loader_blocked": blocked / wall,
+        "images_per_cpu_s": images / cpu if cpu > 0 else 0.0,
+    }
 
 
 def loop_alone(seconds: float) -> float:
@@ -216,8 +271,12 @@ def main() -> None:
             print(
                 f"round {r + 1} Loader(threads=1) {key:10s}: alone {alone['images_s']:5.0f} img/s; beside a busy "
                 f"loop {beside['images_s']:5.0f} img/s ({beside['images_s'] / alone['images_s']:.2f} of alone); "
-                f"the loop keeps {beside['loop_s'] / loop:.2f} of its {loop / 1e6:.1f} M/s "
-                f"(load {os.getloadavg()[0]:.1f})"
+                f"the loop keeps {beside['loop_s'] / loop:.2f} of its {loop / 1e6:.1f} M/s (load "
+                f"{os.getloadavg()[0]:.1f}); the loader's threads, alone / beside: on a CPU "
+                f"{alone['loader_cpu']:.2f} / "
+                f"{beside['loader_cpu']:.2f}, waiting for a CPU {alone['loader_queued']:.2f} / "
+                f"{beside['loader_queued']:.2f}, blocked (GIL, queues) {alone['loader_blocked']:.2f} / "
+                f"{beside['loader_blocked']:.2f} of the time"
             )
         for flag in (False, True):
             rate = dataloader_rate(root, flag)

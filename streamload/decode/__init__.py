@@ -211,8 +211,8 @@ class DecodeBatch:
         native: Decode the batch's JPEGs with streamload's native batch kernel (one call a
             batch, the GIL released once: :mod:`streamload.decode.native`). ``None`` (the
             default): when it is built and ``backend="auto"``; ``True``: required;
-            ``False``: the per-sample path. The crops and flips are the same either way;
-            pixels may differ from the per-sample path's by a small bound (docs/design.md).
+            ``False``: the per-sample path. The crops, flips and pixels are the same
+            either way (it follows Pillow's bilinear arithmetic; docs/design.md).
 
     Library warnings of a decode (Python's, Pillow's log, libtiff's stderr lines) are
     logged naming the sample and counted in :attr:`warnings` (per process); JPEGs the
