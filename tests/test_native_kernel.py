@@ -283,3 +283,39 @@ def test_a_samples_generator_draws_as_philox_keyed_alone_and_reads_no_os_entropy
         assert rng.integers(0, 1 << 40, size=3).tolist() == reference.integers(0, 1 << 40, size=3).tolist()
         assert rng.random() == reference.random()
     assert calls == [] and os.urandom is not None
+
+
+def _gil_releasing_calls(batch: DecodeBatch, samples: list[dict[str, object]]) -> int:
+    """C calls a DecodeBatch makes that let go of the GIL (decoders, resizes, OS entropy)."""
+    import sys
+
+    count = [0]
+
+    # What a profiler sees of them (simplejpeg's Cython functions are not seen; Pillow's
+    # resize and pack of the same image are, so the per-sample path shows >= 2 a sample).
+    releasing = {"ImagingCore.resize", "ImagingCore.transpose", "ImagingEncoder.encode", "urandom"}
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        if event != "c_call":
+            return
+        name = getattr(arg, "__qualname__", "")
+        if name in releasing or (getattr(arg, "__module__", "") == "streamload.decode._jpegbatch" and name == "decode"):
+            count[0] += 1
+
+    batch(samples)  # imports and first-call set-up out of the count
+    sys.setprofile(profile)
+    try:
+        batch(samples)
+    finally:
+        sys.setprofile(None)
+    return count[0]
+
+
+def test_a_batch_lets_go_of_the_gil_once_whatever_its_size(corpus: list[bytes]) -> None:
+    # Beside a thread running Python, each time a decoding thread takes the GIL back costs up
+    # to a switch interval: the kernel's batch takes it back once, the per-sample path per call.
+    jpegs = [d for d in corpus if len(d) < 400_000][:32]
+    for size in (8, 32):
+        samples = _samples(jpegs[:size])
+        assert _gil_releasing_calls(DecodeBatch(96, crop="random", flip=True, native=True), samples) == 1
+        assert _gil_releasing_calls(DecodeBatch(96, crop="random", flip=True, native=False), samples) >= 2 * size
