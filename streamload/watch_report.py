@@ -53,6 +53,15 @@ class DataReport:
         device_stages: Seconds of the stages run in the training process on its device,
             apart from the readers' (a :class:`~streamload.DeviceDecode`'s ``"decode"``,
             timed with CUDA events on a GPU); empty when there are none.
+        gil_wait_p50_ms: With a loader whose readers are threads: the median time a thread
+            took to get the GIL back after letting go of it (a probe, 20 times a second);
+            near the switch interval (5 ms) when some thread runs Python without pause.
+            ``None``: not probed (worker processes, or too few probes).
+        gil_busy: The share of those probes that waited at least half a switch interval:
+            how much of the time the loop and the loader's threads contend for the GIL.
+        loop_cpu_share: With the probe: the CPU time of the thread that watched the loader
+            (the loop's) over the wall time: near 1 when the loop ran Python all along,
+            lower when it waited (for the GIL, the device or data).
     """
 
     steps: int
@@ -73,6 +82,9 @@ class DataReport:
     slowest_rank: int | None = None
     waits_ms: list[float] = field(default_factory=list, repr=False)
     device_stages: dict[str, float] = field(default_factory=dict)
+    gil_wait_p50_ms: float | None = None
+    gil_busy: float | None = None
+    loop_cpu_share: float | None = None
 
     @property
     def stage_shares(self) -> dict[str, float]:
@@ -128,6 +140,11 @@ class DataReport:
             lines.append("readers: stage times not measured")
         for name, seconds in self.device_stages.items():
             lines.append(f"on the device: {name} {seconds:.2f} s")
+        if self.gil_busy is not None:
+            lines.append(
+                f"GIL: taking it back took {self.gil_wait_p50_ms:.2f} ms (median); "
+                f"{percent(self.gil_busy)} of the probes waited half a switch interval or more"
+            )
         if self.ranks:
             lines.append(f"{'rank':>4} {'steps':>6} {'waiting':>8} {'p95 ms':>8}  top stage")
             for r in self.ranks:
@@ -244,6 +261,9 @@ def verdict(r: DataReport) -> str:
     """One sentence for a person, from the report's figures: input-bound or not, the stage, the knob."""
     if r.steps < 2 or r.wall_s <= 0:
         return "Too few steps to judge: read more batches before asking for a report."
+    gil = _gil_verdict(r)
+    if gil is not None:
+        return gil
     s = r.settings
     wf = r.wait_fraction
     workers = s.get("num_workers")
@@ -277,3 +297,48 @@ def verdict(r: DataReport) -> str:
             f"or raise prefetch_factor{'' if pf is None else f' ({pf} now)'}."
         )
     return f"{head}, and {blame}: {_knob(top, s)}."
+
+
+#: Share of GIL probes that waited half a switch interval or more above which the verdict is the GIL's.
+_GIL_BUSY = 0.25
+#: The loop thread's CPU share above which it ran (rather than waited) all along.
+_LOOP_RUNS = 0.9
+
+
+def _gil_verdict(r: DataReport) -> str | None:
+    """The verdict when the loop and the loader's threads contend for the GIL (``None``: they do not)."""
+    if r.gil_busy is None or r.gil_busy < _GIL_BUSY:
+        return None
+    wf = r.wait_fraction
+    loop = r.loop_cpu_share
+    threads = r.settings.get("threads")
+    readers = "the loader's thread" if threads == 1 else f"the loader's {threads or ''} threads".replace("  ", " ")
+    one = threads == 1
+    probe = (
+        f"a thread that lets go of the GIL waits {r.gil_wait_p50_ms:.1f} ms to get it back "
+        f"({percent(r.gil_busy)} of the probes waited half a switch interval or more)"
+    )
+    fix = (
+        "use DataLoader(num_workers=...) worker processes instead of threads, or decode with the native kernel "
+        "(DecodeBatch: one GIL hand-over a batch instead of several a sample)"
+    )
+    if wf >= _CALM:
+        holder = (
+            "the loop's own Python holds"
+            if loop is None or loop >= _LOOP_RUNS / 2
+            else "their own Python holds (it runs one thread at a time)"
+        )
+        return (
+            f"Input-bound on the GIL: the loop waits {percent(wf)} of its time for data (p95 "
+            f"{r.wait_p95_ms:.1f} ms) because {readers} {'waits' if one else 'wait'} for the GIL that {holder}: "
+            f"{probe}. "
+            f"More threads do not help: {fix}."
+        )
+    if loop is not None and loop >= _LOOP_RUNS:
+        return None  # the loop ran all along: its own step sets the pace
+    return (
+        f"Held back by the GIL: the loop waits only {percent(wf)} of its time for data, but it waits for the GIL "
+        f"that {readers} {'holds' if one else 'hold'} between C calls: {probe}, so each step's Python waits its turn "
+        "and a faster "
+        f"model would not help. Use fewer threads (Loader(threads=...)), or {fix}."
+    )

@@ -37,6 +37,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from ._errors import ConfigError
+from ._gil import GilProbe, contention
 from ._stages import FIELDS, LOADER_COLLATE, STAGES, StageTable, stage_seconds
 from .dataset import StreamingDataset
 from .watch_report import DataReport, percent, verdict
@@ -56,6 +57,7 @@ class Mark:
     wall_s: float
     fields: tuple[tuple[float, ...], ...]
     device: tuple[tuple[str, float], ...] = ()
+    gil_probes: int = 0
 
 
 class Watch(Generic[T]):
@@ -91,6 +93,7 @@ class Watch(Generic[T]):
         self._wall_closed = 0.0
         self._open: weakref.WeakSet[_Timed[T]] = weakref.WeakSet()
         self._attached = False
+        self._gil = _gil_probe(loader, self)
         if attach:
             _attach(loader, self)
             self._attached = True
@@ -144,6 +147,7 @@ class Watch(Generic[T]):
             self._wall(perf_counter()),
             tuple(tuple(t.fields()) for t in self._tables),
             tuple(device_stages(self.loader).items()),
+            0 if self._gil is None else self._gil.count(),
         )
 
     def report(self, all_ranks: bool = False, since: Mark | None = None) -> DataReport:
@@ -188,6 +192,7 @@ class Watch(Generic[T]):
             waits_ms=(waits * 1e3).tolist(),
             device_stages=_since(device_stages(self.loader), self._device_base if since is None else since.device),
         )
+        _gil_figures(report, self._gil, since)
         report.verdict = verdict(report)
         return _gathered(report) if all_ranks else report
 
@@ -428,6 +433,34 @@ def device_stages(loader: Any) -> dict[str, float]:
 def _since(now: dict[str, float], base: tuple[tuple[str, float], ...]) -> dict[str, float]:
     before = dict(base)
     return {name: max(0.0, seconds - before.get(name, 0.0)) for name, seconds in now.items()}
+
+
+# -- the GIL --------------------------------------------------------------------------------
+
+
+def _gil_probe(loader: Any, owner: Watch[Any]) -> GilProbe | None:
+    """A GIL probe when the loader's readers are threads of this process (they and the loop share the GIL)."""
+    threads = next(
+        (
+            obj.threads
+            for obj in _walk(loader)
+            if type(obj).__name__ == "Loader" and type(obj).__module__ == "streamload.loader"
+        ),
+        None,
+    )
+    if threads is None:
+        return None
+    owner.settings["threads"] = int(threads)
+    return GilProbe(owner)
+
+
+def _gil_figures(report: DataReport, probe: GilProbe | None, since: Mark | None) -> None:
+    """Put the probe's figures (since ``since``) into ``report``."""
+    if probe is None:
+        return
+    delays, loop_cpu = probe.since(0 if since is None else since.gil_probes)
+    report.gil_wait_p50_ms, report.gil_busy = contention(delays, probe.switch_s)
+    report.loop_cpu_share = None if loop_cpu is None else min(1.0, loop_cpu)
 
 
 # -- ranks --------------------------------------------------------------------------------

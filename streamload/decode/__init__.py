@@ -20,6 +20,7 @@ from .._fork import ProcessLocal
 from ..randomness import sample_generator
 from ..sample import IMAGE_FIELDS, image_field, image_problem, image_warnings, label_of, parse_label
 from ..skips import sample_failed
+from . import native as _native
 from .image import (
     DEFAULT_MAX_PIXELS,
     WIDE_MODES,
@@ -228,6 +229,11 @@ class DecodeBatch:
             ``__epoch__``/``__position__``) draw from a per-process generator
             (seed, worker id; the worker's torch seed when ``seed`` is ``None``).
         max_pixels: Largest image decoded (see :class:`ImageDecoder`); ``None``: no limit.
+        native: Decode the batch's JPEGs with streamload's native batch kernel (one call a
+            batch, the GIL released once: :mod:`streamload.decode.native`). ``None`` (the
+            default): when it is built and ``backend="auto"``; ``True``: required;
+            ``False``: the per-sample path. The crops, flips and pixels are the same
+            either way (it follows Pillow's bilinear arithmetic; docs/design.md).
 
     Library warnings of a decode (Python's, Pillow's log, libtiff's stderr lines) are
     logged naming the sample and counted in :attr:`warnings` (per process); JPEGs the
@@ -255,6 +261,7 @@ class DecodeBatch:
         layout: str = "CHW",
         seed: int | None = None,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        native: bool | None = None,
     ) -> None:
         if layout not in ("CHW", "HWC"):
             raise SampleError(f"layout={layout!r} must be 'CHW' or 'HWC'")
@@ -265,6 +272,7 @@ class DecodeBatch:
         self.label_field = label_field
         self.layout = layout
         self.seed = seed
+        self.native = _native.use_native(native, backend)
         self.warnings = 0  # library warnings raised by decodes in this process (each logged naming its sample)
         #: A good sample of an earlier batch: what fills a batch whose every sample was skipped.
         self._stand_in: Mapping[str, Any] | None = None
@@ -319,9 +327,10 @@ class DecodeBatch:
         slots = buffer.numpy()
         labels: list[int] = [0] * len(samples)
         bad: list[int] = []
+        taken = self._native_batch(samples, slots) if self.native else None
         for i, sample in enumerate(samples):
             try:
-                labels[i] = self.decode_slot(sample, slots[i])
+                labels[i] = self.decode_slot(sample, slots[i], None if taken is None else taken[i])
             except SampleError as error:
                 if not sample_failed(i, error):
                     raise
@@ -337,8 +346,12 @@ class DecodeBatch:
         images = buffer.permute(0, 3, 1, 2) if self.layout == "CHW" else buffer
         return ImageBatch(images, label_tensor, lease)
 
-    def decode_slot(self, sample: Mapping[str, Any], slot: np.ndarray) -> int:
+    def decode_slot(self, sample: Mapping[str, Any], slot: np.ndarray, native: Any = None) -> int:
         """Decode one sample's image into ``slot`` (an ``(height, width, 3)`` ``uint8`` array); return its label.
+
+        ``native`` is the batch kernel's word on the sample (:func:`streamload.decode.native.decode_batch`):
+        ``DONE`` (its image is in ``slot`` already), a ``Refusal`` (decoded here by Pillow with
+        the kernel's geometry, counted as a fallback), or ``None`` (the per-sample path).
 
         The label is 0 when :attr:`label_field` is ``None``. Library warnings are logged
         and counted (:attr:`warnings`).
@@ -347,14 +360,19 @@ class DecodeBatch:
             SampleError: Naming the sample and field: no image field, an image that cannot
                 be decoded, a missing or bad label.
         """
+        if native is _native.DONE:
+            return 0 if self.label_field is None else label_of(sample, self.label_field)
         name = self._field_of(sample)
         data = sample[name]
         found: list[str] = []
         random = self.decoder.crop == "random" or self.decoder.flip
         try:
             with image_warnings(data) as found:
-                rng = self.sample_rng(sample) if random else None
-                self.decoder.decode_into(data, slot, rng, name=sample.get("__key__"))
+                if isinstance(native, _native.Refusal):
+                    _native.refused_into(self.decoder, data, slot, native, sample.get("__key__"))
+                else:
+                    rng = self.sample_rng(sample) if random else None
+                    self.decoder.decode_into(data, slot, rng, name=sample.get("__key__"))
         except Exception as exc:
             raise _cannot_decode(sample, name, exc, found) from exc
         if found:
@@ -383,6 +401,11 @@ class DecodeBatch:
             j = before[-1] if before else same[0]
             slots[i] = slots[j]
             labels[i] = labels[j]
+
+    def _native_batch(self, samples: list[Any], slots: np.ndarray) -> list[Any]:
+        """The native kernel's pass over the batch (per sample: DONE, a Refusal, or None: not taken)."""
+        datas = [next((sample[name] for name in self.fields if name in sample), b"") for sample in samples]
+        return _native.decode_batch(self, samples, datas, slots)
 
     def _field_of(self, sample: Mapping[str, Any]) -> str:
         for name in self.fields:

@@ -1,0 +1,311 @@
+"""The GIL: the thread Loader beside a Python training loop, with and without the native kernel.
+
+Usage: ``python benchmarks/bench_gil.py [--images 1280] [--seconds 5] [--rounds 3] [--out FILE.json]``
+
+On the photo-like JPEGs of ``bench_threads.py`` (~500x375, shuffled, batch 64,
+``DecodeBatch(160, crop="random", flip=True)``), side by side in one run, with the load
+average:
+
+1. ``Loader(threads=1)`` alone, and beside a pure-Python busy loop in the main thread (the
+   loader iterated by a second thread, as a training step's data fetch is); the busy loop
+   alone. Each as a rate and as a ratio (beside / alone). Per-sample path (``native=False``)
+   and the kernel (``native=True``).
+2. ``DataLoader(num_workers=2)`` + ``DecodeBatch``: decode rate with the kernel off and on.
+3. The cost of ``watch``'s GIL probe to a loop that runs Python all along.
+4. Per core, one process, the same files: today's ``ImageDecoder`` (one ``decode_into`` a
+   sample) against the kernel (one call a batch), images per CPU-second, and where the time
+   goes (the kernel's Python part: headers, boxes, flips; its C call; the per-sample path's
+   decode and its resize + pack).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_threads import BATCH, SIZE, dataset_root  # noqa: E402
+
+
+def _dataset(root: str, native: bool) -> Any:
+    from streamload import StreamingDataset
+    from streamload.decode import DecodeBatch
+
+    collate = DecodeBatch(SIZE, crop="random", flip=True, native=native)
+    return StreamingDataset(root, shuffle=True, seed=0, batch_size=BATCH, collate=collate)
+
+
+def _busy(stop: threading.Event) -> int:
+    """A pure-Python loop (what an eager training step's op dispatch looks like to the GIL)."""
+    n = 0
+    while not stop.is_set():
+        for _ in range(2000):
+            n += 1
+    return n
+
+
+def _consume(loader: Any, stop: threading.Event, counts: list[int]) -> None:
+    while not stop.is_set():
+        for images, _labels in loader:
+            counts[0] += len(images)
+            if stop.is_set():
+                break
+
+
+class _Sched:
+    """The loader threads' Linux schedstat (seconds on a CPU, runnable without one), over a window.
+
+    The Loader starts threads each epoch; a poller keeps each thread's last figures, so a
+    thread that ends inside the window still counts (up to one poll interval short).
+    """
+
+    def __init__(self) -> None:
+        self.first: dict[int, tuple[float, float]] = {}
+        self.last: dict[int, tuple[float, float]] = {}
+        self.stop = threading.Event()
+        self.poll()
+        self.first = dict(self.last)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def poll(self) -> None:
+        for t in threading.enumerate():
+            if not t.name.startswith("streamload-loader") or t.native_id is None:
+                continue
+            try:
+                with open(f"/proc/self/task/{t.native_id}/schedstat") as f:
+                    on_cpu, waiting, _ = f.read().split()
+            except OSError:
+                continue
+            self.last[t.native_id] = (int(on_cpu) / 1e9, int(waiting) / 1e9)
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.05):
+            self.poll()
+
+    def done(self) -> tuple[float, float, int]:
+        """(CPU seconds, run-queue seconds, threads seen) since the start."""
+        self.stop.set()
+        self.thread.join()
+        self.poll()
+        cpu = queued = 0.0
+        for tid, (c, q) in self.last.items():
+            c0, q0 = self.first.get(tid, (0.0, 0.0))
+            cpu += c - c0
+            queued += q - q0
+        return cpu, queued, len(self.last)
+
+
+def loader_beside_loop(root: str, native: bool, seconds: float, busy: bool) -> dict[str, float]:
+    """Images/s of ``Loader(threads=1)`` over ``seconds`` (after its first batch), and the loop's count/s."""
+    import streamload
+
+    loader = streamload.Loader(_dataset(root, native), threads=1)
+    next(iter(loader))  # start-up out of the window
+    stop = threading.Event()
+    counts = [0]
+    reader = threading.Thread(target=_consume, args=(loader, stop, counts), daemon=True)
+    reader.start()
+    time.sleep(0.5)
+    start_images, start = counts[0], time.perf_counter()
+    sched = _Sched()
+    loop = 0
+    if busy:
+        timer = threading.Timer(seconds, stop.set)
+        timer.start()
+        loop = _busy(stop)
+    else:
+        time.sleep(seconds)
+        stop.set()
+    wall = time.perf_counter() - start
+    images = counts[0] - start_images
+    cpu, queued, _seen = sched.done()
+    reader.join(30)
+    loader.close()
+    # The loader's threads: on a CPU, runnable but without one (other jobs: the machine's
+    # share, not the GIL), and the rest of their wall time blocked (the GIL; queues, I/O).
+    threads = loader.threads
+    blocked = max(0.0, threads * wall - cpu - queued)
+    return {
+        "images_s": images / wall,
+        "loop_s": loop / wall,
+        "loader_cpu": cpu / wall,
+        "loader_queued": queued / wall,
+        "loader_blocked": blocked / wall,
+        "images_per_cpu_s": images / cpu if cpu > 0 else 0.0,
+    }
+
+
+def loop_alone(seconds: float) -> float:
+    stop = threading.Event()
+    threading.Timer(seconds, stop.set).start()
+    start = time.perf_counter()
+    n = _busy(stop)
+    return n / (time.perf_counter() - start)
+
+
+def dataloader_rate(root: str, native: bool, workers: int = 2) -> float:
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(_dataset(root, native), batch_size=None, num_workers=workers)
+    images, start = 0, 0.0
+    for i, (batch, _labels) in enumerate(loader):
+        if i == 0:
+            start = time.perf_counter()  # after the first batch (workers started)
+            continue
+        images += len(batch)
+    return images / (time.perf_counter() - start)
+
+
+def per_core(root: str, batches: int = 10) -> dict[str, float]:
+    """One thread: the per-sample path against the kernel on the same samples, per CPU-second."""
+    import simplejpeg
+    from PIL import Image
+
+    from streamload import StreamingDataset
+    from streamload.decode import DecodeBatch, native
+
+    ds = StreamingDataset(root, shuffle=True, seed=0)
+    samples = []
+    for sample in ds:
+        samples.append(sample)
+        if len(samples) >= BATCH * batches:
+            break
+    parts = [samples[i : i + BATCH] for i in range(0, len(samples), BATCH)]
+    out: dict[str, float] = {}
+    for name, flag in (("per_sample", False), ("kernel", True)):
+        collate = DecodeBatch(SIZE, crop="random", flip=True, native=flag)
+        collate(parts[0])
+        cpu = time.thread_time()
+        for part in parts:
+            collate(part)
+        out[f"{name}_images_per_cpu_s"] = len(samples) / (time.thread_time() - cpu)
+    # Where the kernel's time goes: its Python (headers, boxes, flips) and its one C call.
+    collate = DecodeBatch(SIZE, crop="random", flip=True, native=True)
+    module = native.kernel()
+    assert module is not None
+    slots = np.empty((BATCH, *collate.decoder.shape), dtype=np.uint8)
+    python_s = c_s = 0.0
+    real_decode = module.decode
+    for part in parts:
+        datas = [s["jpg"] for s in part]
+        timing: dict[str, float] = {}
+
+        def timed(*args: Any, _t: dict[str, float] = timing) -> Any:
+            t = time.thread_time()
+            try:
+                return real_decode(*args)
+            finally:
+                _t["c"] = time.thread_time() - t
+
+        module.decode = timed
+        try:
+            t0 = time.thread_time()
+            native.decode_batch(collate, part, datas, slots[: len(part)])
+            total = time.thread_time() - t0
+        finally:
+            module.decode = real_decode
+        c_s += timing["c"]
+        python_s += total - timing["c"]
+    n = len(samples)
+    out["kernel_python_us_per_image"] = python_s / n * 1e6
+    out["kernel_c_us_per_image"] = c_s / n * 1e6
+    # The per-sample path's parts: libjpeg-turbo decode (simplejpeg, DCT-scaled as it is) and the rest.
+    decoder = collate.decoder
+    t0 = time.thread_time()
+    for s in samples:
+        h, w, _, _ = simplejpeg.decode_jpeg_header(s["jpg"])
+        box = decoder.box(w, h, np.random.default_rng(0))
+        f = decoder._reduction(w, h, box)
+        array = simplejpeg.decode_jpeg(s["jpg"], "RGBX", min_width=-(-w // f), min_height=-(-h // f), min_factor=f)
+        Image.frombuffer("RGBX", (array.shape[1], array.shape[0]), array, "raw", "RGBX", 0, 1)
+    out["per_sample_decode_us_per_image"] = (time.thread_time() - t0) / n * 1e6
+    per_image_us = 1e6 / out["per_sample_images_per_cpu_s"]
+    out["per_sample_rest_us_per_image"] = per_image_us - out["per_sample_decode_us_per_image"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=1280)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, kernel off and on interleaved in each")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    root = dataset_root(args.images)
+    print(f"load average before: {os.getloadavg()}, switch interval {sys.getswitchinterval() * 1e3:.0f} ms")
+    result: dict[str, Any] = {"load_before": os.getloadavg(), "rounds": []}
+    # The cost of watch's GIL probe to a thread that runs Python all along (alone, probed, alone).
+    from streamload._gil import GilProbe
+
+    class Owner:
+        pass
+
+    loop = loop_alone(args.seconds)
+    owner = Owner()
+    GilProbe(owner)
+    probed = loop_alone(args.seconds)
+    del owner
+    loop_again = loop_alone(args.seconds)
+    result["gil_probe"] = {"alone": loop, "probed": probed, "alone_again": loop_again}
+    print(
+        f"busy loop alone {loop / 1e6:.2f} M/s; with watch's GIL probe {probed / 1e6:.2f} M/s; "
+        f"alone again {loop_again / 1e6:.2f} M/s (probed / mean of the two: {2 * probed / (loop + loop_again):.3f})"
+    )
+    for r in range(args.rounds):
+        row: dict[str, Any] = {"load": os.getloadavg()}
+        for flag in (False, True):
+            key = "kernel" if flag else "per_sample"
+            loop = loop_alone(args.seconds)
+            alone = loader_beside_loop(root, flag, args.seconds, busy=False)
+            beside = loader_beside_loop(root, flag, args.seconds, busy=True)
+            row[key] = {"loop_alone": loop, "alone": alone, "beside": beside}
+            print(
+                f"round {r + 1} Loader(threads=1) {key:10s}: alone {alone['images_s']:5.0f} img/s; beside a busy "
+                f"loop {beside['images_s']:5.0f} img/s ({beside['images_s'] / alone['images_s']:.2f} of alone); "
+                f"the loop keeps {beside['loop_s'] / loop:.2f} of its {loop / 1e6:.1f} M/s (load "
+                f"{os.getloadavg()[0]:.1f}); the loader's threads, alone / beside: on a CPU "
+                f"{alone['loader_cpu']:.2f} / "
+                f"{beside['loader_cpu']:.2f}, waiting for a CPU {alone['loader_queued']:.2f} / "
+                f"{beside['loader_queued']:.2f}, blocked (GIL, queues) {alone['loader_blocked']:.2f} / "
+                f"{beside['loader_blocked']:.2f} of the time"
+            )
+        for flag in (False, True):
+            rate = dataloader_rate(root, flag)
+            row[f"dataloader2_{'kernel' if flag else 'per_sample'}"] = rate
+            name = "kernel" if flag else "per-sample"
+            print(f"round {r + 1} DataLoader(num_workers=2) + DecodeBatch, {name}: {rate:.0f} img/s")
+        result["rounds"].append(row)
+    for key in ("per_sample", "kernel"):
+        loader = [x[key]["beside"]["images_s"] / x[key]["alone"]["images_s"] for x in result["rounds"]]
+        kept = [x[key]["beside"]["loop_s"] / x[key]["loop_alone"] for x in result["rounds"]]
+        dl = [x[f"dataloader2_{key}"] for x in result["rounds"]]
+        print(
+            f"{key:10s}: beside a busy loop the Loader keeps {min(loader):.2f}-{max(loader):.2f} of its rate alone, "
+            f"the loop {min(kept):.2f}-{max(kept):.2f} of its own; DataLoader(2) {min(dl):.0f}-{max(dl):.0f} img/s"
+        )
+    core = per_core(root)
+    result["per_core"] = core
+    print(
+        f"per core: per-sample {core['per_sample_images_per_cpu_s']:.0f} img/CPU-s "
+        f"(decode {core['per_sample_decode_us_per_image']:.0f} us + resize/pack/Python "
+        f"{core['per_sample_rest_us_per_image']:.0f} us an image); kernel {core['kernel_images_per_cpu_s']:.0f} "
+        f"img/CPU-s (C {core['kernel_c_us_per_image']:.0f} us + Python {core['kernel_python_us_per_image']:.0f} us)"
+    )
+    result["load_after"] = os.getloadavg()
+    print(f"load average after: {result['load_after']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

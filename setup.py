@@ -1,0 +1,19 @@
+"""Build streamload's optional native JPEG batch kernel (everything else is in pyproject.toml).
+
+The extension is optional: without a C compiler or libjpeg-turbo's headers (Debian:
+``libjpeg62-turbo-dev``) the install still succeeds, and decoding takes the per-sample path.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "streamload.decode._jpegbatch",
+            sources=["streamload/decode/_jpegbatch.c"],
+            libraries=["jpeg"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        )
+    ]
+)

@@ -1,0 +1,186 @@
+"""The native batch kernel: a batch of JPEGs decoded into the batch buffer in one call.
+
+Per-sample calls into C (decode, resize, flip, pack) each release the GIL and must take it
+back; beside a thread running Python (a training loop), each of those takes up to the
+switch interval (5 ms). :func:`decode_batch` makes a batch's JPEG work one call that
+releases the GIL once, whatever the batch size::
+
+    headers     _jpegbatch.headers          -- C, GIL held (microseconds a sample)
+    geometry    ImageDecoder.box, flip      -- Python: the same draws, from the same
+                _reduction                     generator, as the per-sample path
+    decode      _jpegbatch.decode           -- C, GIL released once for the batch:
+                                               libjpeg-turbo at 1/factor, Pillow's
+                                               bilinear resample of the box, the flip,
+                                               the write into each slot
+
+The kernel is a CPython extension (``streamload/decode/_jpegbatch.c``) linked against the
+system's libjpeg-turbo and built by the package's install when a C compiler and
+``jpeglib.h`` are there (optional: without them the install still succeeds). Where it is
+absent, the per-sample path runs, with a one-line notice.
+
+Samples the kernel does not take (not a JPEG, CMYK, a header it cannot read, larger than
+``max_pixels``) go the per-sample path unchanged. Samples it refuses while decoding
+(corrupt or truncated data, anything libjpeg warns about) are decoded by Pillow with the
+same box and flip, counted in the decoder's ``fallbacks`` like simplejpeg's refusals.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._errors import ConfigError
+
+if TYPE_CHECKING:
+    from . import DecodeBatch
+    from .image import ImageDecoder
+
+__all__ = ["DONE", "Refusal", "available", "decode_batch", "kernel", "refused_into", "use_native"]
+
+_log = logging.getLogger("streamload.decode")
+_LOCK = threading.Lock()
+_STATE: dict[str, Any] = {}
+
+
+def kernel() -> ModuleType | None:
+    """The compiled kernel module, or ``None`` when it was not built (logged once per process)."""
+    if "module" in _STATE:
+        return _STATE["module"]  # type: ignore[no-any-return]
+    with _LOCK:
+        if "module" not in _STATE:
+            try:  # the compiled extension (no .py: imported by name)
+                module: ModuleType | None = importlib.import_module(f"{__package__}._jpegbatch")
+            except ImportError as exc:
+                module = None
+                _log.warning(
+                    "streamload's native JPEG batch kernel is not built (%s): decoding per sample. Build it with "
+                    "`pip install -e .` where gcc and libjpeg-turbo's headers (libjpeg62-turbo-dev) are installed",
+                    exc,
+                )
+            _STATE["module"] = module
+    return _STATE["module"]  # type: ignore[no-any-return]
+
+
+def available() -> bool:
+    """True if the native kernel is built (importable)."""
+    return kernel() is not None
+
+
+def use_native(native: bool | None, backend: str) -> bool:
+    """Whether a :class:`~streamload.decode.DecodeBatch` uses the kernel.
+
+    ``None`` (the default): with ``backend="auto"`` when the kernel is built; ``True``:
+    always (raises :class:`~streamload.ConfigError` when it is not built); ``False``: never.
+    """
+    if native is None:
+        return backend == "auto" and available()
+    if native and not available():
+        raise ConfigError("native=True needs streamload's native JPEG kernel, which is not built (see the log)")
+    return bool(native)
+
+
+class _Done:
+    def __repr__(self) -> str:
+        return "DONE"
+
+
+#: A sample the kernel decoded into its slot.
+DONE = _Done()
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A JPEG the kernel refused while decoding: its geometry, for Pillow to decode it the same way."""
+
+    box: tuple[float, float, float, float]
+    flip: bool
+    reason: str
+
+
+def decode_batch(
+    batch: DecodeBatch, samples: Sequence[Mapping[str, Any]], datas: Sequence[Any], slots: np.ndarray
+) -> list[Any]:
+    """Decode the batch's JPEGs (``datas``: each sample's image bytes) into ``slots`` in one GIL-free call.
+
+    ``slots`` is the batch buffer, ``n x H x W x 3`` (C-contiguous ``uint8``).
+
+    Each sample's box and flip are drawn here in sample order, from the generator the
+    per-sample path would use (:meth:`DecodeBatch.sample_rng`), with the same
+    :meth:`ImageDecoder.box` and the same draw for the flip, so the crops are identical.
+
+    Returns:
+        Per sample: :data:`DONE` (decoded into its slot), a :class:`Refusal` (to decode with
+        Pillow: :func:`refused_into`), or ``None`` (not taken: the per-sample path, which
+        draws from the sample's generator itself).
+    """
+    module = kernel()
+    assert module is not None
+    decoder = batch.decoder
+    n = len(samples)
+    dims = np.zeros((n, 3), dtype=np.int32)
+    module.headers(datas, dims)
+    boxes = np.zeros((n, 4), dtype=np.float32)
+    params = np.zeros((n, 2), dtype=np.int32)
+    full: list[tuple[float, float, float, float] | None] = [None] * n
+    flips = [False] * n
+    random = decoder.crop == "random" or decoder.flip
+    max_pixels = decoder.max_pixels
+    for i, (width, height, kind) in enumerate(dims.tolist()):
+        if kind == 0 or (max_pixels is not None and width * height > max_pixels):
+            continue  # the per-sample path: Pillow, or today's error naming the sample
+        rng = batch.sample_rng(samples[i]) if random else None
+        box = decoder.box(width, height, rng)
+        factor = decoder._reduction(width, height, box)
+        scale = _box_scale(width, factor)
+        boxes[i] = (box[0] / scale, box[1] / scale, box[2] / scale, box[3] / scale)
+        flip = decoder.flip and (rng if rng is not None else np.random.default_rng()).random() < 0.5
+        params[i] = (factor, 1 if flip else 0)
+        full[i] = box
+        flips[i] = flip
+    reasons = module.decode(datas, boxes, params, slots, decoder.height, decoder.width, _pillow13())
+    out: list[Any] = [None] * n
+    for i, drawn in enumerate(full):
+        if drawn is not None:
+            out[i] = DONE if reasons[i] is None else Refusal(drawn, flips[i], reasons[i])
+    return out
+
+
+def _pillow13() -> bool:
+    """Whether the installed Pillow orders its resize passes as 13 does (the kernel follows it)."""
+    if "pillow13" not in _STATE:
+        import PIL
+
+        _STATE["pillow13"] = int(PIL.__version__.split(".")[0]) >= 13
+    return bool(_STATE["pillow13"])
+
+
+def _box_scale(width: int, factor: int) -> int:
+    """The per-sample path's map of a full-size box onto a 1/factor decode (``image._scaled``)."""
+    import math
+
+    decoded = -(-width // factor)
+    return 1 << max(0, round(math.log2(width / decoded)))
+
+
+def refused_into(decoder: ImageDecoder, data: Any, out: np.ndarray, refusal: Refusal, name: str | None) -> None:
+    """Decode with Pillow, into ``out``, a JPEG the kernel refused: the same box and flip, a counted fallback.
+
+    Raises:
+        ValueError: When Pillow cannot read it either (the caller names the sample), as
+            the per-sample path does.
+    """
+    from PIL import Image
+
+    img, box = decoder._fallback(data, None, refusal.box, ValueError(refusal.reason), name)
+    if img.size != (decoder.width, decoder.height) or box != (0, 0, decoder.width, decoder.height):
+        img = img.resize((decoder.width, decoder.height), Image.Resampling.BILINEAR, box=box)
+    if refusal.flip:
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    out[...] = np.frombuffer(img.tobytes("raw", "RGB"), dtype=np.uint8).reshape(decoder.height, decoder.width, 3)
