@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import weakref
 from array import array
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, Generic, TypeVar
@@ -96,15 +96,20 @@ class Watch(Generic[T]):
     def __iter__(self) -> Iterator[T]:
         if self._attached:  # the loader's own iterators are timed already
             return iter(self.loader)
-        return self._iterate(self.loader)
+        return self.timed(lambda: iter(self.loader))
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
-    def _iterate(self, loader: Iterable[T], make: Any = None) -> _Timed[T]:
+    def timed(self, make: Callable[[], Iterator[T]]) -> Iterator[T]:
+        """Return the iterator ``make()`` returns, each of its ``next()`` timed into this watch.
+
+        The hook for a loader iterated by someone else (``attach=True``): the time
+        ``make()`` takes (workers started) counts with the first batch.
+        """
         start = perf_counter()
-        inner = iter(loader) if make is None else make()
-        timed = _Timed(self, inner, start, perf_counter() - start)
+        inner = make()
+        timed = _Timed(inner, start, perf_counter() - start, self._batch, self._end)
         self._open.add(timed)
         return timed
 
@@ -231,10 +236,18 @@ def watch(loader: Iterable[T], *, attach: bool = False) -> Watch[T]:
 class _Timed(Generic[T]):
     """One iteration of a watched loader: each ``next()`` timed."""
 
-    __slots__ = ("__weakref__", "_inner", "_pending", "_watch", "started", "wall_start")
+    __slots__ = ("__weakref__", "_inner", "_on_batch", "_on_end", "_pending", "started", "wall_start")
 
-    def __init__(self, owner: Watch[T], inner: Iterator[T], started: float, opening: float) -> None:
-        self._watch = owner
+    def __init__(
+        self,
+        inner: Iterator[T],
+        started: float,
+        opening: float,
+        on_batch: Callable[[_Timed[T], float, float], None],
+        on_end: Callable[[_Timed[T], float], None],
+    ) -> None:
+        self._on_batch = on_batch  # the owning watch's bookkeeping: (iterator, waited, now)
+        self._on_end = on_end  # and at the iteration's end: (iterator, at)
         self._inner = inner
         self._pending = opening  # the time iter() took (workers started) counts with the first batch
         self.started = started
@@ -248,10 +261,10 @@ class _Timed(Generic[T]):
         try:
             batch = next(self._inner)
         except StopIteration:
-            self._watch._end(self, start)
+            self._on_end(self, start)
             raise
         now = perf_counter()
-        self._watch._batch(self, now - start + self._pending, now)
+        self._on_batch(self, now - start + self._pending, now)
         self._pending = 0.0
         return batch
 
@@ -265,7 +278,7 @@ class _Timed(Generic[T]):
 
     def __del__(self) -> None:
         try:
-            self._watch._end(self, perf_counter())
+            self._on_end(self, perf_counter())
         except Exception:  # noqa: BLE001, S110 - interpreter shutdown
             pass
 
@@ -338,15 +351,15 @@ def _workers_started(loader: Any) -> bool:
     """True if a DataLoader's persistent workers are running already (they cannot get the stage table)."""
     for dl in _dataloaders(loader):
         running = dl.num_workers > 0 and getattr(dl, "_iterator", None) is not None
-        if running and isinstance(dl.dataset, StreamingDataset) and dl.dataset._stages is None:
+        if running and isinstance(dl.dataset, StreamingDataset) and dl.dataset.stage_table is None:
             return True
     return False
 
 
 def _table(dataset: StreamingDataset, workers: int) -> StageTable:
-    table = dataset._stages
+    table = dataset.stage_table
     if table is None or (workers > 0 and table.rows < workers):
-        table = dataset._stages = StageTable(workers)
+        table = dataset.stage_table = StageTable(workers)
     return table
 
 
@@ -367,7 +380,7 @@ def _settings(loader: Any, datasets: list[StreamingDataset]) -> dict[str, Any]:
         ds = datasets[0]
         out["transform"] = None if ds.transform is None else type(ds.transform).__name__
         out["collate"] = None if ds.collate is None else type(ds.collate).__name__
-        url = ds._ref.data_url
+        url = ds.streams.refs[0].data_url
         out["remote"] = "://" in url and not url.startswith("file://")
         out["cache"] = ds.storage.cache
         out["read_ahead"] = ds.storage.read_ahead
@@ -388,7 +401,7 @@ def _attach(loader: Any, owner: Watch[Any]) -> None:
             def __iter__(self: Any) -> Any:  # noqa: N807 - the subclass's iterator
                 make = super(sub, self).__iter__  # type: ignore[arg-type]
                 watcher = getattr(self, "_streamload_watch", None)
-                return make() if watcher is None else watcher._iterate(self, make)
+                return make() if watcher is None else watcher.timed(make)
 
             sub = type(cls.__name__, (cls,), {"__iter__": __iter__, "__slots__": (), "__module__": cls.__module__})
             sub.__qualname__ = cls.__qualname__
