@@ -41,7 +41,7 @@ from ._stages import FIELDS, LOADER_COLLATE, STAGES, StageTable, stage_seconds
 from .dataset import StreamingDataset
 from .watch_report import DataReport, percent, verdict
 
-__all__ = ["DataReport", "Mark", "Watch", "watch"]
+__all__ = ["DataReport", "Mark", "Watch", "attached_watch", "watch"]
 
 T = TypeVar("T")
 
@@ -64,12 +64,13 @@ class Watch(Generic[T]):
     :meth:`report` can be asked at any time, from the loop or after it.
 
     Attributes:
-        loader: The watched loader.
+        loader: The watched loader; with ``attach=True`` its timed twin, the loader to hand
+            to the framework (see :func:`watch`).
         settings: What the verdict knows of the loader (workers, prefetch, storage...).
     """
 
     def __init__(self, loader: Iterable[T], attach: bool = False) -> None:
-        self.loader = loader
+        self.loader = loader = _twin(loader, self) if attach else loader
         datasets = _datasets(loader)
         self.settings = _settings(loader, datasets)
         started = _workers_started(loader)
@@ -88,10 +89,7 @@ class Watch(Generic[T]):
         self._wait_s = 0.0
         self._wall_closed = 0.0
         self._open: weakref.WeakSet[_Timed[T]] = weakref.WeakSet()
-        self._attached = False
-        if attach:
-            _attach(loader, self)
-            self._attached = True
+        self._attached = attach
 
     def __iter__(self) -> Iterator[T]:
         if self._attached:  # the loader's own iterators are timed already
@@ -216,10 +214,12 @@ def watch(loader: Iterable[T], *, attach: bool = False) -> Watch[T]:
 
     Args:
         loader: The iterable the training loop reads.
-        attach: Also time iterations of ``loader`` itself (its class becomes a subclass
-            whose ``__iter__`` reports to the watch), for a framework that iterates the
-            loader it was given, as Lightning does; the returned :class:`Watch` then only
-            reports.
+        attach: For a framework that iterates the loader it is given, as Lightning does:
+            the returned watch's :attr:`Watch.loader` is then a twin of ``loader`` (an
+            instance of a subclass of its class, sharing its attributes, whose own
+            iterations are timed) to hand to the framework in its place; ``loader``
+            itself is left as it was. The :class:`Watch` then only reports. Watching the
+            twin again returns the same watch (:func:`attached_watch`).
 
     Example:
         >>> watched = watch(DataLoader(ds, batch_size=None, num_workers=4))  # doctest: +SKIP
@@ -227,10 +227,16 @@ def watch(loader: Iterable[T], *, attach: bool = False) -> Watch[T]:
         >>> print(watched.report())  # doctest: +SKIP
     """
     if attach:
-        existing = getattr(loader, "_streamload_watch", None)
-        if isinstance(existing, Watch):
+        existing = attached_watch(loader)
+        if existing is not None:
             return existing
     return Watch(loader, attach=attach)
+
+
+def attached_watch(loader: object) -> Watch[Any] | None:
+    """The watch whose timed twin ``loader`` is (``watch(..., attach=True).loader``), else ``None``."""
+    found = getattr(type(loader), "streamload_watch", None)
+    return found if isinstance(found, Watch) else None
 
 
 class _Timed(Generic[T]):
@@ -388,29 +394,33 @@ def _settings(loader: Any, datasets: list[StreamingDataset]) -> dict[str, Any]:
     return out
 
 
-_WATCHED: dict[type, type] = {}
+def _twin(loader: Any, owner: Watch[Any]) -> Any:
+    """A twin of ``loader`` whose own iterations report to ``owner``; ``loader`` is not changed.
 
-
-def _attach(loader: Any, owner: Watch[Any]) -> None:
-    """Make ``loader``'s own iterations report to ``owner`` (its class becomes a subclass timing ``__iter__``)."""
+    The twin is an instance of a subclass of the loader's class (so a framework treats it
+    as it treats the loader) made without ``__init__``, sharing the loader's attributes
+    (its dataset, its settings) as they are now; only ``__iter__`` differs. The subclass
+    names the watch (``streamload_watch``, see :func:`attached_watch`).
+    """
     cls = type(loader)
-    if cls not in _WATCHED.values():
-        sub = _WATCHED.get(cls)
-        if sub is None:
+    attributes = getattr(loader, "__dict__", None)
+    if attributes is None or getattr(cls, "__slots__", None):
+        raise ConfigError(f"watch(attach=True) cannot time a {cls.__name__}: wrap it instead")
 
-            def __iter__(self: Any) -> Any:  # noqa: N807 - the subclass's iterator
-                make = super(sub, self).__iter__  # type: ignore[arg-type]
-                watcher = getattr(self, "_streamload_watch", None)
-                return make() if watcher is None else watcher.timed(make)
+    sub: Any = None  # the subclass, made below
 
-            sub = type(cls.__name__, (cls,), {"__iter__": __iter__, "__slots__": (), "__module__": cls.__module__})
-            sub.__qualname__ = cls.__qualname__
-            _WATCHED[cls] = sub
-        try:
-            loader.__class__ = sub
-        except TypeError as exc:
-            raise ConfigError(f"watch(attach=True) cannot time a {cls.__name__}: wrap it instead") from exc
-    loader._streamload_watch = owner
+    def __iter__(self: Any) -> Any:  # noqa: N807 - the twin's iterator
+        return owner.timed(super(sub, self).__iter__)
+
+    body = {"__iter__": __iter__, "__slots__": (), "__module__": cls.__module__, "streamload_watch": owner}
+    sub = type(cls.__name__, (cls,), body)
+    sub.__qualname__ = cls.__qualname__  # pickled, the twin is the loader's class again
+    try:
+        twin = sub.__new__(sub)
+    except TypeError as exc:  # a __new__ that wants arguments
+        raise ConfigError(f"watch(attach=True) cannot time a {cls.__name__}: wrap it instead") from exc
+    vars(twin).update(attributes)
+    return twin
 
 
 # -- ranks --------------------------------------------------------------------------------
