@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .dataset import SkipCounts, SkippedSample, StreamingDataset
     from .decode import ImageLabel, decode_sample
     from .device import DevicePrefetcher
+    from .devicedecode import DeviceDecode
     from .loader import Loader
     from .manifest import Manifest, ShardEntry
     from .randomness import sample_generator, sample_seed
@@ -51,6 +52,7 @@ _LAZY = {
     "ImageLabel": "decode",
     "decode_sample": "decode",
     "DevicePrefetcher": "device",
+    "DeviceDecode": "devicedecode",
     "Loader": "loader",
     "Manifest": "manifest",
     "ShardEntry": "manifest",
@@ -90,6 +92,7 @@ __all__ = [
     "CorruptShardError",
     "DestinationBusyError",
     "DatasetWriter",
+    "DeviceDecode",
     "DevicePrefetcher",
     "ImageLabel",
     "Loader",

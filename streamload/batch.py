@@ -30,7 +30,7 @@ and copying each field once into the buffer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, cast, overload, runtime_checkable
 
 import numpy as np
@@ -69,9 +69,13 @@ class RawBatch:
         offsets: ``int64[B + 1]``, ``offsets[0] == 0`` and ``offsets[B] == len(data)``.
         labels: ``int64[B]`` labels, or ``None`` if no label field was asked for.
         keys: The samples' keys if asked for (these few strings are pickled), else ``None``.
+        places: ``int64[B, 2]``: each sample's ``(epoch, position)`` in the epoch's padded
+            sequence (its ``"__epoch__"``/``"__position__"``, the key of its random crop
+            and flip, :func:`streamload.sample_generator`), or ``None`` when unknown
+            (``RawCollate(places=False)``, or samples not read by a dataset).
     """
 
-    __slots__ = ("_lease", "data", "keys", "labels", "offsets")
+    __slots__ = ("_lease", "data", "keys", "labels", "offsets", "places")
 
     def __init__(
         self,
@@ -80,12 +84,14 @@ class RawBatch:
         labels: torch.Tensor | None = None,
         keys: tuple[str, ...] | None = None,
         lease: Lease | None = None,
+        places: torch.Tensor | None = None,
     ) -> None:
         self.data = data
         self.offsets = offsets
         self.labels = labels
         self.keys = keys
         self._lease = lease
+        self.places = places
 
     @property
     def batch_size(self) -> int:
@@ -114,20 +120,20 @@ class RawBatch:
             (self.data, self.offsets, self.labels), lambda t: t.to(device, non_blocking=non_blocking)
         )
         assert data is not None and offsets is not None
-        return RawBatch(data, offsets, labels, self.keys)
+        return RawBatch(data, offsets, labels, self.keys, places=self.places)
 
     def pin_memory(self, device: Any = None) -> RawBatch:
         """Return a copy in page-locked memory (what ``DataLoader(pin_memory=True)`` calls)."""
         data, offsets, labels = _map_tensors((self.data, self.offsets, self.labels), lambda t: t.pin_memory())
         assert data is not None and offsets is not None
-        return RawBatch(data, offsets, labels, self.keys)
+        return RawBatch(data, offsets, labels, self.keys, places=self.places)
 
     def __reduce__(self) -> tuple[Any, ...]:
         lease = self._lease
         if lease is not None and lease.here():  # a worker sending its batch: a few integers
-            message, specs = pack((self.data, self.offsets, self.labels), lease)
+            message, specs = pack((self.data, self.offsets, self.labels, self.places), lease)
             return (_rebuild_raw, (message, specs, self.keys))
-        return (RawBatch, (self.data, self.offsets, self.labels, self.keys))
+        return (RawBatch, (self.data, self.offsets, self.labels, self.keys, None, self.places))
 
     def __repr__(self) -> str:
         return f"RawBatch(batch_size={self.batch_size}, bytes={self.data.numel()}, labels={self.labels is not None})"
@@ -221,9 +227,9 @@ def _map_tensors(
 
 
 def _rebuild_raw(message: Message, specs: list[Spec | None], keys: tuple[str, ...] | None) -> RawBatch:
-    data, offsets, labels = unpack(message, specs)
+    data, offsets, labels, places = unpack(message, specs)
     assert data is not None and offsets is not None
-    return RawBatch(data, offsets, labels, keys)
+    return RawBatch(data, offsets, labels, keys, places=places)
 
 
 def _rebuild_images(message: Message, specs: list[Spec | None]) -> ImageBatch:
@@ -331,6 +337,11 @@ class RawCollate:
             sample's first present one is taken (default: the usual image extensions).
         label_field: ASCII-decimal label field parsed into ``labels``, or ``None``.
         keys: Also return the samples' keys (pickled strings; off by default).
+        places: Also return each sample's ``(epoch, position)`` (:attr:`RawBatch.places`,
+            16 bytes a sample in the batch's buffer; on by default): what
+            :class:`~streamload.DeviceDecode` draws the CPU path's random crops and flips
+            from. Samples without ``"__epoch__"``/``"__position__"`` (dicts not read by a
+            dataset) give ``places=None``.
 
     Example:
         >>> ds = StreamingDataset("shards/", batch_size=256, collate=RawCollate())  # doctest: +SKIP
@@ -338,16 +349,26 @@ class RawCollate:
     """
 
     def __init__(
-        self, field: str | Sequence[str] = IMAGE_FIELDS, label_field: str | None = "cls", keys: bool = False
+        self,
+        field: str | Sequence[str] = IMAGE_FIELDS,
+        label_field: str | None = "cls",
+        keys: bool = False,
+        places: bool = True,
     ) -> None:
         self.fields: tuple[str, ...] = (field,) if isinstance(field, str) else tuple(field)
         if not self.fields:
             raise ConfigError("RawCollate needs at least one field")
+        if not isinstance(places, bool):
+            raise ConfigError(f"RawCollate(places={places!r}) must be True or False")
         self.label_field = label_field
         self.keys = keys
+        self.places = places
 
     def __repr__(self) -> str:
-        return f"RawCollate(field={self.fields!r}, label_field={self.label_field!r}, keys={self.keys})"
+        return (
+            f"RawCollate(field={self.fields!r}, label_field={self.label_field!r}, keys={self.keys}, "
+            f"places={self.places})"
+        )
 
     # -- the generic path: sample dicts in ---------------------------------------------
 
@@ -355,7 +376,8 @@ class RawCollate:
         """Collate sample dicts (``{"__key__", field: bytes}``) into a :class:`RawBatch`."""
         values = [self._field_of(s) for s in samples]
         sizes = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
-        data, offsets_t, labels, lease = self._buffers(sizes)
+        where = _sample_places(samples) if self.places else None
+        data, offsets_t, labels, lease, places = self._buffers(sizes, where)
         offsets = offsets_t.numpy()
         flat = data.numpy()
         for value, a, b in zip(values, offsets[:-1], offsets[1:], strict=True):
@@ -364,19 +386,28 @@ class RawCollate:
             assert self.label_field is not None
             labels.numpy()[:] = [label_of(s, self.label_field) for s in samples]
         keys = tuple(s["__key__"] for s in samples) if self.keys else None
-        return RawBatch(data, offsets_t, labels, keys, lease)
+        return RawBatch(data, offsets_t, labels, keys, lease, places)
 
-    def _buffers(self, sizes: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Lease | None]:
-        """Data, offsets (filled from ``sizes``) and labels of one batch, all in one batch buffer."""
+    def _buffers(
+        self, sizes: np.ndarray, where: np.ndarray | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Lease | None, torch.Tensor | None]:
+        """Data, offsets (filled from ``sizes``), labels and places (filled from ``where``), in one batch buffer."""
         n = len(sizes)
         parts: list[tuple[Sequence[int], torch.dtype]] = [((int(sizes.sum()),), torch.uint8), ((n + 1,), torch.int64)]
         if self.label_field is not None:
             parts.append(((n,), torch.int64))
+        if where is not None:
+            parts.append(((n, 2), torch.int64))
         tensors, lease = batch_tensors(parts)
         offsets = tensors[1].numpy()
         offsets[0] = 0
         np.cumsum(sizes, out=offsets[1:])
-        return tensors[0], tensors[1], tensors[2] if len(tensors) > 2 else None, lease
+        labels = tensors[2] if self.label_field is not None else None
+        places = None
+        if where is not None:
+            places = tensors[-1]
+            places.numpy()[:] = where
+        return tensors[0], tensors[1], labels, lease, places
 
     def _field_of(self, sample: Sample) -> bytes:
         for name in self.fields:
@@ -390,7 +421,9 @@ class RawCollate:
 
     # -- the fast path: read straight from the shard readers ----------------------------
 
-    def read_batch(self, open_reader: Callable[[int], ShardReader], parts: Parts) -> RawBatch:
+    def read_batch(
+        self, open_reader: Callable[[int], ShardReader], parts: Parts, places: np.ndarray | None = None
+    ) -> RawBatch:
         """Read a batch straight into one buffer: sizes from the index, then one read per shard.
 
         The batch's samples are grouped by shard (a shuffled or mixed batch has many small
@@ -402,9 +435,15 @@ class RawCollate:
             open_reader: Returns the open reader of a shard (the dataset's reader cache;
                 called again for every step, so an evicted reader is simply reopened).
             parts: ``(shard, local indices)`` of the batch, in batch order.
+            places: ``int64[B, 2]``, the samples' ``(epoch, position)`` (the dataset
+                passes them when :attr:`places` is set); kept in :attr:`RawBatch.places`.
         """
+        where = places if self.places else None
         if not all(_serves_batches(open_reader(shard)) for shard, _ in parts):
             samples = [open_reader(shard).get(int(i)) for shard, idx in parts for i in idx]
+            if where is not None:
+                for sample, (epoch, item) in zip(samples, where.tolist(), strict=True):
+                    sample["__epoch__"], sample["__position__"] = epoch, item
             return self(samples)
         label = None if self.label_field is None else (self.label_field,)
         groups = _group_by_shard(parts)
@@ -418,7 +457,7 @@ class RawCollate:
             values = _integer_labels(reader, idx, label[0]) if label else None
             label_values.append(values)
             label_sizes.append(reader.field_sizes(idx, label) if label and values is None else None)
-        data, offsets_t, labels, lease = self._buffers(sizes)
+        data, offsets_t, labels, lease, places_t = self._buffers(sizes, where)
         offsets, flat = offsets_t.numpy(), data.numpy()
         for (shard, idx, pos), lsize, values in zip(groups, label_sizes, label_values, strict=True):
             reader = cast(BatchReads, open_reader(shard))
@@ -447,7 +486,19 @@ class RawCollate:
                 else:
                     labels.numpy()[pos] = parse_labels(raw, loffsets, keys_of, label[0]).numpy()
         keys = tuple(k for shard, idx in parts for k in open_reader(shard).keys_of(idx)) if self.keys else None
-        return RawBatch(data, offsets_t, labels, keys, lease)
+        return RawBatch(data, offsets_t, labels, keys, lease, places_t)
+
+
+def _sample_places(samples: Sequence[Any]) -> np.ndarray | None:
+    """``int64[B, 2]`` of the samples' ``(__epoch__, __position__)``, or ``None`` if any lacks them."""
+    where = np.empty((len(samples), 2), dtype=np.int64)
+    for i, sample in enumerate(samples):
+        epoch = sample.get("__epoch__") if isinstance(sample, Mapping) else None
+        item = sample.get("__position__") if isinstance(sample, Mapping) else None
+        if not isinstance(epoch, int) or not isinstance(item, int):
+            return None
+        where[i] = epoch, item
+    return where
 
 
 def _group_by_shard(parts: Parts) -> list[tuple[int, np.ndarray, np.ndarray]]:

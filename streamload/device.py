@@ -54,7 +54,7 @@ def _map(batch: Any, fn: Any) -> Any:
         return fn(batch)
     if isinstance(batch, RawBatch):
         labels = None if batch.labels is None else fn(batch.labels)
-        return RawBatch(fn(batch.data), fn(batch.offsets), labels, batch.keys)
+        return RawBatch(fn(batch.data), fn(batch.offsets), labels, batch.keys, places=batch.places)
     if isinstance(batch, ImageBatch):
         return ImageBatch(fn(batch.images), None if batch.labels is None else fn(batch.labels))
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple

@@ -26,17 +26,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+import torch
 from torch.utils.data import DataLoader
 
 from ._errors import ConfigError
+from .batch import RawBatch, RawCollate
 from .dataref import STORAGE_KEYWORDS, storage_config
 from .dataset import StreamingDataset
 from .loader import Loader
 from .storageconfig import StorageConfig
 from .streams import StreamSource
 from .watching import Mark, Watch, attached_watch, watch
+
+if TYPE_CHECKING:
+    from .devicedecode import DeviceDecode
 
 try:
     import lightning.pytorch as pl
@@ -105,6 +110,17 @@ class StreamingDataModule(pl.LightningDataModule):
             batches then cross to the main process as shared-memory tensors without a
             copy, and the DataLoader does not batch again (``batch_size=None``).
         eval_collate: Batch maker of the validation and test sets (default: ``collate``).
+        device_decode: Decode on the training device (a :class:`~streamload.DeviceDecode`):
+            the workers only read bytes (``collate`` defaults to
+            :class:`~streamload.batch.RawCollate`), each raw batch stays on the host
+            through Lightning's ``transfer_batch_to_device`` and is decoded in
+            ``on_after_batch_transfer`` on the trainer's device (the decode is moved there:
+            each DDP rank its own GPU), so ``training_step`` receives ``(images, labels)``.
+            The validation and test sets are decoded by it too, unless ``eval_collate``
+            makes their batches (for them, give a center-crop decode as
+            ``eval_device_decode``).
+        eval_device_decode: The validation and test sets' :class:`~streamload.DeviceDecode`
+            (default: ``device_decode``).
         shuffle: Shuffle the training set (validation and test are read in order).
         seed: Shuffle seed; with the epoch it fixes the order on every rank.
         loader: Other DataLoader settings; or ``"threads"``: read with
@@ -148,6 +164,8 @@ class StreamingDataModule(pl.LightningDataModule):
         eval_transform: Callable[[Any], Any] | None = None,
         collate: Callable[[list[Any]], Any] | None = None,
         eval_collate: Callable[[list[Any]], Any] | None = None,
+        device_decode: DeviceDecode | None = None,
+        eval_device_decode: DeviceDecode | None = None,
         shuffle: bool = True,
         seed: int = 0,
         loader: LoaderOptions | Literal["threads"] | None = None,
@@ -175,8 +193,14 @@ class StreamingDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.transform = transform
         self.eval_transform = transform if eval_transform is None else eval_transform
+        self.device_decode, self.eval_device_decode = _device_decodes(device_decode, eval_device_decode)
+        if self.device_decode is not None and collate is None:
+            collate = RawCollate()
+        if self.eval_device_decode is not None and eval_collate is None:
+            eval_collate = collate if isinstance(collate, RawCollate) else RawCollate()
         self.collate = collate
         self.eval_collate = collate if eval_collate is None else eval_collate
+        self._on_device: dict[tuple[int, str], DeviceDecode] = {}
         #: ``True``: read on threads (:class:`streamload.Loader`), ``num_workers`` of them.
         self.threads = loader == "threads"
         if isinstance(loader, str) and not self.threads:
@@ -196,6 +220,30 @@ class StreamingDataModule(pl.LightningDataModule):
         for split, absent in _ABSENT.items():
             if self.urls[split] is None:
                 setattr(self, f"{split}_dataloader", absent)
+
+    # -- decoding on the device (device_decode=) ----------------------------------------
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Leave a raw batch on the host when it is decoded on the device (the decoder reads host bytes)."""
+        if isinstance(batch, RawBatch) and (self.device_decode or self.eval_device_decode) is not None:
+            return batch
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Decode a raw batch on the trainer's device: ``(images, labels)`` (see ``device_decode``)."""
+        if not isinstance(batch, RawBatch):
+            return batch
+        trainer = self.trainer
+        training = trainer is None or bool(getattr(trainer, "training", True))
+        decode = self.device_decode if training else self.eval_device_decode
+        if decode is None:
+            return batch
+        device = trainer.strategy.root_device if trainer is not None else decode.device
+        key = (id(decode), str(device))
+        placed = self._on_device.get(key)
+        if placed is None:
+            placed = self._on_device[key] = decode if decode.device == device else decode.to(device)
+        return placed(batch)
 
     # -- datasets --------------------------------------------------------------------
 
@@ -326,6 +374,15 @@ _no_val_dataloader.__wrapped__ = pl.LightningDataModule.val_dataloader  # type: 
 _no_test_dataloader.__wrapped__ = pl.LightningDataModule.test_dataloader  # type: ignore[attr-defined]
 #: The loader method of each optional split, when it is not given.
 _ABSENT = {"val": _no_val_dataloader, "test": _no_test_dataloader}
+
+
+def _device_decodes(train: Any, evaluate: Any) -> tuple[DeviceDecode | None, DeviceDecode | None]:
+    from .devicedecode import DeviceDecode
+
+    for name, value in (("device_decode", train), ("eval_device_decode", evaluate)):
+        if value is not None and not isinstance(value, DeviceDecode):
+            raise ConfigError(f"{name}= takes a streamload.DeviceDecode, not {type(value).__name__}")
+    return train, train if evaluate is None else evaluate
 
 
 class SetEpochCallback(pl.Callback):

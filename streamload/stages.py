@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal, NamedTuple
 
+import numpy as np
+
 from ._errors import CacheError, SampleError, StreamloadError
 from ._stages import SAMPLE_EVERY, Clock, StageTable
 from .ahead import FetchAhead
@@ -109,6 +111,15 @@ class _Origin(NamedTuple):
     where: str
 
 
+def _batch_places(epoch: int, runs: list[Run]) -> np.ndarray:
+    """``int64[B, 2]``: each sample's ``(epoch, item)`` of a planned batch, what its dict would carry."""
+    items = np.concatenate([run.items for run in runs]) if len(runs) > 1 else runs[0].items
+    where = np.empty((len(items), 2), dtype=np.int64)
+    where[:, 0] = epoch
+    where[:, 1] = items
+    return where
+
+
 class Read:
     """The read, transform and skip stages over one iteration's readers (per run or per batch).
 
@@ -147,7 +158,7 @@ class Read:
         shard readers into one buffer, unless a per-sample ``transform`` or
         ``on_error="skip"`` needs the dicts.
         """
-        from .batch import BatchReader
+        from .batch import BatchReader, RawCollate
 
         steps, readers = self.steps, self.readers
         collate = steps.collate
@@ -161,7 +172,12 @@ class Read:
             pass  # the read meets it again, as its error policy says
         if isinstance(collate, BatchReader) and steps.transform is None and steps.on_error == "raise":
             parts = [(run.shard, run.locals) for run in runs]
-            batch = read_batch(lambda: collate.read_batch(readers.get, parts), [s for s, _ in parts], readers)
+            shards = [s for s, _ in parts]
+            if isinstance(collate, RawCollate) and collate.places:  # each sample's (epoch, position) too
+                raw, where = collate, _batch_places(self.position.epoch, runs)
+                batch = read_batch(lambda: raw.read_batch(readers.get, parts, where), shards, readers)
+            else:
+                batch = read_batch(lambda: collate.read_batch(readers.get, parts), shards, readers)
         else:
             kept = {id(item) for item in self.substitute.last.values()}
             self.origins = {k: v for k, v in self.origins.items() if k in kept}

@@ -50,6 +50,9 @@ class DataReport:
         ranks: With ``all_ranks=True``: every rank's report, in rank order.
         slowest_rank: With ``all_ranks=True``: the rank that waited longest on data.
         waits_ms: The wait of every step after the first (ms), for :meth:`plot`.
+        device_stages: Seconds of the stages run in the training process on its device,
+            apart from the readers' (a :class:`~streamload.DeviceDecode`'s ``"decode"``,
+            timed with CUDA events on a GPU); empty when there are none.
     """
 
     steps: int
@@ -69,6 +72,7 @@ class DataReport:
     ranks: list[DataReport] | None = None
     slowest_rank: int | None = None
     waits_ms: list[float] = field(default_factory=list, repr=False)
+    device_stages: dict[str, float] = field(default_factory=dict)
 
     @property
     def stage_shares(self) -> dict[str, float]:
@@ -87,6 +91,7 @@ class DataReport:
             out[f"{prefix}first_batch_s"] = self.first_batch_s
         if self.readers:
             out.update({f"{prefix}share_{name}": share for name, share in self.stage_shares.items()})
+        out.update({f"{prefix}device_{name}_s": seconds for name, seconds in self.device_stages.items()})
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -121,6 +126,8 @@ class DataReport:
             lines.append(f"readers: {_readers(self)}{busy}")
         else:
             lines.append("readers: stage times not measured")
+        for name, seconds in self.device_stages.items():
+            lines.append(f"on the device: {name} {seconds:.2f} s")
         if self.ranks:
             lines.append(f"{'rank':>4} {'steps':>6} {'waiting':>8} {'p95 ms':>8}  top stage")
             for r in self.ranks:

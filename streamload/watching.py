@@ -55,6 +55,7 @@ class Mark:
     wait_s: float
     wall_s: float
     fields: tuple[tuple[float, ...], ...]
+    device: tuple[tuple[str, float], ...] = ()
 
 
 class Watch(Generic[T]):
@@ -76,6 +77,7 @@ class Watch(Generic[T]):
         started = _workers_started(loader)
         self._tables = [_table(ds, _workers(loader, ds)) for ds in datasets]
         self._base = tuple(tuple(t.fields()) for t in self._tables)
+        self._device_base = tuple(device_stages(loader).items())
         self._measured = bool(self._tables) and not started
         if self._tables:
             for dl in _dataloaders(loader):
@@ -144,6 +146,7 @@ class Watch(Generic[T]):
             self._wait_s,
             self._wall(perf_counter()),
             tuple(tuple(t.fields()) for t in self._tables),
+            tuple(device_stages(self.loader).items()),
         )
 
     def report(self, all_ranks: bool = False, since: Mark | None = None) -> DataReport:
@@ -186,6 +189,7 @@ class Watch(Generic[T]):
             settings=dict(self.settings),
             rank=_rank(),
             waits_ms=(waits * 1e3).tolist(),
+            device_stages=_since(device_stages(self.loader), self._device_base if since is None else since.device),
         )
         report.verdict = verdict(report)
         return _gathered(report) if all_ranks else report
@@ -421,6 +425,32 @@ def _twin(loader: Any, owner: Watch[Any]) -> Any:
         raise ConfigError(f"watch(attach=True) cannot time a {cls.__name__}: wrap it instead") from exc
     vars(twin).update(attributes)
     return twin
+
+
+# -- stages on the training device ---------------------------------------------------------
+
+
+def device_stages(loader: Any) -> dict[str, float]:
+    """Seconds of the stages the training process runs on its device, found in the loader's tree.
+
+    An object there with a ``device_stage_seconds()`` method (``DeviceDecode.iterate(...)``,
+    whose ``"decode"`` is timed with CUDA events on a GPU) reports them; summed by name.
+    """
+    out: dict[str, float] = {}
+    seen: set[int] = set()
+    for obj in _walk(loader):
+        timing = getattr(type(obj), "device_stage_seconds", None)
+        if timing is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        for name, seconds in obj.device_stage_seconds().items():
+            out[name] = out.get(name, 0.0) + float(seconds)
+    return out
+
+
+def _since(now: dict[str, float], base: tuple[tuple[str, float], ...]) -> dict[str, float]:
+    before = dict(base)
+    return {name: max(0.0, seconds - before.get(name, 0.0)) for name, seconds in now.items()}
 
 
 # -- ranks --------------------------------------------------------------------------------

@@ -31,6 +31,8 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload._env",
         "streamload._fork",
         "streamload._fields",
+        "streamload._jpeghead",
+        "streamload._resample",
     ),
     (
         "streamload.sample",
@@ -74,6 +76,8 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload.watching",
         "streamload.loader",
         "streamload.loader_state",
+        "streamload._gpudecode",
+        "streamload.devicedecode",
     ),
     ("streamload.lightning", "streamload.bench", "streamload.demo"),
     ("streamload.cli", "streamload.__main__", "streamload"),

@@ -396,6 +396,11 @@ def _stream_of(sample: Any) -> Any:
     return sample.get("__source__") if isinstance(sample, Mapping) else None
 
 
+#: What :class:`streamload.DeviceDecode` raises and logs for an image it decodes on the CPU: the same words.
+cannot_decode = _cannot_decode
+report_warnings = _report
+
+
 def _process_rng(seed: int | None) -> np.random.Generator:
     """A generator of this process (made anew in each DataLoader worker): ``seed`` (else torch's) and the worker id."""
     from torch.utils.data import get_worker_info
