@@ -362,3 +362,32 @@ def test_watch_changes_no_class() -> None:
             if isinstance(node, ast.Assign):
                 targets = [t for t in node.targets if isinstance(t, ast.Attribute) and t.attr == "__class__"]
                 assert not targets, f"{path}:{node.lineno} assigns __class__"
+
+
+#: Public class names still defined twice, each with where (a name says one thing: remove, never add).
+SHARED_CLASS_NAMES_ALLOWED: dict[str, set[str]] = {
+    # the GPU side's Protocol of the public DeviceDecode (the class and a Protocol of it, as RemoteFiles was)
+    "DeviceDecode": {"streamload/_gpudecode.py", "streamload/devicedecode.py"},
+}
+
+
+def public_class_names(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Public class name -> the modules (of ``sources``) that define a class of that name."""
+    out: dict[str, set[str]] = {}
+    for name, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                out.setdefault(node.name, set()).add(name)
+    return out
+
+
+def test_the_name_check_finds_a_name_defined_twice() -> None:
+    two = {"a.py": "class A: pass\nclass _P: pass", "b.py": "class A(Protocol): pass\nclass _P: pass"}
+    names = public_class_names(two)
+    assert names == {"A": {"a.py", "b.py"}}
+
+
+def test_no_two_classes_of_the_package_share_a_name() -> None:
+    sources = {str(path.relative_to(ROOT)): path.read_text() for path in (ROOT / "streamload").rglob("*.py")}
+    shared = {n: where for n, where in public_class_names(sources).items() if len(where) > 1}
+    assert shared == SHARED_CLASS_NAMES_ALLOWED, f"one name, one thing: rename one of each: {shared}"
