@@ -282,6 +282,12 @@ def dataset_args(args: Mapping[str, Any]) -> DatasetArgs:
     _check_callable("transform", args.get("transform"))
     _check_callable("collate", args.get("collate"))
     on_error = check_on_error(args.get("on_error", "raise"))
+    pad = args.get("pad", True)
+    if not isinstance(pad, bool):
+        raise ConfigError(f"pad={pad!r} must be True or False")
+    collate = args.get("collate")
+    if collate is not None and batch_size is None:
+        raise ConfigError(f"collate={collate!r} needs batch_size= (the batches are made in the workers)")
     return DatasetArgs(shuffle, seed, drop_last, window, batch_size, partitions, rank, world_size, on_error)
 
 

@@ -29,12 +29,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterableDataset
 
-from ._errors import ConfigError
 from ._stages import StageTable
-from ._validate import check_epoch, dataset_args, warn_remote_only
+from ._validate import DatasetArgs, check_epoch, dataset_args, warn_remote_only
 from .dataref import StorageKeywords, storage_config
 from .formats import Format, Sample
-from .iterations import Iterations
+from .iterations import Iterations, ThreadReaders
 from .manifest import Manifest
 from .plan import EpochPlan, Split, World, detect_rank_world, detect_world, distributed_world, rank_samples
 from .resume import Planner, Position
@@ -153,9 +152,6 @@ class StreamingDataset(IterableDataset[Any]):
         global_batch)``. See ``docs/resume.md``.
     """
 
-    #: Stage seconds of the readers, for :func:`streamload.watch` (made only when a loader is watched).
-    _stages: StageTable | None = None
-
     def __init__(
         self,
         source: StreamSource,
@@ -182,30 +178,17 @@ class StreamingDataset(IterableDataset[Any]):
         self.shuffle = args.shuffle
         self.seed = args.seed
         self.drop_last = args.drop_last
-        if not isinstance(pad, bool):
-            raise ConfigError(f"pad={pad!r} must be True or False")
         self.pad = pad
         self.shuffle_window = args.shuffle_window
         self.batch_size = args.batch_size
         self.partitions = args.partitions
         self.transform = transform
         self.collate = collate
-        if collate is not None and args.batch_size is None:
-            raise ConfigError(f"collate={collate!r} needs batch_size= (the batches are made in the workers)")
         self.rank = args.rank
         self.world_size = args.world_size
         self.on_error: OnError = on_error
         #: How the files are reached (``cache`` settled: ``"auto"`` unless given).
         self.storage: StorageConfig = config.with_cache("auto")
-        split = Split(
-            seed=args.seed,
-            shuffle=args.shuffle,
-            drop_last=args.drop_last,
-            window=args.shuffle_window,
-            chunk=args.batch_size,
-            partitions=args.partitions,
-            pad=pad,
-        )
         given, source = open_shard_list(source, self.storage)  # tar shard files named one by one: indexed
         #: The datasets read and each one's samples per epoch (one for a plain URL).
         self.streams: Mixture = Mixture.open(source, epoch_size, self.storage)
@@ -215,16 +198,18 @@ class StreamingDataset(IterableDataset[Any]):
         warn_remote_only(given, self.storage.settings(), self._ref.data_url)
         self.manifest: Manifest = self._ref.manifest
         self.format: Format = self._ref.format
-        #: The plan stage: each epoch's plan, and the state to resume from.
-        self._planner = Planner(self.streams, split)
+        #: The plan stage: each epoch's plan, and the state to resume from (resume goes through it).
+        self.planner = Planner(self.streams, _split(args, pad))
         #: This process's iterations: their epochs and readers (shared memory: reaches every worker).
-        self._iterations = Iterations(self._planner, self.source)
+        self._iterations = Iterations(self.planner, self.source)
         #: (rank, world_size) of the process that pickled this dataset to a worker.
         self._inherited_world: tuple[int, int] | None = None
         self._storages: list[Storage] | None = None
         self._skips = SkipLog(self.source)
         #: This process's counts of samples skipped under ``on_error="skip"``, in all and per shard.
         self.errors: SkipCounts = self._skips.errors
+        #: The readers' stage seconds, set by :func:`streamload.watch` before the readers start (else ``None``).
+        self.stage_table: StageTable | None = None
 
     # -- sizes and epochs ----------------------------------------------------------
 
@@ -267,7 +252,7 @@ class StreamingDataset(IterableDataset[Any]):
         (:class:`~streamload.plan.Remainder`): every unread sample once, in the new
         world's global batches.
         """
-        return self._planner.plan(epoch, world_size)
+        return self.planner.plan(epoch, world_size)
 
     @property
     def manifest_digest(self) -> str:
@@ -291,7 +276,7 @@ class StreamingDataset(IterableDataset[Any]):
         """
         world = detect_world(self.rank, self.world_size, self._inherited_world)
         plan = self.plan(self.epoch, world.world_size)
-        seen = self._planner.epoch_state(
+        seen = self.planner.epoch_state(
             world, plan, self._iterations.progress, samples_seen, self._iterations.claimed()
         )
         return seen.normalized().to_dict()
@@ -307,7 +292,7 @@ class StreamingDataset(IterableDataset[Any]):
         Raises:
             PlanError: If the state is malformed or belongs to a differently configured dataset.
         """
-        state = self._planner.load(state_dict)
+        state = self.planner.load(state_dict)
         self._iterations.progress = None
         # Every reader of the next iteration (this process, or each worker restored by
         # StatefulDataLoader before it iterates) gets the saved epoch.
@@ -319,11 +304,24 @@ class StreamingDataset(IterableDataset[Any]):
         world = detect_world(self.rank, self.world_size, self._inherited_world)
         return self._iterations.iterator(world, self._pipeline)
 
+    def thread_readers(self, threads: int) -> ThreadReaders:
+        """Start an iteration of this rank read by ``threads`` threads of this process (see :class:`ThreadReaders`).
+
+        Raises:
+            ConfigError: If a DataLoader iterates this dataset now.
+        """
+        rank, world_size = detect_rank_world(self.rank, self.world_size, self._inherited_world)
+        return self._iterations.threads(rank, world_size, threads, self._pipeline, self._get_storages)
+
+    def loaded_state(self) -> dict[str, Any] | None:
+        """The state :meth:`load_state_dict` loaded, until an iteration starts; else ``None``."""
+        return self.planner.state() if self._iterations.progress is None else None
+
     def _pipeline(self, plan: EpochPlan, world: World, progress: Position) -> Pipeline:
         """The stages of one reader's iteration (opened when its first item is asked for)."""
         budget = self.storage.stream_buffer or DEFAULT_STREAM_BUFFER
         plain = self.streams.plain
-        steps = Steps(self.transform, self.collate, self.on_error, self._skips, budget, plain, self._stages)
+        steps = Steps(self.transform, self.collate, self.on_error, self._skips, budget, plain, self.stage_table)
         return Pipeline(steps, self.streams, self._get_storages(), plan, world, progress)
 
     @property
@@ -339,8 +337,7 @@ class StreamingDataset(IterableDataset[Any]):
 
     def _get_storages(self) -> list[Storage]:
         """This process's storage of each stream (opened on first use)."""
-        if self._storages is None:
-            self._storages = self.streams.open_storages()
+        self._storages = self._storages or self.streams.open_storages()
         return self._storages
 
     def __getstate__(self) -> dict[str, Any]:
@@ -352,3 +349,16 @@ class StreamingDataset(IterableDataset[Any]):
 
     def __repr__(self) -> str:
         return f"StreamingDataset({self.streams.summary()}, shuffle={self.shuffle})"
+
+
+def _split(args: DatasetArgs, pad: bool) -> Split:
+    """The order settings of a dataset's checked arguments (``epoch`` left 0: set per plan)."""
+    return Split(
+        seed=args.seed,
+        shuffle=args.shuffle,
+        drop_last=args.drop_last,
+        window=args.shuffle_window,
+        chunk=args.batch_size,
+        partitions=args.partitions,
+        pad=pad,
+    )

@@ -22,7 +22,7 @@ from .epochs import ITERATOR, LOADER, EpochTable, Users
 from .plan import EpochPlan, World
 from .resume import Planner, Position
 
-__all__ = ["Iterations"]
+__all__ = ["Iterations", "ThreadReaders"]
 
 #: Builds one reader's stages over a plan (the dataset's :class:`~streamload.stages.Pipeline`).
 Stages = Callable[[EpochPlan, World, Position], Iterable[Any]]
@@ -107,32 +107,84 @@ class Iterations:
                 if not finalizing():
                     raise
 
-    def enter_threads(self) -> int:
-        """Register a :class:`streamload.Loader`'s iteration; return its slot (see :meth:`Users.enter`)."""
-        return self.users.enter(LOADER, self.source)
-
     def threads(
-        self, rank: int, world_size: int, threads: int, stages: Stages
-    ) -> tuple[EpochPlan, Position, list[Iterator[Any]]]:
+        self, rank: int, world_size: int, threads: int, stages: Stages, prepare: Callable[[], object]
+    ) -> ThreadReaders:
         """One iteration read by ``threads`` readers of this process (:class:`streamload.Loader`).
 
-        Claims the epoch now, and plans it as if this rank had ``threads`` DataLoader
-        workers: reader ``w`` reads exactly what worker ``w`` would, so taking their
-        batches in turn gives the DataLoader's batches for any number of workers. Returns
-        the epoch's plan, the rank's progress (set as this process's, its ``next_item`` advanced by the
-        caller as batches are consumed) and one lazy iterator per reader.
+        Registers the iteration (a DataLoader iterating the dataset now refuses it), calls
+        ``prepare`` (the storages opened once, not by the readers at once), claims the
+        epoch and plans it as if this rank had ``threads`` DataLoader workers: reader
+        ``w`` reads exactly what worker ``w`` would, so taking their batches in turn gives
+        the DataLoader's batches for any number of workers. If anything fails, the
+        iteration is unregistered before the error is raised.
         """
-        plan = self.planner.plan(self.epochs.claim(secrets.randbits(62) | 1), world_size)
-        readers: list[Iterator[Any]] = []
-        position = Position(plan.split.epoch, plan.chunk_size(threads), 0)
-        for worker in range(threads):
-            world = World(rank, world_size, worker, threads)
-            position = self.planner.position(world, plan)
-            if worker == 0:
-                self.planner.warn_locality(plan, world)
-            readers.append(iter(stages(plan, world, position)))
-        self.progress = replace(position)  # the last reader's start (advanced by the Loader)
-        return plan, self.progress, readers
+        slot = self.users.enter(LOADER, self.source)
+        try:
+            prepare()
+            plan = self.planner.plan(self.epochs.claim(secrets.randbits(62) | 1), world_size)
+            readers: list[Iterator[Any]] = []
+            position = Position(plan.split.epoch, plan.chunk_size(threads), 0)
+            for worker in range(threads):
+                world = World(rank, world_size, worker, threads)
+                position = self.planner.position(world, plan)
+                if worker == 0:
+                    self.planner.warn_locality(plan, world)
+                readers.append(iter(stages(plan, world, position)))
+            self.progress = replace(position)  # the last reader's start (advanced by the Loader)
+        except BaseException:
+            self.users.leave(slot)
+            raise
+        return ThreadReaders(plan, self.progress, readers, World(rank, world_size, 0, 1), self, slot)
+
+
+class ThreadReaders:
+    """One iteration of a dataset read by threads of this process (:meth:`StreamingDataset.thread_readers`).
+
+    Reader ``w`` of ``n`` reads exactly what DataLoader worker ``w`` of ``n`` workers would
+    read; taking their batches in turn gives the DataLoader's batches. The iteration stays
+    registered with the dataset (no DataLoader may iterate it meanwhile) until
+    :meth:`leave`.
+
+    Attributes:
+        plan: The epoch's plan.
+        progress: The rank's position (this process's, for the dataset's ``state_dict``):
+            its ``next_item`` is advanced by the caller as it consumes batches.
+        readers: One lazy iterator per thread, of batches (with a ``collate``) or samples.
+        world: This rank, as one reader (worker 0 of 1): the world of :meth:`state`.
+    """
+
+    def __init__(
+        self,
+        plan: EpochPlan,
+        progress: Position,
+        readers: list[Iterator[Any]],
+        world: World,
+        iterations: Iterations,
+        slot: int,
+    ) -> None:
+        self.plan = plan
+        self.progress = progress
+        self.readers = readers
+        self.world = world
+        self._iterations = iterations
+        self._slot = slot
+
+    @property
+    def chunk(self) -> int:
+        """Samples of each batch a reader makes (the plan's chunk for this many readers)."""
+        return self.progress.chunk
+
+    def state(self, samples_seen: int) -> dict[str, Any]:
+        """The dataset's plain state of this epoch after ``samples_seen`` global samples (all ranks)."""
+        planner = self._iterations.planner
+        return planner.epoch_state(self.world, self.plan, None, samples_seen, 1).normalized().to_dict()
+
+    def leave(self) -> None:
+        """Unregister the iteration from its dataset (once; later calls do nothing)."""
+        slot, self._slot = self._slot, -1
+        if slot >= 0:
+            self._iterations.users.leave(slot)
 
 
 def _refused(exc: StreamloadError) -> Iterator[Any]:

@@ -38,7 +38,7 @@ from .dataset import StreamingDataset
 from .loader import Loader
 from .storageconfig import StorageConfig
 from .streams import StreamSource
-from .watching import Mark, Watch, watch
+from .watching import Mark, Watch, attached_watch, watch
 
 if TYPE_CHECKING:
     from .devicedecode import DeviceDecode
@@ -310,8 +310,9 @@ class StreamingDataModule(pl.LightningDataModule):
         loader = self._loader("train")
         if self.trainer is not None:
             loader.dataset.set_epoch(self.trainer.current_epoch)  # type: ignore[attr-defined]
-        if self.loader.watch:  # Lightning iterates the loader itself: time its own iterations
+        if self.loader.watch:  # Lightning iterates the loader itself: hand it the twin whose iterations are timed
             self.watch = watch(loader, attach=True)
+            return self.watch.loader  # type: ignore[return-value]  # an instance of a subclass of loader's class
         return loader
 
     def val_dataloader(self) -> DataLoader[Any] | Loader:
@@ -436,7 +437,8 @@ class DataWatchCallback(pl.Callback):
     and each stage's share of the readers' time (``data/share_fetch``, ``data/share_read``,
     ``data/share_transform``, ``data/share_collate``). :class:`StreamingDataModule` adds it
     (``LoaderOptions(watch=True)``, the default); with loaders of your own, watch them with
-    ``streamload.watch(loader, attach=True)`` in ``train_dataloader`` and add this callback.
+    ``streamload.watch(loader, attach=True)`` in ``train_dataloader``, return its ``.loader`` (the
+    timed twin of ``loader``) and add this callback.
     Each rank logs its own figures.
     """
 
@@ -469,7 +471,7 @@ def _watches(loaders: Any) -> list[Watch[Any]]:
         elif isinstance(item, list | tuple):
             out.extend(w for v in item for w in _watches(v))
         else:
-            found = getattr(item, "_streamload_watch", None)
-            if isinstance(found, Watch) and all(found is not w for w in out):
+            found = attached_watch(item)
+            if found is not None and all(found is not w for w in out):
                 out.append(found)
     return out

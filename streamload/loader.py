@@ -45,8 +45,6 @@ from ._stages import LOADER_COLLATE
 from .dataset import StreamingDataset
 from .device import check_device
 from .loader_state import dataset_state
-from .plan import EpochPlan, World, detect_rank_world
-from .resume import Position
 
 __all__ = ["Loader"]
 
@@ -190,10 +188,8 @@ class Loader:
             return dict(self._loaded)
         if self._run is not None:
             return self._run.state()
-        ds = self.dataset
-        if ds._planner.resume is not None and ds._iterations.progress is None:  # loaded, not iterated yet
-            return ds._planner.resume.to_dict()
-        return ds.state_dict(samples_seen=0)
+        loaded = self.dataset.loaded_state()  # loaded, not iterated yet
+        return self.dataset.state_dict(samples_seen=0) if loaded is None else loaded
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` at the next iteration.
@@ -215,8 +211,7 @@ class Loader:
         ds = self.dataset
         converted = dataset_state(state, ds)
         ds.load_state_dict(converted)
-        resume = ds._planner.resume
-        self._loaded = None if resume is None else resume.to_dict()
+        self._loaded = ds.loaded_state()
 
     # -- iteration -----------------------------------------------------------------
 
@@ -255,17 +250,17 @@ class _Run:
         self.out: queue.Queue[Any] | None = None
         self.stream: Any = None
         ds = loader.dataset
-        self.slot = ds._iterations.enter_threads()
-        readers: list[Iterator[Any]] = []
+        # Registered with the dataset, its storages opened once, one reader per thread (left if any of it fails).
+        self.iteration = iteration = ds.thread_readers(loader.threads)
+        readers = iteration.readers
         try:
-            self.plan, self.progress, readers = _thread_iterations(ds, loader.threads)
-            rank, self.world_size = detect_rank_world(ds.rank, ds.world_size, ds._inherited_world)
-            self.world = World(rank, self.world_size, 0, 1)
-            self.chunk = self.progress.chunk
+            self.progress = iteration.progress
+            self.world_size = iteration.world.world_size
+            self.chunk = iteration.chunk
             self.queues: list[queue.Queue[Any]] = [queue.Queue(loader.prefetch) for _ in readers]
             self.gate = threading.BoundedSemaphore(_cores())
             collate = ds.collate is None
-            table = ds._stages  # watched: the threads time their default_collate too
+            table = ds.stage_table  # watched: the threads time their default_collate too
             for w, (reader, q) in enumerate(zip(readers, self.queues, strict=True)):
                 thread = threading.Thread(
                     target=self._read, args=(reader, q, collate, table), name=f"streamload-loader-{w}", daemon=True
@@ -292,15 +287,7 @@ class _Run:
 
     def state(self) -> dict[str, Any]:
         """This iteration's dataset state, counting the batches its caller consumed."""
-        ds = self.loader.dataset
-        seen = self.world_size * self.progress.next_item
-        return ds._planner.epoch_state(self.world, self.plan, None, seen, 1).normalized().to_dict()
-
-    def _leave(self) -> None:
-        """Unregister the iteration from the dataset (once)."""
-        slot, self.slot = self.slot, -1
-        if slot >= 0:
-            self.loader.dataset._iterations.users.leave(slot)
+        return self.iteration.state(self.world_size * self.progress.next_item)
 
     # -- threads -------------------------------------------------------------------
 
@@ -461,7 +448,7 @@ class _Run:
         ends in the background when its work returns; what it made is dropped.
         """
         self.stopped.set()
-        self._leave()
+        self.iteration.leave()
         me = threading.current_thread()
         deadline = time.monotonic() + wait
         for thread in [*self.threads, *([self.transfer] if self.transfer is not None else [])]:
@@ -478,10 +465,6 @@ class _Run:
 
 class _Stopped(Exception):
     """The iteration was stopped while a thread waited for a batch."""
-
-
-def _world_size(ds: StreamingDataset) -> int:
-    return detect_rank_world(ds.rank, ds.world_size, ds._inherited_world)[1]
 
 
 def _cores() -> int:
@@ -530,13 +513,6 @@ def _tensors(batch: Any) -> Iterator[torch.Tensor]:
             value = getattr(batch, name, None)
             if isinstance(value, torch.Tensor):
                 yield value
-
-
-def _thread_iterations(ds: StreamingDataset, threads: int) -> tuple[EpochPlan, Position, list[Iterator[Any]]]:
-    """One iteration of ``ds`` read by ``threads`` readers (:meth:`Iterations.threads`), its storages opened once."""
-    rank, world_size = detect_rank_world(ds.rank, ds.world_size, ds._inherited_world)
-    ds._get_storages()  # opened here, once, not by the readers at once
-    return ds._iterations.threads(rank, world_size, threads, ds._pipeline)
 
 
 def thread_cap() -> int:

@@ -80,7 +80,7 @@ def check_workers(ds: StreamingDataset, inner: list[Mapping[str, Any]], position
             "StatefulDataLoader state whose worker positions are not one world's workers 0..n-1 "
             f"(workers {[p.get('worker') for p in positions]}, shapes {sorted(map(str, shape))})"
         )
-    planner = ds._planner
+    planner = ds.planner
     saved = planner.resume
     try:
         for dataset_state in inner:

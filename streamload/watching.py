@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import weakref
 from array import array
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any, Generic, TypeVar
@@ -42,7 +42,7 @@ from ._stages import FIELDS, LOADER_COLLATE, STAGES, StageTable, stage_seconds
 from .dataset import StreamingDataset
 from .watch_report import DataReport, percent, verdict
 
-__all__ = ["DataReport", "Mark", "Watch", "watch"]
+__all__ = ["DataReport", "Mark", "Watch", "attached_watch", "watch"]
 
 T = TypeVar("T")
 
@@ -67,12 +67,13 @@ class Watch(Generic[T]):
     :meth:`report` can be asked at any time, from the loop or after it.
 
     Attributes:
-        loader: The watched loader.
+        loader: The watched loader; with ``attach=True`` its timed twin, the loader to hand
+            to the framework (see :func:`watch`).
         settings: What the verdict knows of the loader (workers, prefetch, storage...).
     """
 
     def __init__(self, loader: Iterable[T], attach: bool = False) -> None:
-        self.loader = loader
+        self.loader = loader = _twin(loader, self) if attach else loader
         datasets = _datasets(loader)
         self.settings = _settings(loader, datasets)
         started = _workers_started(loader)
@@ -92,24 +93,26 @@ class Watch(Generic[T]):
         self._wait_s = 0.0
         self._wall_closed = 0.0
         self._open: weakref.WeakSet[_Timed[T]] = weakref.WeakSet()
-        self._attached = False
+        self._attached = attach
         self._gil = _gil_probe(loader, self)
-        if attach:
-            _attach(loader, self)
-            self._attached = True
 
     def __iter__(self) -> Iterator[T]:
         if self._attached:  # the loader's own iterators are timed already
             return iter(self.loader)
-        return self._iterate(self.loader)
+        return self.timed(lambda: iter(self.loader))
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
-    def _iterate(self, loader: Iterable[T], make: Any = None) -> _Timed[T]:
+    def timed(self, make: Callable[[], Iterator[T]]) -> Iterator[T]:
+        """Return the iterator ``make()`` returns, each of its ``next()`` timed into this watch.
+
+        The hook for a loader iterated by someone else (``attach=True``): the time
+        ``make()`` takes (workers started) counts with the first batch.
+        """
         start = perf_counter()
-        inner = iter(loader) if make is None else make()
-        timed = _Timed(self, inner, start, perf_counter() - start)
+        inner = make()
+        timed = _Timed(inner, start, perf_counter() - start, self._batch, self._end)
         self._open.add(timed)
         return timed
 
@@ -220,10 +223,12 @@ def watch(loader: Iterable[T], *, attach: bool = False) -> Watch[T]:
 
     Args:
         loader: The iterable the training loop reads.
-        attach: Also time iterations of ``loader`` itself (its class becomes a subclass
-            whose ``__iter__`` reports to the watch), for a framework that iterates the
-            loader it was given, as Lightning does; the returned :class:`Watch` then only
-            reports.
+        attach: For a framework that iterates the loader it is given, as Lightning does:
+            the returned watch's :attr:`Watch.loader` is then a twin of ``loader`` (an
+            instance of a subclass of its class, sharing its attributes, whose own
+            iterations are timed) to hand to the framework in its place; ``loader``
+            itself is left as it was. The :class:`Watch` then only reports. Watching the
+            twin again returns the same watch (:func:`attached_watch`).
 
     Example:
         >>> watched = watch(DataLoader(ds, batch_size=None, num_workers=4))  # doctest: +SKIP
@@ -231,19 +236,33 @@ def watch(loader: Iterable[T], *, attach: bool = False) -> Watch[T]:
         >>> print(watched.report())  # doctest: +SKIP
     """
     if attach:
-        existing = getattr(loader, "_streamload_watch", None)
-        if isinstance(existing, Watch):
+        existing = attached_watch(loader)
+        if existing is not None:
             return existing
     return Watch(loader, attach=attach)
+
+
+def attached_watch(loader: object) -> Watch[Any] | None:
+    """The watch whose timed twin ``loader`` is (``watch(..., attach=True).loader``), else ``None``."""
+    found = getattr(type(loader), "streamload_watch", None)
+    return found if isinstance(found, Watch) else None
 
 
 class _Timed(Generic[T]):
     """One iteration of a watched loader: each ``next()`` timed."""
 
-    __slots__ = ("__weakref__", "_inner", "_pending", "_watch", "started", "wall_start")
+    __slots__ = ("__weakref__", "_inner", "_on_batch", "_on_end", "_pending", "started", "wall_start")
 
-    def __init__(self, owner: Watch[T], inner: Iterator[T], started: float, opening: float) -> None:
-        self._watch = owner
+    def __init__(
+        self,
+        inner: Iterator[T],
+        started: float,
+        opening: float,
+        on_batch: Callable[[_Timed[T], float, float], None],
+        on_end: Callable[[_Timed[T], float], None],
+    ) -> None:
+        self._on_batch = on_batch  # the owning watch's bookkeeping: (iterator, waited, now)
+        self._on_end = on_end  # and at the iteration's end: (iterator, at)
         self._inner = inner
         self._pending = opening  # the time iter() took (workers started) counts with the first batch
         self.started = started
@@ -257,10 +276,10 @@ class _Timed(Generic[T]):
         try:
             batch = next(self._inner)
         except StopIteration:
-            self._watch._end(self, start)
+            self._on_end(self, start)
             raise
         now = perf_counter()
-        self._watch._batch(self, now - start + self._pending, now)
+        self._on_batch(self, now - start + self._pending, now)
         self._pending = 0.0
         return batch
 
@@ -274,7 +293,7 @@ class _Timed(Generic[T]):
 
     def __del__(self) -> None:
         try:
-            self._watch._end(self, perf_counter())
+            self._on_end(self, perf_counter())
         except Exception:  # noqa: BLE001, S110 - interpreter shutdown
             pass
 
@@ -347,15 +366,15 @@ def _workers_started(loader: Any) -> bool:
     """True if a DataLoader's persistent workers are running already (they cannot get the stage table)."""
     for dl in _dataloaders(loader):
         running = dl.num_workers > 0 and getattr(dl, "_iterator", None) is not None
-        if running and isinstance(dl.dataset, StreamingDataset) and dl.dataset._stages is None:
+        if running and isinstance(dl.dataset, StreamingDataset) and dl.dataset.stage_table is None:
             return True
     return False
 
 
 def _table(dataset: StreamingDataset, workers: int) -> StageTable:
-    table = dataset._stages
+    table = dataset.stage_table
     if table is None or (workers > 0 and table.rows < workers):
-        table = dataset._stages = StageTable(workers)
+        table = dataset.stage_table = StageTable(workers)
     return table
 
 
@@ -376,7 +395,7 @@ def _settings(loader: Any, datasets: list[StreamingDataset]) -> dict[str, Any]:
         ds = datasets[0]
         out["transform"] = None if ds.transform is None else type(ds.transform).__name__
         out["collate"] = None if ds.collate is None else type(ds.collate).__name__
-        url = ds._ref.data_url
+        url = ds.streams.refs[0].data_url
         out["remote"] = "://" in url and not url.startswith("file://")
         out["cache"] = ds.storage.cache
         out["read_ahead"] = ds.storage.read_ahead
@@ -384,29 +403,33 @@ def _settings(loader: Any, datasets: list[StreamingDataset]) -> dict[str, Any]:
     return out
 
 
-_WATCHED: dict[type, type] = {}
+def _twin(loader: Any, owner: Watch[Any]) -> Any:
+    """A twin of ``loader`` whose own iterations report to ``owner``; ``loader`` is not changed.
 
-
-def _attach(loader: Any, owner: Watch[Any]) -> None:
-    """Make ``loader``'s own iterations report to ``owner`` (its class becomes a subclass timing ``__iter__``)."""
+    The twin is an instance of a subclass of the loader's class (so a framework treats it
+    as it treats the loader) made without ``__init__``, sharing the loader's attributes
+    (its dataset, its settings) as they are now; only ``__iter__`` differs. The subclass
+    names the watch (``streamload_watch``, see :func:`attached_watch`).
+    """
     cls = type(loader)
-    if cls not in _WATCHED.values():
-        sub = _WATCHED.get(cls)
-        if sub is None:
+    attributes = getattr(loader, "__dict__", None)
+    if attributes is None or getattr(cls, "__slots__", None):
+        raise ConfigError(f"watch(attach=True) cannot time a {cls.__name__}: wrap it instead")
 
-            def __iter__(self: Any) -> Any:  # noqa: N807 - the subclass's iterator
-                make = super(sub, self).__iter__  # type: ignore[arg-type]
-                watcher = getattr(self, "_streamload_watch", None)
-                return make() if watcher is None else watcher._iterate(self, make)
+    sub: Any = None  # the subclass, made below
 
-            sub = type(cls.__name__, (cls,), {"__iter__": __iter__, "__slots__": (), "__module__": cls.__module__})
-            sub.__qualname__ = cls.__qualname__
-            _WATCHED[cls] = sub
-        try:
-            loader.__class__ = sub
-        except TypeError as exc:
-            raise ConfigError(f"watch(attach=True) cannot time a {cls.__name__}: wrap it instead") from exc
-    loader._streamload_watch = owner
+    def __iter__(self: Any) -> Any:  # noqa: N807 - the twin's iterator
+        return owner.timed(super(sub, self).__iter__)
+
+    body = {"__iter__": __iter__, "__slots__": (), "__module__": cls.__module__, "streamload_watch": owner}
+    sub = type(cls.__name__, (cls,), body)
+    sub.__qualname__ = cls.__qualname__  # pickled, the twin is the loader's class again
+    try:
+        twin = sub.__new__(sub)
+    except TypeError as exc:  # a __new__ that wants arguments
+        raise ConfigError(f"watch(attach=True) cannot time a {cls.__name__}: wrap it instead") from exc
+    vars(twin).update(attributes)
+    return twin
 
 
 # -- stages on the training device ---------------------------------------------------------

@@ -326,3 +326,68 @@ def test_the_engine_asks_no_source_what_it_is() -> None:
         if alias.name.endswith("Source") and alias.name != "Source"
     )
     assert not named, f"engine.py imports concrete sources: {named}"
+
+
+#: The modules that drive the dataset from outside (the thread loader, its state conversion, watch):
+#: they use the dataset's public seams only.
+SEAM_USERS = ("streamload/loader.py", "streamload/loader_state.py", "streamload/watching.py")
+
+
+def private_reaches(text: str) -> list[str]:
+    """``obj._name`` attribute uses in ``text`` on anything but ``self``/``cls`` (dunders aside), with their lines."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_the_private_reach_check_finds_one() -> None:
+    assert private_reaches("self._a = ds._planner.resume\nx.__class__\ncls._b") == ["1: ds._planner"]
+
+
+@pytest.mark.parametrize("path", SEAM_USERS)
+def test_the_loader_and_watch_reach_into_no_private_attribute(path: str) -> None:
+    reaches = private_reaches((ROOT / path).read_text())
+    assert not reaches, f"{path} reaches into private attributes (use a public seam): {reaches}"
+
+
+def test_watch_changes_no_class() -> None:
+    """``watch(attach=True)`` hands out a twin; nothing assigns an object's ``__class__``."""
+    for path in SEAM_USERS:
+        for node in ast.walk(ast.parse((ROOT / path).read_text())):
+            if isinstance(node, ast.Assign):
+                targets = [t for t in node.targets if isinstance(t, ast.Attribute) and t.attr == "__class__"]
+                assert not targets, f"{path}:{node.lineno} assigns __class__"
+
+
+#: Public class names still defined twice, each with where (a name says one thing: remove, never add).
+SHARED_CLASS_NAMES_ALLOWED: dict[str, set[str]] = {
+    # the GPU side's Protocol of the public DeviceDecode (the class and a Protocol of it, as RemoteFiles was)
+    "DeviceDecode": {"streamload/_gpudecode.py", "streamload/devicedecode.py"},
+}
+
+
+def public_class_names(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Public class name -> the modules (of ``sources``) that define a class of that name."""
+    out: dict[str, set[str]] = {}
+    for name, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                out.setdefault(node.name, set()).add(name)
+    return out
+
+
+def test_the_name_check_finds_a_name_defined_twice() -> None:
+    two = {"a.py": "class A: pass\nclass _P: pass", "b.py": "class A(Protocol): pass\nclass _P: pass"}
+    names = public_class_names(two)
+    assert names == {"A": {"a.py", "b.py"}}
+
+
+def test_no_two_classes_of_the_package_share_a_name() -> None:
+    sources = {str(path.relative_to(ROOT)): path.read_text() for path in (ROOT / "streamload").rglob("*.py")}
+    shared = {n: where for n, where in public_class_names(sources).items() if len(where) > 1}
+    assert shared == SHARED_CLASS_NAMES_ALLOWED, f"one name, one thing: rename one of each: {shared}"

@@ -221,6 +221,33 @@ def test_loader_and_dataloader_on_one_dataset_at_once(keys_root: Path) -> None:
     assert len(list(Loader(ds, threads=1))) == 11
 
 
+def test_thread_readers_is_the_loaders_public_seam(keys_root: Path) -> None:
+    ds = keyed(keys_root)
+    expected = list(Loader(keyed(keys_root), threads=2))
+    iteration = ds.thread_readers(2)
+    assert len(iteration.readers) == 2 and iteration.chunk == BATCH and iteration.world.num_workers == 1
+    with pytest.raises(ConfigError, match="streamload.Loader"):  # registered: no DataLoader meanwhile
+        next(iter(DataLoader(ds, batch_size=None, num_workers=0)))
+    first, second = (list(reader) for reader in iteration.readers)
+    turns = [b for pair in zip(first, second, strict=False) for b in pair] + first[len(second) :]
+    assert turns == expected  # the readers' batches taken in turn: the Loader's (and the DataLoader's)
+    iteration.progress.next_item += 3 * iteration.chunk  # the caller consumed three batches
+    assert ds.state_dict(samples_seen=3 * BATCH)["samples_seen"] == iteration.state(3 * BATCH)["samples_seen"]
+    iteration.leave()
+    iteration.leave()  # once
+    assert len(list(DataLoader(ds, batch_size=None, num_workers=0))) == len(expected)
+
+
+def test_a_loaded_state_is_the_loaders_until_it_iterates(keys_root: Path) -> None:
+    ds = keyed(keys_root)
+    assert ds.loaded_state() is None
+    state = ds.state_dict(samples_seen=4 * BATCH)
+    ds.load_state_dict(state)
+    assert ds.loaded_state() == state
+    next(iter(Loader(ds, threads=1)))
+    assert ds.loaded_state() is None
+
+
 @pytest.mark.parametrize("threads", [0, -1, 1.5])
 def test_threads_below_one_is_a_config_error(keys_root: Path, threads: Any) -> None:
     with pytest.raises(ConfigError, match="threads"):

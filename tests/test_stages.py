@@ -77,12 +77,12 @@ def test_the_skip_stage_owes_stand_ins_until_a_good_item_and_reset_forgets() -> 
 
 def test_the_plan_stage_state_is_the_loaded_resume_point(root: Path) -> None:
     ds = StreamingDataset(str(root), shuffle=True, seed=3, batch_size=2)
-    assert ds._planner.state() is None
+    assert ds.planner.state() is None
     state = ds.state_dict(samples_seen=4)
     ds.load_state_dict(state)
-    assert ds._planner.state() == state
-    ds._planner.reset()
-    assert ds._planner.state() is None
+    assert ds.planner.state() == state
+    ds.planner.reset()
+    assert ds.planner.state() is None
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")

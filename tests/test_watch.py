@@ -162,6 +162,26 @@ def test_report_since_a_mark_and_unwatched_loaders(tar_dataset: Path) -> None:
     assert DataReport.from_dict(whole.to_dict()).stages == whole.stages
 
 
+def test_attach_times_a_twin_and_leaves_the_loader_as_it_was(tar_dataset: Path) -> None:
+    from streamload.watching import attached_watch
+
+    ds = StreamingDataset(str(tar_dataset), transform=keys, batch_size=8)
+    dl = DataLoader(ds, batch_size=8, num_workers=0)
+    collate = dl.collate_fn
+    watched = watch(dl, attach=True)
+    assert type(dl) is DataLoader and dl.collate_fn is collate  # the user's loader: not changed
+    assert attached_watch(dl) is None and "streamload" not in repr(vars(dl))
+    twin = watched.loader
+    assert twin is not dl and isinstance(twin, DataLoader) and type(twin).__name__ == "DataLoader"
+    assert twin.dataset is ds and twin.batch_size == 8 and len(twin) == len(dl)
+    assert watch(twin, attach=True) is watched and attached_watch(twin) is watched
+    keys_from_dl = [k for batch in dl for k in batch]  # the loader itself: untimed
+    assert watched.report().steps == 0
+    keys_from_twin = [k for batch in twin for k in batch]  # as a framework iterates what it was given
+    assert keys_from_twin == keys_from_dl
+    assert watched.report().steps == len(dl) and watched.report().readers == 1
+
+
 def test_lightning_logger_receives_the_figures(tar_dataset: Path, tmp_path: Path) -> None:
     pytest.importorskip("lightning")
     import lightning.pytorch as pl

@@ -47,7 +47,7 @@ from streamload.storage import Destination, LocalDestination, is_local, local_pa
 from streamload.writer import ShardResult, publish_manifest, write_shard
 
 from .append import Appending
-from .executors import Failed, open_executor, parse_executor
+from .executors import TaskFailed, open_executor, parse_executor
 from .images import WARNINGS_KEY
 from .journal import Journal, plan_fingerprint
 from .options import DEFAULT_SHARD_BYTES, MAX_WORKERS, ConvertOptions, ConvertReport
@@ -146,7 +146,7 @@ class ShardJob:
     """A whole-shard task as sent to a Dask or Ray worker: it writes straight to the destination.
 
     Calling it with ``(index, items)`` writes shard ``index`` and returns its
-    :class:`~streamload.writer.ShardResult`, or :class:`~.executors.Failed` for an error
+    :class:`~streamload.writer.ShardResult`, or :class:`~.executors.TaskFailed` for an error
     of the input (returned, not raised, so the engine does not retry it).
     """
 
@@ -156,12 +156,12 @@ class ShardJob:
     storage_options: dict[str, Any]
     options: ConvertOptions
 
-    def __call__(self, task: tuple[int, Sequence[Item]]) -> ShardResult | Failed:
+    def __call__(self, task: tuple[int, Sequence[Item]]) -> ShardResult | TaskFailed:
         dest = open_destination(self.dst, self.storage_options)
         try:
             return _write(self.source, get_format(self.format), dest, self.options, task)
         except StreamloadError as exc:
-            return Failed(exc)
+            return TaskFailed(exc)
         finally:
             if not isinstance(dest, LocalDestination):
                 dest.close()  # its local staging folder
@@ -426,7 +426,7 @@ def _run_elsewhere(
     job = ShardJob(source, fmt.name, where, dict(options.storage_options), options)
     try:
         for result in executor.run(job, tasks):
-            if isinstance(result, Failed):
+            if isinstance(result, TaskFailed):
                 raise result.error
             assert isinstance(result, ShardResult)
             for entry in (result.entry, result.entry.sidecar):

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from streamload import _env
 from streamload._errors import ConfigError, StorageError, StreamloadError
 
-__all__ = ["TASK_RETRIES", "DaskExecutor", "Executor", "Failed", "RayExecutor", "open_executor", "parse_executor"]
+__all__ = ["TASK_RETRIES", "DaskExecutor", "Executor", "TaskFailed", "RayExecutor", "open_executor", "parse_executor"]
 
 T = TypeVar("T")
 #: Times a task is run again after its worker died or its environment failed.
@@ -40,7 +40,7 @@ TASK_RETRIES = 3
 
 
 @dataclass
-class Failed:
+class TaskFailed:
     """A task that failed on its input (an error it returns instead of raising, so it is not retried)."""
 
     error: StreamloadError
@@ -71,7 +71,7 @@ class Executor(ABC):
 
     @abstractmethod
     def run(self, fn: Callable[[T], Any], tasks: Sequence[T]) -> Iterator[Any]:
-        """Run ``fn`` on every task; yield the results (or :class:`Failed`) as tasks complete."""
+        """Run ``fn`` on every task; yield the results (or :class:`TaskFailed`) as tasks complete."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the executor started (a local cluster)."""

@@ -26,7 +26,7 @@ __all__ = ["download_parts", "download_stream"]
 _CHUNK = 8 << 20
 
 
-class RemoteFiles(Protocol):
+class DownloadTransport(Protocol):
     """What a download uses of its transport (:class:`~.transport.RemoteFiles`)."""
 
     backend: FsspecBackend
@@ -74,7 +74,7 @@ class _EitherEvent(threading.Event):
 
 
 def download_parts(
-    files: RemoteFiles,
+    files: DownloadTransport,
     name: str,
     part: str,
     size: int,
@@ -128,7 +128,7 @@ def download_parts(
 
 
 def _fetch_part(
-    files: RemoteFiles,
+    files: DownloadTransport,
     name: str,
     path: str,
     fd: int,
@@ -161,7 +161,7 @@ def _fetch_part(
 
 
 def download_stream(
-    files: RemoteFiles,
+    files: DownloadTransport,
     name: str,
     part: str,
     cancelled: Callable[[], bool],

@@ -40,7 +40,7 @@ from .executor import io_executor
 from .filler import Filler
 from .parts import LinkModel
 
-__all__ = ["AheadDepth", "AheadStats", "FetchAhead", "ReadAhead"]
+__all__ = ["AheadDepth", "AheadStats", "ReadAhead", "RemoteReadAhead"]
 
 log = logging.getLogger("streamload")
 
@@ -310,7 +310,7 @@ class ReadAhead:
                     self._running.pop(task.entry.name, None)
 
 
-class FetchAhead:
+class RemoteReadAhead:
     """The read-ahead part of :class:`~.remote.RemoteStorage`: the window, its depth, its fetches.
 
     A subclass sets :attr:`url`, :attr:`read_ahead`, :attr:`cache`, ``_proc`` (its

@@ -57,7 +57,7 @@ from .executor import io_executor
 from .filler import DOWNLOAD_REFETCHES, Filler
 from .limit import DEFAULT_CACHE_FRACTION, MIN_CACHE_SHARDS, CacheLimit
 from .ranges import RangeFetcher
-from .readahead import AheadDepth, FetchAhead, ReadAhead
+from .readahead import AheadDepth, ReadAhead, RemoteReadAhead
 from .retry import RetryPolicy
 from .transport import open_transport
 
@@ -114,7 +114,7 @@ class _Process:
         self.admission.forget_parent()
 
 
-class RemoteStorage(CacheLimit, FetchAhead, Storage):
+class RemoteStorage(CacheLimit, RemoteReadAhead, Storage):
     """A dataset at a remote fsspec URL, read through a bounded, shared local cache.
 
     Args:

@@ -16,7 +16,7 @@ what, and which module of this package keeps it::
                           "being evicted" (room)
     downloads/<name>      exclusive flock = "being downloaded" (one downloader per file,
                           for the whole download; discarding a corrupt copy takes it too)
-                          (fill)
+                          (intake)
     tmp/<name>.<size>.<pid>.<random>.part
                           a download in progress, exclusively flocked by its writer;
                           its name carries the bytes it reserves against the limit; an

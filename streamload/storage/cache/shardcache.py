@@ -11,7 +11,7 @@ from collections.abc import Callable
 from ... import _env
 from ..._files import FileEntry
 from .copies import Copies
-from .fill import Download, Downloads
+from .intake import Download, Intake
 from .landing import Landings
 from .layout import CacheDir
 from .readers import Readers, Registration
@@ -79,7 +79,7 @@ class ShardCache:
         self._copies = Copies(self.folder, self.settings, self._counter)
         self._readers = Readers(self.folder)
         self._room = Room(self.folder, self.settings, self._counter, self._readers)
-        self._downloads = Downloads(self.folder, self.settings, self._copies, self._room, self._counter)
+        self._intake = Intake(self.folder, self.settings, self._copies, self._room, self._counter)
         self._landings = Landings(self.folder)
 
     @property
@@ -165,7 +165,7 @@ class ShardCache:
                 a full disk, or a cache directory deleted or made unsafe meanwhile.
             CorruptShardError: If the downloaded bytes are not the entry's.
         """
-        return self._downloads.fill(entry, download, wait=wait, on_wait=on_wait, cancelled=cancelled, follow=follow)
+        return self._intake.fill(entry, download, wait=wait, on_wait=on_wait, cancelled=cancelled, follow=follow)
 
     # -- a download in progress, seen from other processes ------------------------------
 

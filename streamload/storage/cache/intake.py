@@ -1,4 +1,4 @@
-"""Filling the cache: one downloader per file, into a reserved part, verified, then renamed.
+"""What comes into the cache: one downloader per file, into a reserved part, verified, then renamed.
 
 ``downloads/<name>`` is held exclusively for the whole download (by one thread of one
 process of the machine; the others wait on it, following its progress in ``landing/``).
@@ -25,14 +25,14 @@ from .room import Room
 from .settings import CacheSettings
 from .stats import StatsCounter
 
-__all__ = ["Downloads"]
+__all__ = ["Intake"]
 
 #: ``download(part_path, cancelled)`` writes the remote bytes to ``part_path``.
 Download = Callable[[str, Callable[[], bool]], None]
 
 
-class Downloads:
-    """The downloads into one cache directory.
+class Intake:
+    """What comes into one cache directory: its downloads, each locked, reserved, verified and renamed in.
 
     Args:
         folder: The cache directory.
