@@ -37,6 +37,7 @@ import torch
 
 from ._errors import ConfigError, SampleError
 from ._gpudecode import NO_PLACES, GpuDecoder, batch_geometry, fill_slots, generator_of, sample_name
+from ._validate import check_on_error
 from .batch import RawBatch
 from .decode import DEFAULT_MAX_PIXELS, ImageDecoder, SharedCount, cannot_decode, report_warnings
 from .decode.image import Backend, Crop
@@ -131,9 +132,7 @@ class DeviceDecode:
         on_error: str = "raise",
     ) -> None:
         self.height, self.width = _size(size)
-        if on_error not in ("raise", "skip"):
-            raise ConfigError(f"DeviceDecode(on_error={on_error!r}) must be 'raise' or 'skip'")
-        self.on_error = on_error
+        self.on_error = check_on_error(on_error)
         if crop not in ("center", "random"):
             raise ConfigError(f"DeviceDecode(crop={crop!r}) must be 'center' or 'random'")
         _flag("flip", flip)

@@ -20,6 +20,9 @@ CONVERTERS = ROOT / "streamload" / "converters"
 LAYERS: list[tuple[str, ...]] = [
     (
         "streamload._errors",
+        "streamload._redact",
+        "streamload._classes",
+        "streamload._gil",
         "streamload._units",
         "streamload._files",
         "streamload._batchmem",

@@ -215,10 +215,7 @@ class TableSource(Source):
         while True:
             result = self._plan_pass(max_bytes, max_samples, shuffle, seed, present_rows, dst)
             rescan = self._labels.settle()
-            self.classes = self._labels.classes
-            too_long = long_name(self.classes)
-            if too_long is not None:
-                raise SourceError(f"{self.url}: label column {self.label_column!r}: {too_long}")
+            self.classes = _bounded(self._labels.classes, f"{self.url}: label column {self.label_column!r}")
             if not rescan:
                 return result
 
@@ -338,3 +335,11 @@ class TableSource(Source):
             extra = {c: values[c] for c in self.keep_columns}
             sample["json"] = json.dumps(extra, sort_keys=True, default=str, ensure_ascii=False).encode()
         return sample
+
+
+def _bounded(classes: Any, where: str) -> Any:
+    """Return ``classes``, checked against the class-name bound (a ``SourceError`` naming ``where``)."""
+    too_long = long_name(classes)
+    if too_long is not None:
+        raise SourceError(f"{where}: {too_long}")
+    return classes
