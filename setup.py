@@ -1,4 +1,4 @@
-"""Build streamload's optional native JPEG batch kernel (everything else is in pyproject.toml).
+"""Build streamload's optional native parts: the JPEG batch kernel, the batch read (the rest: pyproject.toml).
 
 The extension is optional: without a C compiler or libjpeg-turbo's headers (Debian:
 ``libjpeg62-turbo-dev``) the install still succeeds, and decoding takes the per-sample path.
@@ -14,6 +14,8 @@ setup(
             libraries=["jpeg"],
             extra_compile_args=["-O3"],
             optional=True,
-        )
+        ),
+        # A batch's preads in one call without the GIL (streamload._pread); no library needed.
+        Extension("streamload._gather", sources=["streamload/_gather.c"], extra_compile_args=["-O3"], optional=True),
     ]
 )

@@ -8,9 +8,12 @@ average:
 
 1. ``Loader(threads=1)`` alone, and beside a pure-Python busy loop in the main thread (the
    loader iterated by a second thread, as a training step's data fetch is); the busy loop
-   alone. Each as a rate and as a ratio (beside / alone). Per-sample path (``native=False``)
-   and the kernel (``native=True``).
-2. ``DataLoader(num_workers=2)`` + ``DecodeBatch``: decode rate with the kernel off and on.
+   alone. Each as a rate and as a ratio (beside / alone). Three paths: per sample
+   (``native=False``); the kernel fed sample dicts (``native=True`` with ``on_error="skip"``,
+   which keeps a dataset on the dict path: each sample read by its own ``pread`` calls);
+   the kernel fed by the batch read (``native=True``: ``DecodeBatch.read_batch``, the
+   batch's bytes in one gathered read a shard, then one kernel call).
+2. ``DataLoader(num_workers=2)`` + ``DecodeBatch``: decode rate on each of the three paths.
 3. The cost of ``watch``'s GIL probe to a loop that runs Python all along.
 4. Per core, one process, the same files: today's ``ImageDecoder`` (one ``decode_into`` a
    sample) against the kernel (one call a batch), images per CPU-second, and where the time
@@ -34,13 +37,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_threads import BATCH, SIZE, dataset_root  # noqa: E402
 
+#: The paths measured: name -> (native kernel, on_error). ``skip`` keeps the dataset on the dict path.
+PATHS = {"per_sample": (False, "raise"), "kernel_dicts": (True, "skip"), "kernel": (True, "raise")}
 
-def _dataset(root: str, native: bool) -> Any:
+
+def _dataset(root: str, path: str) -> Any:
     from streamload import StreamingDataset
     from streamload.decode import DecodeBatch
 
+    native, on_error = PATHS[path]
     collate = DecodeBatch(SIZE, crop="random", flip=True, native=native)
-    return StreamingDataset(root, shuffle=True, seed=0, batch_size=BATCH, collate=collate)
+    return StreamingDataset(root, shuffle=True, seed=0, batch_size=BATCH, collate=collate, on_error=on_error)
 
 
 def _busy(stop: threading.Event) -> int:
@@ -104,11 +111,11 @@ class _Sched:
         return cpu, queued, len(self.last)
 
 
-def loader_beside_loop(root: str, native: bool, seconds: float, busy: bool) -> dict[str, float]:
+def loader_beside_loop(root: str, path: str, seconds: float, busy: bool) -> dict[str, float]:
     """Images/s of ``Loader(threads=1)`` over ``seconds`` (after its first batch), and the loop's count/s."""
     import streamload
 
-    loader = streamload.Loader(_dataset(root, native), threads=1)
+    loader = streamload.Loader(_dataset(root, path), threads=1)
     next(iter(loader))  # start-up out of the window
     stop = threading.Event()
     counts = [0]
@@ -152,10 +159,10 @@ def loop_alone(seconds: float) -> float:
     return n / (time.perf_counter() - start)
 
 
-def dataloader_rate(root: str, native: bool, workers: int = 2) -> float:
+def dataloader_rate(root: str, path: str, workers: int = 2) -> float:
     from torch.utils.data import DataLoader
 
-    loader = DataLoader(_dataset(root, native), batch_size=None, num_workers=workers)
+    loader = DataLoader(_dataset(root, path), batch_size=None, num_workers=workers)
     images, start = 0, 0.0
     for i, (batch, _labels) in enumerate(loader):
         if i == 0:
@@ -237,7 +244,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=1280)
     parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--rounds", type=int, default=3, help="rounds, kernel off and on interleaved in each")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, the three paths interleaved in each")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     root = dataset_root(args.images)
@@ -262,14 +269,13 @@ def main() -> None:
     )
     for r in range(args.rounds):
         row: dict[str, Any] = {"load": os.getloadavg()}
-        for flag in (False, True):
-            key = "kernel" if flag else "per_sample"
+        for key in PATHS:
             loop = loop_alone(args.seconds)
-            alone = loader_beside_loop(root, flag, args.seconds, busy=False)
-            beside = loader_beside_loop(root, flag, args.seconds, busy=True)
+            alone = loader_beside_loop(root, key, args.seconds, busy=False)
+            beside = loader_beside_loop(root, key, args.seconds, busy=True)
             row[key] = {"loop_alone": loop, "alone": alone, "beside": beside}
             print(
-                f"round {r + 1} Loader(threads=1) {key:10s}: alone {alone['images_s']:5.0f} img/s; beside a busy "
+                f"round {r + 1} Loader(threads=1) {key:12s}: alone {alone['images_s']:5.0f} img/s; beside a busy "
                 f"loop {beside['images_s']:5.0f} img/s ({beside['images_s'] / alone['images_s']:.2f} of alone); "
                 f"the loop keeps {beside['loop_s'] / loop:.2f} of its {loop / 1e6:.1f} M/s (load "
                 f"{os.getloadavg()[0]:.1f}); the loader's threads, alone / beside: on a CPU "
@@ -278,18 +284,17 @@ def main() -> None:
                 f"{beside['loader_queued']:.2f}, blocked (GIL, queues) {alone['loader_blocked']:.2f} / "
                 f"{beside['loader_blocked']:.2f} of the time"
             )
-        for flag in (False, True):
-            rate = dataloader_rate(root, flag)
-            row[f"dataloader2_{'kernel' if flag else 'per_sample'}"] = rate
-            name = "kernel" if flag else "per-sample"
-            print(f"round {r + 1} DataLoader(num_workers=2) + DecodeBatch, {name}: {rate:.0f} img/s")
+        for key in PATHS:
+            rate = dataloader_rate(root, key)
+            row[f"dataloader2_{key}"] = rate
+            print(f"round {r + 1} DataLoader(num_workers=2) + DecodeBatch, {key}: {rate:.0f} img/s")
         result["rounds"].append(row)
-    for key in ("per_sample", "kernel"):
+    for key in PATHS:
         loader = [x[key]["beside"]["images_s"] / x[key]["alone"]["images_s"] for x in result["rounds"]]
         kept = [x[key]["beside"]["loop_s"] / x[key]["loop_alone"] for x in result["rounds"]]
         dl = [x[f"dataloader2_{key}"] for x in result["rounds"]]
         print(
-            f"{key:10s}: beside a busy loop the Loader keeps {min(loader):.2f}-{max(loader):.2f} of its rate alone, "
+            f"{key:12s}: beside a busy loop the Loader keeps {min(loader):.2f}-{max(loader):.2f} of its rate alone, "
             f"the loop {min(kept):.2f}-{max(kept):.2f} of its own; DataLoader(2) {min(dl):.0f}-{max(dl):.0f} img/s"
         )
     core = per_core(root)

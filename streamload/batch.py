@@ -52,6 +52,8 @@ __all__ = [
     "batch_tensors",
     "group_runs",
     "in_worker",
+    "serves_batches",
+    "wants_places",
 ]
 
 #: A batch's reads: ``(shard, local indices)``, in batch order.
@@ -388,8 +390,13 @@ class RawCollate:
         keys = tuple(s["__key__"] for s in samples) if self.keys else None
         return RawBatch(data, offsets_t, labels, keys, lease, places)
 
+    @property
+    def wants_places(self) -> bool:
+        """Whether :meth:`read_batch` takes the samples' ``(epoch, position)`` (:attr:`places`)."""
+        return self.places
+
     def _buffers(
-        self, sizes: np.ndarray, where: np.ndarray | None = None
+        self, sizes: np.ndarray, where: np.ndarray | None = None, shared: bool | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Lease | None, torch.Tensor | None]:
         """Data, offsets (filled from ``sizes``), labels and places (filled from ``where``), in one batch buffer."""
         n = len(sizes)
@@ -398,7 +405,7 @@ class RawCollate:
             parts.append(((n,), torch.int64))
         if where is not None:
             parts.append(((n, 2), torch.int64))
-        tensors, lease = batch_tensors(parts)
+        tensors, lease = batch_tensors(parts, shared)
         offsets = tensors[1].numpy()
         offsets[0] = 0
         np.cumsum(sizes, out=offsets[1:])
@@ -422,7 +429,11 @@ class RawCollate:
     # -- the fast path: read straight from the shard readers ----------------------------
 
     def read_batch(
-        self, open_reader: Callable[[int], ShardReader], parts: Parts, places: np.ndarray | None = None
+        self,
+        open_reader: Callable[[int], ShardReader],
+        parts: Parts,
+        places: np.ndarray | None = None,
+        shared: bool | None = None,
     ) -> RawBatch:
         """Read a batch straight into one buffer: sizes from the index, then one read per shard.
 
@@ -437,9 +448,11 @@ class RawCollate:
             parts: ``(shard, local indices)`` of the batch, in batch order.
             places: ``int64[B, 2]``, the samples' ``(epoch, position)`` (the dataset
                 passes them when :attr:`places` is set); kept in :attr:`RawBatch.places`.
+            shared: The batch's buffer in shared memory (``None``: inside a DataLoader
+                worker); ``False`` for a batch that stays in its process (a decode's input).
         """
         where = places if self.places else None
-        if not all(_serves_batches(open_reader(shard)) for shard, _ in parts):
+        if not all(serves_batches(open_reader(shard)) for shard, _ in parts):
             samples = [open_reader(shard).get(int(i)) for shard, idx in parts for i in idx]
             if where is not None:
                 for sample, (epoch, item) in zip(samples, where.tolist(), strict=True):
@@ -457,7 +470,7 @@ class RawCollate:
             values = _integer_labels(reader, idx, label[0]) if label else None
             label_values.append(values)
             label_sizes.append(reader.field_sizes(idx, label) if label and values is None else None)
-        data, offsets_t, labels, lease, places_t = self._buffers(sizes, where)
+        data, offsets_t, labels, lease, places_t = self._buffers(sizes, where, shared)
         offsets, flat = offsets_t.numpy(), data.numpy()
         for (shard, idx, pos), lsize, values in zip(groups, label_sizes, label_values, strict=True):
             reader = cast(BatchReads, open_reader(shard))
@@ -528,8 +541,14 @@ def _implements(reader: object, protocol: type) -> bool:
     return known
 
 
-def _serves_batches(reader: ShardReader) -> bool:
+def serves_batches(reader: ShardReader) -> bool:
+    """Whether ``reader`` reads batches straight into a buffer (:class:`~streamload.formats.base.BatchReads`)."""
     return _implements(reader, BatchReads)
+
+
+def wants_places(collate: object) -> bool:
+    """Whether a :class:`BatchReader`'s ``read_batch`` takes the samples' ``(epoch, position)`` as ``places``."""
+    return bool(getattr(collate, "wants_places", False))
 
 
 def _integer_labels(reader: object, indices: np.ndarray, field: str) -> np.ndarray | None:

@@ -28,7 +28,7 @@ import numpy as np
 
 from ._errors import SampleError
 
-__all__ = ["sample_generator", "sample_seed"]
+__all__ = ["place_generator", "sample_generator", "sample_seed"]
 
 #: Tells the sample generator's words apart from other uses of the same seed.
 _DOMAIN = 0x5A4D504C
@@ -71,6 +71,15 @@ def sample_generator(sample: Mapping[str, Any], seed: int = 0) -> np.random.Gene
         SampleError: If the sample carries no ``"__epoch__"``/``"__position__"``.
     """
     epoch, position = _where(sample)
+    return place_generator(epoch, position, seed)
+
+
+def place_generator(epoch: int, position: int, seed: int = 0) -> np.random.Generator:
+    """The generator of the sample at ``position`` of ``epoch``: :func:`sample_generator` without the dict.
+
+    What a batch read straight from the shard readers draws from (it knows each sample's
+    ``(epoch, position)`` from the plan, not from a dict): the same draws.
+    """
     key = np.random.SeedSequence(_words(seed, epoch, position)).generate_state(2, np.uint64)
     return np.random.Generator(_philox(key))
 

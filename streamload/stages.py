@@ -32,7 +32,7 @@ from ._stages import SAMPLE_EVERY, Clock, StageTable
 from .ahead import FetchAhead
 from .plan import EpochPlan, Run, World
 from .plan.world import local_ranks
-from .recovery import Failed, raise_located, read_batch, recovering_samples, skippable
+from .recovery import Failed, key_of, raise_located, read_batch, recovering_samples, skippable
 from .resume import Position
 from .skips import SkipLog, Substitute, batch_errors
 from .storage import Storage
@@ -158,7 +158,7 @@ class Read:
         shard readers into one buffer, unless a per-sample ``transform`` or
         ``on_error="skip"`` needs the dicts.
         """
-        from .batch import BatchReader, RawCollate
+        from .batch import BatchReader, wants_places
 
         steps, readers = self.steps, self.readers
         collate = steps.collate
@@ -173,11 +173,13 @@ class Read:
         if isinstance(collate, BatchReader) and steps.transform is None and steps.on_error == "raise":
             parts = [(run.shard, run.locals) for run in runs]
             shards = [s for s, _ in parts]
-            if isinstance(collate, RawCollate) and collate.places:  # each sample's (epoch, position) too
-                raw, where = collate, _batch_places(self.position.epoch, runs)
-                batch = read_batch(lambda: raw.read_batch(readers.get, parts, where), shards, readers)
-            else:
-                batch = read_batch(lambda: collate.read_batch(readers.get, parts), shards, readers)
+            with batch_errors(partial(self._read_failed, runs)):  # a sample the collate names: located
+                if wants_places(collate):  # each sample's (epoch, position) too
+                    placed: Any = collate
+                    where = _batch_places(self.position.epoch, runs)
+                    batch = read_batch(lambda: placed.read_batch(readers.get, parts, where), shards, readers)
+                else:
+                    batch = read_batch(lambda: collate.read_batch(readers.get, parts), shards, readers)
         else:
             kept = {id(item) for item in self.substitute.last.values()}
             self.origins = {k: v for k, v in self.origins.items() if k in kept}
@@ -187,6 +189,20 @@ class Read:
                 batch = collate(samples) if clock is None else clock.collate(collate, samples)
         self.position.next_item = int(runs[-1].positions[-1]) + 1
         return batch
+
+    def _read_failed(self, runs: list[Run], index: int, error: BaseException) -> bool:
+        """A bad sample ``index`` of a batch read straight from the readers (``on_error="raise"``): raised located."""
+        at = 0
+        for run in runs:
+            if index < at + len(run.locals):
+                info = self.readers.info(run.shard)
+                where = f"{info.url}/{info.entry.name}"
+                if isinstance(error, StreamloadError):
+                    raise_located(error, info.url, where)
+                key = key_of(self.readers.get(run.shard), int(run.locals[index - at]))
+                raise SampleError(f"{where}: sample {key!r}: collate failed: {error}") from error
+            at += len(run.locals)
+        return False
 
     def _sample_failed(self, samples: list[Any], skipped: set[int], index: int, error: BaseException) -> bool:
         """A collate's bad sample ``samples[index]``: counted and named under skip, else raised located.

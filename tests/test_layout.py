@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload._fields",
         "streamload._jpeghead",
         "streamload._resample",
+        "streamload._pread",
     ),
     (
         "streamload.sample",

@@ -273,6 +273,10 @@ class DecodeBatch:
         self.layout = layout
         self.seed = seed
         self.native = _native.use_native(native, backend)
+        from ..batch import RawCollate
+
+        #: Reads a planned batch's encoded images and labels into one buffer (:meth:`read_batch`).
+        self.raw = RawCollate(field=self.fields, label_field=label_field, places=False)
         self.warnings = 0  # library warnings raised by decodes in this process (each logged naming its sample)
         #: A good sample of an earlier batch: what fills a batch whose every sample was skipped.
         self._stand_in: Mapping[str, Any] | None = None
@@ -345,6 +349,28 @@ class DecodeBatch:
             label_tensor.numpy()[:] = labels
         images = buffer.permute(0, 3, 1, 2) if self.layout == "CHW" else buffer
         return ImageBatch(images, label_tensor, lease)
+
+    #: :meth:`read_batch` takes each sample's ``(epoch, position)``: the key of its crop and flip.
+    wants_places = True
+
+    def read_batch(self, open_reader: Callable[[int], Any], parts: Any, places: np.ndarray | None = None) -> Any:
+        """Read a planned batch straight from the shard readers and decode it (the dataset calls this).
+
+        With the native kernel, the batch's encoded images and labels are read into one
+        buffer (:meth:`streamload.RawCollate.read_batch`: one read call a shard) and
+        decoded from there in one call: a batch lets go of the GIL a few times, not a few
+        times a sample. The crops, flips and pixels are those of :meth:`__call__` on the
+        same samples' dicts (each sample's generator keyed by its ``places`` row, its
+        ``(epoch, position)``); samples the kernel does not take or refuses are read as
+        dicts and decoded per sample. See :func:`streamload.decode.native.read_decoded`.
+
+        Args:
+            open_reader: Returns the open reader of a shard.
+            parts: ``(shard, local indices)`` of the batch, in batch order.
+            places: ``int64[B, 2]``: the samples' ``(epoch, position)`` (``None``: unknown;
+                the crops are drawn from :meth:`rng`).
+        """
+        return _native.read_decoded(self, open_reader, parts, places)
 
     def decode_slot(self, sample: Mapping[str, Any], slot: np.ndarray, native: Any = None) -> int:
         """Decode one sample's image into ``slot`` (an ``(height, width, 3)`` ``uint8`` array); return its label.

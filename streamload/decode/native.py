@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -39,10 +39,12 @@ import numpy as np
 from .._errors import ConfigError
 
 if TYPE_CHECKING:
+    from ..batch import ImageBatch, Parts
+    from ..formats.base import ShardReader
     from . import DecodeBatch
     from .image import ImageDecoder
 
-__all__ = ["DONE", "Refusal", "available", "decode_batch", "kernel", "refused_into", "use_native"]
+__all__ = ["DONE", "Refusal", "available", "decode_batch", "kernel", "read_decoded", "refused_into", "use_native"]
 
 _log = logging.getLogger("streamload.decode")
 _LOCK = threading.Lock()
@@ -120,10 +122,17 @@ def decode_batch(
         Pillow: :func:`refused_into`), or ``None`` (not taken: the per-sample path, which
         draws from the sample's generator itself).
     """
+    return _decode(batch, lambda i: batch.sample_rng(samples[i]), datas, slots)
+
+
+def _decode(
+    batch: DecodeBatch, rng_of: Callable[[int], np.random.Generator], datas: Sequence[Any], slots: np.ndarray
+) -> list[Any]:
+    """:func:`decode_batch` with sample ``i``'s generator from ``rng_of(i)`` (asked for in sample order)."""
     module = kernel()
     assert module is not None
     decoder = batch.decoder
-    n = len(samples)
+    n = len(datas)
     dims = np.zeros((n, 3), dtype=np.int32)
     module.headers(datas, dims)
     boxes = np.zeros((n, 4), dtype=np.float32)
@@ -135,7 +144,7 @@ def decode_batch(
     for i, (width, height, kind) in enumerate(dims.tolist()):
         if kind == 0 or (max_pixels is not None and width * height > max_pixels):
             continue  # the per-sample path: Pillow, or today's error naming the sample
-        rng = batch.sample_rng(samples[i]) if random else None
+        rng = rng_of(i) if random else None
         box = decoder.box(width, height, rng)
         factor = decoder._reduction(width, height, box)
         scale = _box_scale(width, factor)
@@ -184,3 +193,79 @@ def refused_into(decoder: ImageDecoder, data: Any, out: np.ndarray, refusal: Ref
     if refusal.flip:
         img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     out[...] = np.frombuffer(img.tobytes("raw", "RGB"), dtype=np.uint8).reshape(decoder.height, decoder.width, 3)
+
+
+def read_decoded(
+    batch: DecodeBatch, open_reader: Callable[[int], ShardReader], parts: Parts, places: np.ndarray | None
+) -> ImageBatch:
+    """:meth:`DecodeBatch.read_batch`: a planned batch read into one buffer and decoded by the kernel.
+
+    The batch's encoded images and labels are read by the collate's :class:`~streamload.RawCollate`
+    (sizes from the shards' indexes, one read call a shard, into memory that stays in this
+    process), then the kernel decodes them from there in one call. Sample ``i``'s crop and
+    flip come from :func:`streamload.randomness.place_generator` keyed by ``places[i]``:
+    the generator its dict would get (:meth:`DecodeBatch.sample_rng`). A sample the kernel
+    does not take or refuses is read again as its dict (:meth:`ShardReader.get`) and
+    decoded per sample, counted as on the dict path.
+
+    Sample dicts all along (:meth:`DecodeBatch.__call__`) when the kernel is off, a shard's
+    reader does not read batches, or the read meets a bad sample (no image field, a label
+    that is not an integer: the dict path raises its own error for it).
+    """
+    import torch
+
+    from .._errors import SampleError
+    from ..batch import ImageBatch, batch_tensors, serves_batches
+    from ..randomness import place_generator
+    from ..skips import sample_failed
+
+    where = None if places is None else places.tolist()
+    spots = [(shard, int(i)) for shard, idx in parts for i in np.asarray(idx).tolist()]
+
+    def sample_of(i: int) -> dict[str, Any]:
+        shard, local = spots[i]
+        sample = open_reader(shard).get(local)
+        if where is not None:
+            sample["__epoch__"], sample["__position__"] = where[i]
+        return sample
+
+    if not batch.native or not all(serves_batches(open_reader(shard)) for shard, _ in parts):
+        return batch([sample_of(i) for i in range(len(spots))])  # type: ignore[no-any-return]
+    try:
+        raw = batch.raw.read_batch(open_reader, parts, shared=False)
+    except SampleError:
+        return batch([sample_of(i) for i in range(len(spots))])  # type: ignore[no-any-return]
+    n = raw.batch_size
+    decoder = batch.decoder
+    shapes: list[tuple[Sequence[int], torch.dtype]] = [((n, *decoder.shape), torch.uint8)]
+    if batch.label_field is not None:
+        shapes.append(((n,), torch.int64))
+    tensors, lease = batch_tensors(shapes)
+    slots = tensors[0].numpy()
+    bounds = raw.offsets.tolist()
+    view = raw.data.numpy().data
+    datas = [view[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    seed = batch.seed or 0
+    if where is not None:
+        taken = _decode(batch, lambda i: place_generator(where[i][0], where[i][1], seed), datas, slots)
+    else:
+        taken = _decode(batch, lambda i: batch.rng(), datas, slots)
+    labels = None
+    if batch.label_field is not None and raw.labels is not None:
+        labels = tensors[1]
+        values = labels.numpy()
+        values[:] = raw.labels.numpy()
+    for i, word in enumerate(taken):
+        if word is DONE:
+            continue
+        sample = sample_of(i)
+        try:
+            label = batch.decode_slot(sample, slots[i], word)
+        except SampleError as error:
+            if not sample_failed(i, error):
+                raise
+            continue
+        if labels is not None:
+            labels.numpy()[i] = label
+    images = tensors[0].permute(0, 3, 1, 2) if batch.layout == "CHW" else tensors[0]
+    return ImageBatch(images, labels, lease)

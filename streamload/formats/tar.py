@@ -43,6 +43,7 @@ import numpy as np
 import xxhash
 
 from .._errors import CorruptShardError, SampleError
+from .._pread import pread_gather
 from ..manifest import ShardEntry
 from ..storage.bytes import MAX_GAP, FileBytes, gather
 from ._record import open_regular_file
@@ -293,6 +294,9 @@ class TarShardReader(ShardReader):
         offsets = np.frombuffer(self._offset, dtype=np.uint64)[members].astype(np.int64)
         order = np.argsort(offsets, axis=1, kind="stable")  # file order within each sample
         take = np.arange(n)[:, None]
+        if isinstance(source, FileBytes) and self._gather(source, offsets, sizes, starts, groups):
+            self._check_digests(indices, members, groups, starts)
+            return
         seg_off = offsets[take, order].ravel().tolist()
         seg_size = sizes[take, order].ravel().tolist()
         seg_start = starts[take, order].ravel().tolist()
@@ -307,6 +311,43 @@ class TarShardReader(ShardReader):
         )
         gather(segments, scratch, lambda iov, offset, expected: self._preadv(source, iov, offset, expected))
         self._check_digests(indices, members, groups, starts)
+
+    def _gather(
+        self,
+        source: FileBytes,
+        offsets: np.ndarray,
+        sizes: np.ndarray,
+        starts: np.ndarray,
+        groups: Sequence[tuple[Sequence[str], np.ndarray, np.ndarray]],
+    ) -> bool:
+        """Read every member (``[sample, group]``) into its place in one GIL release; ``False``: not built.
+
+        One ``pread`` a member, in file order, all in one call (:func:`streamload._pread.pread_gather`):
+        a shuffled batch's samples are scattered over the shard, and a read per sample (or
+        per run) would take the GIL back once each.
+        """
+        g = len(groups)
+        order = np.argsort(offsets, axis=None, kind="stable")
+        got = pread_gather(
+            source.fd,
+            offsets.ravel()[order],
+            sizes.ravel()[order],
+            [out for _, out, _ in groups],
+            np.broadcast_to(np.arange(g, dtype=np.int32), offsets.shape).ravel()[order],
+            starts.ravel()[order],
+        )
+        if got is None:
+            return False
+        want = sizes.ravel()[order]
+        bad = np.flatnonzero(got != want)
+        if len(bad):
+            first = int(bad[0])
+            if got[first] < 0:
+                code = int(-got[first])
+                raise OSError(code, f"{os.strerror(code)}: reading shard {self.entry.name}", self.path)
+            at = int(offsets.ravel()[order][first]) + int(got[first])
+            raise CorruptShardError(f"{self.path}: shard {self.entry.name} is truncated at byte {at}")
+        return True
 
     def _preadv(self, source: ShardBytes, iov: list[memoryview], offset: int, expected: int) -> None:
         if source.preadv(iov, offset) != expected:

@@ -1,0 +1,126 @@
+/*
+ * streamload._gather: a batch's positioned reads of one file, in one call that releases the GIL once.
+ *
+ * A thread that lets go of the GIL for a system call must take it back afterwards; beside a
+ * thread running Python that can wait up to the switch interval. A shuffled batch's samples
+ * lie all over a shard, so reading them one os.pread (or os.preadv) at a time makes one such
+ * release per sample: here the whole batch's reads are one.
+ *
+ * Safety: every destination is checked inside its buffer before anything is read; a read
+ * that fails or comes back short is reported per entry (the caller names the shard).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <stdint.h>
+#include <unistd.h>
+
+/* A contiguous buffer of at least `need` bytes. */
+static int get_array(PyObject *obj, Py_buffer *view, size_t need, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS) != 0) return -1;
+    if ((size_t)view->len < need) {
+        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, %zu needed", what, view->len, need);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(pread_gather_doc,
+             "pread_gather(fd, offsets, lengths, outs, which, at, got) -> None\n\n"
+             "Read entry i (lengths[i] bytes at file offset offsets[i] of fd) into outs[which[i]] at byte at[i],\n"
+             "every entry in one call that releases the GIL once. offsets, lengths, at and got: int64, which:\n"
+             "int32, one an entry (got's length is the number of entries); every destination is checked\n"
+             "inside its buffer first (ValueError). got[i] gets the bytes read (fewer than lengths[i] only at\n"
+             "the end of the file) or -errno when a read failed.");
+
+static PyObject *pread_gather(PyObject *self, PyObject *args) {
+    PyObject *outs_obj, *offsets_obj, *lengths_obj, *which_obj, *at_obj, *got_obj, *seq, *result = NULL;
+    Py_buffer offsets_view, lengths_view, which_view, at_view, got_view, *outs = NULL;
+    Py_ssize_t n, m, i, have = 0;
+    int fd;
+    (void)self;
+
+    if (!PyArg_ParseTuple(args, "iOOOOOO", &fd, &offsets_obj, &lengths_obj, &outs_obj, &which_obj, &at_obj, &got_obj))
+        return NULL;
+    if (PyObject_GetBuffer(got_obj, &got_view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) return NULL;
+    n = got_view.len / (Py_ssize_t)sizeof(int64_t);
+    if (get_array(offsets_obj, &offsets_view, (size_t)n * sizeof(int64_t), "offsets") != 0) goto release_got;
+    if (get_array(lengths_obj, &lengths_view, (size_t)n * sizeof(int64_t), "lengths") != 0) goto release_offsets;
+    if (get_array(which_obj, &which_view, (size_t)n * sizeof(int32_t), "which") != 0) goto release_lengths;
+    if (get_array(at_obj, &at_view, (size_t)n * sizeof(int64_t), "at") != 0) goto release_which;
+    seq = PySequence_Fast(outs_obj, "outs must be a sequence of writable buffers");
+    if (seq == NULL) goto release_at;
+    m = PySequence_Fast_GET_SIZE(seq);
+    outs = (Py_buffer *)PyMem_Calloc((size_t)(m > 0 ? m : 1), sizeof(Py_buffer));
+    if (outs == NULL) {
+        PyErr_NoMemory();
+        goto release_seq;
+    }
+    for (have = 0; have < m; have++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, have), &outs[have], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) !=
+            0)
+            goto release_outs;
+    }
+    {
+        const int64_t *offsets = (const int64_t *)offsets_view.buf, *lengths = (const int64_t *)lengths_view.buf;
+        const int64_t *at = (const int64_t *)at_view.buf;
+        const int32_t *which = (const int32_t *)which_view.buf;
+        int64_t *got = (int64_t *)got_view.buf;
+        for (i = 0; i < n; i++) { /* every destination inside its buffer, before anything is read */
+            if (offsets[i] < 0 || lengths[i] < 0 || at[i] < 0 || which[i] < 0 || which[i] >= m ||
+                lengths[i] > (int64_t)outs[which[i]].len || at[i] > (int64_t)outs[which[i]].len - lengths[i]) {
+                PyErr_Format(PyExc_ValueError, "entry %zd: %lld bytes at %lld of buffer %d do not fit there", i,
+                             (long long)lengths[i], (long long)at[i], (int)which[i]);
+                goto release_outs;
+            }
+        }
+        Py_BEGIN_ALLOW_THREADS
+        for (i = 0; i < n; i++) {
+            char *dst = (char *)outs[which[i]].buf + at[i];
+            int64_t done = 0, want = lengths[i];
+            while (done < want) {
+                ssize_t r = pread(fd, dst + done, (size_t)(want - done), (off_t)(offsets[i] + done));
+                if (r < 0) {
+                    if (errno == EINTR) continue;
+                    done = -(int64_t)errno;
+                    break;
+                }
+                if (r == 0) break; /* the end of the file: short */
+                done += r;
+            }
+            got[i] = done;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    result = Py_NewRef(Py_None);
+release_outs:
+    for (i = 0; i < have; i++) PyBuffer_Release(&outs[i]);
+    PyMem_Free(outs);
+release_seq:
+    Py_DECREF(seq);
+release_at:
+    PyBuffer_Release(&at_view);
+release_which:
+    PyBuffer_Release(&which_view);
+release_lengths:
+    PyBuffer_Release(&lengths_view);
+release_offsets:
+    PyBuffer_Release(&offsets_view);
+release_got:
+    PyBuffer_Release(&got_view);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"pread_gather", pread_gather, METH_VARARGS, pread_gather_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_gather", "A batch's positioned reads of one file in one call without the GIL.", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__gather(void) { return PyModule_Create(&module); }

@@ -1,0 +1,150 @@
+"""``pread_gather``: a batch's positioned reads of one file in one call, and the tar reader's batch reads through it."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from streamload import CorruptShardError
+from streamload._pread import available, pread_gather
+from streamload.formats import tar as tar_format
+from streamload.formats.tar import TarShardReader
+from streamload.manifest import Manifest
+
+pytestmark = pytest.mark.skipif(not available(), reason="the _gather extension is not built here")
+
+
+def _file(tmp_path: Path, size: int = 1 << 16) -> tuple[Path, bytes]:
+    data = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    return path, data
+
+
+def test_many_entries_into_several_buffers_are_the_files_bytes(tmp_path: Path) -> None:
+    path, data = _file(tmp_path)
+    rng = np.random.default_rng(1)
+    n = 3000
+    lengths = rng.integers(0, 300, n)
+    offsets = rng.integers(0, len(data) - 300, n)
+    which = rng.integers(0, 2, n).astype(np.int32)
+    at = np.zeros(n, dtype=np.int64)
+    totals = [0, 0]
+    for i in range(n):  # back to back in each buffer, in entry order
+        at[i] = totals[which[i]]
+        totals[which[i]] += int(lengths[i])
+    outs = [np.zeros(totals[0], dtype=np.uint8), bytearray(totals[1])]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = pread_gather(fd, offsets, lengths, outs, which, at)
+    finally:
+        os.close(fd)
+    assert got is not None and got.tolist() == lengths.tolist()
+    for i in range(n):
+        a, k = int(at[i]), int(lengths[i])
+        assert bytes(memoryview(outs[which[i]])[a : a + k]) == data[offsets[i] : offsets[i] + k]
+
+
+def test_a_read_past_the_end_comes_back_short_and_a_bad_fd_gives_its_errno(tmp_path: Path) -> None:
+    path, data = _file(tmp_path, 1000)
+    out = np.zeros(300, dtype=np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = pread_gather(
+            fd, np.array([900, 1000, 0]), np.array([100, 50, 100]), [out], np.zeros(3), np.array([0, 100, 150])
+        )
+    finally:
+        os.close(fd)
+    assert got is not None and got.tolist() == [100, 0, 100]
+    assert out[:100].tobytes() == data[900:] and out[150:250].tobytes() == data[:100]
+    bad = pread_gather(fd, np.array([0]), np.array([10]), [out], np.zeros(1), np.zeros(1))  # closed above
+    assert bad is not None and bad.tolist() == [-errno.EBADF]
+
+
+def test_a_destination_outside_its_buffer_is_refused_before_anything_is_read(tmp_path: Path) -> None:
+    path, _ = _file(tmp_path, 1000)
+    out = np.zeros(100, dtype=np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for offsets, lengths, which, at in [
+            ([0, 0], [10, 60], [0, 0], [0, 50]),  # the second runs 10 bytes past the end
+            ([0], [10], [1], [0]),  # no buffer 1
+            ([0], [-1], [0], [0]),
+            ([-5], [10], [0], [0]),
+            ([0], [10], [0], [-1]),
+        ]:
+            with pytest.raises(ValueError, match="do not fit"):
+                pread_gather(fd, np.array(offsets), np.array(lengths), [out], np.array(which), np.array(at))
+            assert not out.any()
+        with pytest.raises(BufferError):
+            pread_gather(fd, np.array([0]), np.array([1]), [b"read-only"], np.zeros(1), np.zeros(1))
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture(scope="module")
+def tar_shard(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    from streamload.formats import get_format
+    from streamload.storage import LocalDestination
+    from streamload.writer import publish_manifest, write_shard
+
+    root = tmp_path_factory.mktemp("gather-tar")
+    rng = np.random.default_rng(2)
+    fmt, dest = get_format("tar"), LocalDestination(str(root))
+    samples = (
+        {"__key__": f"k{i}", "jpg": rng.integers(0, 256, int(rng.integers(1, 5000)), dtype=np.uint8).tobytes(),
+         "cls": str(i % 7).encode(), "txt": b"x" * (i % 5)}
+        for i in range(200)
+    )  # fmt: skip
+    entry = write_shard(fmt, dest, fmt.shard_name(0), samples).entry
+    publish_manifest(dest, Manifest(format="tar", shards=(entry,), fields=("cls", "jpg", "txt")))
+    return root / entry.name, entry
+
+
+def _read(reader: TarShardReader, indices: np.ndarray) -> tuple[bytes, bytes]:
+    jpg_sizes = reader.field_sizes(indices, ("jpg",))
+    cls_sizes = reader.field_sizes(indices, ("cls",))
+    jpg, cls = np.zeros(int(jpg_sizes.sum()), np.uint8), np.zeros(int(cls_sizes.sum()), np.uint8)
+    reader.read_groups_into(indices, [(("jpg",), jpg, jpg_sizes), (("cls",), cls, cls_sizes)])
+    return jpg.tobytes(), cls.tobytes()
+
+
+def test_the_tar_readers_batch_read_is_the_python_paths(
+    tar_shard: tuple[Path, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, entry = tar_shard
+    reader = TarShardReader(str(path), entry, str(path) + ".idx")  # type: ignore[arg-type]
+    try:
+        for indices in (np.arange(200), np.random.default_rng(3).permutation(200)[:64], np.array([5, 5, 199, 0])):
+            gathered = _read(reader, indices)
+            want = (
+                b"".join(reader.get(int(i))["jpg"] for i in indices),
+                b"".join(reader.get(int(i))["cls"] for i in indices),
+            )
+            assert gathered == want
+            with monkeypatch.context() as patch:  # the Python path (preadv of runs), as where it is not built
+                patch.setattr(tar_format, "pread_gather", lambda *args: None)
+                assert _read(reader, indices) == want
+    finally:
+        reader.close()
+
+
+def test_a_shard_cut_short_under_an_open_reader_is_named_truncated(
+    tar_shard: tuple[Path, object], tmp_path: Path
+) -> None:
+    path, entry = tar_shard
+    copy = tmp_path / path.name
+    copy.write_bytes(path.read_bytes())
+    (tmp_path / (path.name + ".idx")).write_bytes(Path(str(path) + ".idx").read_bytes())
+    reader = TarShardReader(str(copy), entry, str(copy) + ".idx")  # type: ignore[arg-type]
+    try:
+        os.truncate(copy, copy.stat().st_size // 2)
+        with pytest.raises(CorruptShardError, match=r"shard-000000\.tar is truncated at byte"):
+            _read(reader, np.arange(200))
+        _read(reader, np.arange(10))  # what is still there reads
+    finally:
+        reader.close()
