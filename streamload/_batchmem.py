@@ -139,6 +139,44 @@ class _LocalPool:
         self._buffers: list[np.ndarray | None] = [None] * slots
         self._free = [True] * slots
 
+    def views(self, parts: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor] | None:
+        """The parts as ``torch.from_numpy`` views of one pooled buffer, made without a torch op; ``None``: no slot.
+
+        A torch op lets go of the GIL (beside a thread running Python, taking it back may
+        wait a switch interval): numpy views and ``torch.from_numpy`` do not. The buffer is
+        free again once every part's storage is gone.
+        """
+        if any(dtype not in _NUMPY for _, dtype in parts):
+            return None
+        offsets, total = _layout(parts)
+        free = [i for i, ok in enumerate(self._free) if ok]
+        slot = next((i for i in free if (b := self._buffers[i]) is not None and b.size >= total), None)
+        if slot is None and not free:
+            return None
+        if slot is None:
+            slot = free[0]
+            self._buffers[slot] = None
+            self._buffers[slot] = np.empty(-(-max(total, 1) * 9 // 8 // (1 << 20)) * (1 << 20), dtype=np.uint8)
+        buffer = self._buffers[slot]
+        assert buffer is not None
+        self._free[slot] = False
+        left = set(range(len(parts)))
+
+        def gone(part: int) -> None:
+            left.discard(part)
+            if not left:
+                self._free[slot] = True
+
+        out = []
+        for i, (off, (shape, dtype)) in enumerate(zip(offsets, parts, strict=True)):
+            dims = tuple(int(d) for d in shape)
+            count = int(np.prod(dims, dtype=np.int64))
+            part: np.ndarray = buffer[off : off + count * _itemsize(dtype)].view(_NUMPY[dtype]).reshape(dims)
+            tensor = torch.from_numpy(part)
+            weakref.finalize(tensor.untyped_storage(), gone, i)
+            out.append(tensor)
+        return out
+
     def take(self, nbytes: int) -> torch.Tensor:
         free = [i for i, ok in enumerate(self._free) if ok]
         slot = next((i for i in free if (b := self._buffers[i]) is not None and b.size >= nbytes), None)
@@ -168,6 +206,32 @@ def _local_pool() -> _LocalPool:
     return pool
 
 
+#: The numpy dtype of each torch dtype a batch's local buffers are viewed as without a torch op.
+_NUMPY: dict[torch.dtype, type] = {
+    torch.uint8: np.uint8,
+    torch.int8: np.int8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.bool: np.bool_,
+}
+
+#: Bytes an element of each dtype holds, once per dtype: every torch call lets go of the GIL (a
+#: thread beside one running Python may wait up to the switch interval to take it back), so a
+#: batch's allocation makes as few as it can.
+_ITEMSIZE: dict[torch.dtype, int] = {}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        size = _ITEMSIZE[dtype] = torch.empty(0, dtype=dtype).element_size()
+    return size
+
+
 def _layout(parts: Sequence[tuple[Sequence[int], torch.dtype]]) -> tuple[list[int], int]:
     """Return each part's byte offset (aligned to :data:`ALIGN`) and the total bytes."""
     offsets = []
@@ -175,7 +239,7 @@ def _layout(parts: Sequence[tuple[Sequence[int], torch.dtype]]) -> tuple[list[in
     for shape, dtype in parts:
         end = -(-end // ALIGN) * ALIGN
         offsets.append(end)
-        end += int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+        end += int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
     return offsets, end
 
 
@@ -186,7 +250,7 @@ def _view(
     shape: Sequence[int],
     stride: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    size = torch.empty(0, dtype=dtype).element_size()
+    size = _itemsize(dtype)
     dims = tuple(int(d) for d in shape)
     if stride is None:
         stride = tuple(int(np.prod(dims[i + 1 :], dtype=np.int64)) for i in range(len(dims)))
@@ -211,6 +275,9 @@ def allocate(
     if shared:
         storage, lease = _pool().take(total)
     else:
+        views = _local_pool().views(parts)
+        if views is not None:
+            return views, None
         storage = _local_pool().take(total).untyped_storage()
     return [_view(storage, off, dtype, shape) for off, (shape, dtype) in zip(offsets, parts, strict=True)], lease
 
@@ -272,7 +339,7 @@ def unpack(message: Message, specs: Sequence[Spec | None]) -> list[torch.Tensor 
     for spec in specs:
         if spec is not None:
             offset, dtype, shape, stride = spec
-            size = torch.empty(0, dtype=dtype).element_size()
+            size = _itemsize(dtype)
             span = 1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True)) if all(shape) else 0
             end = max(end, offset + span * size)
     whole = torch.from_numpy(array[: max(end, 1)]).untyped_storage()  # a storage object of this batch's own

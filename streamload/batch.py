@@ -277,8 +277,8 @@ def parse_labels(
     raw: np.ndarray, offsets: np.ndarray, keys: Callable[[int], str], field: str, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Parse ASCII-decimal labels (WebDataset's ``cls``) stored back to back in ``raw`` (into ``out``)."""
-    if out is None:
-        out = torch.empty(len(offsets) - 1, dtype=torch.int64)
+    if out is None:  # numpy's memory, not torch.empty: a torch op lets go of the GIL
+        out = torch.from_numpy(np.empty(len(offsets) - 1, dtype=np.int64))
     values = out.numpy()
     if _digits_only(raw, offsets, values):
         return out

@@ -39,7 +39,7 @@ import numpy as np
 from .._errors import ConfigError
 
 if TYPE_CHECKING:
-    from ..batch import ImageBatch, Parts
+    from ..batch import ImageBatch, Parts, RawBatch
     from ..formats.base import ShardReader
     from . import DecodeBatch
     from .image import ImageDecoder
@@ -212,12 +212,9 @@ def read_decoded(
     reader does not read batches, or the read meets a bad sample (no image field, a label
     that is not an integer: the dict path raises its own error for it).
     """
-    import torch
-
     from .._errors import SampleError
-    from ..batch import ImageBatch, batch_tensors, serves_batches
-    from ..randomness import place_generator
-    from ..skips import sample_failed
+    from .._stages import current
+    from ..batch import serves_batches
 
     where = None if places is None else places.tolist()
     spots = [(shard, int(i)) for shard, idx in parts for i in np.asarray(idx).tolist()]
@@ -235,6 +232,23 @@ def read_decoded(
         raw = batch.raw.read_batch(open_reader, parts, shared=False)
     except SampleError:
         return batch([sample_of(i) for i in range(len(spots))])  # type: ignore[no-any-return]
+    clock = current()  # a watched iteration: the decode is the collate stage, the read before it the read's
+    if clock is None:
+        return _decoded(batch, raw, where, sample_of)
+    return clock.collate(lambda read: _decoded(batch, read, where, sample_of), raw)
+
+
+def _decoded(
+    batch: DecodeBatch, raw: RawBatch, where: list[list[int]] | None, sample_of: Callable[[int], dict[str, Any]]
+) -> ImageBatch:
+    """The kernel over a read batch (:func:`read_decoded`), the samples it leaves decoded one by one."""
+    import torch
+
+    from .._errors import SampleError
+    from ..batch import ImageBatch, batch_tensors
+    from ..randomness import place_generator
+    from ..skips import sample_failed
+
     n = raw.batch_size
     decoder = batch.decoder
     shapes: list[tuple[Sequence[int], torch.dtype]] = [((n, *decoder.shape), torch.uint8)]
