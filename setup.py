@@ -16,6 +16,13 @@ setup(
             optional=True,
         ),
         # A batch's preads in one call without the GIL (streamload._pread); no library needed.
-        Extension("streamload._gather", sources=["streamload/_gather.c"], extra_compile_args=["-O3"], optional=True),
+        # (the system's xxHash, libxxhash.so.0, is looked up at run time: it hashes the reads when there)
+        Extension(
+            "streamload._gather",
+            sources=["streamload/_gather.c"],
+            libraries=["dl"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
     ]
 )

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from streamload import CorruptShardError
-from streamload._pread import available, pread_gather
+from streamload._pread import available, hashes, pread_gather
 from streamload.formats import tar as tar_format
 from streamload.formats.tar import TarShardReader
 from streamload.manifest import Manifest
@@ -146,5 +146,52 @@ def test_a_shard_cut_short_under_an_open_reader_is_named_truncated(
         with pytest.raises(CorruptShardError, match=r"shard-000000\.tar is truncated at byte"):
             _read(reader, np.arange(200))
         _read(reader, np.arange(10))  # what is still there reads
+    finally:
+        reader.close()
+
+
+@pytest.mark.skipif(not hashes(), reason="the system's xxHash (libxxhash.so.0) is not here")
+def test_the_sums_are_python_xxhashs_xxh3_64(tmp_path: Path) -> None:
+    import xxhash
+
+    path, data = _file(tmp_path)
+    rng = np.random.default_rng(4)
+    n = 500
+    lengths = rng.integers(0, 3000, n)
+    offsets = rng.integers(0, len(data) - 3000, n)
+    at = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    out = np.zeros(int(lengths.sum()), dtype=np.uint8)
+    sums = np.zeros(n, dtype=np.uint64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        pread_gather(fd, offsets, lengths, [out], np.zeros(n), at, sums)
+    finally:
+        os.close(fd)
+    assert sums.tolist() == [xxhash.xxh3_64_intdigest(data[a : a + k]) for a, k in zip(offsets, lengths, strict=True)]
+
+
+@pytest.mark.parametrize("hashing", [True, False], ids=["sums-in-the-call", "sums-in-python"])
+def test_a_flipped_byte_is_named_by_sample_and_field(
+    tar_shard: tuple[Path, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hashing: bool
+) -> None:
+    path, entry = tar_shard
+    copy = tmp_path / path.name
+    copy.write_bytes(path.read_bytes())
+    (tmp_path / (path.name + ".idx")).write_bytes(Path(str(path) + ".idx").read_bytes())
+    reader = TarShardReader(str(copy), entry, str(copy) + ".idx")  # type: ignore[arg-type]
+    try:
+        if not hashing:
+            monkeypatch.setattr(tar_format, "hashes", lambda: False)
+        elif not hashes():
+            pytest.skip("the system's xxHash (libxxhash.so.0) is not here")
+        member = reader._members_of(("jpg",))[37]
+        at = int(np.frombuffer(reader._offset, dtype=np.uint64)[member]) + 3
+        with open(copy, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0x40]))
+        with pytest.raises(CorruptShardError, match=r"sample 'k37', field 'jpg' is truncated or does not match"):
+            _read(reader, np.random.default_rng(5).permutation(np.arange(30, 60)))
     finally:
         reader.close()

@@ -43,7 +43,7 @@ import numpy as np
 import xxhash
 
 from .._errors import CorruptShardError, SampleError
-from .._pread import pread_gather
+from .._pread import hashes, pread_gather
 from ..manifest import ShardEntry
 from ..storage.bytes import MAX_GAP, FileBytes, gather
 from ._record import open_regular_file
@@ -294,9 +294,12 @@ class TarShardReader(ShardReader):
         offsets = np.frombuffer(self._offset, dtype=np.uint64)[members].astype(np.int64)
         order = np.argsort(offsets, axis=1, kind="stable")  # file order within each sample
         take = np.arange(n)[:, None]
-        if isinstance(source, FileBytes) and self._gather(source, offsets, sizes, starts, groups):
-            self._check_digests(indices, members, groups, starts)
-            return
+        if isinstance(source, FileBytes):
+            done = self._gather(source, indices, members, offsets, sizes, starts, groups)
+            if done == "read":
+                self._check_digests(indices, members, groups, starts)
+            if done:
+                return
         seg_off = offsets[take, order].ravel().tolist()
         seg_size = sizes[take, order].ravel().tolist()
         seg_start = starts[take, order].ravel().tolist()
@@ -315,19 +318,27 @@ class TarShardReader(ShardReader):
     def _gather(
         self,
         source: FileBytes,
+        indices: np.ndarray,
+        members: np.ndarray,
         offsets: np.ndarray,
         sizes: np.ndarray,
         starts: np.ndarray,
         groups: Sequence[tuple[Sequence[str], np.ndarray, np.ndarray]],
-    ) -> bool:
-        """Read every member (``[sample, group]``) into its place in one GIL release; ``False``: not built.
+    ) -> str:
+        """Read every member (``[sample, group]``) into its place in one GIL release.
 
         One ``pread`` a member, in file order, all in one call (:func:`streamload._pread.pread_gather`):
         a shuffled batch's samples are scattered over the shard, and a read per sample (or
-        per run) would take the GIL back once each.
+        per run) would take the GIL back once each; where the system's xxHash is there, the
+        same call hashes each member and the digests are compared here at once.
+
+        Returns:
+            ``"checked"`` (read, digests checked), ``"read"`` (the caller checks the
+            digests), or ``""`` (the extension is not built: nothing read).
         """
         g = len(groups)
         order = np.argsort(offsets, axis=None, kind="stable")
+        sums = np.empty(len(order), dtype=np.uint64) if hashes() else None
         got = pread_gather(
             source.fd,
             offsets.ravel()[order],
@@ -335,9 +346,10 @@ class TarShardReader(ShardReader):
             [out for _, out, _ in groups],
             np.broadcast_to(np.arange(g, dtype=np.int32), offsets.shape).ravel()[order],
             starts.ravel()[order],
+            sums,
         )
         if got is None:
-            return False
+            return ""
         want = sizes.ravel()[order]
         bad = np.flatnonzero(got != want)
         if len(bad):
@@ -347,7 +359,14 @@ class TarShardReader(ShardReader):
                 raise OSError(code, f"{os.strerror(code)}: reading shard {self.entry.name}", self.path)
             at = int(offsets.ravel()[order][first]) + int(got[first])
             raise CorruptShardError(f"{self.path}: shard {self.entry.name} is truncated at byte {at}")
-        return True
+        if sums is None:
+            return "read"
+        expected = np.frombuffer(self._hash, dtype=np.uint64)[members].ravel()[order]
+        wrong = np.flatnonzero(sums != expected)
+        if len(wrong):
+            k, j = divmod(int(order[wrong[0]]), g)
+            self._read_failed(int(indices[k]), int(members[k, j]))
+        return "checked"
 
     def _preadv(self, source: ShardBytes, iov: list[memoryview], offset: int, expected: int) -> None:
         if source.preadv(iov, offset) != expected:
