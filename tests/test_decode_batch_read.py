@@ -24,6 +24,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from streamload import Loader, SampleError, Stream, StreamingDataset
+from streamload._pread import available as pread_available
 from streamload.converters import ConvertOptions, ImageFolderSource, convert
 from streamload.decode import DecodeBatch, native
 from streamload.synthetic import make_image_folder, synthetic_jpeg
@@ -122,6 +123,7 @@ def _calls(ds: StreamingDataset) -> tuple[int, Counter[str]]:
     return batches, calls
 
 
+@pytest.mark.skipif(not pread_available(), reason="the _gather extension is not built here")
 def test_a_batch_read_lets_go_of_the_gil_a_few_times_a_batch_not_a_few_times_a_sample(tmp_path: Path) -> None:
     # JPEGs only (every sample taken by the kernel), shards of 40, batches of 16 shuffled.
     make_image_folder(str(tmp_path / "src"), num_classes=2, per_class=40, size=(64, 48), seed=1)
