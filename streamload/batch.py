@@ -38,7 +38,7 @@ import torch
 
 from ._batchmem import Lease, Message, Spec, allocate, pack, unpack
 from ._errors import ConfigError, SampleError
-from .formats.base import BatchReads, FieldGroup, IntegerLabels, ShardReader
+from .formats.base import BatchReads, FieldGroup, IntegerLabels, PlacedGroup, PlacedReads, ShardReader
 from .plan import Run
 from .sample import IMAGE_FIELDS, Sample, label_of, parse_label
 
@@ -477,6 +477,8 @@ class RawCollate:
             size = sizes[pos]
             first, last = int(pos[0]), int(pos[-1])
             in_place = last - first + 1 == len(pos)  # consecutive in the batch: read straight into place
+            # not consecutive: each sample read to its place where the reader can, else into scratch and copied
+            placed = not in_place and _implements(reader, PlacedReads)
             out = flat[offsets[first] : offsets[last + 1]] if in_place else np.empty(int(size.sum()), dtype=np.uint8)
             reads: list[FieldGroup] = [(self.fields, out, size)]
             if label and lsize is not None:
@@ -484,8 +486,14 @@ class RawCollate:
                 np.cumsum(lsize, out=loffsets[1:])
                 raw = np.empty(int(loffsets[-1]), dtype=np.uint8)
                 reads.append((label, raw, lsize))
-            reader.read_groups_into(idx, reads)  # data and labels in one pass over the shard
-            if not in_place:
+            if placed:  # no copy a sample afterwards (each a numpy call that lets go of the GIL)
+                to_place: list[PlacedGroup] = [(self.fields, flat, size, offsets[pos])]
+                if label and lsize is not None:
+                    to_place.append((label, raw, lsize, loffsets[:-1]))
+                cast(PlacedReads, reader).read_groups_at(idx, to_place)
+            else:
+                reader.read_groups_into(idx, reads)  # data and labels in one pass over the shard
+            if not in_place and not placed:
                 at = 0
                 for p, k in zip(pos.tolist(), size.tolist(), strict=True):
                     flat[offsets[p] : offsets[p] + k] = out[at : at + k]

@@ -268,13 +268,16 @@ def test_a_batch_interleaving_shards_reads_each_shard_once_and_keeps_batch_order
             if shard in wrapped:
                 return reader
             wrapped.add(shard)
-            real = reader.read_groups_into
+            for name in ("read_groups_into", "read_groups_at"):  # (at: samples read to places apart)
+                real = getattr(reader, name, None)
+                if real is None:
+                    continue
 
-            def read(indices: np.ndarray, groups: Any) -> None:
-                calls.append(shard)
-                real(indices, groups)
+                def read(indices: np.ndarray, groups: Any, real: Any = real) -> None:
+                    calls.append(shard)
+                    real(indices, groups)
 
-            reader.read_groups_into = read  # type: ignore[method-assign]
+                setattr(reader, name, read)
             return reader
 
         collate = RawCollate(keys=True)

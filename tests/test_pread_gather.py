@@ -195,3 +195,36 @@ def test_a_flipped_byte_is_named_by_sample_and_field(
             _read(reader, np.random.default_rng(5).permutation(np.arange(30, 60)))
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("gathered", [True, False], ids=["pread_gather", "preadv"])
+def test_read_groups_at_puts_each_sample_in_its_place(
+    tar_shard: tuple[Path, object], monkeypatch: pytest.MonkeyPatch, gathered: bool
+) -> None:
+    # What a shuffled batch needs: a shard's samples to places spread over the batch's buffer, no copy after.
+    path, entry = tar_shard
+    if not gathered:
+        monkeypatch.setattr(tar_format, "pread_gather", lambda *args: None)
+    reader = TarShardReader(str(path), entry, str(path) + ".idx")  # type: ignore[arg-type]
+    try:
+        indices = np.random.default_rng(6).permutation(200)[:50]
+        sizes = reader.field_sizes(indices, ("jpg",))
+        gaps = np.random.default_rng(7).integers(0, 40, len(indices))
+        at = np.cumsum(np.concatenate([[0], sizes[:-1] + gaps[:-1]]))[np.random.default_rng(8).permutation(50)]
+        order = np.argsort(at)  # places in the buffer in another order than the samples'
+        at_sorted = np.zeros(len(at), dtype=np.int64)
+        at_sorted[order] = np.cumsum(np.concatenate([[0], (sizes[order] + gaps[order])[:-1]]))
+        out = np.zeros(int((sizes + gaps).sum()), dtype=np.uint8)
+        cls_sizes = reader.field_sizes(indices, ("cls",))
+        cls = np.zeros(int(cls_sizes.sum()) + 10, dtype=np.uint8)
+        cls_at = np.concatenate([[0], np.cumsum(cls_sizes)[:-1]]) + 10
+        reader.read_groups_at(indices, [(("jpg",), out, sizes, at_sorted), (("cls",), cls, cls_sizes, cls_at)])
+        for k, i in enumerate(indices.tolist()):
+            sample = reader.get(i)
+            a = int(at_sorted[k])
+            assert out[a : a + int(sizes[k])].tobytes() == sample["jpg"]
+            assert cls[int(cls_at[k]) : int(cls_at[k]) + int(cls_sizes[k])].tobytes() == sample["cls"]
+        with pytest.raises(ValueError, match="outside its buffer"):
+            reader.read_groups_at(indices[:1], [(("jpg",), out, sizes[:1], np.array([out.nbytes - 1]))])
+    finally:
+        reader.close()

@@ -38,6 +38,8 @@ __all__ = [
     "FieldGroup",
     "Format",
     "IntegerLabels",
+    "PlacedGroup",
+    "PlacedReads",
     "RangedReads",
     "Sample",
     "ShardBytes",
@@ -287,6 +289,23 @@ class BatchReads(Protocol):
 
     def read_groups_into(self, indices: np.ndarray, groups: Sequence[FieldGroup]) -> None:
         """Read every group's fields of samples ``indices`` into the groups' ``out`` arrays in one pass."""
+
+
+#: :class:`FieldGroup` with each sample's byte offset in ``out`` (``int64``): samples placed anywhere.
+PlacedGroup = tuple[Sequence[str], np.ndarray, np.ndarray, np.ndarray]
+
+
+@runtime_checkable
+class PlacedReads(Protocol):
+    """What a :class:`BatchReads` reader adds that reads each sample's field to a given place of ``out``.
+
+    A shuffled batch's samples of one shard are not consecutive in the batch: read into
+    their places directly, they need no copy afterwards (a copy a sample, each a numpy call
+    that lets go of the GIL).
+    """
+
+    def read_groups_at(self, indices: np.ndarray, groups: Sequence[PlacedGroup]) -> None:
+        """:meth:`BatchReads.read_groups_into`, sample ``k`` of each group to its ``out`` at byte ``at[k]``."""
 
 
 @runtime_checkable

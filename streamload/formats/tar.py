@@ -281,16 +281,35 @@ class TarShardReader(ShardReader):
         in its ``out`` array and the bytes between them (headers, padding, fields nobody
         asked for, up to 64 KiB) in a scratch buffer. Every member's checksum is checked.
         """
+        sizes = np.stack([np.asarray(sz, dtype=np.int64) for _, _, sz in groups], axis=1) if len(indices) else None
+        starts = None
+        if sizes is not None:
+            starts = np.zeros_like(sizes)
+            starts[1:] = np.cumsum(sizes[:-1], axis=0)  # where each member goes in its group's out
+        self._read_groups(indices, groups, starts)
+
+    def read_groups_at(
+        self, indices: np.ndarray, groups: Sequence[tuple[Sequence[str], np.ndarray, np.ndarray, np.ndarray]]
+    ) -> None:
+        """:meth:`read_groups_into` with each sample's place in each group's ``out`` given (``PlacedReads``)."""
+        if len(indices):
+            starts = _places(self.entry.name, len(indices), groups)
+            self._read_groups(indices, [(f, out, sz) for f, out, sz, _ in groups], starts)
+
+    def _read_groups(
+        self,
+        indices: np.ndarray,
+        groups: Sequence[tuple[Sequence[str], np.ndarray, np.ndarray]],
+        starts: np.ndarray | None,
+    ) -> None:
         source = self._bytes
         if source is None:
             raise ValueError(f"{self.entry.name}: reader is closed")
         n, g = len(indices), len(groups)
-        if n == 0:
+        if n == 0 or starts is None:
             return
         members = np.stack([self._batch_members(indices, fields) for fields, _, _ in groups], axis=1)
         sizes = np.stack([np.asarray(sz, dtype=np.int64) for _, _, sz in groups], axis=1)
-        starts = np.zeros_like(sizes)
-        starts[1:] = np.cumsum(sizes[:-1], axis=0)  # where each member goes in its group's out
         offsets = np.frombuffer(self._offset, dtype=np.uint64)[members].astype(np.int64)
         order = np.argsort(offsets, axis=1, kind="stable")  # file order within each sample
         take = np.arange(n)[:, None]
@@ -405,6 +424,17 @@ class TarShardReader(ShardReader):
         source, self._bytes = getattr(self, "_bytes", None), None
         if source is not None:
             source.close()
+
+
+def _places(
+    name: str, n: int, groups: Sequence[tuple[Sequence[str], np.ndarray, np.ndarray, np.ndarray]]
+) -> np.ndarray:
+    """``int64[n, groups]``: the samples' places of ``read_groups_at``, each checked inside its ``out``."""
+    for _, out, sz, at in groups:  # the reads write there
+        size, place = np.asarray(sz, dtype=np.int64), np.asarray(at, dtype=np.int64)
+        if len(place) != n or (n and (int(place.min()) < 0 or int((place + size).max()) > out.nbytes)):
+            raise ValueError(f"{name}: a sample's place is outside its buffer")
+    return np.stack([np.asarray(at, dtype=np.int64) for _, _, _, at in groups], axis=1)
 
 
 FORMAT = Format(
