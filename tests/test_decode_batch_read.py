@@ -163,6 +163,31 @@ def test_a_bad_image_in_a_batch_read_is_todays_error_naming_shard_and_sample(tmp
         list(ds)
 
 
+def test_a_jpeg_the_kernel_refuses_is_decoded_by_pillow_and_counted_as_on_the_dict_path(tmp_path: Path) -> None:
+    from streamload.formats import get_format
+    from streamload.manifest import Manifest
+    from streamload.storage import LocalDestination
+    from streamload.writer import publish_manifest, write_shard
+
+    rng = np.random.default_rng(5)
+    datas = [synthetic_jpeg(rng, int(rng.integers(60, 300)), int(rng.integers(60, 300))) for _ in range(8)]
+    sos = datas[3].index(b"\xff\xda")
+    datas[3] = datas[3][:sos] + b"\x00" * 16 + datas[3][sos:]  # libjpeg warns: the kernel refuses, Pillow reads it
+    fmt, dest = get_format("tar"), LocalDestination(str(tmp_path))
+    samples = ({"__key__": f"k{i}", "jpg": d, "cls": str(i).encode()} for i, d in enumerate(datas))
+    entry = write_shard(fmt, dest, fmt.shard_name(0), samples).entry
+    publish_manifest(dest, Manifest(format="tar", shards=(entry,), fields=("cls", "jpg")))
+
+    def run(on_error: Any) -> tuple[list[Any], int]:
+        decode = DecodeBatch(48, crop="random", flip=True, seed=4, native=True)
+        ds = StreamingDataset(str(tmp_path), batch_size=4, shuffle=True, seed=1, on_error=on_error, collate=decode)
+        return list(ds), decode.fallbacks
+
+    (got, fallbacks), (want, want_fallbacks) = run("raise"), run("skip")
+    _same(got, want)
+    assert fallbacks == want_fallbacks == 1
+
+
 def test_a_sample_without_the_image_field_takes_the_dict_path_and_its_error(shards: tuple[Path, Path]) -> None:
     ds = StreamingDataset(str(shards[0]), batch_size=6, collate=DecodeBatch(32, field="webp", native=True))
     with pytest.raises(SampleError, match=r"has none of the fields \('webp',\)"):
