@@ -67,7 +67,10 @@ def test_bench_decode_mode_prints_advice(tar_dataset: Path, capsys: pytest.Captu
     assert "fetch/read/transform/collate %" in text  # the stage breakdown of each setting
     split = text.split("where its readers' time goes: ")[1].splitlines()[0]
     shares = {name: float(pct) for name, pct in (part.split()[:2] for part in split.split(" (")[0].split(", "))}
-    assert max(shares, key=shares.__getitem__) == "collate"  # DecodeBatch decodes in the collate
+    # DecodeBatch decodes in the collate stage (with the native kernel, 32 px images decode about
+    # as fast as they are read: the decode is timed there, not lost or charged to transform)
+    assert shares["collate"] >= 15 and shares["transform"] == 0, shares
+    assert max(shares, key=shares.__getitem__) in ("collate", "read"), shares
 
 
 def test_bench_bad_worker_list(tar_dataset: Path, capsys: pytest.CaptureFixture[str]) -> None:
