@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import time
 from pathlib import Path
 
@@ -119,11 +120,14 @@ def test_recommend_and_plateau() -> None:
 def test_peak_memory_sees_an_allocation() -> None:
     with PeakMemory(interval=0.01) as memory:
         before = memory.sample()
-        block = bytearray(64 * 2**20)
-        block[::4096] = b"\x01" * len(block[::4096])
+        # A fresh anonymous mapping: new pages whatever the heap already holds (a bytearray may
+        # reuse memory malloc kept resident after an earlier test freed it: no growth to see).
+        block = mmap.mmap(-1, 64 * 2**20)
+        for at in range(0, len(block), 4096):
+            block[at] = 1
         during = memory.sample()
         time.sleep(0.05)  # a few samples of the thread while the block is alive
-        del block
+        block.close()
     assert during - before > 48 * 2**20
     assert memory.peak - before > 48 * 2**20  # the sampling thread saw it too
 
