@@ -282,6 +282,21 @@ def allocate(
     return [_view(storage, off, dtype, shape) for off, (shape, dtype) in zip(offsets, parts, strict=True)], lease
 
 
+def channels_first(images: torch.Tensor, lease: Lease | None) -> torch.Tensor:
+    """``images`` (``[N, H, W, C]``) as its ``[N, C, H, W]`` view: ``images.permute(0, 3, 1, 2)``'s values and strides.
+
+    A batch in this process's memory (``lease`` is ``None``) gets the view through numpy
+    (``torch.from_numpy`` of a transposed ``Tensor.numpy()``), not a torch op: a torch op
+    lets go of the GIL, and beside a thread running Python taking it back may wait a
+    switch interval. The numpy view holds ``images``, so the pooled buffer stays taken
+    until the view is gone. A leased batch (a worker's shared-memory segment, described
+    to the main process by its storage) keeps ``permute``.
+    """
+    if lease is not None or images.requires_grad or images.dtype not in _NUMPY:
+        return images.permute(0, 3, 1, 2)
+    return torch.from_numpy(images.numpy().transpose(0, 3, 1, 2))
+
+
 def pack(tensors: Sequence[torch.Tensor | None], lease: Lease) -> tuple[Message, list[Spec | None]]:
     """In the worker: describe ``tensors`` (views of ``lease``'s segment) for :func:`unpack`."""
     base = lease.pool._storages[lease.slot]

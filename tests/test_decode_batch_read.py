@@ -12,6 +12,7 @@ where the dict path lets go of it at least once a sample.
 from __future__ import annotations
 
 import io
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
+import streamload
 from streamload import Loader, SampleError, Stream, StreamingDataset
 from streamload._pread import available as pread_available
 from streamload.converters import ConvertOptions, ImageFolderSource, convert
@@ -209,3 +211,37 @@ def test_called_directly_without_places_it_draws_from_the_process_generator(shar
         assert torch.equal(got.images, want.images) and torch.equal(got.labels, want.labels)
     finally:
         reader.close()
+
+
+@pytest.mark.skipif(not pread_available(), reason="the _gather extension is not built here")
+def test_a_batch_read_makes_its_chw_batch_without_a_torch_op(tmp_path: Path) -> None:
+    # A torch op lets go of the GIL (beside a loop running Python, taking it back waits up to
+    # a switch interval): in this process the batch is numpy views and torch.from_numpy only.
+    make_image_folder(str(tmp_path / "src"), num_classes=2, per_class=20, size=(64, 48), seed=2)
+    convert(ImageFolderSource(str(tmp_path / "src")), str(tmp_path / "ds"), ConvertOptions(samples_per_shard=20))
+    decode = DecodeBatch(32, crop="random", flip=True, native=True)
+    ds = StreamingDataset(str(tmp_path / "ds"), batch_size=8, shuffle=True, seed=1, collate=decode)
+    package = os.path.dirname(streamload.__file__) + os.sep
+    no_gil_release = {"numpy", "from_numpy", "untyped_storage", "tolist"}
+    seen: Counter[str] = Counter()
+
+    def profile(frame: Any, event: str, arg: object) -> None:
+        if event != "c_call" or not frame.f_code.co_filename.startswith(package):
+            return  # the library's calls, not this test's
+        owner = getattr(arg, "__self__", None)
+        if isinstance(owner, torch.Tensor) or getattr(arg, "__module__", None) == "torch":
+            seen[getattr(arg, "__name__", "")] += 1
+
+    it = iter(ds)
+    next(it)
+    sys.setprofile(profile)
+    views = []
+    try:
+        for images, _labels in it:  # each batch dropped before the next (its pooled buffer reused)
+            views.append((tuple(images.shape), images.stride()))
+    finally:
+        sys.setprofile(None)
+    assert len(views) == 4
+    assert seen and set(seen) <= no_gil_release, seen
+    # permute's view, as before: the same shape and strides
+    assert set(views) == {((8, 3, 32, 32), torch.empty(8, 32, 32, 3).permute(0, 3, 1, 2).stride())}

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._batchmem import channels_first
 from .._errors import SampleError, StreamloadError
 from .._fork import ProcessLocal
 from ..randomness import sample_generator
@@ -347,7 +348,7 @@ class DecodeBatch:
         if self.label_field is not None:
             label_tensor = tensors[1]
             label_tensor.numpy()[:] = labels
-        images = buffer.permute(0, 3, 1, 2) if self.layout == "CHW" else buffer
+        images = channels_first(buffer, lease) if self.layout == "CHW" else buffer
         return ImageBatch(images, label_tensor, lease)
 
     #: :meth:`read_batch` takes each sample's ``(epoch, position)``: the key of its crop and flip.

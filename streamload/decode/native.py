@@ -244,6 +244,7 @@ def _decoded(
     """The kernel over a read batch (:func:`read_decoded`), the samples it leaves decoded one by one."""
     import torch
 
+    from .._batchmem import channels_first
     from .._errors import SampleError
     from ..batch import ImageBatch, batch_tensors
     from ..randomness import place_generator
@@ -281,5 +282,5 @@ def _decoded(
             continue
         if labels is not None:
             labels.numpy()[i] = label
-    images = tensors[0].permute(0, 3, 1, 2) if batch.layout == "CHW" else tensors[0]
+    images = channels_first(tensors[0], lease) if batch.layout == "CHW" else tensors[0]
     return ImageBatch(images, labels, lease)

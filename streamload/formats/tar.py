@@ -311,14 +311,15 @@ class TarShardReader(ShardReader):
         members = np.stack([self._batch_members(indices, fields) for fields, _, _ in groups], axis=1)
         sizes = np.stack([np.asarray(sz, dtype=np.int64) for _, _, sz in groups], axis=1)
         offsets = np.frombuffer(self._offset, dtype=np.uint64)[members].astype(np.int64)
-        order = np.argsort(offsets, axis=1, kind="stable")  # file order within each sample
-        take = np.arange(n)[:, None]
         if isinstance(source, FileBytes):
             done = self._gather(source, indices, members, offsets, sizes, starts, groups)
             if done == "read":
                 self._check_digests(indices, members, groups, starts)
             if done:
                 return
+        # (after the gathered read, which needs neither: a numpy sort lets go of the GIL)
+        order = np.argsort(offsets, axis=1, kind="stable")  # file order within each sample
+        take = np.arange(n)[:, None]
         seg_off = offsets[take, order].ravel().tolist()
         seg_size = sizes[take, order].ravel().tolist()
         seg_start = starts[take, order].ravel().tolist()
