@@ -133,14 +133,19 @@ def test_the_tar_readers_batch_read_is_the_python_paths(
         reader.close()
 
 
+def _copied_reader(path: Path, entry: object, folder: Path) -> tuple[Path, TarShardReader]:
+    """A copy of the shard and its sidecar in ``folder`` (to damage), and a reader of the copy."""
+    copy = folder / path.name
+    copy.write_bytes(path.read_bytes())
+    (folder / (path.name + ".idx")).write_bytes(Path(str(path) + ".idx").read_bytes())
+    return copy, TarShardReader(str(copy), entry, str(copy) + ".idx")  # type: ignore[arg-type]
+
+
 def test_a_shard_cut_short_under_an_open_reader_is_named_truncated(
     tar_shard: tuple[Path, object], tmp_path: Path
 ) -> None:
     path, entry = tar_shard
-    copy = tmp_path / path.name
-    copy.write_bytes(path.read_bytes())
-    (tmp_path / (path.name + ".idx")).write_bytes(Path(str(path) + ".idx").read_bytes())
-    reader = TarShardReader(str(copy), entry, str(copy) + ".idx")  # type: ignore[arg-type]
+    copy, reader = _copied_reader(path, entry, tmp_path)
     try:
         os.truncate(copy, copy.stat().st_size // 2)
         with pytest.raises(CorruptShardError, match=r"shard-000000\.tar is truncated at byte"):
@@ -175,10 +180,7 @@ def test_a_flipped_byte_is_named_by_sample_and_field(
     tar_shard: tuple[Path, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hashing: bool
 ) -> None:
     path, entry = tar_shard
-    copy = tmp_path / path.name
-    copy.write_bytes(path.read_bytes())
-    (tmp_path / (path.name + ".idx")).write_bytes(Path(str(path) + ".idx").read_bytes())
-    reader = TarShardReader(str(copy), entry, str(copy) + ".idx")  # type: ignore[arg-type]
+    copy, reader = _copied_reader(path, entry, tmp_path)
     try:
         if not hashing:
             monkeypatch.setattr(tar_format, "hashes", lambda: False)

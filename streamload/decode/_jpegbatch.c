@@ -367,6 +367,20 @@ static int get_array(PyObject *obj, Py_buffer *view, size_t need, int writable, 
     return 0;
 }
 
+/* The buffers of a batch's n samples, their status words and messages (freed by the caller, any
+   of them NULL on failure); -1 with a Python error set when one could not be had. */
+static int batch_scratch(PyObject *seq, Py_ssize_t n, Py_buffer **views, int **status,
+                         char (**messages)[JMSG_LENGTH_MAX]) {
+    *views = get_buffers(seq, n);
+    *status = (int *)PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(int));
+    *messages = PyMem_Calloc((size_t)(n > 0 ? n : 1), JMSG_LENGTH_MAX);
+    if (*views == NULL || *status == NULL || *messages == NULL) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *messages_list(Py_ssize_t n, const int *status, char (*messages)[JMSG_LENGTH_MAX]) {
     PyObject *out = PyList_New(n);
     Py_ssize_t i;
@@ -412,13 +426,7 @@ static PyObject *headers(PyObject *self, PyObject *args) {
         return NULL;
     }
     dims = (int32_t *)dims_view.buf;
-    views = get_buffers(seq, n);
-    status = (int *)PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(int));
-    messages = PyMem_Calloc((size_t)(n > 0 ? n : 1), JMSG_LENGTH_MAX);
-    if (views == NULL || status == NULL || messages == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    if (batch_scratch(seq, n, &views, &status, &messages) != 0) goto done;
     cinfo.err = jpeg_std_error(&err.pub);
     err.pub.error_exit = on_error;
     err.pub.emit_message = on_message;
@@ -512,13 +520,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         Py_DECREF(seq);
         return NULL;
     }
-    views = get_buffers(seq, n);
-    status = (int *)PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(int));
-    messages = PyMem_Calloc((size_t)(n > 0 ? n : 1), JMSG_LENGTH_MAX);
-    if (views == NULL || status == NULL || messages == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
+    if (batch_scratch(seq, n, &views, &status, &messages) != 0) goto done;
     {
         const float *boxes = (const float *)boxes_view.buf;
         const int32_t *params = (const int32_t *)params_view.buf;
