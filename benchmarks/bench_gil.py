@@ -1,6 +1,7 @@
 """The GIL: the thread Loader beside a Python training loop, with and without the native kernel.
 
-Usage: ``python benchmarks/bench_gil.py [--images 1280] [--seconds 5] [--rounds 3] [--out FILE.json]``
+Usage: ``python benchmarks/bench_gil.py [--images 1280] [--batch 64] [--paths per_sample,kernel_dicts,kernel]
+[--seconds 5] [--rounds 3] [--out FILE.json]``
 
 On the photo-like JPEGs of ``bench_threads.py`` (~500x375, shuffled, batch 64,
 ``DecodeBatch(160, crop="random", flip=True)``), side by side in one run, with the load
@@ -41,13 +42,17 @@ from bench_threads import BATCH, SIZE, dataset_root  # noqa: E402
 PATHS = {"per_sample": (False, "raise"), "kernel_dicts": (True, "skip"), "kernel": (True, "raise")}
 
 
+#: Samples a batch (``--batch``): the Loader's GIL acquisitions are a constant per batch, its work per sample.
+_BATCH = [BATCH]
+
+
 def _dataset(root: str, path: str) -> Any:
     from streamload import StreamingDataset
     from streamload.decode import DecodeBatch
 
     native, on_error = PATHS[path]
     collate = DecodeBatch(SIZE, crop="random", flip=True, native=native)
-    return StreamingDataset(root, shuffle=True, seed=0, batch_size=BATCH, collate=collate, on_error=on_error)
+    return StreamingDataset(root, shuffle=True, seed=0, batch_size=_BATCH[0], collate=collate, on_error=on_error)
 
 
 def _busy(stop: threading.Event) -> int:
@@ -245,11 +250,19 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=1280)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=3, help="rounds, the three paths interleaved in each")
+    parser.add_argument("--batch", type=int, default=BATCH, help="samples a batch")
+    parser.add_argument("--paths", default=",".join(PATHS), help="the paths to measure, comma-separated")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    _BATCH[0] = args.batch
+    paths = [p for p in args.paths.split(",") if p]
+    unknown = sorted(set(paths) - set(PATHS))
+    if unknown:
+        parser.error(f"unknown paths {unknown}: choose from {sorted(PATHS)}")
     root = dataset_root(args.images)
     print(f"load average before: {os.getloadavg()}, switch interval {sys.getswitchinterval() * 1e3:.0f} ms")
-    result: dict[str, Any] = {"load_before": os.getloadavg(), "rounds": []}
+    result: dict[str, Any] = {"load_before": os.getloadavg(), "batch": args.batch, "rounds": []}
+    print(f"batch {args.batch}, {args.images} images")
     # The cost of watch's GIL probe to a thread that runs Python all along (alone, probed, alone).
     from streamload._gil import GilProbe
 
@@ -269,7 +282,7 @@ def main() -> None:
     )
     for r in range(args.rounds):
         row: dict[str, Any] = {"load": os.getloadavg()}
-        for key in PATHS:
+        for key in paths:
             loop = loop_alone(args.seconds)
             alone = loader_beside_loop(root, key, args.seconds, busy=False)
             beside = loader_beside_loop(root, key, args.seconds, busy=True)
@@ -284,12 +297,12 @@ def main() -> None:
                 f"{beside['loader_queued']:.2f}, blocked (GIL, queues) {alone['loader_blocked']:.2f} / "
                 f"{beside['loader_blocked']:.2f} of the time"
             )
-        for key in PATHS:
+        for key in paths:
             rate = dataloader_rate(root, key)
             row[f"dataloader2_{key}"] = rate
             print(f"round {r + 1} DataLoader(num_workers=2) + DecodeBatch, {key}: {rate:.0f} img/s")
         result["rounds"].append(row)
-    for key in PATHS:
+    for key in paths:
         loader = [x[key]["beside"]["images_s"] / x[key]["alone"]["images_s"] for x in result["rounds"]]
         kept = [x[key]["beside"]["loop_s"] / x[key]["loop_alone"] for x in result["rounds"]]
         dl = [x[f"dataloader2_{key}"] for x in result["rounds"]]

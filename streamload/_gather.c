@@ -1,10 +1,11 @@
 /*
- * streamload._gather: a batch's positioned reads of one file, in one call that releases the GIL once.
+ * streamload._gather: a batch's positioned reads, of one file or many, in one call that releases the GIL once.
  *
  * A thread that lets go of the GIL for a system call must take it back afterwards; beside a
  * thread running Python that can wait up to the switch interval. A shuffled batch's samples
  * lie all over a shard, so reading them one os.pread (or os.preadv) at a time makes one such
- * release per sample: here the whole batch's reads are one.
+ * release per sample: here the whole batch's reads are one, over all the batch's shards
+ * (each entry may name its own file descriptor), read in (file, offset) order.
  *
  * Safety: every destination is checked inside its buffer before anything is read; a read
  * that fails or comes back short is reported per entry (the caller names the shard).
@@ -17,6 +18,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 /* The system's xxHash (libxxhash.so.0), looked up when the module loads: XXH3_64bits is
@@ -36,25 +38,43 @@ static int get_array(PyObject *obj, Py_buffer *view, size_t need, const char *wh
     return 0;
 }
 
+/* The read order: by file descriptor, then offset (a file's reads front to back). */
+typedef struct {
+    int fd;
+    int64_t offset;
+    Py_ssize_t entry;
+} slot;
+
+static int by_place(const void *a, const void *b) {
+    const slot *x = (const slot *)a, *y = (const slot *)b;
+    if (x->fd != y->fd) return x->fd < y->fd ? -1 : 1;
+    if (x->offset != y->offset) return x->offset < y->offset ? -1 : 1;
+    return x->entry < y->entry ? -1 : (x->entry > y->entry);
+}
+
 PyDoc_STRVAR(pread_gather_doc,
              "pread_gather(fd, offsets, lengths, outs, which, at, got, sums=None) -> None\n\n"
              "Read entry i (lengths[i] bytes at file offset offsets[i] of fd) into outs[which[i]] at byte at[i],\n"
-             "every entry in one call that releases the GIL once. offsets, lengths, at and got: int64, which:\n"
+             "every entry in one call that releases the GIL once. fd: one descriptor for every entry, or int32\n"
+             "one an entry (a batch over many files); the entries are read in (fd, offset) order, whatever\n"
+             "their order here. offsets, lengths, at and got: int64, which:\n"
              "int32, one an entry (got's length is the number of entries); every destination is checked\n"
              "inside its buffer first (ValueError). got[i] gets the bytes read (fewer than lengths[i] only at\n"
              "the end of the file) or -errno when a read failed. sums (uint64, one an entry, or None): each\n"
              "entry's XXH3_64bits digest, of the entry's full read (left alone when short); needs has_xxh3().");
 
 static PyObject *pread_gather(PyObject *self, PyObject *args) {
-    PyObject *outs_obj, *offsets_obj, *lengths_obj, *which_obj, *at_obj, *got_obj, *sums_obj = Py_None, *seq;
+    PyObject *fd_obj, *outs_obj, *offsets_obj, *lengths_obj, *which_obj, *at_obj, *got_obj, *sums_obj = Py_None, *seq;
     PyObject *result = NULL;
-    Py_buffer offsets_view, lengths_view, which_view, at_view, got_view, sums_view, *outs = NULL;
+    Py_buffer fds_view, offsets_view, lengths_view, which_view, at_view, got_view, sums_view, *outs = NULL;
     uint64_t *sums = NULL;
+    const int32_t *fds = NULL;
+    slot *order = NULL;
     Py_ssize_t n, m, i, have = 0;
-    int fd;
+    int fd = -1, failed = 0;
     (void)self;
 
-    if (!PyArg_ParseTuple(args, "iOOOOOO|O", &fd, &offsets_obj, &lengths_obj, &outs_obj, &which_obj, &at_obj, &got_obj,
+    if (!PyArg_ParseTuple(args, "OOOOOOO|O", &fd_obj, &offsets_obj, &lengths_obj, &outs_obj, &which_obj, &at_obj, &got_obj,
                           &sums_obj))
         return NULL;
     if (sums_obj != Py_None && xxh3 == NULL) {
@@ -76,7 +96,19 @@ static PyObject *pread_gather(PyObject *self, PyObject *args) {
         }
         sums = (uint64_t *)sums_view.buf;
     }
-    if (get_array(offsets_obj, &offsets_view, (size_t)n * sizeof(int64_t), "offsets") != 0) goto release_got;
+    if (PyLong_Check(fd_obj)) {
+        long value = PyLong_AsLong(fd_obj);
+        if (value == -1 && PyErr_Occurred()) goto release_got;
+        if (value < 0 || value > INT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "fd is not a file descriptor");
+            goto release_got;
+        }
+        fd = (int)value;
+    } else {
+        if (get_array(fd_obj, &fds_view, (size_t)n * sizeof(int32_t), "fd") != 0) goto release_got;
+        fds = (const int32_t *)fds_view.buf;
+    }
+    if (get_array(offsets_obj, &offsets_view, (size_t)n * sizeof(int64_t), "offsets") != 0) goto release_fds;
     if (get_array(lengths_obj, &lengths_view, (size_t)n * sizeof(int64_t), "lengths") != 0) goto release_offsets;
     if (get_array(which_obj, &which_view, (size_t)n * sizeof(int32_t), "which") != 0) goto release_lengths;
     if (get_array(at_obj, &at_view, (size_t)n * sizeof(int64_t), "at") != 0) goto release_which;
@@ -106,12 +138,29 @@ static PyObject *pread_gather(PyObject *self, PyObject *args) {
                 goto release_outs;
             }
         }
-        Py_BEGIN_ALLOW_THREADS
+        order = (slot *)PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(slot));
+        if (order == NULL) {
+            PyErr_NoMemory();
+            goto release_outs;
+        }
         for (i = 0; i < n; i++) {
+            order[i].fd = fds != NULL ? fds[i] : fd;
+            order[i].offset = offsets[i];
+            order[i].entry = i;
+            if (order[i].fd < 0) failed = 1;
+        }
+        if (failed) {
+            PyErr_SetString(PyExc_ValueError, "a file descriptor is negative");
+            goto release_outs;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        qsort(order, (size_t)n, sizeof(slot), by_place);
+        for (Py_ssize_t k = 0; k < n; k++) {
+            i = order[k].entry;
             char *dst = (char *)outs[which[i]].buf + at[i];
             int64_t done = 0, want = lengths[i];
             while (done < want) {
-                ssize_t r = pread(fd, dst + done, (size_t)(want - done), (off_t)(offsets[i] + done));
+                ssize_t r = pread(order[k].fd, dst + done, (size_t)(want - done), (off_t)(offsets[i] + done));
                 if (r < 0) {
                     if (errno == EINTR) continue;
                     done = -(int64_t)errno;
@@ -127,6 +176,7 @@ static PyObject *pread_gather(PyObject *self, PyObject *args) {
     }
     result = Py_NewRef(Py_None);
 release_outs:
+    PyMem_Free(order);
     for (i = 0; i < have; i++) PyBuffer_Release(&outs[i]);
     PyMem_Free(outs);
 release_seq:
@@ -139,6 +189,8 @@ release_lengths:
     PyBuffer_Release(&lengths_view);
 release_offsets:
     PyBuffer_Release(&offsets_view);
+release_fds:
+    if (fds != NULL) PyBuffer_Release(&fds_view);
 release_got:
     if (sums != NULL) PyBuffer_Release(&sums_view);
     PyBuffer_Release(&got_view);

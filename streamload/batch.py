@@ -30,7 +30,7 @@ and copying each field once into the buffer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, cast, overload, runtime_checkable
 
 import numpy as np
@@ -38,9 +38,10 @@ import torch
 
 from ._batchmem import Lease, Message, Spec, allocate, pack, unpack
 from ._errors import ConfigError, SampleError
-from .formats.base import BatchReads, FieldGroup, IntegerLabels, PlacedGroup, PlacedReads, ShardReader
-from .plan import Run
-from .sample import IMAGE_FIELDS, Sample, label_of, parse_label
+from ._pread import gather_all
+from .formats.base import BatchReads, FieldGroup, GatherPlans, IntegerLabels, PlacedGroup, PlacedReads, ShardReader
+from .labels import parse_labels
+from .sample import IMAGE_FIELDS, Sample, label_of
 
 __all__ = [
     "BatchCollate",
@@ -50,7 +51,6 @@ __all__ = [
     "RawCollate",
     "batch_buffer",
     "batch_tensors",
-    "group_runs",
     "in_worker",
     "serves_batches",
     "wants_places",
@@ -273,45 +273,6 @@ def batch_tensors(
     return allocate(parts, shared)
 
 
-def parse_labels(
-    raw: np.ndarray, offsets: np.ndarray, keys: Callable[[int], str], field: str, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Parse ASCII-decimal labels (WebDataset's ``cls``) stored back to back in ``raw`` (into ``out``)."""
-    if out is None:  # numpy's memory, not torch.empty: a torch op lets go of the GIL
-        out = torch.from_numpy(np.empty(len(offsets) - 1, dtype=np.int64))
-    values = out.numpy()
-    if _digits_only(raw, offsets, values):
-        return out
-    blob = raw.tobytes()
-    for i in range(len(values)):
-        try:
-            values[i] = parse_label(blob[offsets[i] : offsets[i + 1]])
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise SampleError(f"sample {keys(i)!r} field {field!r} is not an integer label") from exc
-    return out
-
-
-#: Powers of ten of the digits of a label of up to 18 digits (below 2**63: no overflow).
-_POWERS = 10 ** np.arange(17, -1, -1, dtype=np.int64)
-
-
-def _digits_only(raw: np.ndarray, offsets: np.ndarray, values: np.ndarray) -> bool:
-    """Parse labels of 1 to 18 plain digits at once into ``values``; ``False``: some label is not (parse each)."""
-    n = len(offsets) - 1
-    if n == 0:
-        return True
-    lengths = np.diff(offsets)
-    if int(lengths.min()) < 1 or int(lengths.max()) > 18:
-        return False
-    digits = raw[int(offsets[0]) : int(offsets[-1])].astype(np.int64) - 48
-    if int(digits.min()) < 0 or int(digits.max()) > 9:
-        return False
-    # each digit times ten to the power of its place from its label's end
-    place = np.repeat(offsets[1:] - offsets[0], lengths) - np.arange(len(digits)) - 1
-    values[:] = np.add.reduceat(digits * _POWERS[17 - place], offsets[:-1] - offsets[0])
-    return True
-
-
 class BatchCollate(Protocol):
     """What ``StreamingDataset(collate=...)`` accepts: a function of the batch's samples."""
 
@@ -472,6 +433,14 @@ class RawCollate:
             label_sizes.append(reader.field_sizes(idx, label) if label and values is None else None)
         data, offsets_t, labels, lease, places_t = self._buffers(sizes, where, shared)
         offsets, flat = offsets_t.numpy(), data.numpy()
+        keys = tuple(k for shard, idx in parts for k in open_reader(shard).keys_of(idx)) if self.keys else None
+        if all(values is None for values in label_values):  # every shard's reads in one call, where they can be
+            readers = [open_reader(shard) for shard, _, _ in groups]
+            read = _gathered(readers, groups, self.fields, label, label_sizes, flat, sizes)
+            if read is not None:
+                if labels is not None and label is not None:
+                    parse_labels(*read, lambda i: _key_at(open_reader, parts, i), label[0], out=labels)
+                return RawBatch(data, offsets_t, labels, keys, lease, places_t)
         for (shard, idx, pos), lsize, values in zip(groups, label_sizes, label_values, strict=True):
             reader = cast(BatchReads, open_reader(shard))
             size = sizes[pos]
@@ -506,8 +475,57 @@ class RawCollate:
                     parse_labels(raw, loffsets, keys_of, label[0], out=labels[first : last + 1])
                 else:
                     labels.numpy()[pos] = parse_labels(raw, loffsets, keys_of, label[0]).numpy()
-        keys = tuple(k for shard, idx in parts for k in open_reader(shard).keys_of(idx)) if self.keys else None
         return RawBatch(data, offsets_t, labels, keys, lease, places_t)
+
+
+def _gathered(
+    readers: Sequence[ShardReader],
+    groups: list[tuple[int, np.ndarray, np.ndarray]],
+    fields: tuple[str, ...],
+    label: tuple[str] | None,
+    label_sizes: Sequence[np.ndarray | None],
+    flat: np.ndarray,
+    sizes: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Every shard's reads of a batch in one call (:func:`streamload._pread.gather_all`), into their places.
+
+    The data to its places in ``flat`` (the batch's offsets: ``sizes``' running sum), the
+    label fields back to back into one buffer, parsed afterwards in one go.
+
+    Returns:
+        The labels' bytes and offsets (empty without a label field), or ``None`` (nothing
+        read) where a shard cannot plan its part (not a local tar file, the extension not built).
+    """
+    if not all(_implements(reader, GatherPlans) for reader in readers):
+        return None
+    at = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=at[1:])
+    label_at = np.zeros(len(sizes) + 1 if label else 1, dtype=np.int64)
+    if label:
+        for (_, _, pos), lsize in zip(groups, label_sizes, strict=True):
+            assert lsize is not None  # no label values: every shard reads its labels
+            label_at[pos + 1] = lsize
+        np.cumsum(label_at, out=label_at)
+    raw = np.empty(int(label_at[-1]), dtype=np.uint8)
+    plans = []
+    for reader, (_, idx, pos) in zip(readers, groups, strict=True):
+        to_place: list[PlacedGroup] = [(fields, flat, sizes[pos], at[pos])]
+        if label:
+            to_place.append((label, raw, label_at[pos + 1] - label_at[pos], label_at[pos]))
+        plan = cast(GatherPlans, reader).gather_plan(idx, to_place)
+        if plan is None:
+            return None
+        plans.append(plan)
+    return (raw, label_at) if gather_all(plans) else None
+
+
+def _key_at(open_reader: Callable[[int], ShardReader], parts: Parts, i: int) -> str:
+    """The key of the batch's sample ``i``."""
+    for shard, idx in parts:
+        if i < len(idx):
+            return open_reader(shard).keys_of(np.asarray(idx)[i : i + 1])[0]
+        i -= len(idx)
+    raise IndexError(i)
 
 
 def _sample_places(samples: Sequence[Any]) -> np.ndarray | None:
@@ -566,29 +584,3 @@ def _integer_labels(reader: object, indices: np.ndarray, field: str) -> np.ndarr
 
 def _key_lookup(reader: ShardReader, indices: np.ndarray) -> Callable[[int], str]:
     return lambda i: reader.keys_of(indices[i : i + 1])[0]
-
-
-def group_runs(runs: Iterable[Run], chunk: int) -> Iterator[list[Run]]:
-    """Cut a worker's plan runs at batch boundaries; yield each batch's runs, in order.
-
-    A batch is the items whose rank position ``p`` share ``p // chunk``; the planner
-    hands a worker whole chunks (``chunk == batch_size``), so this follows its batches
-    exactly, including a partial first batch after a mid-batch resume.
-    """
-    parts: list[Run] = []
-    current = -1
-    for run in runs:
-        batch_of = run.positions // chunk
-        cuts = np.flatnonzero(np.diff(batch_of)) + 1
-        bounds = [0, *cuts.tolist(), len(batch_of)]
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            if a == b:
-                continue
-            batch = int(batch_of[a])
-            if batch != current and parts:
-                yield parts
-                parts = []
-            current = batch
-            parts.append(Run(run.shard, run.locals[a:b], run.positions[a:b], run.items[a:b]))
-    if parts:
-        yield parts

@@ -356,7 +356,7 @@ class Pipeline:
             readers.close()
 
     def _items(self, read: Read, ahead: FetchAhead, runs: Iterator[Run]) -> Iterator[Any]:
-        from .batch import group_runs
+        from .plan import group_runs
 
         chunk = self.position.chunk
         if self.steps.collate is not None:

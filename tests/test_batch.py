@@ -16,9 +16,9 @@ from torch.utils.data import DataLoader
 
 from streamload import CorruptShardError, SampleError, StreamingDataset
 from streamload._batchmem import BufferPool, pack, unpack
-from streamload.batch import RawBatch, RawCollate, group_runs
+from streamload.batch import RawBatch, RawCollate
 from streamload.decode import IMAGE_FIELDS
-from streamload.plan import Run
+from streamload.plan import Run, group_runs
 from tests.helpers.memory import in_shared_memory
 
 
@@ -208,7 +208,7 @@ def test_a_label_outside_int64_is_refused_when_written(tmp_path: Path) -> None:
 
 def test_labels_parsed_together_equal_each_parsed_alone() -> None:
     """Batches of ``cls`` labels parse as :func:`parse_label` parses each (plain digits take a faster path)."""
-    from streamload.batch import parse_labels
+    from streamload.labels import parse_labels
     from streamload.sample import parse_label
 
     rng = np.random.default_rng(7)
@@ -268,14 +268,15 @@ def test_a_batch_interleaving_shards_reads_each_shard_once_and_keeps_batch_order
             if shard in wrapped:
                 return reader
             wrapped.add(shard)
-            for name in ("read_groups_into", "read_groups_at"):  # (at: samples read to places apart)
+            # (at: samples read to places apart; gather_plan: a shard's part of the batch's one read call)
+            for name in ("read_groups_into", "read_groups_at", "gather_plan"):
                 real = getattr(reader, name, None)
                 if real is None:
                     continue
 
-                def read(indices: np.ndarray, groups: Any, real: Any = real) -> None:
+                def read(indices: np.ndarray, groups: Any, real: Any = real) -> Any:
                     calls.append(shard)
-                    real(indices, groups)
+                    return real(indices, groups)
 
                 setattr(reader, name, read)
             return reader

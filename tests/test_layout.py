@@ -40,6 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     (
         "streamload.sample",
+        "streamload.labels",
         "streamload._hf",
         "streamload.randomness",
         "streamload.manifest",

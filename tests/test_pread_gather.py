@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streamload import CorruptShardError
+from streamload import CorruptShardError, _pread
 from streamload._pread import available, hashes, pread_gather
 from streamload.formats import tar as tar_format
 from streamload.formats.tar import TarShardReader
@@ -127,7 +127,7 @@ def test_the_tar_readers_batch_read_is_the_python_paths(
             )
             assert gathered == want
             with monkeypatch.context() as patch:  # the Python path (preadv of runs), as where it is not built
-                patch.setattr(tar_format, "pread_gather", lambda *args: None)
+                patch.setattr(tar_format, "available", lambda: False)
                 assert _read(reader, indices) == want
     finally:
         reader.close()
@@ -183,7 +183,7 @@ def test_a_flipped_byte_is_named_by_sample_and_field(
     copy, reader = _copied_reader(path, entry, tmp_path)
     try:
         if not hashing:
-            monkeypatch.setattr(tar_format, "hashes", lambda: False)
+            monkeypatch.setattr(_pread, "hashes", lambda: False)
         elif not hashes():
             pytest.skip("the system's xxHash (libxxhash.so.0) is not here")
         member = reader._members_of(("jpg",))[37]
@@ -206,7 +206,7 @@ def test_read_groups_at_puts_each_sample_in_its_place(
     # What a shuffled batch needs: a shard's samples to places spread over the batch's buffer, no copy after.
     path, entry = tar_shard
     if not gathered:
-        monkeypatch.setattr(tar_format, "pread_gather", lambda *args: None)
+        monkeypatch.setattr(tar_format, "available", lambda: False)
     reader = TarShardReader(str(path), entry, str(path) + ".idx")  # type: ignore[arg-type]
     try:
         indices = np.random.default_rng(6).permutation(200)[:50]

@@ -29,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from .._errors import ConfigError, SampleError, UnsafeShardError
+from .._pread import Gather
 from ..manifest import ShardEntry
 from ..storage.bytes import ShardBytes
 
@@ -37,6 +38,7 @@ __all__ = [
     "BatchReads",
     "FieldGroup",
     "Format",
+    "GatherPlans",
     "IntegerLabels",
     "PlacedGroup",
     "PlacedReads",
@@ -306,6 +308,20 @@ class PlacedReads(Protocol):
 
     def read_groups_at(self, indices: np.ndarray, groups: Sequence[PlacedGroup]) -> None:
         """:meth:`BatchReads.read_groups_into`, sample ``k`` of each group to its ``out`` at byte ``at[k]``."""
+
+
+@runtime_checkable
+class GatherPlans(Protocol):
+    """What a :class:`PlacedReads` reader of a local file adds: its part of a batch's one read call.
+
+    A shuffled batch's samples come from many shards; read a shard at a time, the batch
+    takes the GIL back once a shard. Each shard's plan (:class:`streamload._pread.Gather`)
+    is made first, then all of them are read in one call that lets go of the GIL once
+    (:func:`streamload._pread.gather_all`).
+    """
+
+    def gather_plan(self, indices: np.ndarray, groups: Sequence[PlacedGroup]) -> Gather | None:
+        """This shard's reads of :meth:`PlacedReads.read_groups_at`, planned, not read; ``None``: read them that way."""
 
 
 @runtime_checkable

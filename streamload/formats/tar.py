@@ -43,13 +43,13 @@ import numpy as np
 import xxhash
 
 from .._errors import CorruptShardError, SampleError
-from .._pread import hashes, pread_gather
+from .._pread import Gather, available, gather_all
 from ..manifest import ShardEntry
 from ..storage.bytes import MAX_GAP, FileBytes, gather
 from ._record import open_regular_file
 from ._tar_scan import BLOCK, HEADER_SIZE_LIMIT, ZERO_BLOCK, index_tar, iter_members, pad, parse_octal, split_name
 from ._tar_sidecar import IndexBuilder, check_sidecar_hash, load_index
-from .base import Format, Sample, ShardBytes, ShardReader, ShardWriter, check_sample, unsafe
+from .base import Format, PlacedGroup, Sample, ShardBytes, ShardReader, ShardWriter, check_sample, unsafe
 
 __all__ = ["FORMAT", "TarShardReader", "TarShardWriter", "index_tar", "iter_members", "split_name"]
 
@@ -308,15 +308,13 @@ class TarShardReader(ShardReader):
         n, g = len(indices), len(groups)
         if n == 0 or starts is None:
             return
+        # one call that lets go of the GIL once, where the extension is built
+        plan = self.gather_plan(indices, [(f, out, sz, starts[:, j]) for j, (f, out, sz) in enumerate(groups)])
+        if plan is not None and gather_all([plan]):
+            return
         members = np.stack([self._batch_members(indices, fields) for fields, _, _ in groups], axis=1)
         sizes = np.stack([np.asarray(sz, dtype=np.int64) for _, _, sz in groups], axis=1)
         offsets = np.frombuffer(self._offset, dtype=np.uint64)[members].astype(np.int64)
-        if isinstance(source, FileBytes):
-            done = self._gather(source, indices, members, offsets, sizes, starts, groups)
-            if done == "read":
-                self._check_digests(indices, members, groups, starts)
-            if done:
-                return
         # (after the gathered read, which needs neither: a numpy sort lets go of the GIL)
         order = np.argsort(offsets, axis=1, kind="stable")  # file order within each sample
         take = np.arange(n)[:, None]
@@ -335,58 +333,55 @@ class TarShardReader(ShardReader):
         gather(segments, scratch, lambda iov, offset, expected: self._preadv(source, iov, offset, expected))
         self._check_digests(indices, members, groups, starts)
 
-    def _gather(
-        self,
-        source: FileBytes,
-        indices: np.ndarray,
-        members: np.ndarray,
-        offsets: np.ndarray,
-        sizes: np.ndarray,
-        starts: np.ndarray,
-        groups: Sequence[tuple[Sequence[str], np.ndarray, np.ndarray]],
-    ) -> str:
-        """Read every member (``[sample, group]``) into its place in one GIL release.
+    def gather_plan(self, indices: np.ndarray, groups: Sequence[PlacedGroup]) -> Gather | None:
+        """This shard's part of a batch's gathered read (:class:`~streamload._pread.Gather`), or ``None``.
 
-        One ``pread`` a member, in file order, all in one call (:func:`streamload._pread.pread_gather`):
-        a shuffled batch's samples are scattered over the shard, and a read per sample (or
-        per run) would take the GIL back once each; where the system's xxHash is there, the
-        same call hashes each member and the digests are compared here at once.
-
-        Returns:
-            ``"checked"`` (read, digests checked), ``"read"`` (the caller checks the
-            digests), or ``""`` (the extension is not built: nothing read).
+        Every member of ``groups`` (``(fields, out, sizes, at)``, as :meth:`read_groups_at`
+        takes them) to its place: one ``pread`` a member, all the batch's shards in one call
+        (:func:`streamload._pread.gather_all`), since a shuffled batch's samples are scattered
+        over its shards and a read a shard (or a sample) would take the GIL back once each.
+        Where the system's xxHash is there, the same call hashes each member and the
+        plan's check compares the digests. ``None`` when the shard is not a local file or
+        the extension is not built: read it with :meth:`read_groups_at`.
         """
-        g = len(groups)
-        order = np.argsort(offsets, axis=None, kind="stable")
-        sums = np.empty(len(order), dtype=np.uint64) if hashes() else None
-        got = pread_gather(
-            source.fd,
-            offsets.ravel()[order],
-            sizes.ravel()[order],
-            [out for _, out, _ in groups],
-            np.broadcast_to(np.arange(g, dtype=np.int32), offsets.shape).ravel()[order],
-            starts.ravel()[order],
-            sums,
+        source = self._bytes
+        if source is None:
+            raise ValueError(f"{self.entry.name}: reader is closed")
+        if not isinstance(source, FileBytes) or not available():
+            return None
+        n, g = len(indices), len(groups)
+        starts = _places(self.entry.name, n, groups)
+        members = np.stack([self._batch_members(indices, fields) for fields, _, _, _ in groups], axis=1)
+        sizes = np.stack([np.asarray(sz, dtype=np.int64) for _, _, sz, _ in groups], axis=1)
+        offsets = np.frombuffer(self._offset, dtype=np.uint64)[members].astype(np.int64)
+        flat_offsets, flat_sizes = offsets.ravel(), sizes.ravel()
+
+        def check(got: np.ndarray, sums: np.ndarray | None) -> None:
+            bad = np.flatnonzero(got != flat_sizes)
+            if len(bad):
+                first = int(bad[0])
+                if got[first] < 0:
+                    code = int(-got[first])
+                    raise OSError(code, f"{os.strerror(code)}: reading shard {self.entry.name}", self.path)
+                at = int(flat_offsets[first]) + int(got[first])
+                raise CorruptShardError(f"{self.path}: shard {self.entry.name} is truncated at byte {at}")
+            if sums is None:
+                self._check_digests(indices, members, [(f, out, sz) for f, out, sz, _ in groups], starts)
+                return
+            wrong = np.flatnonzero(sums != np.frombuffer(self._hash, dtype=np.uint64)[members].ravel())
+            if len(wrong):
+                k, j = divmod(int(wrong[0]), g)
+                self._read_failed(int(indices[k]), int(members[k, j]))
+
+        return Gather(
+            fd=source.fd,
+            offsets=flat_offsets,
+            lengths=flat_sizes,
+            outs=[out for _, out, _, _ in groups],
+            which=np.tile(np.arange(g, dtype=np.int32), n),
+            at=starts.ravel(),
+            check=check,
         )
-        if got is None:
-            return ""
-        want = sizes.ravel()[order]
-        bad = np.flatnonzero(got != want)
-        if len(bad):
-            first = int(bad[0])
-            if got[first] < 0:
-                code = int(-got[first])
-                raise OSError(code, f"{os.strerror(code)}: reading shard {self.entry.name}", self.path)
-            at = int(offsets.ravel()[order][first]) + int(got[first])
-            raise CorruptShardError(f"{self.path}: shard {self.entry.name} is truncated at byte {at}")
-        if sums is None:
-            return "read"
-        expected = np.frombuffer(self._hash, dtype=np.uint64)[members].ravel()[order]
-        wrong = np.flatnonzero(sums != expected)
-        if len(wrong):
-            k, j = divmod(int(order[wrong[0]]), g)
-            self._read_failed(int(indices[k]), int(members[k, j]))
-        return "checked"
 
     def _preadv(self, source: ShardBytes, iov: list[memoryview], offset: int, expected: int) -> None:
         if source.preadv(iov, offset) != expected:

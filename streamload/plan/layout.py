@@ -120,7 +120,7 @@ class Partitions:
         out = np.empty_like(items)
         first, last = int(keys[0]), int(keys[-1])
         single = first == last and (len(keys) < 3 or bool(np.all(keys == first)))
-        groups = [first] if single else np.unique(keys).tolist()
+        groups = [first] if single else _distinct(keys)
         for key in groups:
             mask = slice(None) if single else keys == key
             part, w = int(parts[mask][0]), int(windows[mask][0])
@@ -141,3 +141,18 @@ class Partitions:
         else:
             self._perms.move_to_end(key)
         return perm
+
+
+#: Up to this many keys, :func:`_distinct` takes them in Python (a numpy sort lets go of the GIL).
+_SMALL = 4096
+
+
+def _distinct(keys: np.ndarray) -> list[int]:
+    """The distinct values of ``keys``, in any order.
+
+    A batch's few keys without ``np.unique``: its sort lets go of the GIL, and a thread that
+    takes it back beside a training loop running Python waits up to the switch interval.
+    """
+    if len(keys) <= _SMALL:
+        return list(dict.fromkeys(keys.tolist()))
+    return np.unique(keys).tolist()  # type: ignore[no-any-return]
