@@ -43,6 +43,12 @@ __all__ = ["POOL_SLOTS", "BufferPool", "Lease", "allocate", "pack", "unpack"]
 
 #: Segments a worker keeps: prefetch_factor (2) queued + 1 in use + 1 being filled.
 POOL_SLOTS = 4
+#: Buffers a thread keeps for batches that stay in its process: a Loader thread's prefetch (2)
+#: queued + 1 waiting to be queued + 1 the caller holds + 1 being made + its encoded batch being
+#: decoded, and one to spare. A batch made beyond them takes a torch allocation (two torch ops,
+#: each letting go of the GIL); a buffer is made only when first needed, so memory follows the
+#: batches alive at once.
+LOCAL_SLOTS = 8
 #: Alignment of each tensor inside a segment (bytes): int64 views need 8, cache lines 64.
 ALIGN = 64
 
@@ -135,7 +141,7 @@ class _LocalPool:
     caller has dropped every view (the buffer itself stays, so its pages stay mapped).
     """
 
-    def __init__(self, slots: int = POOL_SLOTS) -> None:
+    def __init__(self, slots: int = LOCAL_SLOTS) -> None:
         self._buffers: list[np.ndarray | None] = [None] * slots
         self._free = [True] * slots
 

@@ -12,6 +12,7 @@
  * With sums, each entry's bytes are hashed (XXH3_64bits) in the same call, so the caller
  * checks a batch's digests without a call (and a GIL release) per member.
  */
+#define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -19,6 +20,7 @@
 #include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 /* The system's xxHash (libxxhash.so.0), looked up when the module loads: XXH3_64bits is
@@ -41,6 +43,7 @@ static int get_array(PyObject *obj, Py_buffer *view, size_t need, const char *wh
 /* The read order: by file descriptor, then offset (a file's reads front to back). */
 typedef struct {
     int fd;
+    int finished;
     int64_t offset;
     Py_ssize_t entry;
 } slot;
@@ -52,8 +55,67 @@ static int by_place(const void *a, const void *b) {
     return x->entry < y->entry ? -1 : (x->entry > y->entry);
 }
 
+/* Most bytes a call copies from the page cache holding the GIL (about a millisecond or two). */
+#define CACHED_LIMIT ((int64_t)16 << 20)
+
+/* Whether RWF_NOWAIT reads work here (cleared at the first EOPNOTSUPP/EINVAL). */
+static int nowait_works = 1;
+
+/* Read the entries of `order` not finished yet, in order: got[i] holds the bytes read so far.
+ * An entry finishes when read whole, at the end of the file (short) or at a failed read
+ * (got[i] = -errno). With `cached`, only what the page cache holds is read (RWF_NOWAIT): an
+ * entry that would wait for the disk stays unfinished. Returns how many are unfinished. */
+static int read_entries(slot *order, Py_ssize_t n, const int64_t *offsets, const int64_t *lengths, const int64_t *at,
+                        const int32_t *which, const Py_buffer *outs, int64_t *got, uint64_t *sums, int cached) {
+    int unfinished = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (order[k].finished) continue;
+        Py_ssize_t i = order[k].entry;
+        int64_t done = got[i], want = lengths[i];
+        char *dst = (char *)outs[which[i]].buf + at[i];
+        int waits = 0;
+        while (done < want) {
+            ssize_t r;
+#ifdef RWF_NOWAIT
+            if (cached) {
+                struct iovec iov = {dst + done, (size_t)(want - done)};
+                r = nowait_works ? preadv2(order[k].fd, &iov, 1, (off_t)(offsets[i] + done), RWF_NOWAIT) : -1;
+                if (!nowait_works) errno = EAGAIN;
+                if (r < 0 && (errno == EOPNOTSUPP || errno == EINVAL)) nowait_works = 0; /* not here: read waiting */
+                if (r < 0 && (errno == EAGAIN || errno == EOPNOTSUPP || errno == EINVAL)) {
+                    waits = 1;
+                    break;
+                }
+            } else
+#endif
+            {
+                if (cached) { /* no RWF_NOWAIT here: every read waits with the GIL released */
+                    waits = 1;
+                    break;
+                }
+                r = pread(order[k].fd, dst + done, (size_t)(want - done), (off_t)(offsets[i] + done));
+            }
+            if (r < 0) {
+                if (errno == EINTR) continue;
+                done = -(int64_t)errno;
+                break;
+            }
+            if (r == 0) break; /* the end of the file: short */
+            done += r;
+        }
+        got[i] = done;
+        if (waits) {
+            unfinished++;
+            continue;
+        }
+        order[k].finished = 1;
+        if (sums != NULL && done == want) sums[i] = xxh3(dst, (size_t)want);
+    }
+    return unfinished;
+}
+
 PyDoc_STRVAR(pread_gather_doc,
-             "pread_gather(fd, offsets, lengths, outs, which, at, got, sums=None) -> None\n\n"
+             "pread_gather(fd, offsets, lengths, outs, which, at, got, sums=None, cached_first=True) -> None\n\n"
              "Read entry i (lengths[i] bytes at file offset offsets[i] of fd) into outs[which[i]] at byte at[i],\n"
              "every entry in one call that releases the GIL once. fd: one descriptor for every entry, or int32\n"
              "one an entry (a batch over many files); the entries are read in (fd, offset) order, whatever\n"
@@ -61,7 +123,9 @@ PyDoc_STRVAR(pread_gather_doc,
              "int32, one an entry (got's length is the number of entries); every destination is checked\n"
              "inside its buffer first (ValueError). got[i] gets the bytes read (fewer than lengths[i] only at\n"
              "the end of the file) or -errno when a read failed. sums (uint64, one an entry, or None): each\n"
-             "entry's XXH3_64bits digest, of the entry's full read (left alone when short); needs has_xxh3().");
+             "entry's XXH3_64bits digest, of the entry's full read (left alone when short); needs has_xxh3().\n"
+             "cached_first: what the page cache holds is read first holding the GIL (RWF_NOWAIT, up to 16 MiB a\n"
+             "call), the rest with it released (one release, none for a cached batch).");
 
 static PyObject *pread_gather(PyObject *self, PyObject *args) {
     PyObject *fd_obj, *outs_obj, *offsets_obj, *lengths_obj, *which_obj, *at_obj, *got_obj, *sums_obj = Py_None, *seq;
@@ -74,8 +138,9 @@ static PyObject *pread_gather(PyObject *self, PyObject *args) {
     int fd = -1, failed = 0;
     (void)self;
 
-    if (!PyArg_ParseTuple(args, "OOOOOOO|O", &fd_obj, &offsets_obj, &lengths_obj, &outs_obj, &which_obj, &at_obj, &got_obj,
-                          &sums_obj))
+    int cached_first = 1;
+    if (!PyArg_ParseTuple(args, "OOOOOOO|Op", &fd_obj, &offsets_obj, &lengths_obj, &outs_obj, &which_obj, &at_obj,
+                          &got_obj, &sums_obj, &cached_first))
         return NULL;
     if (sums_obj != Py_None && xxh3 == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "sums need the system's xxHash (libxxhash.so.0), which is not there");
@@ -147,32 +212,28 @@ static PyObject *pread_gather(PyObject *self, PyObject *args) {
             order[i].fd = fds != NULL ? fds[i] : fd;
             order[i].offset = offsets[i];
             order[i].entry = i;
+            order[i].finished = 0;
             if (order[i].fd < 0) failed = 1;
         }
         if (failed) {
             PyErr_SetString(PyExc_ValueError, "a file descriptor is negative");
             goto release_outs;
         }
-        Py_BEGIN_ALLOW_THREADS
         qsort(order, (size_t)n, sizeof(slot), by_place);
-        for (Py_ssize_t k = 0; k < n; k++) {
-            i = order[k].entry;
-            char *dst = (char *)outs[which[i]].buf + at[i];
-            int64_t done = 0, want = lengths[i];
-            while (done < want) {
-                ssize_t r = pread(order[k].fd, dst + done, (size_t)(want - done), (off_t)(offsets[i] + done));
-                if (r < 0) {
-                    if (errno == EINTR) continue;
-                    done = -(int64_t)errno;
-                    break;
-                }
-                if (r == 0) break; /* the end of the file: short */
-                done += r;
-            }
-            got[i] = done;
-            if (sums != NULL && done == want) sums[i] = xxh3(dst, (size_t)want);
+        for (i = 0; i < n; i++) got[i] = 0;
+        /* What the page cache holds is read first, holding the GIL (RWF_NOWAIT: a read that
+         * would wait for the disk returns EAGAIN at once): a cached batch's reads are a copy of
+         * a few milliseconds at most, cheaper than taking the GIL back beside a thread running
+         * Python (up to the switch interval). The rest, if any, is read with the GIL released. */
+        int64_t total = 0;
+        for (i = 0; i < n; i++) total += lengths[i];
+        int left = read_entries(order, n, offsets, lengths, at, which, outs, got, sums,
+                                cached_first && total <= CACHED_LIMIT ? 1 : 0);
+        if (left) {
+            Py_BEGIN_ALLOW_THREADS
+            read_entries(order, n, offsets, lengths, at, which, outs, got, sums, 0);
+            Py_END_ALLOW_THREADS
         }
-        Py_END_ALLOW_THREADS
     }
     result = Py_NewRef(Py_None);
 release_outs:

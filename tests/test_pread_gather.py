@@ -230,3 +230,166 @@ def test_read_groups_at_puts_each_sample_in_its_place(
             reader.read_groups_at(indices[:1], [(("jpg",), out, sizes[:1], np.array([out.nbytes - 1]))])
     finally:
         reader.close()
+
+
+def test_one_call_reads_many_files_with_a_descriptor_an_entry(tmp_path: Path) -> None:
+    # A batch over several shards: each entry names its own file, the entries in any order.
+    datas = [np.random.default_rng(10 + k).integers(0, 256, 5000 + k, dtype=np.uint8).tobytes() for k in range(3)]
+    paths = []
+    for k, data in enumerate(datas):
+        paths.append(tmp_path / f"f{k}")
+        paths[-1].write_bytes(data)
+    rng = np.random.default_rng(11)
+    n = 400
+    files = rng.integers(0, 3, n)
+    lengths = rng.integers(0, 200, n)
+    offsets = np.array([int(rng.integers(0, len(datas[f]) - 200)) for f in files])
+    at = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    fds = [os.open(p, os.O_RDONLY) for p in paths]
+    try:
+        for cached_first in (True, False):
+            out = np.zeros(int(lengths.sum()), dtype=np.uint8)
+            got = pread_gather(
+                np.array([fds[f] for f in files], dtype=np.int32), offsets, lengths, [out], np.zeros(n), at,
+                cached_first=cached_first,
+            )  # fmt: skip
+            assert got is not None and got.tolist() == lengths.tolist()
+            for f, o, a, k in zip(files.tolist(), offsets.tolist(), at.tolist(), lengths.tolist(), strict=True):
+                assert out[a : a + k].tobytes() == datas[f][o : o + k]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_what_the_page_cache_does_not_hold_is_read_as_well(tmp_path: Path) -> None:
+    # Read what is cached first (RWF_NOWAIT, holding the GIL), then the rest: a file just
+    # dropped from the page cache still reads whole, checksums included.
+    import xxhash
+
+    path, data = _file(tmp_path, 1 << 22)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # (a hint: the kernel may keep some pages)
+        lengths = np.full(64, 50_000)
+        offsets = np.arange(64) * 60_000
+        at = np.arange(64) * 50_000
+        out = np.zeros(64 * 50_000, dtype=np.uint8)
+        sums = np.zeros(64, dtype=np.uint64) if hashes() else None
+        got = pread_gather(fd, offsets, lengths, [out], np.zeros(64), at, sums)
+    finally:
+        os.close(fd)
+    assert got is not None and got.tolist() == lengths.tolist()
+    for o, a in zip(offsets.tolist(), at.tolist(), strict=True):
+        assert out[a : a + 50_000].tobytes() == data[o : o + 50_000]
+    if sums is not None:
+        assert sums.tolist() == [xxhash.xxh3_64_intdigest(data[o : o + 50_000]) for o in offsets.tolist()]
+
+
+@pytest.fixture(scope="module")
+def three_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from streamload.formats import get_format
+    from streamload.storage import LocalDestination
+    from streamload.writer import publish_manifest, write_shard
+
+    root = tmp_path_factory.mktemp("gather-three")
+    rng = np.random.default_rng(12)
+    fmt, dest = get_format("tar"), LocalDestination(str(root))
+    entries = []
+    for s in range(3):
+        samples = (
+            {"__key__": f"s{s}-{i}", "jpg": rng.integers(0, 256, int(rng.integers(1, 3000)), dtype=np.uint8).tobytes(),
+             "cls": str((s * 40 + i) % 9).encode()}
+            for i in range(40)
+        )  # fmt: skip
+        entries.append(write_shard(fmt, dest, fmt.shard_name(s), samples).entry)
+    publish_manifest(dest, Manifest(format="tar", shards=tuple(entries), fields=("cls", "jpg")))
+    return root
+
+
+#: A shuffled batch's reads: samples of the three shards interleaved, a shard met several times.
+_PARTS = [(2, [5, 1]), (0, [7]), (1, [3, 39, 0]), (0, [2, 30]), (2, [22]), (1, [8])]
+
+
+def _read_batch(root: Path) -> object:
+    from streamload.batch import RawCollate
+    from streamload.dataref import DatasetRef
+    from streamload.shards import ShardSource
+
+    ref = DatasetRef.open(str(root))
+    with ShardSource(ref, ref.open_storage(), own_storage=True) as source:
+        parts = [(s, np.array(idx)) for s, idx in _PARTS]
+        return RawCollate(keys=True).read_batch(source.get, parts)
+
+
+def test_a_batch_over_three_shards_is_one_read_call(three_shards: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamload.batch import RawCollate
+    from streamload.dataref import DatasetRef
+    from streamload.shards import ShardSource
+
+    calls: list[int] = []
+    real = _pread.pread_gather
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_pread, "pread_gather", counted)
+    batch = _read_batch(three_shards)
+    assert len(calls) == 1
+    ref = DatasetRef.open(str(three_shards))
+    with ShardSource(ref, ref.open_storage(), own_storage=True) as source:
+        samples = [source.get(s).get(i) for s, idx in _PARTS for i in idx]
+        want = RawCollate(keys=True)(samples)
+    assert [bytes(x) for x in batch.samples()] == [bytes(x) for x in want.samples()]  # type: ignore[attr-defined]
+    assert batch.labels.tolist() == want.labels.tolist()  # type: ignore[attr-defined, union-attr]
+    assert batch.keys == want.keys  # type: ignore[attr-defined]
+
+
+def _damage(root: Path, tmp_path: Path, flip: dict[int, str], cut: set[int]) -> Path:
+    """A copy of ``root`` with one byte of the named samples' jpg flipped and the shards in ``cut`` cut short."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    for s, key in flip.items():
+        shard = copy / f"shard-{s:06d}.tar"
+        reader = TarShardReader(str(shard), _entry(copy, s), str(shard) + ".idx")  # type: ignore[arg-type]
+        try:
+            keys = reader.keys_of(np.arange(40))
+            member = reader._members_of(("jpg",))[keys.index(key)]
+            at = int(np.frombuffer(reader._offset, dtype=np.uint64)[member])
+        finally:
+            reader.close()
+        with open(shard, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0x01]))
+    for s in cut:
+        shard = copy / f"shard-{s:06d}.tar"
+        os.truncate(shard, shard.stat().st_size // 3)
+    return copy
+
+
+def _entry(root: Path, shard: int) -> object:
+    from streamload.dataref import DatasetRef
+
+    return DatasetRef.open(str(root)).manifest.shards[shard]
+
+
+@pytest.mark.parametrize("hashing", [True, False], ids=["sums-in-the-call", "sums-in-python"])
+def test_damage_in_a_batchs_later_shard_is_named_and_the_first_bad_shard_comes_first(
+    three_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hashing: bool
+) -> None:
+    if not hashing:
+        monkeypatch.setattr(_pread, "hashes", lambda: False)
+    elif not hashes():
+        pytest.skip("the system's xxHash (libxxhash.so.0) is not here")
+    flipped = _damage(three_shards, tmp_path / "a", {1: "s1-39"}, set())
+    with pytest.raises(CorruptShardError, match=r"shard-000001\.tar, sample 's1-39', field 'jpg'"):
+        _read_batch(flipped)
+    # shard 2 comes first in the batch: its damage is named, not shard 1's
+    both = _damage(three_shards, tmp_path / "b", {2: "s2-1", 1: "s1-3"}, set())
+    with pytest.raises(CorruptShardError, match=r"shard-000002\.tar, sample 's2-1'"):
+        _read_batch(both)

@@ -355,6 +355,7 @@ class TarShardReader(ShardReader):
         sizes = np.stack([np.asarray(sz, dtype=np.int64) for _, _, sz, _ in groups], axis=1)
         offsets = np.frombuffer(self._offset, dtype=np.uint64)[members].astype(np.int64)
         flat_offsets, flat_sizes = offsets.ravel(), sizes.ravel()
+        digests = np.frombuffer(self._hash, dtype=np.uint64)[members].ravel()
 
         def check(got: np.ndarray, sums: np.ndarray | None) -> None:
             bad = np.flatnonzero(got != flat_sizes)
@@ -368,7 +369,7 @@ class TarShardReader(ShardReader):
             if sums is None:
                 self._check_digests(indices, members, [(f, out, sz) for f, out, sz, _ in groups], starts)
                 return
-            wrong = np.flatnonzero(sums != np.frombuffer(self._hash, dtype=np.uint64)[members].ravel())
+            wrong = np.flatnonzero(sums != digests)
             if len(wrong):
                 k, j = divmod(int(wrong[0]), g)
                 self._read_failed(int(indices[k]), int(members[k, j]))
@@ -380,6 +381,7 @@ class TarShardReader(ShardReader):
             outs=[out for _, out, _, _ in groups],
             which=np.tile(np.arange(g, dtype=np.int32), n),
             at=starts.ravel(),
+            digests=digests,
             check=check,
         )
 
