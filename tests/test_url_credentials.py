@@ -77,8 +77,19 @@ def test_redact_replaces_only_the_password() -> None:
 
     assert redact("GET http://alice:pw@host:8080/ds/x.tar failed") == "GET http://alice:***@host:8080/ds/x.tar failed"
     assert redact("'s3a://k:p%2Fq@b/x' and https://bob:a:b@h/") == "'s3a://k:***@b/x' and https://bob:***@h/"
-    for unchanged in ("http://host:8080/a@b", "http://alice@host/x", "mail me at a@b.c", "/data/x:y@z"):
+    for unchanged in ("http://host:8080/a@b", "http://***@host/x", "mail me at a@b.c", "/data/x:y@z"):
         assert redact(unchanged) == unchanged
+
+
+def test_a_token_given_as_the_user_is_replaced_whole() -> None:
+    # https://TOKEN@host (a GitHub- or Hugging Face-style token as the user name, no password):
+    # the user information is the secret, as pip and git take it.
+    from streamload._redact import redact
+
+    token = "ghp_16C7e42F292c6912E7710c838347Ae178B4a"
+    assert redact(f"GET https://{token}@github.com/o/r/x.tar failed") == "GET https://***@github.com/o/r/x.tar failed"
+    assert redact(f"'https://{token}@h/a' and http://bob:pw@h/b") == "'https://***@h/a' and http://bob:***@h/b"
+    assert token not in redact(f"s3://{token}@bucket/x")
 
 
 def test_reading_sends_the_credentials_and_shows_them_nowhere(
