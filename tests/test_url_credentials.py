@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,3 +149,31 @@ def test_the_command_line_shows_no_password(
     out, err = capsys.readouterr()
     assert out.count("alice:***@") >= 4 and "alice:***@" in err  # info, --json, show, verify; the error
     assert PASSWORD not in out + err
+
+
+def test_a_bucket_without_credentials_is_one_line_saying_where_credentials_go(tmp_path: Path) -> None:
+    # No credentials anywhere (environment, files, instance metadata): botocore refuses to sign;
+    # the command says so in one line, not as a "bad request" or a traceback.
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    (tmp_path / "images" / "cat").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(tmp_path / "images" / "cat" / "a.jpg")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        AWS_EC2_METADATA_DISABLED="true",
+        HOME=str(tmp_path),
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "streamload", "convert", str(tmp_path / "images"), "s3://no-such-bucket/out"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr
+    assert "s3://no-such-bucket/out" in lines[0] and "no credentials found" in lines[0]
+    assert "AWS_ACCESS_KEY_ID" in lines[0] and "Traceback" not in out.stderr
