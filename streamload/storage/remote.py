@@ -257,14 +257,22 @@ class RemoteStorage(Storage):
         return self._last
 
     @property
-    def limit(self) -> int | None:  # type: ignore[override]
-        """The cache bound in bytes (``None``: unbounded)."""
+    def limit(self) -> int | None:
+        """The cache bound in bytes (``None``: unbounded): its :class:`~.limit.CacheLimit`'s."""
         return self.bound.limit
 
+    @limit.setter
+    def limit(self, value: int | None) -> None:
+        self.bound.limit = self.cache.limit = value
+
     @property
-    def default_limit(self) -> int | None:  # type: ignore[override]
+    def default_limit(self) -> int | None:
         """The bound this storage chose itself when no ``cache_limit`` was given, else ``None``."""
         return self.bound.default_limit
+
+    @default_limit.setter
+    def default_limit(self, value: int | None) -> None:
+        self.bound.default_limit = value
 
     @property
     def refetched(self) -> int:
