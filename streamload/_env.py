@@ -2,7 +2,9 @@
 
 Every knob is a parameter (:class:`~streamload.StorageConfig`, the dataset's keywords);
 an environment variable only changes the default a parameter takes when it is not given,
-so a job can be tuned without code changes. Rank detection (``RANK``, ``WORLD_SIZE``,
+so a job can be tuned without code changes. The defaults are applied where the settings
+are made (:meth:`~streamload.StorageConfig.resolve`, a conversion's engine) and passed
+down resolved: nothing below them imports this module. Rank detection (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``: :mod:`streamload.plan.world`) is the one other reader of the
 environment.
 

@@ -56,7 +56,7 @@ from ._errors import ConfigError, SampleNotFoundError, StreamloadError
 from ._fork import ProcessLocal
 from ._redact import redact
 from .ahead import ShardsAhead
-from .dataref import CACHE_KEYWORDS, CacheKeywords, DatasetRef, storage_config
+from .dataref import DatasetRef
 from .formats import Sample
 from .manifest import Manifest
 from .plan import Run
@@ -64,7 +64,7 @@ from .recovery import raise_located
 from .shards import ShardSource
 from .storage import is_local, local_path_of
 from .storage.cache.layout import trusted_file
-from .storageconfig import StorageConfig
+from .storageconfig import CACHE_KEYWORDS, CacheKeywords, StorageConfig, config_from_arguments
 
 if TYPE_CHECKING:
     from typing import Unpack  # Python 3.11 (only read by type checkers here)
@@ -119,7 +119,7 @@ class KeyIndex:
         hi = int(np.searchsorted(self.hashes, h, side="right"))
         return [int(p) for p in self.positions[lo:hi]]
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, shared: bool = False) -> None:
         """Write the index to ``path`` atomically (a ``.npy`` file), never through a link.
 
         The folder must be a real directory of this user (see :func:`open_keys_dir`); the
@@ -130,7 +130,7 @@ class KeyIndex:
             OSError: If the folder cannot be made or is refused (a link, another user's).
         """
         folder, name = os.path.split(path)
-        dir_fd = open_keys_dir(folder)
+        dir_fd = open_keys_dir(folder, shared=shared)
         tmp = f".keys-{os.getpid()}-{secrets.token_hex(6)}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
@@ -146,7 +146,7 @@ class KeyIndex:
             os.close(dir_fd)
 
     @classmethod
-    def load(cls, path: str, expected: int) -> KeyIndex | None:
+    def load(cls, path: str, expected: int, shared: bool = False) -> KeyIndex | None:
         """Memory-map the index at ``path``; ``None`` if it is missing, not ``expected`` keys long, or unsafe.
 
         Unsafe: a link (never followed), not a regular file, a file someone else could have
@@ -157,7 +157,7 @@ class KeyIndex:
         """
         folder, name = os.path.split(path)
         try:
-            dir_fd = open_keys_dir(folder, create=False)
+            dir_fd = open_keys_dir(folder, create=False, shared=shared)
         except OSError:
             return None
         try:
@@ -168,7 +168,7 @@ class KeyIndex:
             os.close(dir_fd)
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or not trusted_file(st, _shared_cache()):
+            if not stat.S_ISREG(st.st_mode) or not trusted_file(st, shared):
                 return None  # rebuilt and written over by this user
             try:
                 version = np.lib.format.read_magic(f)
@@ -201,13 +201,13 @@ class KeyIndex:
         return bool(np.all(np.bincount(self.positions.astype(np.int64), minlength=n) == 1))
 
 
-def open_keys_dir(folder: str, *, create: bool = True) -> int:
+def open_keys_dir(folder: str, *, create: bool = True, shared: bool = False) -> int:
     """Open the key index folder (``<cache_dir>/keys``) as a directory descriptor, never through a link.
 
     The cache's own rules: the folder is made with mode ``0o755``, must be a real
     directory (``O_NOFOLLOW``: a symbolic link is refused, not followed), never writable by
     every user, and belong to this user and not be writable by its group unless
-    ``STREAMLOAD_CACHE_SHARED=1``.
+    ``shared`` (the dataset's resolved ``cache_shared``: ``STREAMLOAD_CACHE_SHARED=1``).
 
     Raises:
         OSError: If it cannot be made or opened, or is refused (the message says why).
@@ -223,7 +223,6 @@ def open_keys_dir(folder: str, *, create: bool = True) -> int:
             raise OSError(exc.errno, f"{folder} is a link or not a directory; the cache never follows one") from exc
         raise
     st = os.fstat(fd)
-    shared = _shared_cache()
     if st.st_uid != os.geteuid() and not shared:
         os.close(fd)
         raise OSError(errno.EPERM, f"{folder} belongs to another user (set STREAMLOAD_CACHE_SHARED=1 if on purpose)")
@@ -236,12 +235,6 @@ def open_keys_dir(folder: str, *, create: bool = True) -> int:
             "index there",
         )
     return fd
-
-
-def _shared_cache() -> bool:
-    from ._env import cache_shared
-
-    return cache_shared()
 
 
 class ShardedDataset(torch.utils.data.Dataset[Any]):
@@ -285,7 +278,7 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
         key_index: KeyIndexMode = "disk",
         **deprecated: Unpack[CacheKeywords],
     ) -> None:
-        config = storage_config("ShardedDataset", storage, deprecated, accepted=CACHE_KEYWORDS)
+        config = config_from_arguments("ShardedDataset", storage, deprecated, accepted=CACHE_KEYWORDS)
         config = config or StorageConfig()
         if config.cache == "none":
             raise ConfigError(
@@ -420,7 +413,7 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
             return self._keys
         path = self.key_index_path()
         if self.key_index_mode == "disk":
-            loaded = KeyIndex.load(path, len(self))
+            loaded = KeyIndex.load(path, len(self), self.storage.cache_is_shared())
             if loaded is not None and self._spot_check(loaded):
                 self._keys, self._keys_checked = loaded, False
                 return loaded
@@ -433,8 +426,9 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
         if self.key_index_mode == "disk":
             path = self.key_index_path()
             try:
-                keys.save(path)
-                loaded = KeyIndex.load(path, len(self))  # mapped: the pages are shared, not this process's
+                shared = self.storage.cache_is_shared()
+                keys.save(path, shared)
+                loaded = KeyIndex.load(path, len(self), shared)  # mapped: the pages are shared, not this process's
                 if loaded is not None and np.array_equal(loaded.table, keys.table):
                     keys = loaded
             except OSError as exc:
@@ -463,13 +457,12 @@ class ShardedDataset(torch.utils.data.Dataset[Any]):
 
     def key_index_path(self) -> str:
         """Return where the key index file of this dataset (URL and manifest) lives."""
-        from .storage.cachedir import dataset_cache_key, default_cache_dir
+        from .storage.cachedir import dataset_cache_key
 
         url = os.path.abspath(local_path_of(self.source)) if is_local(self.source) else self.source
         where = dataset_cache_key(url, self.ref.config.options)
         digest = hashlib.sha256(self.manifest.dumps()).hexdigest()[:16]
-        cache_dir = self.storage.cache_dir
-        base = os.path.expanduser(cache_dir if cache_dir is not None else default_cache_dir())
+        base = os.path.expanduser(self.storage.cache_directory())
         return os.path.join(base, "keys", f"{where}-{digest}.npy")
 
     def _build_key_index(self) -> KeyIndex:

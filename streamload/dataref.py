@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, TypedDict
+from typing import Any
 
 from ._errors import ConfigError, ManifestError
 from ._redact import redacted_repr
@@ -22,17 +20,9 @@ from .formats import Format, get_format
 from .manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, ShardEntry, data_root_place
 from .storage import Storage, is_local, local_path_of
 from .storage.split import split_storage
-from .storageconfig import CacheMode, StorageConfig, can_stream, choose_streaming, largest_sidecar
+from .storageconfig import StorageConfig, can_stream, choose_streaming, largest_sidecar
 
-__all__ = [
-    "CACHE_KEYWORDS",
-    "STORAGE_KEYWORDS",
-    "CacheKeywords",
-    "DatasetRef",
-    "StorageKeywords",
-    "load_manifest",
-    "storage_config",
-]
+__all__ = ["DatasetRef", "load_manifest"]
 
 log = logging.getLogger("streamload")
 
@@ -114,7 +104,7 @@ class DatasetRef:
 
         shards = shard_list(url)
         if shards is not None:  # tar shard files ("s/{000..009}.tar"): their index in the cache
-            url = index_shard_list(shards, config.storage_options, config.cache_dir)
+            url = index_shard_list(shards, config)
         storage = config.open(url)
         try:
             manifest = load_manifest(storage, url)
@@ -270,73 +260,3 @@ def _choose_mode(url: str, manifest: Manifest, storage: Storage, config: Storage
 def _largest_cached(manifest: Manifest, config: StorageConfig) -> int:
     """The largest set of files a reader keeps in the cache: a shard with its sidecar, or a sidecar when streaming."""
     return largest_sidecar(manifest) if config.cache == "none" else manifest.largest_shard_bytes
-
-
-#: The storage settings :class:`StorageConfig` groups, by the keyword names they had on their own.
-STORAGE_KEYWORDS = ("storage_options", "cache_dir", "cache_limit", "read_ahead", "cache", "stream_buffer")
-#: Those that every reader took (``Stream`` and ``ShardedDataset`` did not take ``cache`` and ``stream_buffer``).
-CACHE_KEYWORDS = ("storage_options", "cache_dir", "cache_limit", "read_ahead")
-
-
-class CacheKeywords(TypedDict, total=False):
-    """The cache settings once given as keywords of their own to every reader (deprecated: pass ``storage=``)."""
-
-    storage_options: Mapping[str, Any] | None
-    cache_dir: str | os.PathLike[str] | None
-    cache_limit: int | float | str | None
-    read_ahead: int | None
-
-
-class StorageKeywords(CacheKeywords, total=False):
-    """All storage settings once given as keywords of their own to ``StreamingDataset`` (deprecated)."""
-
-    cache: CacheMode | None
-    stream_buffer: int | str | None
-
-
-def storage_config(
-    owner: str,
-    storage: StorageConfig | None,
-    keywords: Mapping[str, Any],
-    *,
-    accepted: tuple[str, ...] = STORAGE_KEYWORDS,
-    stacklevel: int = 3,
-) -> StorageConfig | None:
-    """Return the storage settings a constructor was given: ``storage=``, or the deprecated keywords.
-
-    The keywords ``storage_options=``, ``cache_dir=``, ``cache_limit=``, ``read_ahead=``,
-    ``cache=`` and ``stream_buffer=`` still work for one release: they are grouped into a
-    :class:`StorageConfig` (checked like one) and one ``DeprecationWarning`` names them and
-    the new spelling. A keyword given as ``None`` counts as not given.
-
-    Args:
-        owner: The constructor, for messages (``"StreamingDataset"``).
-        storage: The ``storage=`` argument.
-        keywords: The other keyword arguments the constructor took as ``**``.
-        accepted: The old keywords this constructor had (others are a ``TypeError``).
-        stacklevel: Where the warning points (the constructor's caller).
-
-    Raises:
-        TypeError: For a keyword that is no storage setting (as Python would).
-        ConfigError: If ``storage`` is not a :class:`StorageConfig`, or it is given with
-            an old keyword, or a keyword's value is bad.
-    """
-    unknown = [name for name in keywords if name not in accepted]
-    if unknown:
-        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
-    if storage is not None and not isinstance(storage, StorageConfig):
-        raise ConfigError(f"storage={storage!r} must be a StorageConfig or None")
-    given = {name: value for name, value in keywords.items() if value is not None}
-    if not given:
-        return storage
-    names = ", ".join(f"{name}=" for name in given)
-    if storage is not None:
-        raise ConfigError(f"{owner}(): pass storage=StorageConfig(...) or the old keywords {names}, not both")
-    config = StorageConfig(**given)
-    warnings.warn(
-        f"{owner}({names}) is deprecated and goes in the next release: pass "
-        f"storage=StorageConfig({', '.join(f'{name}=...' for name in given)})",
-        DeprecationWarning,
-        stacklevel=stacklevel,
-    )
-    return config

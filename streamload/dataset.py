@@ -31,7 +31,6 @@ from torch.utils.data import IterableDataset
 
 from ._stages import StageTable
 from ._validate import DatasetArgs, check_epoch, dataset_args, warn_remote_only
-from .dataref import StorageKeywords, storage_config
 from .formats import Format, Sample
 from .iterations import Iterations, ThreadReaders
 from .manifest import Manifest
@@ -42,7 +41,7 @@ from .skips import MAX_NAMED_SKIPS, SkipCounts, SkipLog, SkippedSample
 from .stages import OnError, Pipeline, Steps
 from .storage import Storage
 from .storage.ranges import DEFAULT_STREAM_BUFFER
-from .storageconfig import StorageConfig
+from .storageconfig import StorageConfig, StorageKeywords, config_from_arguments
 from .streams import Mixture, StreamSource
 
 if TYPE_CHECKING:
@@ -173,7 +172,7 @@ class StreamingDataset(IterableDataset[Any]):
         **deprecated: Unpack[StorageKeywords],
     ) -> None:
         super().__init__()
-        config = storage_config("StreamingDataset", storage, deprecated) or StorageConfig()
+        config = config_from_arguments("StreamingDataset", storage, deprecated) or StorageConfig()
         args = dataset_args(locals())
         self.shuffle = args.shuffle
         self.seed = args.seed

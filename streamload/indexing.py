@@ -35,8 +35,9 @@ from ._validate import check_on_error
 from .formats import Format, get_format
 from .formats._tar_scan import LabelTally, index_tar
 from .manifest import MANIFEST_NAME, ForeignManifestError, Manifest, ShardEntry, SkippedInput, check_data_root
-from .storage import Destination, is_local, local_path_of, open_destination
+from .storage import Destination, is_local, local_path_of
 from .storage.transport import open_transport
+from .storageconfig import StorageConfig
 
 __all__ = ["INDEXED_BY", "index_directory", "index_shard", "publish_index"]
 
@@ -140,7 +141,7 @@ def index_directory(
             raise ConfigError(f"{output}: a remote index cannot name the local files of {url}")
         data_root = source.root()
     target = url if data_root is None else str(output)
-    dest = open_destination(target, storage_options)
+    dest = StorageConfig(storage_options=storage_options).open_destination(target)
     try:
         with dest.lock() as lock:  # one writer at a time, as for a conversion
             _check_existing(dest, target, overwrite)
@@ -242,7 +243,10 @@ class _Source:
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None) -> None:
         self.url = str(url)
-        self.files = None if is_local(self.url) else open_transport(self.url.rstrip("/"), storage_options)
+        self.files = None
+        if not is_local(self.url):
+            settings = StorageConfig(storage_options=storage_options).resolve()
+            self.files = open_transport(self.url.rstrip("/"), settings)
 
     def root(self) -> str:
         """The ``data_root`` naming this place: an absolute path, or the URL."""

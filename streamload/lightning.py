@@ -33,10 +33,9 @@ from torch.utils.data import DataLoader
 
 from ._errors import ConfigError
 from .batch import RawBatch, RawCollate
-from .dataref import STORAGE_KEYWORDS, storage_config
 from .dataset import StreamingDataset
 from .loader import Loader
-from .storageconfig import StorageConfig
+from .storageconfig import STORAGE_KEYWORDS, StorageConfig, config_from_arguments
 from .streams import StreamSource
 from .watching import Mark, Watch, attached_watch, watch
 
@@ -185,7 +184,7 @@ class StreamingDataModule(pl.LightningDataModule):
         options = dict(dataset_options or {})
         old = {name: options.pop(name) for name in STORAGE_KEYWORDS if name in options}
         #: The storage settings of every split (``None``: the defaults).
-        self.storage = storage_config("StreamingDataModule", storage, old)
+        self.storage = config_from_arguments("StreamingDataModule", storage, old)
         #: Each split's source: a URL, a stream or a list of streams (``None``: no such split).
         self.urls: dict[str, StreamSource | None] = {"train": train, "val": val, "test": test}
         self.epoch_size = epoch_size

@@ -34,15 +34,15 @@ import shutil
 import stat
 import tempfile
 import zlib
-from collections.abc import Mapping
 from typing import Any
 
 from ._errors import CacheError, ConfigError, CorruptShardError, ShardNotFoundError, StreamloadError
 from .indexing import COMPRESSED_TAR, index_directory
 from .manifest import MANIFEST_NAME
-from .storage import is_local, local_path_of
-from .storage.cachedir import dataset_cache_key, default_cache_dir
+from .storage import StorageSettings, is_local, local_path_of
+from .storage.cachedir import dataset_cache_key
 from .storage.transport import open_transport
+from .storageconfig import StorageConfig
 
 __all__ = ["expand_braces", "index_shard_list", "plain_name", "shard_list"]
 
@@ -142,9 +142,9 @@ def _split(url: str) -> tuple[str, str]:
     return head, name
 
 
-def _cache_folder(cache_dir: str | None) -> str:
+def _cache_folder(cache_dir: str) -> str:
     """``<cache dir>/shard-lists``, made if needed: ours, a real folder, writable by no one else."""
-    base = os.path.join(cache_dir or default_cache_dir(), "shard-lists")
+    base = os.path.join(cache_dir, "shard-lists")
     try:
         os.makedirs(base, mode=0o700, exist_ok=True)
         st = os.lstat(base)
@@ -166,11 +166,14 @@ def open_shard_list(source: Any, storage: Any) -> tuple[Any, Any]:
     shards = shard_list(source)
     if shards is None:
         return source, source
-    return shards, index_shard_list(shards, storage.storage_options, storage.cache_dir)
+    return shards, index_shard_list(shards, storage)
 
 
-def index_shard_list(urls: list[str], storage_options: Mapping[str, Any] | None, cache_dir: str | None) -> str:
+def index_shard_list(urls: list[str], config: StorageConfig) -> str:
     """Index the tar shards ``urls`` (one folder or URL prefix) into the cache; return the dataset's folder.
+
+    ``config`` is the dataset's storage settings: its options, its cache directory, and
+    for remote shards its transport's settings (resolved here).
 
     An index built before for the same files (same names, sizes and, locally,
     modification times) is reused.
@@ -199,9 +202,11 @@ def index_shard_list(urls: list[str], storage_options: Mapping[str, Any] | None,
             "folder, or mix the folders as streams (index each with `streamload index FOLDER --output DIR`)"
         )
     root, names = folders[0], [name for _, name in places]
-    identity = [root, dataset_cache_key(root, storage_options), _fingerprint(root, names, storage_options)]
+    storage_options = config.storage_options
+    settings = None if is_local(root) else config.resolve()
+    identity = [root, dataset_cache_key(root, storage_options), _fingerprint(root, names, settings)]
     key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:24]
-    base = _cache_folder(cache_dir)
+    base = _cache_folder(config.cache_directory())
     final = os.path.join(base, key)
     if os.path.isfile(os.path.join(final, MANIFEST_NAME)):
         return final
@@ -210,7 +215,7 @@ def index_shard_list(urls: list[str], storage_options: Mapping[str, Any] | None,
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.isfile(os.path.join(final, MANIFEST_NAME)):
-            _build(root, names, compressed, storage_options, base, key, final)
+            _build(root, names, compressed, settings, base, key, final)
     finally:
         os.close(lock)  # releases the lock
     return final
@@ -220,7 +225,7 @@ def _build(
     root: str,
     names: list[str],
     compressed: list[str],
-    storage_options: Mapping[str, Any] | None,
+    settings: StorageSettings | None,
     base: str,
     key: str,
     final: str,
@@ -229,10 +234,11 @@ def _build(
     work = tempfile.mkdtemp(prefix=f".{key}.", dir=base)
     try:
         if compressed:  # decompressed once into the dataset's folder, read there in place
-            plain_names = _decompress_all(root, names, storage_options, work)
+            plain_names = _decompress_all(root, names, settings, work)
             index_directory(work, "tar", files=plain_names)
         else:
-            index_directory(root, "tar", storage_options=storage_options, output=work, files=names)
+            options = None if settings is None else settings.storage_options
+            index_directory(root, "tar", storage_options=options, output=work, files=names)
         try:
             os.rename(work, final)
         except OSError:
@@ -253,7 +259,7 @@ def plain_name(name: str) -> str:
     return name[: -len(".tgz")] + ".tar" if lower.endswith(".tgz") else name[: -len(".gz")]
 
 
-def _decompress_all(root: str, names: list[str], storage_options: Mapping[str, Any] | None, out: str) -> list[str]:
+def _decompress_all(root: str, names: list[str], settings: StorageSettings | None, out: str) -> list[str]:
     """Decompress each gzip-compressed shard ``root/name`` into ``out``; return the decompressed names."""
     plain = [plain_name(n) for n in names]
     seen: set[str] = set()
@@ -261,11 +267,11 @@ def _decompress_all(root: str, names: list[str], storage_options: Mapping[str, A
         if target in seen:
             raise ConfigError(f"{root}/{name}: another shard of the list also decompresses to {target}")
         seen.add(target)
-        if is_local(root):
+        if settings is None:  # local
             _gunzip(os.path.join(root, name), os.path.join(out, target), f"{root}/{name}")
             continue
         download = os.path.join(out, f".{target}.gz")
-        files = open_transport(root, storage_options)
+        files = open_transport(root, settings)
         with open(download, "wb"):
             pass  # the download writes into an existing file
         files.download(name, download, lambda: False)
@@ -296,9 +302,9 @@ def _gunzip(src: str, dst: str, where: str) -> None:
         raise CorruptShardError(f"{where}: not a whole gzip file ({exc})") from exc
 
 
-def _fingerprint(root: str, names: list[str], storage_options: Mapping[str, Any] | None) -> list[list[Any]]:
-    """Each shard's name, size and (local files) modification time: what makes a cached index stale."""
-    if is_local(root):
+def _fingerprint(root: str, names: list[str], settings: StorageSettings | None) -> list[list[Any]]:
+    """Each shard's name, size and (local files: no ``settings``) modification time: what makes a cached index stale."""
+    if settings is None:
         out: list[list[Any]] = []
         for name in names:
             try:
@@ -308,7 +314,7 @@ def _fingerprint(root: str, names: list[str], storage_options: Mapping[str, Any]
                 continue
             out.append([name, st.st_size, st.st_mtime_ns])
         return out
-    files = open_transport(root, storage_options)
+    files = open_transport(root, settings)
     prefix = files.path(MANIFEST_NAME).rsplit("/", 1)[0]
     try:  # one listing (paged), not a request per shard
         listed = files.call("list", "", lambda: files.fs.ls(prefix, detail=True, refresh=True))

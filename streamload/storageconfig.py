@@ -1,8 +1,13 @@
 """How a dataset's files are reached: :class:`StorageConfig`, and the one rule that decides cached or streamed.
 
 :class:`StorageConfig` holds the fsspec options, the cache, read-ahead and streaming
-settings, each field checked once; :func:`choose_streaming` decides whether a remote
-dataset is streamed (read by ranges) or cached. A dataset opened once with them is a
+settings, each field checked once, when it is made; :meth:`StorageConfig.resolve` applies
+the defaults, the environment's included (this is the one module that reads the
+storage's environment variables), and the resolved
+:class:`~streamload.storage.StorageSettings` is what the storage below is opened with.
+:func:`config_from_arguments` makes one from a constructor's ``storage=`` or its
+deprecated keywords. :func:`choose_streaming` decides whether a remote dataset is
+streamed (read by ranges) or cached. A dataset opened once with them is a
 :class:`~streamload.dataref.DatasetRef`; its shards are read by a
 :class:`~streamload.shards.ShardSource`.
 """
@@ -10,36 +15,48 @@ dataset is streamed (read by ranges) or cached. A dataset opened once with them 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, TypedDict
 
 from . import _env
+from ._errors import ConfigError
 from ._units import format_bytes
 from ._validate import (
     CACHE_MODES,
     CacheMode,
     check_allowed_roots,
     check_cache_dir,
+    check_flag,
     check_lock_timeout,
     check_read_ahead,
+    check_seconds,
+    check_size,
     check_storage_options,
     parse_cache_limit,
     parse_cache_mode,
     parse_stream_buffer,
 )
-from .formats import get_format, set_row_group_cache_bytes
+from .formats import ROW_GROUP_CACHE_BYTES, get_format, set_row_group_cache_bytes, set_row_group_cache_default
 from .manifest import Manifest, is_under
-from .storage import Storage, open_storage
-from .storage.config import check_flag, check_seconds, check_size
+from .storage import Destination, Storage, StorageSettings, is_local, open_destination, open_storage
+from .storage.cache import DEFAULT_LOCK_TIMEOUT
+from .storage.retry import DEFAULT_INACTIVITY_TIMEOUT, DEFAULT_RETRY_TIMEOUT, RetryPolicy
+from .storage.settings import DEFAULT_READ_AHEAD
 
 __all__ = [
     "ALLOW_DATA_ROOTS_ENV",
+    "CACHE_KEYWORDS",
     "CACHE_MODES",
+    "STORAGE_KEYWORDS",
+    "CacheKeywords",
     "CacheMode",
     "StorageConfig",
+    "StorageKeywords",
     "can_stream",
     "choose_streaming",
+    "config_from_arguments",
     "largest_sidecar",
 ]
 
@@ -213,29 +230,80 @@ class StorageConfig:
         """Return these settings with ``cache`` set to ``default`` if it was left ``None``."""
         return self if self.cache is not None else replace(self, cache=default)
 
+    def cache_directory(self) -> str:
+        """The cache directory: :attr:`cache_dir`, else ``$STREAMLOAD_CACHE``, else the user's cache folder.
+
+        ``$XDG_CACHE_HOME/streamload``, else ``~/.cache/streamload``.
+        """
+        return self.cache_dir if self.cache_dir is not None else _env.cache_dir()
+
+    def cache_is_shared(self) -> bool:
+        """Whether the cache directory may be shared with other users (``$STREAMLOAD_CACHE_SHARED`` if unset)."""
+        return _env.cache_shared() if self.cache_shared is None else self.cache_shared
+
+    def resolve(self, storage_options: Mapping[str, Any] | None = None) -> StorageSettings:
+        """These settings with every default applied, the environment's first: what a remote storage is opened with.
+
+        The one place the storage's defaults are applied (the environment is read here, and
+        nothing below reads it). A field given here wins; a field left ``None`` takes the
+        environment's value (``STREAMLOAD_CACHE``, ``STREAMLOAD_RETRY_TIMEOUT``,
+        ``STREAMLOAD_READ_TIMEOUT``, ``STREAMLOAD_S3_DIRECT``, ``STREAMLOAD_CACHE_SHARED``)
+        where it has one, else streamload's default.
+
+        Args:
+            storage_options: fsspec options to use instead of :attr:`storage_options`.
+
+        Raises:
+            ConfigError: If an environment variable a default comes from holds a bad value.
+        """
+        retry = self.retry_policy()
+        return StorageSettings(
+            cache_dir=self.cache_directory(),
+            storage_options=self.options if storage_options is None else dict(storage_options),
+            cache_limit=self.cache_limit,
+            read_ahead=DEFAULT_READ_AHEAD if self.read_ahead is None else self.read_ahead,
+            lock_timeout=DEFAULT_LOCK_TIMEOUT if self.lock_timeout is None else self.lock_timeout,
+            retry_timeout=retry.timeout,
+            read_timeout=retry.inactivity_timeout,
+            s3_direct=_env.s3_direct() if self.s3_direct is None else self.s3_direct,
+            cache_shared=self.cache_is_shared(),
+        )
+
+    def retry_policy(self) -> RetryPolicy:
+        """How remote calls are retried: :attr:`retry_timeout` and :attr:`read_timeout`.
+
+        Each left ``None`` is ``$STREAMLOAD_RETRY_TIMEOUT`` and ``$STREAMLOAD_READ_TIMEOUT``,
+        else 120 and 30 seconds.
+        """
+        return RetryPolicy(
+            timeout=_or_env(self.retry_timeout, _env.RETRY_TIMEOUT, DEFAULT_RETRY_TIMEOUT),
+            inactivity_timeout=_or_env(self.read_timeout, _env.READ_TIMEOUT, DEFAULT_INACTIVITY_TIMEOUT),
+        )
+
+    def open_destination(self, url: str) -> Destination:
+        """Return a new destination for writing a dataset at ``url`` (a remote one's transport with these settings)."""
+        if is_local(str(url)):
+            return open_destination(url)
+        direct = _env.s3_direct() if self.s3_direct is None else self.s3_direct
+        return open_destination(url, self.options, retry=self.retry_policy(), s3_direct=direct)
+
     def open(self, url: str, storage_options: Mapping[str, Any] | None = None) -> Storage:
         """Return a new storage for the dataset at ``url`` in this process.
+
+        A remote URL's storage is opened with :meth:`resolve`'s settings; a local dataset
+        is read in place (nothing to resolve). The Parquet row-group budget is the
+        process's: set here, in each process that opens the dataset.
 
         Args:
             url: The dataset's (or a data root's) URL or path.
             storage_options: fsspec options to use instead of :attr:`storage_options`
                 (a data root on another host gets its own, never the dataset's).
         """
-        options = self.options if storage_options is None else dict(storage_options)
-        if self.parquet_cache is not None:  # the row-group budget is the process's (set in each worker)
+        if self.parquet_cache is not None:
             set_row_group_cache_bytes(self.parquet_cache)
-        return open_storage(
-            url,
-            options,
-            self.cache_dir,
-            self.cache_limit,
-            self.read_ahead,
-            lock_timeout=self.lock_timeout,
-            retry_timeout=self.retry_timeout,
-            read_timeout=self.read_timeout,
-            s3_direct=self.s3_direct,
-            cache_shared=self.cache_shared,
-        )
+        else:
+            set_row_group_cache_default(_env.env_bytes(_env.PARQUET_CACHE, ROW_GROUP_CACHE_BYTES))
+        return open_storage(url, None if is_local(str(url)) else self.resolve(storage_options))
 
     def data_root_options(self, root: str) -> dict[str, Any] | None:
         """The ``storage_options`` for a data root elsewhere that the caller allowed; ``None`` if not allowed.
@@ -258,3 +326,78 @@ class StorageConfig:
 #: The environment variable naming data roots a manifest read from a URL may send readers to
 #: (URL prefixes separated by spaces; set by the command line's ``--allow-data-root``).
 ALLOW_DATA_ROOTS_ENV = _env.ALLOW_DATA_ROOTS
+
+
+def _or_env(value: float | None, name: str, default: float) -> float:
+    """``value`` if given, else the environment's seconds ``name``, else ``default``."""
+    return _env.env_seconds(name, default) if value is None else value
+
+
+#: The storage settings :class:`StorageConfig` groups, by the keyword names they had on their own.
+STORAGE_KEYWORDS = ("storage_options", "cache_dir", "cache_limit", "read_ahead", "cache", "stream_buffer")
+#: Those that every reader took (``Stream`` and ``ShardedDataset`` did not take ``cache`` and ``stream_buffer``).
+CACHE_KEYWORDS = ("storage_options", "cache_dir", "cache_limit", "read_ahead")
+
+
+class CacheKeywords(TypedDict, total=False):
+    """The cache settings once given as keywords of their own to every reader (deprecated: pass ``storage=``)."""
+
+    storage_options: Mapping[str, Any] | None
+    cache_dir: str | os.PathLike[str] | None
+    cache_limit: int | float | str | None
+    read_ahead: int | None
+
+
+class StorageKeywords(CacheKeywords, total=False):
+    """All storage settings once given as keywords of their own to ``StreamingDataset`` (deprecated)."""
+
+    cache: CacheMode | None
+    stream_buffer: int | str | None
+
+
+def config_from_arguments(
+    owner: str,
+    storage: StorageConfig | None,
+    keywords: Mapping[str, Any],
+    *,
+    accepted: tuple[str, ...] = STORAGE_KEYWORDS,
+    stacklevel: int = 3,
+) -> StorageConfig | None:
+    """Return the storage settings a constructor was given: ``storage=``, or the deprecated keywords.
+
+    The keywords ``storage_options=``, ``cache_dir=``, ``cache_limit=``, ``read_ahead=``,
+    ``cache=`` and ``stream_buffer=`` still work for one release: they are grouped into a
+    :class:`StorageConfig` (checked like one) and one ``DeprecationWarning`` names them and
+    the new spelling. A keyword given as ``None`` counts as not given.
+
+    Args:
+        owner: The constructor, for messages (``"StreamingDataset"``).
+        storage: The ``storage=`` argument.
+        keywords: The other keyword arguments the constructor took as ``**``.
+        accepted: The old keywords this constructor had (others are a ``TypeError``).
+        stacklevel: Where the warning points (the constructor's caller).
+
+    Raises:
+        TypeError: For a keyword that is no storage setting (as Python would).
+        ConfigError: If ``storage`` is not a :class:`StorageConfig`, or it is given with
+            an old keyword, or a keyword's value is bad.
+    """
+    unknown = [name for name in keywords if name not in accepted]
+    if unknown:
+        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
+    if storage is not None and not isinstance(storage, StorageConfig):
+        raise ConfigError(f"storage={storage!r} must be a StorageConfig or None")
+    given = {name: value for name, value in keywords.items() if value is not None}
+    if not given:
+        return storage
+    names = ", ".join(f"{name}=" for name in given)
+    if storage is not None:
+        raise ConfigError(f"{owner}(): pass storage=StorageConfig(...) or the old keywords {names}, not both")
+    config = StorageConfig(**given)
+    warnings.warn(
+        f"{owner}({names}) is deprecated and goes in the next release: pass "
+        f"storage=StorageConfig({', '.join(f'{name}=...' for name in given)})",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+    return config

@@ -27,14 +27,14 @@ import numpy as np
 
 from ._errors import ConfigError, StreamloadError
 from ._redact import redact, redacted_repr
-from .dataref import DatasetRef, storage_config
+from .dataref import DatasetRef
 from .formats import ShardReader
 from .manifest import ShardEntry
 from .plan import Layout, MixLayout, Split, epoch_counts, mixture_fingerprint
 from .plan.state import manifest_fingerprint
 from .shards import ShardSource, warm_sidecars
 from .storage import Storage
-from .storageconfig import StorageConfig
+from .storageconfig import StorageConfig, config_from_arguments
 
 __all__ = ["MixedSource", "Mixture", "ShardInfo", "Stream", "StreamSource"]
 
@@ -95,7 +95,7 @@ class Stream:
     ) -> None:
         old = {"storage_options": storage_options, "cache_dir": cache_dir, "cache_limit": cache_limit}
         old["read_ahead"] = read_ahead
-        storage = storage_config("Stream", self.storage, old, stacklevel=4)
+        storage = config_from_arguments("Stream", self.storage, old, stacklevel=4)
         if storage is not None and storage.stream_buffer is not None:
             raise ConfigError(
                 f"Stream({str(self.url)!r}): stream_buffer={storage.stream_buffer} is the dataset's budget, "

@@ -23,7 +23,8 @@ from ._errors import ConfigError
 from ._units import parse_bytes
 from .formats import Format, check_sample, get_format
 from .manifest import DEFAULT_HASH_ALGORITHM, MANIFEST_NAME, FileEntry, Manifest, ShardEntry, SkippedInput, hash_file
-from .storage import Destination, open_destination
+from .storage import Destination
+from .storageconfig import StorageConfig
 
 __all__ = ["DatasetWriter", "ShardResult", "publish_manifest", "sample_nbytes", "write_shard"]
 
@@ -139,7 +140,7 @@ class DatasetWriter:
         if max_samples is not None and max_samples < 1:
             raise ConfigError(f"max_samples={max_samples} must be >= 1")
         self.format = get_format(format)
-        self.dest = open_destination(url, storage_options)
+        self.dest = StorageConfig(storage_options=storage_options).open_destination(url)
         self._lock = self.dest.lock()
         try:
             self._lock.acquire()

@@ -98,9 +98,9 @@ def test_one_slow_download_does_not_swing_the_depth() -> None:
 def test_cache_room_bounds_the_depth_and_is_divided_among_readers(tmp_path: Path) -> None:
     memory = "memory://ahead-room"
     largest = 10 * MB
-    storage = RemoteStorage(memory, cache_dir=str(tmp_path), cache_limit=4 * largest, read_ahead=8)
-    other = RemoteStorage(memory, cache_dir=str(tmp_path), cache_limit=8 * largest, read_ahead=8)
-    unbounded = RemoteStorage(memory, cache_dir=str(tmp_path / "u"), cache_limit="unbounded", read_ahead=8)
+    storage = RemoteStorage(memory, StorageConfig(cache_dir=str(tmp_path), cache_limit=4 * largest).resolve())
+    other = RemoteStorage(memory, StorageConfig(cache_dir=str(tmp_path), cache_limit=8 * largest).resolve())
+    unbounded = RemoteStorage(memory, StorageConfig(cache_dir=str(tmp_path / "u"), cache_limit="unbounded").resolve())
     try:
         storage.register_reader(largest)
         assert storage.max_open(largest) == 1
@@ -109,7 +109,7 @@ def test_cache_room_bounds_the_depth_and_is_divided_among_readers(tmp_path: Path
         assert other._ahead_room() == 2  # 8 shards / 2 readers = 4 each: as above
         unbounded.register_reader(largest)
         assert unbounded._ahead_room() is None
-        assert RemoteStorage(memory, cache_dir=str(tmp_path), read_ahead=0).ahead_depth() == 0
+        assert RemoteStorage(memory, StorageConfig(cache_dir=str(tmp_path), read_ahead=0).resolve()).ahead_depth() == 0
     finally:
         for s in (storage, other, unbounded):
             s.unregister_reader()

@@ -342,9 +342,9 @@ def test_cache_limit_too_small_is_a_clear_error(memory_dataset: str, tmp_path: P
 
 def test_missing_backend_package_says_what_to_install(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"pip install 'streamload\[gcs\]'"):
-        open_storage("gs://bucket/dataset", cache_dir=str(tmp_path))
+        open_storage("gs://bucket/dataset", StorageConfig(cache_dir=str(tmp_path)).resolve())
     with pytest.raises(ConfigError, match="unknown protocol"):
-        open_storage("nosuchproto://bucket/dataset", cache_dir=str(tmp_path))
+        StorageConfig(cache_dir=str(tmp_path)).open("nosuchproto://bucket/dataset")
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):

@@ -543,7 +543,8 @@ def test_a_copy_another_process_deletes_between_acquire_and_open_is_fetched_agai
 
     ds = StreamingDataset(memory_url, storage=StorageConfig(cache_dir=str(tmp_path), read_ahead=0))
     entry = ds.manifest.shards[1]
-    first, other = (RemoteStorage(memory_url, {}, cache_dir=str(tmp_path), read_ahead=0) for _ in range(2))
+    settings = StorageConfig(cache_dir=str(tmp_path), read_ahead=0).resolve()
+    first, other = (RemoteStorage(memory_url, settings) for _ in range(2))
     path = first.acquire(entry)
     good = Path(path).read_bytes()
     damaged = bytearray(good)  # the copy in the cache is damaged on disk

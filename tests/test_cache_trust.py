@@ -158,7 +158,7 @@ def test_a_key_index_folder_every_user_can_write_is_not_used(
 def test_another_users_download_in_progress_is_not_read_early(served: tuple[LyingServer, str], tmp_path: Path) -> None:
     """A reader follows another process's download (shown in ``landing/``) only from a trusted part file."""
     _, url = served
-    storage = RemoteStorage(url, cache_dir=str(tmp_path))
+    storage = RemoteStorage(url, StorageConfig(cache_dir=str(tmp_path)).resolve())
     entry = StreamingDataset(url, storage=StorageConfig(cache_dir=str(tmp_path))).manifest.shards[0]
     for owner, mode, followed in [(os.geteuid(), 0o644, True), (4242, 0o644, False), (os.geteuid(), 0o666, False)]:
         part = Path(storage.cache_root) / "tmp" / f"{entry.name}.{owner}-{mode:o}.part"

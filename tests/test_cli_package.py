@@ -18,7 +18,7 @@ import streamload
 import streamload.dataref
 from streamload.cli import build_parser, main
 from streamload.cli.convert import conversion_options
-from streamload.cli.options import storage_config
+from streamload.cli.options import config_from_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,10 +49,10 @@ def test_allowed_data_roots_are_a_parameter_read_with_the_given_options(monkeypa
     args = build_parser().parse_args(
         ["verify", "ds", "-o", "anon=true", "--allow-data-root", "s3://theirs/x", "--allow-data-root", "s3://b/y/"]
     )
-    config = storage_config(args, cache_dir="/tmp/somewhere")
+    config = config_from_cli(args, cache_dir="/tmp/somewhere")
     assert config.allow_data_roots == {"s3://theirs/x": {"anon": True}, "s3://b/y": {"anon": True}}
     assert config.cache_dir == "/tmp/somewhere"
-    assert storage_config(build_parser().parse_args(["info", "ds"])).allow_data_roots is None
+    assert config_from_cli(build_parser().parse_args(["info", "ds"])).allow_data_roots is None
 
 
 def test_the_command_leaves_the_environment_alone(

@@ -193,9 +193,8 @@ def test_a_reader_reads_the_parts_another_process_has_landed(
     )
     # Two storages on one cache directory: the download lock and the progress they share are the
     # cache's (flock and files), as between two DataLoader workers.
-    first, second = (
-        RemoteStorage(url, faulty_s3.storage_options(), cache_dir=str(tmp_path), read_ahead=0) for _ in range(2)
-    )
+    config = StorageConfig(storage_options=faulty_s3.storage_options(), cache_dir=str(tmp_path), read_ahead=0)
+    first, second = (RemoteStorage(url, config.resolve()) for _ in range(2))
     try:
         downloading = first.open_bytes(entry, early=True)
         assert isinstance(downloading, Landing)

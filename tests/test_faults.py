@@ -147,9 +147,7 @@ def test_a_part_that_fails_its_retries_fails_the_read_and_leaves_no_half_file(
     entry = _shard_entry(dataset, faulty_s3, 2)
     storage = RemoteStorage(
         dataset,
-        _options(faulty_s3),
-        cache_dir=str(tmp_path),
-        read_ahead=0,
+        StorageConfig(storage_options=_options(faulty_s3), cache_dir=str(tmp_path), read_ahead=0).resolve(),
         retry=RetryPolicy(timeout=1.0, initial_delay=0.05, max_delay=0.2),
     )
     storage._remote.planner.part_size = 64 << 10  # several parts: one fails, the others must stop

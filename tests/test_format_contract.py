@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from streamload import ConfigError, DatasetWriter, StreamingDataset, formats
+from streamload import ConfigError, DatasetWriter, StorageConfig, StreamingDataset, formats
 from streamload.formats import (
     Format,
     RangedReads,
@@ -21,6 +21,7 @@ from streamload.formats import (
     get_format,
     register_format,
     set_row_group_cache_bytes,
+    set_row_group_cache_default,
 )
 from streamload.formats.table_cache import CACHE, RowGroupCache
 from streamload.indexing import index_directory
@@ -107,12 +108,18 @@ def test_tables_read_in_place_are_a_capability_any_format_may_have(tmp_path: Pat
         index_directory(str(tmp_path), "tar", split="train")
 
 
-def test_the_row_group_budget_is_a_parameter_with_the_environment_as_default(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_row_group_budget_is_a_parameter_with_the_environment_as_default(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setenv("STREAMLOAD_PARQUET_CACHE", "3MiB")
-    assert RowGroupCache().budget == 3 << 20
+    assert RowGroupCache().budget == 1 << 30  # the cache reads no environment: it is told
     assert RowGroupCache(5).budget == 5
     try:
+        StorageConfig().open(str(tmp_path)).close()  # opening a dataset applies the environment's default
+        assert CACHE.budget == 3 << 20
         set_row_group_cache_bytes("2MB")
+        assert CACHE.budget == 2_000_000
+        StorageConfig().open(str(tmp_path)).close()  # the budget set wins over the default
         assert CACHE.budget == 2_000_000
         set_row_group_cache_bytes(None)
         assert CACHE.budget == 3 << 20
@@ -121,6 +128,7 @@ def test_the_row_group_budget_is_a_parameter_with_the_environment_as_default(mon
                 set_row_group_cache_bytes(bad)
     finally:
         set_row_group_cache_bytes(None)
+        set_row_group_cache_default(1 << 30)
 
 
 def test_a_forked_child_starts_with_no_decoded_row_groups() -> None:

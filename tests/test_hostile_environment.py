@@ -215,10 +215,11 @@ def test_a_cache_folder_others_can_write_is_refused_unless_shared(
     with pytest.raises(CacheError, match="STREAMLOAD_CACHE_SHARED"):
         ShardCache(str(root), None)
     monkeypatch.setenv("STREAMLOAD_CACHE_SHARED", "1")
-    assert _fill(ShardCache(str(root), None), "s.tar", b"n" * SIZE) is not None
+    shared = StorageConfig().resolve().cache_shared  # the environment's default, applied once
+    assert _fill(ShardCache(str(root), None, shared=shared), "s.tar", b"n" * SIZE) is not None
     root.chmod(0o777)
     with pytest.raises(CacheError, match="every user"):
-        ShardCache(str(root), None)
+        ShardCache(str(root), None, shared=shared)
     root.chmod(0o755)
 
 
@@ -282,12 +283,16 @@ def test_a_body_that_stalls_for_ever_ends_in_an_error_naming_the_url(
 
 def test_the_timeouts_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert RetryPolicy().inactivity_timeout == 30 and RetryPolicy().timeout == 120
+    policy = StorageConfig().retry_policy()
+    assert policy.inactivity_timeout == 30 and policy.timeout == 120
     monkeypatch.setenv("STREAMLOAD_READ_TIMEOUT", "2.5")
     monkeypatch.setenv("STREAMLOAD_RETRY_TIMEOUT", "7")
-    assert RetryPolicy().inactivity_timeout == 2.5 and RetryPolicy().timeout == 7
+    policy = StorageConfig().retry_policy()
+    assert policy.inactivity_timeout == 2.5 and policy.timeout == 7
+    assert StorageConfig(read_timeout=4).retry_policy().inactivity_timeout == 4  # a field given wins
     monkeypatch.setenv("STREAMLOAD_READ_TIMEOUT", "soon")
     with pytest.raises(ConfigError, match="STREAMLOAD_READ_TIMEOUT"):
-        RetryPolicy()
+        StorageConfig().resolve()
 
 
 # -- 6. a full cache disk -------------------------------------------------------------------

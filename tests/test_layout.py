@@ -396,3 +396,55 @@ def test_no_two_classes_of_the_package_share_a_name() -> None:
     sources = {str(path.relative_to(ROOT)): path.read_text() for path in (ROOT / "streamload").rglob("*.py")}
     shared = {n: where for n, where in public_class_names(sources).items() if len(where) > 1}
     assert shared == SHARED_CLASS_NAMES_ALLOWED, f"one name, one thing: rename one of each: {shared}"
+
+
+#: The modules that read the environment (``streamload._env``): the storage's settings, resolved once in
+#: ``StorageConfig``; a conversion's (its progress bar, ``RAY_ADDRESS``); the endpoint botocore reads (a cache key).
+ENVIRONMENT_READERS = {"streamload.storageconfig", "streamload.converters.engine", "streamload.storage.backends.s3"}
+
+
+def test_the_environment_is_read_by_three_modules_at_most() -> None:
+    """Defaults are applied where the settings are made and passed down resolved, not at the bottom."""
+    readers = {m for m, targets in import_graph().items() if "streamload._env" in targets}
+    assert len(readers) <= 3, f"{len(readers)} modules import streamload._env: {sorted(readers)}"
+    assert readers == ENVIRONMENT_READERS, sorted(readers)
+
+
+def mixin_fields(text: str) -> list[str]:
+    """Private attributes a class declares without a value and never assigns: another class's state it reads."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if not isinstance(node, ast.ClassDef) or any(
+            isinstance(d, ast.Name) and d.id == "dataclass" or isinstance(d, ast.Call) for d in node.decorator_list
+        ):
+            continue
+        declared = [
+            s.target.id
+            for s in node.body
+            if isinstance(s, ast.AnnAssign) and s.value is None and isinstance(s.target, ast.Name)
+        ]
+        assigned = {
+            t.attr
+            for n in ast.walk(node)
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else [])
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+        }
+        found += [f"{node.name}.{name}" for name in declared if name.startswith("_") and name not in assigned]
+    return found
+
+
+def test_the_mixin_check_finds_one() -> None:
+    mixin = "class Part:\n    _proc: Any\n    def f(self):\n        return self._proc.x\n"
+    owner = "class Owner:\n    _proc: Any\n    def __init__(self):\n        self._proc = 1\n"
+    assert mixin_fields(mixin) == ["Part._proc"] and mixin_fields(owner) == []
+
+
+def test_remote_storage_is_composed_of_parts_not_mixins() -> None:
+    """``RemoteStorage``'s parts get what they need in their constructors; none reads its private state."""
+    from streamload.storage.base import Storage
+    from streamload.storage.remote import RemoteStorage
+
+    assert RemoteStorage.__bases__ == (Storage,)
+    sources = {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "streamload" / "storage").rglob("*.py")}
+    found = [f"{name}: {field}" for name, text in sorted(sources.items()) for field in mixin_fields(text)]
+    assert not found, f"classes that read another object's private state (pass it to their constructor): {found}"

@@ -115,7 +115,8 @@ def test_threads_count_as_cache_readers_and_are_refused_at_once(tmp_path: Path) 
 def test_the_wait_for_room_honours_lock_timeout(tmp_path: Path) -> None:
     from streamload.storage.remote import RemoteStorage
 
-    storage = RemoteStorage("memory://loader-lock-timeout", cache_dir=str(tmp_path), cache_limit="1MB", lock_timeout=2)
+    config = StorageConfig(cache_dir=str(tmp_path), cache_limit="1MB", lock_timeout=2)
+    storage = RemoteStorage("memory://loader-lock-timeout", config.resolve())
     try:
         assert storage.cache.wait_timeout == 2
     finally:

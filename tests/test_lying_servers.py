@@ -20,8 +20,7 @@ import pytest
 
 from streamload import RangeResponseError, StorageConfig, StreamingDataset
 from streamload.storage.retry import RetryPolicy
-from streamload.storage.s3direct import DIRECT_ENV
-from streamload.storage.transport import RemoteFiles
+from streamload.storage.transport import RemoteFiles, open_transport
 from tests.lying_server import LyingServer
 
 MIB = 1 << 20
@@ -50,8 +49,9 @@ def s3(
     request: pytest.FixtureRequest, liar: LyingServer, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[RemoteFiles, LyingServer]:
     """The blob's prefix on the lying server as S3, read by botocore's client or by s3fs; and the server."""
-    monkeypatch.setenv(DIRECT_ENV, "1" if request.param == "botocore" else "0")
-    files = RemoteFiles("s3://bkt/d", liar.s3_options(), RetryPolicy(timeout=5))
+    monkeypatch.setenv("STREAMLOAD_S3_DIRECT", "1" if request.param == "botocore" else "0")
+    settings = StorageConfig(storage_options=liar.s3_options()).resolve()  # the environment's s3_direct
+    files = open_transport("s3://bkt/d", settings, retry=RetryPolicy(timeout=5))
     assert (files.direct is not None) == (request.param == "botocore")
     return files, liar
 

@@ -445,7 +445,9 @@ def test_storage_pickles_and_reopens_in_a_child(
     bucket_dataset: str,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    storage = RemoteStorage(bucket_dataset, s3_server.storage_options(), cache_dir=str(tmp_path))
+    storage = RemoteStorage(
+        bucket_dataset, StorageConfig(storage_options=s3_server.storage_options(), cache_dir=str(tmp_path)).resolve()
+    )
     ds = StreamingDataset(
         bucket_dataset, storage=StorageConfig(storage_options=s3_server.storage_options(), cache_dir=str(tmp_path))
     )

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from streamload import StorageConfig
 from streamload._errors import ShardNotFoundError, StorageError
 from streamload.storage.retry import RetryPolicy
-from streamload.storage.s3direct import DIRECT_ENV, direct_s3
-from streamload.storage.transport import RemoteFiles
+from streamload.storage.s3direct import direct_s3
+from streamload.storage.transport import RemoteFiles, open_transport
 from tests.faults import Fault, FaultyS3
 from tests.s3server import SeaweedS3
 
@@ -46,9 +47,9 @@ def test_s3fs_options_map_to_one_client_or_stay_on_s3fs(monkeypatch: pytest.Monk
     assert (
         RemoteFiles("s3://b/x", base, RetryPolicy(), s3_direct=False).direct is None
     )  # StorageConfig(s3_direct=False)
-    monkeypatch.setenv(DIRECT_ENV, "0")  # the default of the switch
-    assert RemoteFiles("s3://b/x", base, RetryPolicy()).direct is None
-    assert RemoteFiles("s3://b/x", base, RetryPolicy(), s3_direct=True).direct is not None
+    monkeypatch.setenv("STREAMLOAD_S3_DIRECT", "0")  # the default of the switch, applied by StorageConfig.resolve()
+    assert open_transport("s3://b/x", StorageConfig(storage_options=base).resolve()).direct is None
+    assert open_transport("s3://b/x", StorageConfig(storage_options=base, s3_direct=True).resolve()).direct is not None
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ The remote datasets here are fsspec ``memory://`` URLs: read through the real ca
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import time
 import warnings
@@ -148,6 +149,57 @@ def test_the_tuning_fields_are_checked_and_reach_the_storage(tmp_path: Path, mon
     ]:
         with pytest.raises(ConfigError, match=message):
             StorageConfig(**bad)
+
+
+def test_the_defaults_are_applied_once_and_the_resolved_settings_passed_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``resolve()`` applies the environment's defaults; the storage opened with its result reads no environment."""
+    from streamload.storage import StorageSettings, open_storage
+    from streamload.storage.remote import RemoteStorage
+
+    monkeypatch.setenv("STREAMLOAD_CACHE", str(tmp_path / "env-cache"))
+    monkeypatch.setenv("STREAMLOAD_RETRY_TIMEOUT", "7")
+    monkeypatch.setenv("STREAMLOAD_READ_TIMEOUT", "3")
+    monkeypatch.setenv("STREAMLOAD_S3_DIRECT", "0")
+    monkeypatch.setenv("STREAMLOAD_CACHE_SHARED", "1")
+    config = StorageConfig(read_timeout=2.5, cache_limit="1GB")
+    settings = config.resolve({"anon": True})
+    assert settings == StorageSettings(
+        cache_dir=str(tmp_path / "env-cache"),
+        storage_options={"anon": True},
+        cache_limit=10**9,
+        read_ahead=8,
+        lock_timeout=600.0,
+        retry_timeout=7.0,  # the environment's
+        read_timeout=2.5,  # given: wins over the environment
+        s3_direct=False,
+        cache_shared=True,
+    )
+    assert config.read_ahead is None and config.cache_dir is None  # the object asked for is unchanged
+    # Below StorageConfig, nothing reads the environment: changed now, the storage keeps the resolved values.
+    for name, value in [
+        ("STREAMLOAD_CACHE", str(tmp_path / "other")),
+        ("STREAMLOAD_RETRY_TIMEOUT", "99"),
+        ("STREAMLOAD_READ_TIMEOUT", "not seconds"),  # never read again: no error
+        ("STREAMLOAD_S3_DIRECT", "1"),
+        ("STREAMLOAD_CACHE_SHARED", "0"),
+    ]:
+        monkeypatch.setenv(name, value)
+    storage = open_storage("s3://bucket/resolved", settings)
+    assert isinstance(storage, RemoteStorage)
+    try:
+        files = storage._remote
+        assert (files.retry.timeout, files.retry.inactivity_timeout, files.direct) == (7.0, 2.5, None)
+        assert storage.cache.shared and storage.cache_root.startswith(str(tmp_path / "env-cache"))
+        assert storage.limit == 10**9 and storage.read_ahead == 8
+    finally:
+        storage.close()
+    # The storage takes the resolved object whole: no setting unpacked into keywords on the way.
+    assert list(inspect.signature(open_storage).parameters) == ["url", "settings"]
+    assert list(inspect.signature(RemoteStorage).parameters)[:2] == ["url", "settings"]
+    with pytest.raises(ConfigError, match="STREAMLOAD_READ_TIMEOUT"):
+        StorageConfig().resolve()  # resolving again reads the environment as it is now
 
 
 def test_a_stream_fills_its_unset_settings_from_the_dataset(remote: str, tmp_path: Path) -> None:
@@ -295,8 +347,12 @@ def test_each_setting_is_checked_in_one_place() -> None:
     """``cache``, ``stream_buffer``, ``cache_limit`` and ``on_error`` of a reader: one check each, in the package."""
     root = Path(__file__).resolve().parent.parent / "streamload"
     sources = {p: p.read_text(encoding="utf-8") for p in root.rglob("*.py") if "converters" not in p.parts}
-    for check in ("parse_cache_mode(", "parse_stream_buffer(", "check_storage_options(", "check_cache_dir("):
+    checks = ("parse_cache_mode(", "parse_stream_buffer(", "check_storage_options(", "check_cache_dir(")
+    for check in (*checks, "parse_cache_limit(", "check_read_ahead("):
         calls = [str(p.relative_to(root)) for p, text in sources.items() for _ in range(text.count(check))]
         assert calls == ["_validate.py", "storageconfig.py"], (check, calls)  # its definition, and StorageConfig
+    # the storage below takes the checked values: it checks read_ahead and cache_limit no second time
+    again = [str(p.relative_to(root)) for p, text in sources.items() if 'check_int("read_ahead"' in text]
+    assert again == [], again
     on_error = [str(p.relative_to(root)) for p, text in sources.items() if "must be 'raise' or 'skip'" in text]
     assert on_error == ["_validate.py"]  # dataset_args

@@ -406,7 +406,9 @@ def test_a_span_whose_get_failed_is_not_shared_with_a_later_batch(
     """A later batch inside a span whose GET failed asks again rather than meeting the old error."""
     from streamload.storage.remote import RemoteStorage
 
-    storage = RemoteStorage(dataset, s3_server.storage_options(), cache_dir=str(tmp_path))
+    storage = RemoteStorage(
+        dataset, StorageConfig(storage_options=s3_server.storage_options(), cache_dir=str(tmp_path)).resolve()
+    )
     fetcher = storage.open_ranges()
     try:
         first = fetcher.fetch([("no-such-shard.tar", 10_000, [(0, 1_000)])])

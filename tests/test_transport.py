@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
+from streamload import StorageConfig
 from streamload._errors import CorruptShardError
 from streamload.storage.parts import LinkModel, PartPlanner
 from streamload.storage.retry import RetryPolicy
-from streamload.storage.s3direct import DIRECT_ENV
-from streamload.storage.transport import RemoteFiles
+from streamload.storage.transport import RemoteFiles, open_transport
 from tests.s3server import SeaweedS3
 from tests.shaping import ShapedS3
 
@@ -35,12 +35,13 @@ def blob(s3_server: SeaweedS3) -> tuple[str, bytes]:
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The bytes come through botocore's client (the default on S3) or through s3fs."""
     if request.param == "fsspec":
-        monkeypatch.setenv(DIRECT_ENV, "0")
+        monkeypatch.setenv("STREAMLOAD_S3_DIRECT", "0")  # the default StorageConfig.resolve() applies
     return str(request.param)
 
 
 def _files(url: str, options: dict[str, Any], part_size: int) -> RemoteFiles:
-    files = RemoteFiles(url, options, RetryPolicy(timeout=20, initial_delay=0.05))
+    settings = StorageConfig(storage_options=options).resolve()
+    files = open_transport(url, settings, retry=RetryPolicy(timeout=20, initial_delay=0.05))
     files.planner = PartPlanner(part_size=part_size, max_concurrency=4)
     return files
 
@@ -159,7 +160,8 @@ def test_a_tar_shard_read_by_ranges_equals_the_local_read(
     assert entry.sidecar is not None
     bucket = s3_server.make_bucket()
     s3_server.filesystem().put_file(str(tar_dataset / entry.name), f"{bucket}/{entry.name}")
-    storage = RemoteStorage(f"s3://{bucket}", s3_server.storage_options(), cache_dir=str(tmp_path), read_ahead=0)
+    config = StorageConfig(storage_options=s3_server.storage_options(), cache_dir=str(tmp_path), read_ahead=0)
+    storage = RemoteStorage(f"s3://{bucket}", config.resolve())
     ranges = storage.open_ranges()
     fmt = get_format("tar")
     local = fmt.reader(str(tar_dataset / entry.name), entry, str(tar_dataset / entry.sidecar.name))

@@ -27,7 +27,7 @@ from ..bench import (
     recommend,
     sweep,
 )
-from .options import add_storage_option, storage_config
+from .options import add_storage_option, config_from_cli
 
 __all__ = ["add_parser", "run_bench"]
 
@@ -161,7 +161,7 @@ def run_bench(args: argparse.Namespace) -> list[BenchResult]:
     workers, prefetch, batch_sizes = _checked(args)
     if args.plot:
         check_plot(args.plot)  # before measuring: a plot that cannot be written fails now, not after the sweep
-    storage = storage_config(args, cache_dir=args.cache_dir)
+    storage = config_from_cli(args, cache_dir=args.cache_dir)
     _check_memory(args, workers, prefetch, batch_sizes, storage)
     pins = {"off": [False], "on": [True], "both": [False, True]}[args.pin_memory]
     quiet = bool(args.json)

@@ -40,9 +40,10 @@ def data_root_of(url: str, storage: Any) -> str | None:
 def cache_dirs(url: str, data_root: str | None, storage_options: dict[str, Any], cache_dir: str | None) -> list[str]:
     """The shard-cache folders of a dataset (its URL's, its ``data_root``'s), and the key indexes' folder."""
     from ..storage import is_local
-    from ..storage.cachedir import dataset_cache_key, default_cache_dir
+    from ..storage.cachedir import dataset_cache_key
+    from ..storageconfig import StorageConfig
 
-    base = os.path.expanduser(cache_dir if cache_dir is not None else default_cache_dir())
+    base = os.path.expanduser(StorageConfig(cache_dir=cache_dir).cache_directory())
     remote = [u for u in (url, data_root) if u is not None and not is_local(u)]
     return [os.path.join(base, dataset_cache_key(u, storage_options)) for u in remote] + [os.path.join(base, "keys")]
 

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from .._errors import StorageError, StreamloadError
-from .options import add_storage_option, storage_config
+from .options import add_storage_option, config_from_cli
 from .output import say
 
 __all__ = ["add_parser", "conversion_options", "run", "source_options"]
@@ -160,7 +160,7 @@ def conversion_options(args: argparse.Namespace) -> Any:
     from ..converters import ConvertOptions
     from ..dataref import DatasetRef
 
-    storage = storage_config(args)
+    storage = config_from_cli(args)
     fmt = args.format
     if fmt is None:
         fmt = DatasetRef.open(args.dst, storage).manifest.format if args.append else "tar"
@@ -181,7 +181,7 @@ def source_options(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     if "check" not in SOURCE_KEYWORDS[kind]:
         chosen.pop("check", None)
     if args.allow_data_root:
-        chosen["allow_data_roots"] = storage_config(args).allow_data_roots
+        chosen["allow_data_roots"] = config_from_cli(args).allow_data_roots
     return chosen
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from .._classes import shown as short
 from .._redact import redact
 from .._units import counted, format_bytes
-from .options import add_storage_option, storage_config
+from .options import add_storage_option, config_from_cli
 from .output import say, twin_marks
 
 __all__ = ["add_parser", "run"]
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     # through a throw-away cache, so that `info` leaves nothing behind in the shard cache.
     scratch = tempfile.mkdtemp(prefix="streamload-info-")
     try:
-        config = storage_config(args, cache_dir=scratch, cache_limit="unbounded")
+        config = config_from_cli(args, cache_dir=scratch, cache_limit="unbounded")
         manifest = DatasetRef.open(args.dataset, config).manifest
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -12,7 +12,7 @@ from .._errors import ConfigError
 if TYPE_CHECKING:
     from ..storageconfig import StorageConfig
 
-__all__ = ["add_storage_option", "parse_storage_options", "storage_config"]
+__all__ = ["add_storage_option", "config_from_cli", "parse_storage_options"]
 
 
 def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
@@ -59,7 +59,7 @@ def add_storage_option(p: argparse.ArgumentParser) -> None:
     )
 
 
-def storage_config(args: argparse.Namespace, **settings: Any) -> StorageConfig:
+def config_from_cli(args: argparse.Namespace, **settings: Any) -> StorageConfig:
     """The storage settings of a subcommand's parsed ``-o`` and ``--allow-data-root`` options.
 
     Each ``--allow-data-root`` URL is read with the ``-o`` options given beside it.

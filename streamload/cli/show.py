@@ -11,7 +11,7 @@ from .._classes import shown as short
 from .._errors import ConfigError, StorageError
 from .._units import format_bytes
 from .caches import CacheUse, cache_dirs
-from .options import add_storage_option, storage_config
+from .options import add_storage_option, config_from_cli
 from .output import say, twin_marks
 
 __all__ = ["add_parser", "run"]
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     from ..sample import IMAGE_FIELDS, parse_label
     from ..storage import is_local
 
-    storage = storage_config(args, cache_dir=args.cache_dir)
+    storage = config_from_cli(args, cache_dir=args.cache_dir)
     ds = ShardedDataset(args.dataset, storage=storage)
     data_root = ds.manifest.data_root
     folders = cache_dirs(args.dataset, data_root, storage.options, args.cache_dir)

@@ -7,7 +7,7 @@ from typing import Any
 
 from .._units import counted
 from .caches import CacheUse, cache_dirs, data_root_of
-from .options import add_storage_option, storage_config
+from .options import add_storage_option, config_from_cli
 from .output import say
 
 __all__ = ["add_parser", "run"]
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from ..storage import is_local
     from ..verify import verify_dataset
 
-    storage = storage_config(args, cache_dir=args.cache_dir)
+    storage = config_from_cli(args, cache_dir=args.cache_dir)
     data_root = data_root_of(args.dataset, storage)
     folders = cache_dirs(args.dataset, data_root, storage.options, args.cache_dir)
     cache = CacheUse("verify", folders[:-1], any(not is_local(u) for u in (args.dataset, data_root) if u))

@@ -26,6 +26,7 @@ from streamload.sample import IMAGE_EXTENSIONS
 from streamload.storage.filesystems import open_filesystem
 from streamload.storage.retry import RetryPolicy, retry_call
 from streamload.storage.transport import translate_error
+from streamload.storageconfig import StorageConfig
 
 from .imagefolder import unclassed_images
 from .images import HIDDEN, WARNINGS_KEY, ImageItem, assign_keys, check_image, escape_folder, not_an_input
@@ -45,7 +46,7 @@ def read_url(url: str, storage_options: Mapping[str, Any] | None = None, retry: 
     except ConfigError as exc:
         raise SourceError(_named(url, str(exc))) from exc
     try:
-        data = retry_call(lambda: fs.cat_file(path), retry or RetryPolicy(), f"GET {url}")
+        data = retry_call(lambda: fs.cat_file(path), retry or StorageConfig().retry_policy(), f"GET {url}")
     except Exception as exc:
         err = translate_error(exc, url, "read")
         if isinstance(err, ShardNotFoundError):
@@ -75,7 +76,7 @@ def list_tree(url: str, storage_options: Mapping[str, Any] | None = None) -> tup
     stream = _s3_pages(fs, root)
     listing = stream if stream is not None else lambda: _found(fs, root)
     try:
-        return root, retry_call(listing, RetryPolicy(), f"LIST {url}")
+        return root, retry_call(listing, StorageConfig().retry_policy(), f"LIST {url}")
     except Exception as exc:
         raise SourceError(_named(url, str(translate_error(exc, url, "list")))) from exc
 

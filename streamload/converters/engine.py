@@ -43,7 +43,8 @@ from streamload._fork import alive
 from streamload._redact import redact
 from streamload.formats import Format, check_sample, get_format
 from streamload.manifest import DEFAULT_HASH_ALGORITHM, Manifest, SkippedInput
-from streamload.storage import Destination, LocalDestination, is_local, local_path_of, open_destination
+from streamload.storage import Destination, LocalDestination, is_local, local_path_of
+from streamload.storageconfig import StorageConfig
 from streamload.writer import ShardResult, publish_manifest, write_shard
 
 from .append import Appending
@@ -157,7 +158,7 @@ class ShardJob:
     options: ConvertOptions
 
     def __call__(self, task: tuple[int, Sequence[Item]]) -> ShardResult | TaskFailed:
-        dest = open_destination(self.dst, self.storage_options)
+        dest = StorageConfig(storage_options=self.storage_options).open_destination(self.dst)
         try:
             return _write(self.source, get_format(self.format), dest, self.options, task)
         except StreamloadError as exc:
@@ -238,7 +239,7 @@ def convert(
     check_destination(dst)  # names a place at all
     source.check_destination(dst)  # would not destroy the source or be read back as part of it
     try:
-        dest = open_destination(dst, options.storage_options)
+        dest = StorageConfig(storage_options=options.storage_options).open_destination(dst)
     except StreamloadError:
         raise
     except OSError as exc:
@@ -420,7 +421,7 @@ def _run_elsewhere(
     """Run the tasks on Dask or Ray: each writes its shard straight to ``dst``; check each shard's size here."""
     if not tasks:
         return
-    executor = open_executor(options.executor, options.workers)
+    executor = open_executor(options.executor, options.workers, _env.ray_address())
     assert executor is not None
     where = os.path.abspath(local_path_of(dst)) if is_local(dst) else dst  # workers may have another cwd
     job = ShardJob(source, fmt.name, where, dict(options.storage_options), options)

@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from streamload import _env
 from streamload._errors import ConfigError, StorageError, StreamloadError
 
 __all__ = ["TASK_RETRIES", "DaskExecutor", "Executor", "TaskFailed", "RayExecutor", "open_executor", "parse_executor"]
@@ -140,11 +139,15 @@ def _ray_call(fn: Callable[[Any], Any], task: Any) -> Any:
 
 
 class RayExecutor(Executor):
-    """Tasks on Ray: the instance already initialised here, a local one, or the cluster at ``address``."""
+    """Tasks on Ray: the instance already initialised here, a local one, or the cluster at ``address``.
+
+    ``default_address`` is the cluster to join when ``address`` names none (the caller reads
+    ``RAY_ADDRESS``: :func:`open_executor`'s ``ray_address``).
+    """
 
     name = "ray"
 
-    def __init__(self, address: str | None, workers: int) -> None:
+    def __init__(self, address: str | None, workers: int, default_address: str | None = None) -> None:
         try:
             import ray
         except ImportError as exc:
@@ -153,7 +156,7 @@ class RayExecutor(Executor):
         self._owned = False
         if not ray.is_initialized():
             try:
-                address = address or _env.ray_address()
+                address = address or default_address
                 if address is None:
                     ray.init(
                         num_cpus=workers,
@@ -193,11 +196,15 @@ class RayExecutor(Executor):
             self._owned = False
 
 
-def open_executor(spec: str, workers: int) -> Executor | None:
-    """Return the executor of ``spec`` (``None`` for the local pool, which the engine runs itself)."""
+def open_executor(spec: str, workers: int, ray_address: str | None = None) -> Executor | None:
+    """Return the executor of ``spec`` (``None`` for the local pool, which the engine runs itself).
+
+    ``ray_address``: the Ray cluster a plain ``"ray"`` joins when Ray is not initialised here
+    (the engine passes ``RAY_ADDRESS``); ``None``: a local instance.
+    """
     engine, address = parse_executor(spec)
     if engine == "dask":
         return DaskExecutor(address, workers)
     if engine == "ray":
-        return RayExecutor(address, workers)
+        return RayExecutor(address, workers, ray_address)
     return None

@@ -4,7 +4,8 @@ A new format is one module that builds a :class:`Format` named ``FORMAT`` and an
 entry in :data:`_BUILTIN` (or a call to :func:`register_format`).
 
 :func:`set_row_group_cache_bytes` sets the bytes of decoded Parquet row groups a process
-keeps (importing no table library).
+keeps (importing no table library); :func:`set_row_group_cache_default` the budget when
+none is set.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import importlib
 
 from .._errors import ConfigError
 from .base import Format, RangedReads, Sample, ShardBytes, ShardReader, ShardWriter, TableIndexing, check_sample
-from .table_cache import set_row_group_cache_bytes
+from .table_cache import ROW_GROUP_CACHE_BYTES, set_row_group_cache_bytes, set_row_group_cache_default
 
 __all__ = [
+    "ROW_GROUP_CACHE_BYTES",
     "Format",
     "RangedReads",
     "Sample",
@@ -28,6 +30,7 @@ __all__ = [
     "get_format",
     "register_format",
     "set_row_group_cache_bytes",
+    "set_row_group_cache_default",
 ]
 
 #: name -> (module, what to install if its import fails)

@@ -6,9 +6,12 @@ row order drops its row groups behind it and keeps one. The cache belongs to one
 a forked child starts empty (its readers are its own).
 
 The budget is a parameter: :func:`set_row_group_cache_bytes` (what
-``StorageConfig(parquet_cache=)`` sets in each reading process); unset, it is
-``STREAMLOAD_PARQUET_CACHE`` (e.g. ``"2GB"``), else :data:`ROW_GROUP_CACHE_BYTES`. This
-module imports no table library, so setting the budget costs nothing where no table is read.
+``StorageConfig(parquet_cache=)`` sets in each reading process); unset, it is the
+default, :data:`ROW_GROUP_CACHE_BYTES` unless :func:`set_row_group_cache_default` chose
+another (what a :class:`~streamload.StorageConfig` without ``parquet_cache`` sets in each
+process that opens a dataset: ``STREAMLOAD_PARQUET_CACHE``, e.g. ``"2GB"``, read there).
+This module reads no environment and imports no table library, so setting the budget
+costs nothing where no table is read.
 """
 
 from __future__ import annotations
@@ -18,12 +21,18 @@ from typing import Any
 
 import numpy as np
 
-from .. import _env
 from .._errors import ConfigError
 from .._fork import on_fork
 from .._units import parse_bytes
 
-__all__ = ["CACHE", "ROW_GROUP_CACHE_BYTES", "Group", "RowGroupCache", "set_row_group_cache_bytes"]
+__all__ = [
+    "CACHE",
+    "ROW_GROUP_CACHE_BYTES",
+    "Group",
+    "RowGroupCache",
+    "set_row_group_cache_bytes",
+    "set_row_group_cache_default",
+]
 
 #: Bytes of decoded row groups one process keeps by default, over all its readers.
 ROW_GROUP_CACHE_BYTES = 1 << 30
@@ -38,28 +47,29 @@ class RowGroupCache:
 
     Args:
         budget: Bytes kept at most (one row group is kept whatever its size); ``None``:
-            the default (see the module).
+            :attr:`default`.
+        default: The budget when none is set.
     """
 
-    def __init__(self, budget: int | None = None) -> None:
+    def __init__(self, budget: int | None = None, default: int = ROW_GROUP_CACHE_BYTES) -> None:
         self.items: OrderedDict[tuple[int, int], tuple[Group, int]] = OrderedDict()
         self.total = 0
         self._budget = budget
-        self._default: int | None = None
+        self.default = default
 
     @property
     def budget(self) -> int:
         """The bytes kept at most."""
-        if self._budget is not None:
-            return self._budget
-        if self._default is None:
-            self._default = _env.env_bytes(_env.PARQUET_CACHE, ROW_GROUP_CACHE_BYTES)
-        return self._default
+        return self.default if self._budget is None else self._budget
 
     def set_budget(self, budget: int | None) -> None:
-        """Keep at most ``budget`` bytes from now on (``None``: the default, read now); drops what is over it."""
+        """Keep at most ``budget`` bytes from now on (``None``: the default); drops what is over it."""
         self._budget = budget
-        self._default = None
+        self._trim()
+
+    def set_default(self, default: int) -> None:
+        """Make ``default`` the budget when none is set; drops what is over the budget."""
+        self.default = default
         self._trim()
 
     def get(self, key: tuple[int, int]) -> Group | None:
@@ -104,10 +114,9 @@ class RowGroupCache:
         return [g for r, g in self.items if r == reader]
 
     def forget(self) -> None:
-        """Hold nothing, and read the default budget again when next needed (a forked child)."""
+        """Hold nothing (a forked child: its budget stays its parent's)."""
         self.items = OrderedDict()
         self.total = 0
-        self._default = None
 
 
 #: This process's cache, shared by every reader.
@@ -119,8 +128,9 @@ def set_row_group_cache_bytes(budget: Any) -> None:
 
     Args:
         budget: A size in bytes (an int, or a string with units: ``"2GB"``), or ``None``
-            for the default (``STREAMLOAD_PARQUET_CACHE``, else 1 GiB). A forked child
-            keeps the budget its parent set; a spawned one sets its own.
+            for the default (1 GiB, or what :func:`set_row_group_cache_default` chose:
+            ``STREAMLOAD_PARQUET_CACHE`` once a dataset is opened). A forked child keeps
+            the budget its parent set; a spawned one sets its own.
 
     Raises:
         ConfigError: If ``budget`` is not a size.
@@ -133,6 +143,16 @@ def set_row_group_cache_bytes(budget: Any) -> None:
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise ConfigError(f"parquet_cache={budget!r} must be a number of bytes >= 0 (or None for the default)")
     CACHE.set_budget(budget)
+
+
+def set_row_group_cache_default(budget: int) -> None:
+    """Set the budget this process's row-group cache keeps when none was set (bytes).
+
+    :meth:`streamload.StorageConfig.open` sets it, in each process that opens a dataset,
+    from ``STREAMLOAD_PARQUET_CACHE`` (else 1 GiB); :func:`set_row_group_cache_bytes`
+    still wins over it.
+    """
+    CACHE.set_default(budget)
 
 
 @on_fork

@@ -28,7 +28,8 @@ Rooms:
 * ``filler``: how a file comes into the cache; ``readahead``: background fetches and their
   depth; ``remote``: :class:`~.remote.RemoteStorage`; ``split``: an index kept apart from
   its files;
-* ``config``: checks of the tuning settings; ``destination``: writing.
+* ``settings``: :class:`StorageSettings`, what a storage is opened with, every default
+  applied above (nothing here reads the environment); ``destination``: writing.
 """
 
 from __future__ import annotations
@@ -36,9 +37,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .._errors import ConfigError
 from .backends import register_backend
 from .base import LocalStorage, Storage, is_local, local_path_of
 from .destination import Destination, LocalDestination, RemoteDestination
+from .retry import RetryPolicy
+from .settings import StorageSettings
 
 __all__ = [
     "Destination",
@@ -46,6 +50,7 @@ __all__ = [
     "LocalStorage",
     "RemoteDestination",
     "Storage",
+    "StorageSettings",
     "is_local",
     "local_path_of",
     "open_destination",
@@ -54,52 +59,38 @@ __all__ = [
 ]
 
 
-def open_storage(
-    url: str,
-    storage_options: Mapping[str, Any] | None = None,
-    cache_dir: str | None = None,
-    cache_limit: int | str | None = None,
-    read_ahead: int | None = None,
-    *,
-    lock_timeout: float | None = None,
-    retry_timeout: float | None = None,
-    read_timeout: float | None = None,
-    s3_direct: bool | None = None,
-    cache_shared: bool | None = None,
-) -> Storage:
+def open_storage(url: str, settings: StorageSettings | None = None) -> Storage:
     """Return the :class:`Storage` for a dataset directory or URL prefix.
 
-    ``cache_dir``, ``cache_limit``, ``read_ahead`` (shards downloaded ahead per
-    worker), ``lock_timeout`` (the longest wait for one of the cache's locks),
-    ``retry_timeout`` (the retry budget), ``read_timeout`` (the inactivity timeout of a
-    read), ``s3_direct`` and ``cache_shared`` apply to remote URLs only; ``None`` takes
-    each one's default (see :class:`~streamload.StorageConfig`).
+    A local path is read in place; any other URL through :class:`~.remote.RemoteStorage`
+    with ``settings``, resolved by the caller (:meth:`streamload.StorageConfig.resolve`).
+
+    Raises:
+        ConfigError: If ``url`` is remote and no ``settings`` are given.
     """
     url = str(url)
     if is_local(url):
         return LocalStorage(local_path_of(url))
-    from .remote import DEFAULT_READ_AHEAD, RemoteStorage
-    from .retry import RetryPolicy
+    if settings is None:
+        raise ConfigError(f"{url}: a remote storage needs its settings (StorageConfig(...).resolve())")
+    from .remote import RemoteStorage
 
-    timeouts = {"timeout": retry_timeout, "inactivity_timeout": read_timeout}
-    retry = RetryPolicy(**{k: v for k, v in timeouts.items() if v is not None})
-
-    return RemoteStorage(
-        url,
-        storage_options=storage_options,
-        cache_dir=cache_dir,
-        cache_limit=cache_limit,
-        read_ahead=DEFAULT_READ_AHEAD if read_ahead is None else read_ahead,
-        lock_timeout=lock_timeout,
-        retry=retry,
-        s3_direct=s3_direct,
-        cache_shared=cache_shared,
-    )
+    return RemoteStorage(url, settings)
 
 
-def open_destination(url: str, storage_options: Mapping[str, Any] | None = None) -> Destination:
-    """Return the :class:`Destination` for writing a dataset to a directory or URL prefix."""
+def open_destination(
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    retry: RetryPolicy | None = None,
+    s3_direct: bool = True,
+) -> Destination:
+    """Return the :class:`Destination` for writing a dataset to a directory or URL prefix.
+
+    ``retry`` and ``s3_direct`` are a remote destination's transport's (resolved by the
+    caller: :meth:`streamload.StorageConfig.resolve`; ``None``: the policy's defaults).
+    """
     url = str(url)
     if is_local(url):
         return LocalDestination(local_path_of(url))
-    return RemoteDestination(url, storage_options=storage_options)
+    return RemoteDestination(url, storage_options=storage_options, retry=retry, s3_direct=s3_direct)

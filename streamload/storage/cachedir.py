@@ -1,4 +1,7 @@
-"""Where a remote dataset's cache lives: the cache directory and one sub-directory per dataset."""
+"""Where a remote dataset's cache lives: one sub-directory per dataset in the cache directory.
+
+The cache directory itself is a resolved setting (:attr:`~.settings.StorageSettings.cache_dir`).
+"""
 
 from __future__ import annotations
 
@@ -7,15 +10,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from .. import _env
 from .backends import backend_class
 
-__all__ = ["dataset_cache_key", "default_cache_dir"]
-
-
-def default_cache_dir() -> str:
-    """``$STREAMLOAD_CACHE`` if set, else ``$XDG_CACHE_HOME/streamload`` or ``~/.cache/streamload``."""
-    return _env.cache_dir()
+__all__ = ["dataset_cache_key"]
 
 
 def dataset_cache_key(url: str, storage_options: Mapping[str, Any] | None) -> str:

@@ -24,7 +24,7 @@ from .._fork import forks
 from .base import local_path_of
 from .locks import DestinationLock, LocalLock, RemoteLock
 from .retry import RetryPolicy
-from .transport import open_transport
+from .transport import RemoteFiles
 
 __all__ = ["STAGING_PREFIX", "Destination", "LocalDestination", "RemoteDestination"]
 
@@ -190,13 +190,19 @@ class RemoteDestination(Destination):
         url: The destination URL prefix (``s3://bucket/prefix``). The bucket must exist.
         storage_options: Passed to the fsspec filesystem.
         retry: How transient upload errors are retried.
+        s3_direct: Ranged reads on botocore's own client (see :func:`~.transport.open_transport`).
     """
 
     def __init__(
-        self, url: str, storage_options: Mapping[str, Any] | None = None, retry: RetryPolicy | None = None
+        self,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        *,
+        s3_direct: bool = True,
     ) -> None:
         self.url = url.rstrip("/")
-        self.files = open_transport(self.url, storage_options, retry=retry)
+        self.files = RemoteFiles(self.url, dict(storage_options or {}), retry or RetryPolicy(), s3_direct=s3_direct)
         self._staging = tempfile.mkdtemp(prefix="streamload-upload-")
         self._owner_forks = forks()
 

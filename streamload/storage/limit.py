@@ -38,31 +38,31 @@ _LOGGED_DEFAULTS: set[str] = set()
 
 
 class CacheLimit:
-    """The bound part of :class:`~.remote.RemoteStorage`: its limit, checked and shared.
+    """The bound of one dataset's cache: chosen or given, checked, and shared among the readers.
 
-    A subclass sets :attr:`url`, :attr:`cache_root`, :attr:`cache`, :attr:`limit`,
-    :attr:`default_limit`, and answers :meth:`_registered` and :meth:`_largest_read`.
+    Args:
+        url: The dataset's URL (for messages).
+        cache_root: The dataset's cache directory (for messages and the default bound).
+        cache: The cache it bounds (its ``limit`` follows this one's).
+        limit: The ``cache_limit`` setting, checked: bytes, ``None`` (the default bound,
+            measured now), or ``"unbounded"``.
     """
 
-    url: str
-    cache_root: str
-    cache: ShardCache
-    limit: int | None
-    default_limit: int | None
-    _space: int = 0  # bytes the cache could use, measured for the default bound
-
-    def _registered(self) -> int:
-        """Readers registered in the cache now."""
-        raise NotImplementedError
-
-    def _largest_read(self, largest: int = 0) -> int:
-        """The largest shard (with its sidecar) this process's readers read, noting ``largest``."""
-        raise NotImplementedError
+    def __init__(self, url: str, cache_root: str, cache: ShardCache, limit: int | str | None) -> None:
+        self.url = url
+        self.cache_root = cache_root
+        self.cache = cache
+        self.space = 0  # bytes the cache could use, measured for the default bound
+        #: The bound chosen here when no ``cache_limit`` was given, else ``None``.
+        self.default_limit = self._default_limit() if limit is None else None
+        #: The bound in bytes (``None``: unbounded).
+        self.limit = self.default_limit if limit is None else None if limit == UNBOUNDED else int(limit)
+        cache.limit = self.limit
 
     def _default_limit(self) -> int:
         """Half of the space the cache could use: its filesystem's free space plus what it holds."""
-        self._space = shutil.disk_usage(self.cache_root).free + self.cache.usage()
-        return int(DEFAULT_CACHE_FRACTION * self._space)
+        self.space = shutil.disk_usage(self.cache_root).free + self.cache.usage()
+        return int(DEFAULT_CACHE_FRACTION * self.space)
 
     def check_capacity(self, largest: int) -> None:
         """Check the cache can hold :data:`MIN_CACHE_SHARDS` files of ``largest`` bytes.
@@ -74,13 +74,13 @@ class CacheLimit:
         if self.default_limit is not None and self.limit is not None:
             if self.limit < need:  # a small disk: the default still lets a reader work
                 self.limit = self.cache.limit = self.default_limit = need
-                if need > self._space:
+                if need > self.space:
                     log.warning(
                         "cache of %s in %s: its filesystem has room for %s, less than the %s two of the "
                         "largest shards need; downloads will fail when it is full (pass cache_dir= on a larger one)",
                         self.url,
                         self.cache_root,
-                        format_bytes(self._space),
+                        format_bytes(self.space),
                         format_bytes(need),
                     )
             self._log_default(largest)
@@ -108,36 +108,39 @@ class CacheLimit:
             UNBOUNDED,
         )
 
-    def _check_fits(self, entry: FileEntry, url: str) -> None:
+    def check_fits(self, entry: FileEntry, url: str) -> None:
+        """Check the cache can hold :data:`MIN_CACHE_SHARDS` files of ``entry``'s size (``url`` names it).
+
+        Raises:
+            CacheError: If it cannot.
+        """
         if self.limit is not None and MIN_CACHE_SHARDS * entry.num_bytes > self.limit:
             raise CacheError(
                 f"cache_limit={format_bytes(self.limit)} is too small for {url} "
                 f"({format_bytes(entry.num_bytes)}): it must hold at least {MIN_CACHE_SHARDS} such files"
             )
 
-    def max_open(self, largest: int) -> int | None:
-        """How many shards of ``largest`` bytes one reader should keep open (pinned) at once.
+    def max_open(self, largest: int, readers: int) -> int | None:
+        """How many shards of ``largest`` bytes one of ``readers`` registered readers should keep open at once.
 
-        The limit is shared among the registered readers (see :meth:`register_reader`);
-        half of a reader's share is left for downloads ahead.
+        The limit is shared among the registered readers; half of a reader's share is
+        left for downloads ahead.
         """
         if self.limit is None or largest <= 0:
             return None
-        self._largest_read(largest)
-        share = self.limit // largest // max(1, self._registered())
+        share = self.limit // largest // max(1, readers)
         return max(1, share // 2 - 1)
 
-    def _ahead_room(self) -> int | None:
-        """Shards ahead this process's share of the limit leaves room for (``None``: no bound).
+    def ahead_room(self, largest: int, readers: int) -> int | None:
+        """Shards ahead one of ``readers`` registered readers has room for (``None``: no bound).
 
-        The share (the limit divided among the registered readers) less the shards the
-        reader keeps open (:meth:`max_open`) and the one it is about to open: the window
-        is named before that shard is pinned, and a deeper window would make room by
-        evicting it (the least recently used). At least one.
+        Its share (the limit divided among the readers) less the shards it keeps open
+        (:meth:`max_open`) and the one it is about to open: the window is named before
+        that shard is pinned, and a deeper window would make room by evicting it (the
+        least recently used). At least one.
         """
-        largest = self._largest_read()
         if self.limit is None or largest <= 0:
             return None
-        share = self.limit // largest // max(1, self._registered())
-        open_shards = self.max_open(largest) or 1
+        share = self.limit // largest // max(1, readers)
+        open_shards = self.max_open(largest, readers) or 1
         return max(1, share - open_shards - 1)

@@ -24,7 +24,7 @@ from typing import Any
 
 from .._errors import DestinationBusyError, ShardNotFoundError, StorageError
 from .._fork import forks
-from .transport import RemoteFiles, open_transport
+from .transport import RemoteFiles
 
 __all__ = ["LOCAL_LOCK_NAME", "REMOTE_LOCK_NAME", "DestinationLock", "LocalLock", "RemoteLock"]
 
@@ -252,7 +252,7 @@ class RemoteLock(DestinationLock):
     def __init__(self, url: str, files: RemoteFiles) -> None:
         super().__init__(url)
         # A filesystem of its own: the refresh thread never shares the conversion's.
-        self.files = open_transport(files.url, files.storage_options, retry=files.retry)
+        self.files = RemoteFiles(files.url, files.storage_options, files.retry, s3_direct=files.s3_direct)
         self.lost: dict[str, Any] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -31,16 +31,14 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
-from typing import Any
 
 from .._files import FileEntry
-from .._fork import ProcessLocal
 from .cache import ShardCache
 from .executor import io_executor
 from .filler import Filler
 from .parts import LinkModel
 
-__all__ = ["AheadDepth", "AheadStats", "ReadAhead", "RemoteReadAhead"]
+__all__ = ["AheadDepth", "AheadStats", "ProcessReadAhead", "ReadAhead"]
 
 log = logging.getLogger("streamload")
 
@@ -310,47 +308,75 @@ class ReadAhead:
                     self._running.pop(task.entry.name, None)
 
 
-class RemoteReadAhead:
-    """The read-ahead part of :class:`~.remote.RemoteStorage`: the window, its depth, its fetches.
+class ProcessReadAhead:
+    """One process's read-ahead of a :class:`~.remote.RemoteStorage`: the window, its depth, when it may start.
 
-    A subclass sets :attr:`url`, :attr:`read_ahead`, :attr:`cache`, ``_proc`` (its
-    per-process state: ``lock``, ``depth``, ``ahead``, ``largest``, ``blocked``, ``pins``,
-    ``together``, ``first_read``, ``stop``), ``_filler`` (:class:`~.filler.Filler`) and
-    answers ``_ahead_room`` (:class:`~.limit.CacheLimit`).
+    What it needs it is given here: the cache and the filler that bring a file in, the
+    transport's link model and part planner (for the depth). The storage tells it what
+    only the storage knows, as arguments: the files pinned (never fetched ahead), the
+    largest shard and the cache room (for the depth), the time its reader was blocked.
+
+    Args:
+        url: The dataset's URL (for messages).
+        read_ahead: The most shards ahead (0: read-ahead is off).
+        cache: The cache the files go into.
+        filler: Brings a file into the cache (its download, its version).
+        link: The transport's link model.
+        connections: How many connections a download of ``n`` bytes runs on at once.
     """
 
-    url: str
-    read_ahead: int
-    cache: ShardCache
-    _proc: ProcessLocal[Any]
-    _filler: Filler
+    def __init__(
+        self,
+        url: str,
+        read_ahead: int,
+        cache: ShardCache,
+        filler: Filler,
+        link: LinkModel,
+        connections: Callable[[int], int],
+    ) -> None:
+        self.url = url
+        self.read_ahead = read_ahead
+        self.cache = cache
+        self.filler = filler
+        self.lock = threading.Lock()
+        self.stop = threading.Event()  # set by close(): downloads ahead stop at their next chunk
+        # Clear while a reader makes its first item from a cold shard read early, and until
+        # the process's first acquire (the reader names its first window just before):
+        # nothing starts meanwhile (at most FIRST_READ_HOLD), so the first batch's bytes and
+        # CPU do not go to other shards.
+        self.first_read = threading.Event()
+        self.together: set[str] = set()  # files the reader needs now (see fetch_ahead): never held
+        self.blocked = 0.0  # seconds the process's acquires waited for a file to arrive
+        self.depth = AheadDepth(read_ahead, link=link, connections=connections)
+        self.window = ReadAhead(read_ahead, self._fetch_one)
 
-    def _ahead_room(self) -> int | None:
-        raise NotImplementedError
+    def stats(self) -> AheadStats:
+        """The depth and the estimates it comes from."""
+        with self.lock:
+            return self.depth.stats()
 
-    @property
-    def ahead_stats(self) -> AheadStats:
-        """This process's read-ahead depth and the estimates it comes from."""
-        proc = self._proc.get()
-        with proc.lock:
-            stats: AheadStats = proc.depth.stats()
-        return stats
+    def fetched(self) -> None:
+        """Count one whole download."""
+        with self.lock:
+            self.depth.fetched()
 
-    def ahead_depth(self) -> int:
-        """Shards the reader should name to :meth:`fetch_ahead` now (0: read-ahead is off).
+    def waited(self, seconds: float) -> None:
+        """The reader waited ``seconds`` for a file to arrive (not reading time)."""
+        with self.lock:
+            self.blocked += seconds
 
-        ``ceil(fetch time of a shard / reading time of a shard + margin)``, from this
-        process's measurements (see :class:`~streamload.storage.readahead.AheadDepth`), at
-        least 1, at most ``read_ahead`` and the room the cache leaves this reader.
+    def ahead_depth(self, largest: int, room: int | None) -> int:
+        """Shards to name ahead now, for shards of up to ``largest`` bytes and ``room`` shards of cache room.
+
+        ``ceil(fetch time of a shard / reading time of a shard + margin)`` (see
+        :class:`AheadDepth`), at least 1, at most ``read_ahead`` and ``room``.
         """
         if self.read_ahead <= 0:
             return 0
-        room = self._ahead_room()
-        proc = self._proc.get()
-        with proc.lock:
-            before = proc.depth.current
-            depth: int = proc.depth.depth(proc.largest, room)
-            stats = proc.depth.stats() if depth != before else None
+        with self.lock:
+            before = self.depth.current
+            depth = self.depth.depth(largest, room)
+            stats = self.depth.stats() if depth != before else None
         if stats is not None:
             log.debug(
                 "read-ahead of %s: %d shard(s) ahead (a shard takes %.3f s to download, %s s to read; room %s)",
@@ -362,48 +388,42 @@ class RemoteReadAhead:
             )
         return depth
 
-    def started(self) -> None:
-        """The reader made its first item: read-ahead may start."""
-        self._proc.get().first_read.set()
+    def want(self, entries: Iterable[FileEntry], together: Iterable[str], held: Iterable[str]) -> None:
+        """Make ``entries`` (in order of use) the window; ``held`` (pinned here) are not fetched.
 
-    def fetch_ahead(self, entries: Iterable[FileEntry], together: Iterable[str] = ()) -> None:
-        """Make ``entries`` (in order of use) the read-ahead window; an empty one cancels read-ahead.
-
-        A reader calls it as it starts each shard it had not open (see
-        :meth:`ahead_depth`): the time between two calls, less the time its acquires
-        waited meanwhile, is how long it spent reading a shard. The files named in
-        ``together`` are needed with the shard it opens (a shuffled reader's first batches
-        draw on all of them): their downloads start at once, side by side, not held back
-        until the reader's first item.
+        See :meth:`~.remote.RemoteStorage.fetch_ahead` (``together``: needed now, not held back).
         """
-        proc = self._proc.get()
         wanted = list(entries)
         now = {e.name for e in wanted} & set(together)
-        with proc.lock:
-            held = set(proc.pins)
-            if not proc.first_read.is_set():  # the cold start: what the first batch needs stays urgent
-                now |= proc.together & {e.name for e in wanted}
-            proc.together = now
+        with self.lock:
+            if not self.first_read.is_set():  # the cold start: what the first batch needs stays urgent
+                now |= self.together & {e.name for e in wanted}
+            self.together = now
             if wanted:
-                proc.depth.observe_shard(time.monotonic(), proc.blocked)
-                proc.ahead.threads = min(self.read_ahead, max(1, proc.depth.current, len(now)))
+                self.depth.observe_shard(time.monotonic(), self.blocked)
+                self.window.threads = min(self.read_ahead, max(1, self.depth.current, len(now)))
             else:
-                proc.depth.pause()
-        proc.ahead.want(wanted, held)
+                self.depth.pause()
+        self.window.want(wanted, held)
 
-    def _fetch_one_ahead(self, entry: FileEntry, cancelled: Callable[[], bool]) -> None:
-        proc = self._proc.get()
-        with proc.lock:
-            now = entry.name in proc.together
+    def close(self) -> None:
+        """Stop every fetch ahead (in-flight downloads stop at their next chunk)."""
+        self.stop.set()
+        self.window.stop()
+        self.stop = threading.Event()
+
+    def _fetch_one(self, entry: FileEntry, cancelled: Callable[[], bool]) -> None:
+        with self.lock:
+            now = entry.name in self.together
         if not now:
-            proc.first_read.wait(FIRST_READ_HOLD)  # the first batch's bytes first (see .remote)
+            self.first_read.wait(FIRST_READ_HOLD)  # the first batch's bytes first
         if cancelled():
             return
         pin = self.cache.pin(entry.name)
         log.debug("read-ahead %s: start", entry.name)
         try:
-            entry = self._filler.versioned(entry)
-            download = self._filler.downloader(entry, proc.stop, urgent=False)
+            entry = self.filler.versioned(entry)
+            download = self.filler.downloader(entry, self.stop, urgent=False)
             self.cache.fill(entry, download, wait=False, cancelled=cancelled)
             log.debug("read-ahead %s: done", entry.name)
         finally:

@@ -24,7 +24,7 @@ status the error object carries: aiohttp's ``ContentLengthError`` has ``code=400
 status its *server* would answer to such a message, not one the storage sent.
 
 Every read is also bounded by an **inactivity timeout** (:attr:`RetryPolicy.inactivity_timeout`,
-default 30 s, ``STREAMLOAD_READ_TIMEOUT`` in the environment): a body that stalls with
+default 30 s; a dataset's ``read_timeout``, whose default ``STREAMLOAD_READ_TIMEOUT`` sets): a body that stalls with
 its connection open fails after that long without a byte, and is retried like any other
 transient error. The retry budget counts from the start of the first attempt that failed,
 so the time a stalled attempt waited is spent from it.
@@ -39,17 +39,14 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
-from .. import _env
 from .._errors import ConfigError
 
 __all__ = [
     "DEFAULT_INACTIVITY_TIMEOUT",
     "DEFAULT_RETRY_TIMEOUT",
-    "INACTIVITY_ENV",
-    "RETRY_ENV",
     "RetryPolicy",
     "is_permanent",
     "is_transient",
@@ -64,10 +61,6 @@ T = TypeVar("T")
 DEFAULT_INACTIVITY_TIMEOUT = 30.0
 #: Seconds after the first failed attempt of a call before giving up.
 DEFAULT_RETRY_TIMEOUT = 120.0
-#: The environment variable that sets the inactivity timeout (seconds).
-INACTIVITY_ENV = _env.READ_TIMEOUT
-#: The environment variable that sets the retry budget (seconds).
-RETRY_ENV = _env.RETRY_TIMEOUT
 
 #: Errors of a body cut short: transient, whatever HTTP status they carry.
 _CUT_BODY_CLASSES = frozenset(
@@ -249,23 +242,23 @@ class RetryPolicy:
 
     Attributes:
         timeout: Seconds from the start of a call's first failed attempt before giving up
-            (default 120, or ``STREAMLOAD_RETRY_TIMEOUT``).
+            (default 120; ``StorageConfig(retry_timeout=)``
+            and ``STREAMLOAD_RETRY_TIMEOUT`` set it for a dataset's storage).
         initial_delay: First wait, in seconds.
         max_delay: Longest single wait, in seconds.
         multiplier: Growth factor of the wait.
         inactivity_timeout: Seconds a read may go without receiving a byte before it
-            fails as a transient error (default 30, or ``STREAMLOAD_READ_TIMEOUT``);
+            fails as a transient error (default 30; ``StorageConfig(read_timeout=)`` and
+            ``STREAMLOAD_READ_TIMEOUT`` set it for a dataset's storage);
             applied to s3:// (botocore's ``read_timeout``) and http(s):// (aiohttp's
             ``sock_read``) unless ``storage_options`` choose their own.
     """
 
-    timeout: float = field(default_factory=lambda: _env.env_seconds(RETRY_ENV, DEFAULT_RETRY_TIMEOUT))
+    timeout: float = DEFAULT_RETRY_TIMEOUT
     initial_delay: float = 0.2
     max_delay: float = 5.0
     multiplier: float = 2.0
-    inactivity_timeout: float = field(
-        default_factory=lambda: _env.env_seconds(INACTIVITY_ENV, DEFAULT_INACTIVITY_TIMEOUT)
-    )
+    inactivity_timeout: float = DEFAULT_INACTIVITY_TIMEOUT
 
     def __post_init__(self) -> None:
         if not self.inactivity_timeout > 0:

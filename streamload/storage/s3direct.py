@@ -32,17 +32,13 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .. import _env
 from .._errors import RangeResponseError
 from .._files import pwrite_all
 from .._fork import ProcessLocal, on_fork
 from .bounded import check_answer, ignored_range, longer_than_asked
 
-__all__ = ["DIRECT_ENV", "DirectS3", "direct_s3", "shared_boto_loader"]
+__all__ = ["DirectS3", "direct_s3", "shared_boto_loader"]
 
-#: Set to ``0`` to read shard bytes through s3fs instead (same options, slower): the default of
-#: ``StorageConfig(s3_direct=)``.
-DIRECT_ENV = _env.S3_DIRECT
 #: Bytes read from a body per call while landing it into a file: what a waiting reader sees
 #: land at once (a reader needing a few KB past a lead part does not wait for a whole MiB).
 _CHUNK = 256 << 10

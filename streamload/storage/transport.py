@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from .._errors import ManifestNotFoundError, ShardNotFoundError, StorageError, StreamloadError
@@ -21,27 +21,22 @@ from .backends.fsspec import BackendSettings, FsspecBackend
 from .download import download_parts, download_stream
 from .parts import LinkModel, PartPlanner
 from .retry import RetryPolicy, is_permanent, is_transient, retry_call, status_of
+from .settings import StorageSettings
 
 __all__ = ["PartPlanner", "RemoteFiles", "open_transport", "translate_error"]
 
 
-def open_transport(
-    url: str,
-    storage_options: Mapping[str, Any] | None = None,
-    *,
-    retry: RetryPolicy | None = None,
-    s3_direct: bool | None = None,
-) -> RemoteFiles:
+def open_transport(url: str, settings: StorageSettings, *, retry: RetryPolicy | None = None) -> RemoteFiles:
     """The transport of the files under ``url``: its backend, with retries (the one factory of transports).
 
     Args:
         url: The URL prefix.
-        storage_options: The backend's (fsspec's) options.
-        retry: How transient errors are retried (default: :class:`~.retry.RetryPolicy`).
-        s3_direct: Ranged reads on the backend's direct client where it has one (``None``:
-            ``$STREAMLOAD_S3_DIRECT``, on by default).
+        settings: The resolved settings (:meth:`streamload.StorageConfig.resolve`): the
+            backend's (fsspec's) options, the timeouts, ``s3_direct``.
+        retry: How transient errors are retried, instead of the settings' timeouts.
     """
-    return RemoteFiles(url, dict(storage_options or {}), retry or RetryPolicy(), s3_direct=s3_direct)
+    options = dict(settings.storage_options)
+    return RemoteFiles(url, options, retry or settings.retry(), s3_direct=settings.s3_direct)
 
 
 #: Errors of a client that found no credentials to sign with (botocore's; google-auth's for GCS).
@@ -98,9 +93,11 @@ class RemoteFiles:
         url: The URL prefix (``s3://bucket/prefix``).
         storage_options: Passed to the backend (the fsspec filesystem).
         retry: How transient errors are retried; its ``inactivity_timeout`` is the read timeout.
-        s3_direct: See :func:`open_transport`.
+        s3_direct: Ranged reads on the backend's direct client where it has one (the
+            resolved ``s3_direct``: the environment is read above, never here).
 
     Attributes:
+        s3_direct: Whether ranged reads go to the backend's direct client where it has one.
         link: This transport's estimate of its link (latency, bytes/s of one connection),
             fitted to every GET it makes; read by the part planner, streaming's span sizes
             and the read-ahead depth.
@@ -113,15 +110,13 @@ class RemoteFiles:
         storage_options: dict[str, Any] | None,
         retry: RetryPolicy,
         *,
-        s3_direct: bool | None = None,
+        s3_direct: bool = True,
     ) -> None:
-        from .. import _env
-
         self.url = url.rstrip("/")
         self.storage_options = dict(storage_options or {})
         self.retry = retry
-        direct = _env.s3_direct() if s3_direct is None else s3_direct
-        settings = BackendSettings(read_timeout=retry.inactivity_timeout, direct=direct)
+        self.s3_direct = s3_direct
+        settings = BackendSettings(read_timeout=retry.inactivity_timeout, direct=s3_direct)
         self.backend: FsspecBackend = backend_class(self.url)(self.url, self.storage_options, settings)
         self.link = LinkModel()
         self.planner = PartPlanner(link=self.link)

@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
 
-from ... import _env
-
 __all__ = [
     "DEFAULT_LOCK_TIMEOUT",
     "DEFAULT_LOG_EVERY",
@@ -29,8 +27,10 @@ DEFAULT_LOG_EVERY = 10.0
 #: holds its lock for that download, which its retry policy bounds) before a CacheError.
 DEFAULT_LOCK_TIMEOUT = 600.0
 #: The environment variable that allows a cache folder writable by its group (and owned by
-#: another user of it): a cache shared by several users.
-SHARED_ENV = _env.CACHE_SHARED
+#: another user of it): a cache shared by several users. Named in this package's messages
+#: only: it is read above (the default of ``StorageConfig(cache_shared=)``), and the cache is
+#: told the resolved ``shared``.
+SHARED_ENV = "STREAMLOAD_CACHE_SHARED"
 
 T = TypeVar("T")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ... import _env
 from ..._files import FileEntry
 from .copies import Copies
 from .intake import Download, Intake
@@ -39,7 +38,7 @@ class ShardCache:
         log_every: Seconds between the log lines of an acquire waiting for room.
         lock_timeout: Most seconds any wait for one of the cache's locks lasts.
         shared: Accept a cache folder writable by its group or owned by another user
-            (default: ``STREAMLOAD_CACHE_SHARED=1`` in the environment).
+            (a storage's resolved ``cache_shared``).
 
     Raises:
         CacheError: If the directory cannot be made, or is not safe from other users.
@@ -61,7 +60,7 @@ class ShardCache:
         wait_timeout: float = DEFAULT_WAIT_TIMEOUT,
         log_every: float = DEFAULT_LOG_EVERY,
         lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
-        shared: bool | None = None,
+        shared: bool = False,
     ) -> None:
         self.root = root
         #: The settings, shared with the parts (changing one here changes it for all).
@@ -71,7 +70,7 @@ class ShardCache:
             wait_timeout=wait_timeout,
             log_every=log_every,
             lock_timeout=lock_timeout,
-            shared=_env.cache_shared() if shared is None else shared,
+            shared=shared,
         )
         self._counter = StatsCounter()
         #: The directory: its folders, paths, trust checks and the cache lock.
