@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterableDataset
 
-from ._stages import StageTable
 from ._validate import DatasetArgs, check_epoch, dataset_args, warn_remote_only
 from .dataref import StorageKeywords, storage_config
 from .formats import Format, Sample
@@ -44,6 +43,7 @@ from .storage import Storage
 from .storage.ranges import DEFAULT_STREAM_BUFFER
 from .storageconfig import StorageConfig
 from .streams import Mixture, StreamSource
+from .timing import StageTable
 
 if TYPE_CHECKING:
     from typing import Unpack  # Python 3.11 (only read by type checkers here)

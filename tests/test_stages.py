@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from streamload import StreamingDataset
-from streamload._stages import StageTable
 from streamload.plan import World
 from streamload.resume import Position
 from streamload.skips import SkipLog, Substitute
 from streamload.stages import Pipeline, Steps
+from streamload.timing import StageTable
 from tests.helpers.datasets import make_dataset
 
 COUNTS = [7, 5, 9, 4]
