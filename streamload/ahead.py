@@ -39,7 +39,7 @@ from typing import Any, cast
 import numpy as np
 
 from ._errors import StreamloadError
-from .formats import RangedReads
+from .formats import RangedReads, ShardReader
 from .plan import Run
 from .shards import ShardSource, warm_sidecars
 from .storage.ranges import Ticket
@@ -273,9 +273,12 @@ class FetchAhead:
                 pass  # the read meets it again, as its error policy says
             yield run
 
-    def _open(self, src: ShardSource, shard: int) -> None:
+    def _open(self, src: ShardSource, shard: int) -> ShardReader:
+        """``src.get(shard)``; an open (not a reader already open) in :attr:`timer`."""
+        if shard in src:
+            return src.get(shard)
         with self.timer:  # a watched iteration's fetch stage: the download or cache wait, and the open
-            src.get(shard)
+            return src.get(shard)
 
     def _open_cold(self, shards: Iterable[int]) -> None:
         """A cold start's batch: its first cold shard opened, then the others' sidecars fetched together.
@@ -425,8 +428,7 @@ class FetchAhead:
         wanted: list[tuple[str, int, list[tuple[int, int]]]] = []
         for shard, chunks in by_shard.items():
             try:
-                with self.timer:  # a watched iteration's fetch stage: the open
-                    reader = cast(RangedReads, source.get(shard))  # a ranged format's reader: it says the extents
+                reader = cast(RangedReads, self._open(source, shard))  # a ranged format's reader: it says the extents
             except StreamloadError:
                 continue
             extents = reader.sample_extents(np.concatenate(chunks) if len(chunks) > 1 else chunks[0])

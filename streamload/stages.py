@@ -197,9 +197,12 @@ class Read:
         self.substitute.reset()
 
     def get(self, shard: int) -> ShardReader:
-        """The reader of global ``shard`` from the readers' cache (an open in :attr:`timer`)."""
-        with self.timer:
-            return self.readers.get(shard)
+        """The reader of global ``shard`` from the readers' cache; an open (not a hit) runs in :attr:`timer`."""
+        readers = self.readers
+        if shard in readers:
+            return readers.get(shard)
+        with self.timer:  # a watched iteration's fetch stage: the download or cache wait, and the open
+            return readers.get(shard)
 
     def batch(self, runs: list[Run]) -> Any:
         """One collated batch of a planned batch's ``runs`` (see :mod:`streamload.batch`).

@@ -322,6 +322,11 @@ class MixedSource:
             self._info[shard] = info
         return info
 
+    def __contains__(self, shard: int) -> bool:
+        """Whether global shard ``shard``'s reader is open."""
+        info = self._info.get(shard) or self.info(shard)
+        return info.local in self.sources[info.stream]
+
     def get(self, shard: int) -> ShardReader:
         """Return the open reader of global shard ``shard``, opening it if needed."""
         info = self._info.get(shard) or self.info(shard)
