@@ -107,6 +107,12 @@ class ShardsAhead:
                 self.first = False
             yield run
 
+    def close(self) -> None:
+        """Cancel the read-ahead named to the stream's storage (the epoch ended or was abandoned)."""
+        storage = self.source.storage
+        if storage.read_ahead:
+            storage.fetch_ahead(())
+
     def _peek(self, index: int) -> int | None:
         """The plan's ``index``-th shard after the current one (read from it early), ``None`` past its end."""
         if index == len(self.upcoming):
@@ -224,6 +230,12 @@ class FetchAhead:
             self.forget(self._batches.popleft()[1])
         for ahead in self.shards.values():
             ahead.reset()
+
+    def close(self) -> None:
+        """The iteration ended or was abandoned: each stream's read-ahead cancelled (before its readers close)."""
+        for src in self.readers.sources:
+            if src.storage.read_ahead:
+                src.storage.fetch_ahead(())
 
     def started(self) -> None:
         """The reader's first item is out: the cold start ends, and each storage's read-ahead may share the link.

@@ -342,7 +342,11 @@ class ShardSource:
         return bool(refetched)
 
     def close(self) -> None:
-        """Close every reader, release its files, cancel read-ahead and unregister (and close an owned storage)."""
+        """Close every reader, release its files and unregister (and close an owned storage).
+
+        The read-ahead its fetch node asked for is the fetch node's to cancel
+        (:meth:`FetchAhead.close <streamload.ahead.FetchAhead.close>`).
+        """
         if self.fetcher is not None:
             self.fetcher.close()
         try:
@@ -350,8 +354,6 @@ class ShardSource:
                 shard, reader = self._open.popitem()
                 reader.close()
                 self.release(shard)
-            if self.storage.read_ahead:
-                self.storage.fetch_ahead(())  # the epoch ended or was abandoned
         finally:
             copies, self._copies = self._copies, None
             try:

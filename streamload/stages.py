@@ -384,8 +384,8 @@ class Pipeline:
         steps, plan, world, position = self.steps, self.plan, self.world, self.position
         readers = open_readers(self.streams, self.storages, plan, world)
         start, first = position.next_item, position.first
+        self.ahead = ahead = FetchAhead(readers, steps.budget)
         try:
-            self.ahead = ahead = FetchAhead(readers, steps.budget)
             self.read = read = Read(steps, readers, position)
             runs = ahead.runs(plan.runs(world, start, first), plan.worker_shards(world, start, first))
             items = self._items(read, ahead, runs)
@@ -401,7 +401,10 @@ class Pipeline:
                 ahead.started()  # the first item is out: the cold start ends, read-ahead may share the link now
                 yield from items
         finally:
-            readers.close()
+            try:
+                ahead.close()  # the read-ahead it named cancelled
+            finally:
+                readers.close()
 
     def _items(self, read: Read, ahead: FetchAhead, runs: Iterator[Run]) -> Iterator[Any]:
         from .plan import group_runs

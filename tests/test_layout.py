@@ -430,8 +430,9 @@ def test_the_fetch_node_owns_the_cold_start() -> None:
     """Opening a cold batch's shards, asking for its bytes and ending the cold start: the fetch node's calls only.
 
     ``ShardSource`` is the readers' cache and ``MixedSource`` addresses its streams: neither
-    relays ``open_cold``, ``want`` or ``started``; the read node (``stages.Read``) only reads,
-    and the pipeline's top tells the fetch node (not the readers) that its first item is out.
+    relays ``open_cold``, ``want`` or ``started``, nor names or cancels read-ahead; the read
+    node (``stages.Read``) only reads, and the pipeline's top tells the fetch node (not the
+    readers) that its first item is out.
     """
     cold = {"open_cold", "want", "started"}
     for module, classes in (("shards", {"ShardSource"}), ("streams", {"MixedSource"})):
@@ -460,3 +461,6 @@ def test_the_fetch_node_owns_the_cold_start() -> None:
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in cold | {"prepare"}
     ]
     assert not fetching, f"the read node does fetch work: {fetching}"
+    for module in ("shards", "streams"):  # the read-ahead it names is the fetch node's to cancel too
+        calls = _calls_of(ROOT / "streamload" / f"{module}.py", {"fetch_ahead", "ahead_depth"})
+        assert not calls, f"{module}.py drives the storage's read-ahead: {calls}"
