@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any, cast
 
 import numpy as np
@@ -202,15 +202,14 @@ class FetchAhead:
 
     Attributes:
         cold: The cold start: the reader's first item is not out yet (see :meth:`started`).
-        timer: The context its shard opens run in (a watched iteration's fetch clock; by
-            default one that does nothing).
+        timer: The context its shard opens run in (a watched iteration's fetch clock), else ``None``.
     """
 
     def __init__(self, readers: MixedSource, budget: int) -> None:
         self.readers = readers
         self.budget = budget
         self.cold = True
-        self.timer: AbstractContextManager[Any] = nullcontext()
+        self.timer: AbstractContextManager[Any] | None = None
         self.shards: dict[int, ShardsAhead] = {}
         #: Streaming: the batches passed on whose ranges were requested, and their tickets.
         self._batches: deque[tuple[list[Run], list[tuple[int, Ticket | None]]]] = deque()
@@ -287,9 +286,10 @@ class FetchAhead:
 
     def _open(self, src: ShardSource, shard: int) -> ShardReader:
         """``src.get(shard)``; an open (not a reader already open) in :attr:`timer`."""
-        if shard in src:
+        timer = self.timer
+        if timer is None or shard in src:
             return src.get(shard)
-        with self.timer:  # a watched iteration's fetch stage: the download or cache wait, and the open
+        with timer:  # a watched iteration's fetch stage: the download or cache wait, and the open
             return src.get(shard)
 
     def _open_cold(self, shards: Iterable[int]) -> None:

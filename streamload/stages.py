@@ -27,7 +27,7 @@ fetch context (the fetch and read nodes' shard opens, the reads of streamed byte
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal, NamedTuple
@@ -170,7 +170,7 @@ class Read:
 
     Attributes:
         clock: A watched iteration's clock (the transform and collate are timed in it), else ``None``.
-        timer: The context its shard opens run in (the clock's fetch; by default one that does nothing).
+        timer: The context its shard opens run in (a watched iteration's fetch clock), else ``None``.
     """
 
     def __init__(self, steps: Steps, readers: MixedSource, position: Position) -> None:
@@ -179,7 +179,7 @@ class Read:
         self.position = position
         self.substitute = Substitute()
         self.clock: Clock | None = None
-        self.timer: AbstractContextManager[Any] = nullcontext()
+        self.timer: AbstractContextManager[Any] | None = None
         #: Items of the batch being made (and stand-ins kept for later ones), by id: their origin.
         self.origins: dict[int, _Origin] = {}
 
@@ -198,10 +198,10 @@ class Read:
 
     def get(self, shard: int) -> ShardReader:
         """The reader of global ``shard`` from the readers' cache; an open (not a hit) runs in :attr:`timer`."""
-        readers = self.readers
-        if shard in readers:
+        readers, timer = self.readers, self.timer
+        if timer is None or shard in readers:
             return readers.get(shard)
-        with self.timer:  # a watched iteration's fetch stage: the download or cache wait, and the open
+        with timer:  # a watched iteration's fetch stage: the download or cache wait, and the open
             return readers.get(shard)
 
     def batch(self, runs: list[Run]) -> Any:
