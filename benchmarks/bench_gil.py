@@ -130,6 +130,7 @@ def loader_beside_loop(root: str, path: str, seconds: float, busy: bool) -> dict
     start_images, start = counts[0], time.perf_counter()
     sched = _Sched()
     loop = 0
+    me = _schedstat(threading.get_native_id())
     if busy:
         timer = threading.Timer(seconds, stop.set)
         timer.start()
@@ -138,6 +139,7 @@ def loader_beside_loop(root: str, path: str, seconds: float, busy: bool) -> dict
         time.sleep(seconds)
         stop.set()
     wall = time.perf_counter() - start
+    mine = _schedstat(threading.get_native_id())
     images = counts[0] - start_images
     cpu, queued, _seen = sched.done()
     reader.join(30)
@@ -153,7 +155,17 @@ def loader_beside_loop(root: str, path: str, seconds: float, busy: bool) -> dict
         "loader_queued": queued / wall,
         "loader_blocked": blocked / wall,
         "images_per_cpu_s": images / cpu if cpu > 0 else 0.0,
+        # the busy loop's thread: on a CPU, and runnable without one (the machine, not the GIL)
+        "loop_cpu": (mine[0] - me[0]) / wall,
+        "loop_queued": (mine[1] - me[1]) / wall,
     }
+
+
+def _schedstat(tid: int) -> tuple[float, float]:
+    """A thread's seconds on a CPU and runnable without one (Linux schedstat)."""
+    with open(f"/proc/self/task/{tid}/schedstat") as f:
+        on_cpu, waiting, _ = f.read().split()
+    return int(on_cpu) / 1e9, int(waiting) / 1e9
 
 
 def loop_alone(seconds: float) -> float:
@@ -295,7 +307,8 @@ def main() -> None:
                 f"{alone['loader_cpu']:.2f} / "
                 f"{beside['loader_cpu']:.2f}, waiting for a CPU {alone['loader_queued']:.2f} / "
                 f"{beside['loader_queued']:.2f}, blocked (GIL, queues) {alone['loader_blocked']:.2f} / "
-                f"{beside['loader_blocked']:.2f} of the time"
+                f"{beside['loader_blocked']:.2f} of the time; the loop's thread beside: on a CPU "
+                f"{beside['loop_cpu']:.2f}, waiting for a CPU {beside['loop_queued']:.2f}"
             )
         for key in paths:
             rate = dataloader_rate(root, key)

@@ -123,6 +123,8 @@ class Gather:
             :func:`hashes`) when a read came back short or failed, a digest differs, or
             there are no digests to compare; raises, naming the shard and sample, for a
             short, failed or damaged read (without digests: checks them itself).
+        live: Whether :attr:`fd` is still the shard's open descriptor (its reader not
+            closed since: a reader cache may close one reader to open another).
     """
 
     fd: int
@@ -133,6 +135,7 @@ class Gather:
     at: np.ndarray
     digests: np.ndarray
     check: Callable[[np.ndarray, np.ndarray | None], None]
+    live: Callable[[], bool]
 
 
 def gather_all(plans: Sequence[Gather]) -> bool:
@@ -141,9 +144,11 @@ def gather_all(plans: Sequence[Gather]) -> bool:
     The checks run in the plans' order, so an error names the first bad shard of the batch.
 
     Returns:
-        False (nothing read) when the extension is not built.
+        False (nothing read) when the extension is not built, or when a plan's reader was
+        closed after it was planned (its descriptor may name another file by now): the
+        caller reads another way.
     """
-    if not available():
+    if not available() or not all(plan.live() for plan in plans):
         return False
     if len(plans) == 1:
         plan = plans[0]

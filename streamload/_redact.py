@@ -12,6 +12,8 @@ basic authentication). Every place streamload shows a URL goes through :func:`re
   chained to the error streamload raises (:func:`scrub_chain`).
 
 The user name is kept (it says which account was used); only the password is replaced.
+A user without a password (``https://TOKEN@host/x``) is taken for a token, as pip and git
+take it, and replaced whole: ``https://***@host/x``.
 The URL a dataset was opened with is kept as it was for reading.
 """
 
@@ -30,19 +32,24 @@ __all__ = ["LOGGERS", "RedactingFilter", "redact", "redacted_repr", "scrub_chain
 #: information (no ``/``, ``?``, ``#``, white space or ``@`` in it, as RFC 3986 allows there).
 _USERINFO = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s/?#@:]*):(?P<password>[^\s/?#@]*)@")
 
+#: ``scheme://token@``: user information without a password (a token sent as the user name).
+_TOKEN = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.\-]*://)[^\s/?#@:]+@")
+
 #: The loggers streamload writes to (a filter on a logger does not see its children's records).
 LOGGERS = ("streamload", "streamload.decode")
 
 
 def redact(text: str) -> str:
-    """Return ``text`` with the password of every URL in it replaced by ``***``.
+    """Return ``text`` with the password (or the token) of every URL in it replaced by ``***``.
 
     >>> redact("cannot read http://alice:pw@host/ds/index.json")
     'cannot read http://alice:***@host/ds/index.json'
+    >>> redact("cannot read https://ghp_abc123@host/ds")
+    'cannot read https://***@host/ds'
     """
     if "@" not in text or "://" not in text:  # the common case, without a regex
         return text
-    return _USERINFO.sub(r"\g<head>:***@", text)
+    return _TOKEN.sub(r"\g<head>***@", _USERINFO.sub(r"\g<head>:***@", text))
 
 
 def redacted_repr(cls: T) -> T:

@@ -435,8 +435,7 @@ class RawCollate:
         offsets, flat = offsets_t.numpy(), data.numpy()
         keys = tuple(k for shard, idx in parts for k in open_reader(shard).keys_of(idx)) if self.keys else None
         if all(values is None for values in label_values):  # every shard's reads in one call, where they can be
-            readers = [open_reader(shard) for shard, _, _ in groups]
-            read = _gathered(readers, groups, self.fields, label, label_sizes, flat, sizes)
+            read = _gathered(open_reader, groups, self.fields, label, label_sizes, flat, sizes)
             if read is not None:
                 if labels is not None and label is not None:
                     parse_labels(*read, lambda i: _key_at(open_reader, parts, i), label[0], out=labels)
@@ -479,7 +478,7 @@ class RawCollate:
 
 
 def _gathered(
-    readers: Sequence[ShardReader],
+    open_reader: Callable[[int], ShardReader],
     groups: list[tuple[int, np.ndarray, np.ndarray]],
     fields: tuple[str, ...],
     label: tuple[str] | None,
@@ -494,10 +493,10 @@ def _gathered(
 
     Returns:
         The labels' bytes and offsets (empty without a label field), or ``None`` (nothing
-        read) where a shard cannot plan its part (not a local tar file, the extension not built).
+        read) where a shard cannot plan its part (not a local tar file, the extension not
+        built) or the batch spans more shards than the reader cache keeps open (opening
+        one closed another: each shard is then read in turn, reopened as needed).
     """
-    if not all(_implements(reader, GatherPlans) for reader in readers):
-        return None
     at = np.zeros(len(sizes) + 1, dtype=np.int64)
     np.cumsum(sizes, out=at[1:])
     label_at = np.zeros(len(sizes) + 1 if label else 1, dtype=np.int64)
@@ -508,7 +507,10 @@ def _gathered(
         np.cumsum(label_at, out=label_at)
     raw = np.empty(int(label_at[-1]), dtype=np.uint8)
     plans = []
-    for reader, (_, idx, pos) in zip(readers, groups, strict=True):
+    for shard, idx, pos in groups:
+        reader = open_reader(shard)
+        if not _implements(reader, GatherPlans):
+            return None
         to_place: list[PlacedGroup] = [(fields, flat, sizes[pos], at[pos])]
         if label:
             to_place.append((label, raw, label_at[pos + 1] - label_at[pos], label_at[pos]))

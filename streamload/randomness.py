@@ -80,25 +80,8 @@ def place_generator(epoch: int, position: int, seed: int = 0) -> np.random.Gener
     What a batch read straight from the shard readers draws from (it knows each sample's
     ``(epoch, position)`` from the plan, not from a dict): the same draws.
     """
-    key = np.random.SeedSequence(_words(seed, epoch, position)).generate_state(2, np.uint64)
-    return np.random.Generator(_philox(key))
-
-
-#: Any seed: given one, numpy's bit generator asks the OS for no entropy (``Philox(key=...)``
-#: alone reads ``os.urandom``: a system call that lets go of the GIL, one wait a sample
-#: beside a thread running Python). The key set next decides every draw.
-_NO_ENTROPY = np.random.SeedSequence(0)
-
-
-def _philox(key: np.ndarray) -> np.random.Philox:
-    """``np.random.Philox(key=key)``'s very state (counter 0, empty buffer), made without reading OS entropy."""
-    bit = np.random.Philox(_NO_ENTROPY)
-    bit.state = {
-        "bit_generator": "Philox",
-        "state": {"counter": np.zeros(4, dtype=np.uint64), "key": key},
-        "buffer": np.zeros(4, dtype=np.uint64),
-        "buffer_pos": 4,
-        "has_uint32": 0,
-        "uinteger": 0,
-    }
-    return bit
+    # Philox seeded with the SeedSequence itself: its key is the sequence's generate_state(2, uint64),
+    # counter 0 (the key sample_generator's draws are made from), and no OS entropy is read
+    # (``Philox(key=...)`` alone reads ``os.urandom``: a system call that lets go of the GIL,
+    # one wait a sample beside a thread running Python).
+    return np.random.Generator(np.random.Philox(np.random.SeedSequence(_words(seed, epoch, position))))

@@ -311,13 +311,13 @@ def three_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 _PARTS = [(2, [5, 1]), (0, [7]), (1, [3, 39, 0]), (0, [2, 30]), (2, [22]), (1, [8])]
 
 
-def _read_batch(root: Path) -> object:
+def _read_batch(root: Path, capacity: int = 8) -> object:
     from streamload.batch import RawCollate
     from streamload.dataref import DatasetRef
     from streamload.shards import ShardSource
 
     ref = DatasetRef.open(str(root))
-    with ShardSource(ref, ref.open_storage(), own_storage=True) as source:
+    with ShardSource(ref, ref.open_storage(), capacity, own_storage=True) as source:
         parts = [(s, np.array(idx)) for s, idx in _PARTS]
         return RawCollate(keys=True).read_batch(source.get, parts)
 
@@ -344,6 +344,27 @@ def test_a_batch_over_three_shards_is_one_read_call(three_shards: Path, monkeypa
     assert [bytes(x) for x in batch.samples()] == [bytes(x) for x in want.samples()]  # type: ignore[attr-defined]
     assert batch.labels.tolist() == want.labels.tolist()  # type: ignore[attr-defined, union-attr]
     assert batch.keys == want.keys  # type: ignore[attr-defined]
+
+
+def test_a_batch_over_more_shards_than_the_reader_cache_keeps_open_reads_right(
+    three_shards: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Opening the third shard's reader closes the first's (capacity 2): its descriptor may
+    # name another file by then, so the batch is read a shard at a time, reopening as needed.
+    calls: list[int] = []
+    real = _pread.pread_gather
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    want = _read_batch(three_shards)
+    monkeypatch.setattr(_pread, "pread_gather", counted)
+    got = _read_batch(three_shards, capacity=2)
+    assert len(calls) > 1  # not one call: a shard at a time
+    assert [bytes(x) for x in got.samples()] == [bytes(x) for x in want.samples()]  # type: ignore[attr-defined]
+    assert got.labels.tolist() == want.labels.tolist()  # type: ignore[attr-defined]
+    assert got.keys == want.keys  # type: ignore[attr-defined]
 
 
 def _damage(root: Path, tmp_path: Path, flip: dict[int, str], cut: set[int]) -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,8 +78,19 @@ def test_redact_replaces_only_the_password() -> None:
 
     assert redact("GET http://alice:pw@host:8080/ds/x.tar failed") == "GET http://alice:***@host:8080/ds/x.tar failed"
     assert redact("'s3a://k:p%2Fq@b/x' and https://bob:a:b@h/") == "'s3a://k:***@b/x' and https://bob:***@h/"
-    for unchanged in ("http://host:8080/a@b", "http://alice@host/x", "mail me at a@b.c", "/data/x:y@z"):
+    for unchanged in ("http://host:8080/a@b", "http://***@host/x", "mail me at a@b.c", "/data/x:y@z"):
         assert redact(unchanged) == unchanged
+
+
+def test_a_token_given_as_the_user_is_replaced_whole() -> None:
+    # https://TOKEN@host (a GitHub- or Hugging Face-style token as the user name, no password):
+    # the user information is the secret, as pip and git take it.
+    from streamload._redact import redact
+
+    token = "ghp_16C7e42F292c6912E7710c838347Ae178B4a"
+    assert redact(f"GET https://{token}@github.com/o/r/x.tar failed") == "GET https://***@github.com/o/r/x.tar failed"
+    assert redact(f"'https://{token}@h/a' and http://bob:pw@h/b") == "'https://***@h/a' and http://bob:***@h/b"
+    assert token not in redact(f"s3://{token}@bucket/x")
 
 
 def test_reading_sends_the_credentials_and_shows_them_nowhere(
@@ -137,3 +149,31 @@ def test_the_command_line_shows_no_password(
     out, err = capsys.readouterr()
     assert out.count("alice:***@") >= 4 and "alice:***@" in err  # info, --json, show, verify; the error
     assert PASSWORD not in out + err
+
+
+def test_a_bucket_without_credentials_is_one_line_saying_where_credentials_go(tmp_path: Path) -> None:
+    # No credentials anywhere (environment, files, instance metadata): botocore refuses to sign;
+    # the command says so in one line, not as a "bad request" or a traceback.
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    (tmp_path / "images" / "cat").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(tmp_path / "images" / "cat" / "a.jpg")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(
+        AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+        AWS_CONFIG_FILE=str(tmp_path / "none"),
+        AWS_EC2_METADATA_DISABLED="true",
+        HOME=str(tmp_path),
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "streamload", "convert", str(tmp_path / "images"), "s3://no-such-bucket/out"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr
+    assert "s3://no-such-bucket/out" in lines[0] and "no credentials found" in lines[0]
+    assert "AWS_ACCESS_KEY_ID" in lines[0] and "Traceback" not in out.stderr

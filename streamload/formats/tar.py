@@ -383,6 +383,7 @@ class TarShardReader(ShardReader):
             at=starts.ravel(),
             digests=digests,
             check=check,
+            live=lambda: self._bytes is source,
         )
 
     def _preadv(self, source: ShardBytes, iov: list[memoryview], offset: int, expected: int) -> None:

@@ -44,6 +44,10 @@ def open_transport(
     return RemoteFiles(url, dict(storage_options or {}), retry or RetryPolicy(), s3_direct=s3_direct)
 
 
+#: Errors of a client that found no credentials to sign with (botocore's; google-auth's for GCS).
+_NO_CREDENTIALS = frozenset({"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError"})
+
+
 def translate_error(exc: BaseException, url: str, action: str, *, not_found: str | None = None) -> StreamloadError:
     """Return the streamload error for a failed remote call (the caller raises it ``from exc``).
 
@@ -70,6 +74,13 @@ def translate_error(exc: BaseException, url: str, action: str, *, not_found: str
         return ShardNotFoundError(f"{url} does not exist (listed in the manifest)")
     answered = "" if status is None else f"HTTP {status}, "
     why = f"{answered}{type(exc).__name__}: {exc}"
+    if type(exc).__name__ in _NO_CREDENTIALS:
+        return StorageError(
+            f"cannot {action} {url}: no credentials found ({why}); give them as storage options "
+            "(key=..., secret=...; on the command line -o key=... -o secret=...), in the environment "
+            "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE), in ~/.aws/credentials, or read "
+            "a public bucket with anon=True"
+        )
     if status in (401, 403) or (isinstance(exc, PermissionError) and status is None):
         return StorageError(f"cannot {action} {url}: access denied ({why}); check the credentials and permissions")
     if is_permanent(exc):
