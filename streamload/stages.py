@@ -213,7 +213,8 @@ class Read:
         """
         from .batch import BatchReader, wants_places
 
-        steps, readers, get = self.steps, self.readers, self.get
+        steps, readers = self.steps, self.readers
+        get = readers.get if self.timer is None else self.get  # watched: an open timed as fetch
         collate = steps.collate
         assert collate is not None
         if isinstance(collate, BatchReader) and steps.transform is None and steps.on_error == "raise":
