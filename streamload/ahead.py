@@ -39,9 +39,12 @@ from typing import Any, cast
 import numpy as np
 
 from ._errors import StreamloadError
+from ._files import FileEntry
 from .formats import RangedReads, ShardReader
 from .plan import Run
-from .shards import ShardSource, warm_sidecars
+from .shards import ShardSource
+from .storage import Storage
+from .storage.executor import io_executor
 from .storage.ranges import Ticket
 from .streams import MixedSource
 
@@ -155,6 +158,26 @@ class ShardsAhead:
             if shard != self.current and shard not in out and shard not in self.source:
                 out.append(shard)
         return out
+
+
+def _warm_sidecars(source: ShardSource, shards: Iterable[int]) -> None:
+    """Bring the sidecars of several shards about to open into the cache at once (one round trip, not one each).
+
+    Each is acquired and released on the I/O executor's ``side`` lane (cached, unpinned:
+    the reader's own acquire pins it); a failure is left to that acquire to meet again.
+    """
+    storage, entries = source.storage, source.ref.manifest.shards
+    sidecars = [e.sidecar for e in (entries[s] for s in dict.fromkeys(shards)) if e.sidecar is not None]
+    if len(sidecars) < 2:
+        return
+    executor = io_executor()
+    for future in [executor.submit("side", _warm, storage, entry) for entry in sidecars]:
+        future.exception()
+
+
+def _warm(storage: Storage, entry: FileEntry) -> None:
+    storage.acquire(entry)
+    storage.release(entry)
 
 
 class _Feed:
@@ -310,7 +333,7 @@ class FetchAhead:
             src = readers.sources[stream]
             if src.opens_early and len(locals_) > 1:
                 self._open(src, locals_[0])
-                warm_sidecars(src, locals_[1:])
+                _warm_sidecars(src, locals_[1:])
 
     def _want(self, shard: int, indices: np.ndarray, spread: bool) -> None:
         """Samples ``indices`` of global ``shard`` about to be read: if it is read over its download, their bytes now.
@@ -436,7 +459,7 @@ class FetchAhead:
         by_shard: dict[int, list[np.ndarray]] = {}
         for shard, locals_ in parts:
             by_shard.setdefault(shard, []).append(np.asarray(locals_, dtype=np.int64))
-        warm_sidecars(source, [s for s in by_shard if s not in source])  # the shards about to open: at once
+        _warm_sidecars(source, [s for s in by_shard if s not in source])  # the shards about to open: at once
         wanted: list[tuple[str, int, list[tuple[int, int]]]] = []
         for shard, chunks in by_shard.items():
             try:

@@ -34,7 +34,7 @@ from .storage.executor import io_executor
 from .storage.ranges import RangeFetcher
 from .storageconfig import StorageConfig, can_stream, largest_sidecar
 
-__all__ = ["ShardSet", "ShardSource", "warm_sidecars"]
+__all__ = ["ShardSet", "ShardSource"]
 
 log = logging.getLogger("streamload")
 
@@ -368,23 +368,3 @@ class ShardSource:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def warm_sidecars(source: ShardSource, shards: Iterable[int]) -> None:
-    """Bring the sidecars of several shards about to open into the cache at once (one round trip, not one each).
-
-    Each is acquired and released on the I/O executor's ``side`` lane (cached, unpinned:
-    the reader's own acquire pins it); a failure is left to that acquire to meet again.
-    """
-    storage, entries = source.storage, source.ref.manifest.shards
-    sidecars = [e.sidecar for e in (entries[s] for s in dict.fromkeys(shards)) if e.sidecar is not None]
-    if len(sidecars) < 2:
-        return
-    executor = io_executor()
-    for future in [executor.submit("side", _warm, storage, entry) for entry in sidecars]:
-        future.exception()
-
-
-def _warm(storage: Storage, entry: FileEntry) -> None:
-    storage.acquire(entry)
-    storage.release(entry)
