@@ -213,7 +213,7 @@ def micro(root: str, repeats: int = 200) -> dict[str, float]:
     epoch of the benchmark dataset, best of a few).
     """
     from streamload import StreamingDataset
-    from streamload._stages import SAMPLE_EVERY, StageTable
+    from streamload.timing import SAMPLE_EVERY, StageTable
 
     n = 20_000
     clock = StageTable(0).clock()

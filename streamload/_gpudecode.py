@@ -27,7 +27,7 @@ from .decode.image import check_pixels
 from .randomness import sample_generator
 
 
-class DeviceDecode(Protocol):
+class DecodeOwner(Protocol):
     """What the GPU side asks of its :class:`~streamload.DeviceDecode` (no import: it imports this module)."""
 
     height: int
@@ -203,7 +203,7 @@ class GpuDecoder:
         found = "; ".join(tried)
         raise ConfigError(f"DeviceDecode(decoder={choice!r}) found no GPU JPEG decoder ({found}): {INSTALL}")
 
-    def start(self, owner: DeviceDecode, batch: RawBatch) -> Any:
+    def start(self, owner: DecodeOwner, batch: RawBatch) -> Any:
         """Queue the batch's decode (on the decode stream); return what :meth:`finish` hands over."""
         stream = self.stream
         if stream is None:
@@ -223,7 +223,7 @@ class GpuDecoder:
         owner.stage_clock.pending(begin, end)
         return images, labels, end
 
-    def _work(self, owner: DeviceDecode, batch: RawBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _work(self, owner: DecodeOwner, batch: RawBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         from ._resample import resample_boxes
 
         places = owner.places_of(batch)
@@ -289,7 +289,7 @@ class GpuDecoder:
             labels = fill_slots(out, labels, sorted(bad))
         return owner.shape_images(out), labels
 
-    def finish(self, owner: DeviceDecode, pending: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def finish(self, owner: DecodeOwner, pending: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The current stream waits for the batch's decode; its tensors are marked as used by it."""
         images, labels, done = pending
         if done is None:

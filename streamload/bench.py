@@ -317,7 +317,7 @@ HEADER = (
 
 def stage_split(stages: dict[str, float] | None) -> str:
     """Each stage's share of the readers' time, ``fetch/read/transform/collate`` in percent."""
-    from ._stages import STAGES
+    from .timing import STAGES
 
     total = sum((stages or {}).values())
     if not stages or total <= 0:

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterableDataset
 
-from ._stages import StageTable
 from ._validate import DatasetArgs, check_epoch, dataset_args, warn_remote_only
 from .formats import Format, Sample
 from .iterations import Iterations, ThreadReaders
@@ -43,6 +42,7 @@ from .storage import Storage
 from .storage.ranges import DEFAULT_STREAM_BUFFER
 from .storageconfig import StorageConfig, StorageKeywords, config_from_arguments
 from .streams import Mixture, StreamSource
+from .timing import StageTable
 
 if TYPE_CHECKING:
     from typing import Unpack  # Python 3.11 (only read by type checkers here)

@@ -41,10 +41,10 @@ import torch
 
 from ._atexit import close_at_exit
 from ._errors import ConfigError
-from ._stages import LOADER_COLLATE
 from .dataset import StreamingDataset
 from .device import check_device
 from .loader_state import dataset_state
+from .timing import LOADER_COLLATE
 
 __all__ = ["Loader"]
 

@@ -1,8 +1,13 @@
 """Shard access: one process's open shards (how a dataset's files are reached: :mod:`streamload.storageconfig`).
 
-:class:`ShardSource` is one process's open shards: the format readers over the files the
-storage acquires (downloading into the cache if remote), kept in a bounded LRU, their
-files released when closed. It names no format: the manifest's does the reading.
+:class:`ShardSource` is one process's open shards, the readers' cache: the format readers
+over the files the storage acquires (downloading into the cache if remote), kept in a
+bounded LRU (:meth:`~ShardSource.get`), evicted and their files released when closed. It
+names no format: the manifest's does the reading. It calls nothing above it: the fetch
+node (:class:`~streamload.ahead.FetchAhead`) owns the cold start (it opens a cold batch's
+shards and asks for their samples' bytes, ends :attr:`~ShardSource.early` and tells the
+storage at the first item) and fetch-ahead; a watched iteration's timing wraps the calls
+into it from the nodes (and the :attr:`~ShardSource.view` put over streamed bytes).
 
 The storage is told what each file must be (the manifest's entries); it never reads the
 manifest itself (``docs/design.md#storage-and-the-cache``). Streaming, a remote shard is
@@ -14,14 +19,11 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
-
-import numpy as np
 
 from ._errors import ConfigError, CorruptShardError, StreamloadError
 from ._files import FileEntry
-from ._stages import fetching
 from .formats import Format, ShardBytes, ShardReader
 from .formats.base import RangedReads
 from .manifest import Manifest, ShardEntry
@@ -32,7 +34,7 @@ from .storage.executor import io_executor
 from .storage.ranges import RangeFetcher
 from .storageconfig import StorageConfig, can_stream, largest_sidecar
 
-__all__ = ["ShardSet", "ShardSource", "warm_sidecars"]
+__all__ = ["ShardSet", "ShardSource"]
 
 log = logging.getLogger("streamload")
 
@@ -83,6 +85,11 @@ class ShardSource:
 
     Attributes:
         opens: How many times a shard was opened (a reader built).
+        early: A cold shard (cached mode, not cached yet) is opened over its download, each
+            sample read as the part holding it lands (the cold start). The fetch node turns it
+            off when the reader's first item is out.
+        view: Streaming: a view put over each shard's ranged bytes before its reader gets
+            them (a watched iteration times the reads through it), else ``None``.
         refetch: Drops corrupt copies of shards, once each (:class:`~streamload.recovery.Refetch`).
         fetcher: Streaming: the ranges fetched ahead (its ``stats`` count the GETs), else ``None``.
 
@@ -107,7 +114,8 @@ class ShardSource:
         self._own_storage = own_storage
         self._format = ref.format
         self._open: OrderedDict[int, ShardReader] = OrderedDict()
-        self._started = False  # the reader made its first item: no more shards opened over their downloads
+        self.early = True
+        self.view: Callable[[ShardBytes], ShardBytes] | None = None
         self._landings: dict[int, Landing] = {}  # shards read over their downloads (the cold start)
         self._copies = storage if storage.cached else None
         self.streaming = streaming and self._copies is not None
@@ -155,8 +163,7 @@ class ShardSource:
             old_shard, old = self._open.popitem(last=False)
             old.close()
             self.release(old_shard)
-        with fetching():  # a watched loader's "fetch" stage: download or cache wait, and the open
-            reader = self._open_files(shard)
+        reader = self._open_files(shard)
         self._open[shard] = reader
         return reader
 
@@ -198,7 +205,7 @@ class ShardSource:
             or entry.sidecar is None
             or not self._format.ranged  # the reader must take its bytes as positioned reads (source=)
             or shard in self.recovered
-            or self._started
+            or not self.early
         ):
             return None
         got = copies.open_bytes(entry, early=True)  # a miss starts the shard's download and returns at once
@@ -222,28 +229,17 @@ class ShardSource:
         return reader
 
     @property
-    def cold(self) -> bool:
-        """Before the first item, cached, with room for one more reader: a shard opened now reads its download."""
-        return not self._started and self._copies is not None and not self.streaming and len(self._open) < self.capacity
+    def opens_early(self) -> bool:
+        """:attr:`early`, cached, with room for one more reader: a cold shard opened now reads its download."""
+        return self.early and self._copies is not None and not self.streaming and len(self._open) < self.capacity
 
-    def want(self, shard: int, indices: np.ndarray, lead: bool = False) -> None:
-        """The bytes of samples ``indices`` of open ``shard``, read over its download, fetched now by ranged GETs.
-
-        A cold start's first batches take their samples from all over their shards: they
-        come by ranged GETs in parallel rather than after the parts holding them
-        (:meth:`~streamload.storage.bytes.Landing.want`; ``lead``: those in the download's
-        lead too). Nothing for other shards.
-        """
+    def landing(self, shard: int) -> tuple[RangedReads, Landing] | None:
+        """Open ``shard``'s reader and the download it reads over, while that download lands; else ``None``."""
         landing = self._landings.get(shard)
         reader = self._open.get(shard)
         if landing is not None and not landing.done and isinstance(reader, RangedReads):
-            landing.want(map(tuple, reader.sample_extents(indices).tolist()), lead)
-
-    def started(self) -> None:
-        """The reader made its first item: the storage's read-ahead, held for the first bytes, may start."""
-        self._started = True
-        if self._copies is not None:
-            self._copies.started()
+            return reader, landing
+        return None
 
     def acquire(self, shard: int) -> tuple[str, str | None]:
         """Acquire ``shard``'s files from the storage; return local ``(shard path, sidecar path)``.
@@ -293,7 +289,8 @@ class ShardSource:
         """Build the format's reader over acquired files (not kept in the LRU)."""
         entry = self.ref.manifest.shards[shard]
         if self.fetcher is not None:
-            return self._ranged_reader(shard, path, sidecar, self.storage.open_bytes(entry, ranges=self.fetcher))
+            ranged = self.storage.open_bytes(entry, ranges=self.fetcher)
+            return self._ranged_reader(shard, path, sidecar, ranged if self.view is None else self.view(ranged))
         reader = self._format.reader(path, entry, sidecar)
         reader.num_classes = len(self.ref.manifest.classes) or None  # labels in an index are checked against it
         self.opens += 1
@@ -345,7 +342,11 @@ class ShardSource:
         return bool(refetched)
 
     def close(self) -> None:
-        """Close every reader, release its files, cancel read-ahead and unregister (and close an owned storage)."""
+        """Close every reader, release its files and unregister (and close an owned storage).
+
+        The read-ahead its fetch node asked for is the fetch node's to cancel
+        (:meth:`FetchAhead.close <streamload.ahead.FetchAhead.close>`).
+        """
         if self.fetcher is not None:
             self.fetcher.close()
         try:
@@ -353,8 +354,6 @@ class ShardSource:
                 shard, reader = self._open.popitem()
                 reader.close()
                 self.release(shard)
-            if self.storage.read_ahead:
-                self.storage.fetch_ahead(())  # the epoch ended or was abandoned
         finally:
             copies, self._copies = self._copies, None
             try:
@@ -369,23 +368,3 @@ class ShardSource:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def warm_sidecars(source: ShardSource, shards: Iterable[int]) -> None:
-    """Bring the sidecars of several shards about to open into the cache at once (one round trip, not one each).
-
-    Each is acquired and released on the I/O executor's ``side`` lane (cached, unpinned:
-    the reader's own acquire pins it); a failure is left to that acquire to meet again.
-    """
-    storage, entries = source.storage, source.ref.manifest.shards
-    sidecars = [e.sidecar for e in (entries[s] for s in dict.fromkeys(shards)) if e.sidecar is not None]
-    if len(sidecars) < 2:
-        return
-    executor = io_executor()
-    for future in [executor.submit("side", _warm, storage, entry) for entry in sidecars]:
-        future.exception()
-
-
-def _warm(storage: Storage, entry: FileEntry) -> None:
-    storage.acquire(entry)
-    storage.release(entry)

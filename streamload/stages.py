@@ -4,7 +4,9 @@
 
     plan          Planner.plan(epoch, world) -> EpochPlan; Position: where this reader starts
     shard runs    plan.runs(world, start) -> Run(shard, [local indices], positions, items)
-    fetch ahead   FetchAhead: cached shards named to read-ahead; streamed batches' ranges fetched
+    fetch         FetchAhead: the cold start (a batch's shards opened over their downloads, its
+                  samples' bytes asked for); cached shards named to read-ahead; streamed
+                  batches' ranges fetched ahead
     read          Read.run / Read.batch: MixedSource.get(shard) -> format reader -> sample dicts
                   (a corrupt copy read again once: streamload.recovery)
     transform     the per-sample transform; collate: the dataset's per-batch collate
@@ -13,14 +15,19 @@
 Each stage keeps plain-data state (``state()``) and lets go of it (``reset()``), as
 torchdata's nodes do; :meth:`Pipeline.state` gathers them. A :class:`Pipeline` is a
 plain iterator: a DataLoader worker runs it in its process, a :class:`streamload.Loader`
-runs one per thread. Stage boundaries are per run or per batch, never per sample. A
-watched iteration (:func:`streamload.watch`) times the stages with a
-:class:`~streamload._stages.Clock`: fetch (shard opens, ranged GETs), read, transform, collate.
+runs one per thread. Stage boundaries are per run or per batch, never per sample. Each
+stage calls only the ones below it: the pipeline's top tells the fetch node when the first
+item is out (:meth:`FetchAhead.started`). A watched iteration (:func:`streamload.watch`)
+times the stages with a :class:`~streamload.timing.Clock`: fetch (shard opens, ranged GETs),
+read, transform, collate. The nodes time the calls they make below them in the clock's
+fetch context (the fetch and read nodes' shard opens, the reads of streamed bytes through
+:class:`TimedBytes`); nothing below them knows of a clock.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal, NamedTuple
@@ -28,8 +35,8 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from ._errors import SampleError, StreamloadError
-from ._stages import SAMPLE_EVERY, Clock, StageTable
 from .ahead import FetchAhead
+from .formats import ShardBytes, ShardReader
 from .plan import EpochPlan, Run, World
 from .plan.world import local_ranks
 from .recovery import Failed, key_of, raise_located, read_batch, recovering_samples, skippable
@@ -37,8 +44,9 @@ from .resume import Position
 from .skips import SkipLog, Substitute, batch_errors
 from .storage import Storage
 from .streams import MixedSource, Mixture
+from .timing import SAMPLE_EVERY, Clock, StageTable
 
-__all__ = ["Pipeline", "Read", "Steps", "open_readers"]
+__all__ = ["Pipeline", "Read", "Steps", "TimedBytes", "open_readers"]
 
 #: Shard readers a worker keeps open at once, at least (a shuffle window spans a few shards).
 _OPEN_READERS = 8
@@ -120,6 +128,38 @@ def _batch_places(epoch: int, runs: list[Run]) -> np.ndarray:
     return where
 
 
+class TimedBytes:
+    """A streamed shard's bytes as its reader reads them, each read timed in ``timer`` (the fetch stage).
+
+    The view a watched iteration puts over each streamed shard's ranged bytes
+    (:attr:`ShardSource.view <streamload.shards.ShardSource.view>`): a read waits for
+    the ranges fetched ahead, or makes its own ranged GET.
+
+    Args:
+        source: The ranged bytes.
+        timer: The context each read runs in (a clock's ``fetch``).
+    """
+
+    def __init__(self, source: ShardBytes, timer: AbstractContextManager[Any]) -> None:
+        self.source = source
+        self.timer = timer
+        self.size = source.size
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """The source's ``pread``, timed."""
+        with self.timer:
+            return self.source.pread(n, offset)
+
+    def preadv(self, buffers: list[memoryview], offset: int) -> int:
+        """The source's ``preadv``, timed."""
+        with self.timer:
+            return self.source.preadv(buffers, offset)
+
+    def close(self) -> None:
+        """Close the source."""
+        self.source.close()
+
+
 class Read:
     """The read, transform and skip stages over one iteration's readers (per run or per batch).
 
@@ -127,6 +167,10 @@ class Read:
         steps: The dataset's transform, collate and error policy.
         readers: The iteration's shard readers.
         position: This reader's position (advanced as items are made).
+
+    Attributes:
+        clock: A watched iteration's clock (the transform and collate are timed in it), else ``None``.
+        timer: The context its shard opens run in (a watched iteration's fetch clock), else ``None``.
     """
 
     def __init__(self, steps: Steps, readers: MixedSource, position: Position) -> None:
@@ -135,6 +179,7 @@ class Read:
         self.position = position
         self.substitute = Substitute()
         self.clock: Clock | None = None
+        self.timer: AbstractContextManager[Any] | None = None
         #: Items of the batch being made (and stand-ins kept for later ones), by id: their origin.
         self.origins: dict[int, _Origin] = {}
 
@@ -151,6 +196,14 @@ class Read:
         """Forget the skip stage's stand-ins."""
         self.substitute.reset()
 
+    def get(self, shard: int) -> ShardReader:
+        """The reader of global ``shard`` from the readers' cache; an open (not a hit) runs in :attr:`timer`."""
+        readers, timer = self.readers, self.timer
+        if timer is None or shard in readers:
+            return readers.get(shard)
+        with timer:  # a watched iteration's fetch stage: the download or cache wait, and the open
+            return readers.get(shard)
+
     def batch(self, runs: list[Run]) -> Any:
         """One collated batch of a planned batch's ``runs`` (see :mod:`streamload.batch`).
 
@@ -161,15 +214,9 @@ class Read:
         from .batch import BatchReader, wants_places
 
         steps, readers = self.steps, self.readers
+        get = readers.get if self.timer is None else self.get  # watched: an open timed as fetch
         collate = steps.collate
         assert collate is not None
-        try:  # a cold start: every sample's bytes asked for before the first is read
-            readers.open_cold(run.shard for run in runs)
-            spread = len({run.shard for run in runs}) > 1
-            for run in runs:
-                readers.want(run.shard, run.locals, open_cold=True, spread=spread)
-        except StreamloadError:
-            pass  # the read meets it again, as its error policy says
         if isinstance(collate, BatchReader) and steps.transform is None and steps.on_error == "raise":
             parts = [(run.shard, run.locals) for run in runs]
             shards = [s for s, _ in parts]
@@ -177,13 +224,13 @@ class Read:
                 if wants_places(collate):  # each sample's (epoch, position) too
                     placed: Any = collate
                     where = _batch_places(self.position.epoch, runs)
-                    batch = read_batch(lambda: placed.read_batch(readers.get, parts, where), shards, readers)
+                    batch = read_batch(lambda: placed.read_batch(get, parts, where), shards, readers)
                 else:
-                    batch = read_batch(lambda: collate.read_batch(readers.get, parts), shards, readers)
+                    batch = read_batch(lambda: collate.read_batch(get, parts), shards, readers)
         else:
             kept = {id(item) for item in self.substitute.last.values()}
             self.origins = {k: v for k, v in self.origins.items() if k in kept}
-            samples = [s for run in runs for s in self.run(run, wanted=True)]
+            samples = [s for run in runs for s in self.run(run)]
             clock = self.clock
             with batch_errors(partial(self._sample_failed, samples, set())):
                 batch = collate(samples) if clock is None else clock.collate(collate, samples)
@@ -223,8 +270,8 @@ class Read:
             self.steps.skips.skip(origin.shard, error, [origin.local], [origin.key], source=origin.stream)
         return True
 
-    def run(self, run: Run, wanted: bool = False) -> Iterator[Any]:
-        """Yield the run's samples (transformed); ``wanted``: its batch asked for their bytes already.
+    def run(self, run: Run) -> Iterator[Any]:
+        """Yield the run's samples (transformed).
 
         Under ``on_error="skip"`` a sample that cannot be read or transformed is counted
         and replaced by a repeat of the last good one, so every rank still yields
@@ -237,9 +284,7 @@ class Read:
         substitute, skip = self.substitute, steps.on_error == "skip"
         where = f"{url}/{entry.name}"
         try:
-            reader = readers.get(run.shard)
-            if not wanted:
-                readers.want(run.shard, run.locals)
+            reader = self.get(run.shard)
         except StreamloadError as exc:
             if not skip or not skippable(exc):  # the storage's or the machine's fault: never a skip
                 raise_located(exc, url, where)
@@ -340,20 +385,27 @@ class Pipeline:
         steps, plan, world, position = self.steps, self.plan, self.world, self.position
         readers = open_readers(self.streams, self.storages, plan, world)
         start, first = position.next_item, position.first
+        self.ahead = ahead = FetchAhead(readers, steps.budget)
         try:
-            self.ahead = ahead = FetchAhead(readers, steps.budget)
             self.read = read = Read(steps, readers, position)
             runs = ahead.runs(plan.runs(world, start, first), plan.worker_shards(world, start, first))
             items = self._items(read, ahead, runs)
             if steps.table is not None:  # watched: time the readers' stages (streamload.watch)
-                read.clock = steps.table.clock()
-                items = read.clock.timed(items, 1 if steps.collate is not None else SAMPLE_EVERY)
+                read.clock = clock = steps.table.clock()
+                ahead.timer = read.timer = clock.fetch
+                for src in readers.sources:
+                    if src.streaming:
+                        src.view = partial(TimedBytes, timer=clock.fetch)
+                items = clock.timed(items, 1 if steps.collate is not None else SAMPLE_EVERY)
             for item in items:
                 yield item
-                readers.started()  # the first item is out: read-ahead may share the link now
+                ahead.started()  # the first item is out: the cold start ends, read-ahead may share the link now
                 yield from items
         finally:
-            readers.close()
+            try:
+                ahead.close()  # the read-ahead it named cancelled
+            finally:
+                readers.close()
 
     def _items(self, read: Read, ahead: FetchAhead, runs: Iterator[Run]) -> Iterator[Any]:
         from .plan import group_runs
@@ -363,10 +415,10 @@ class Pipeline:
             for batch in ahead.batches(group_runs(runs, chunk)):
                 yield read.batch(batch)
         elif read.readers.streaming:  # samples one by one, their ranges fetched a unit ahead
-            for unit in ahead.batches(group_runs(runs, min(chunk, _SAMPLE_UNIT))):
-                for run in unit:
+            for unit in ahead.batches(group_runs(runs, min(chunk, _SAMPLE_UNIT)), prepare=False):
+                for run in ahead.prepared(unit):
                     yield from read.run(run)
         else:
-            for run in runs:
+            for run in ahead.prepared(runs):
                 yield from read.run(run)
         yield from read.substitute.finish()

@@ -23,8 +23,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any
 
-import numpy as np
-
 from ._errors import ConfigError, StreamloadError
 from ._redact import redact, redacted_repr
 from .dataref import DatasetRef
@@ -32,7 +30,7 @@ from .formats import ShardReader
 from .manifest import ShardEntry
 from .plan import Layout, MixLayout, Split, epoch_counts, mixture_fingerprint
 from .plan.state import manifest_fingerprint
-from .shards import ShardSource, warm_sidecars
+from .shards import ShardSource
 from .storage import Storage
 from .storageconfig import StorageConfig, config_from_arguments
 
@@ -324,43 +322,15 @@ class MixedSource:
             self._info[shard] = info
         return info
 
+    def __contains__(self, shard: int) -> bool:
+        """Whether global shard ``shard``'s reader is open."""
+        info = self._info.get(shard) or self.info(shard)
+        return info.local in self.sources[info.stream]
+
     def get(self, shard: int) -> ShardReader:
         """Return the open reader of global shard ``shard``, opening it if needed."""
         info = self._info.get(shard) or self.info(shard)
         return self.sources[info.stream].get(info.local)
-
-    def open_cold(self, shards: Iterable[int]) -> None:
-        """A cold start's batch: its first cold shard opened, then the others' sidecars fetched together.
-
-        A cold shard is opened over its download, after its sidecar (one GET each): one
-        after another, a shuffled first batch over several shards waited for each in turn.
-        The first is opened before the others' sidecars come, so that their acquires are
-        not taken for a whole-file read that ends the cold start's hold on read-ahead.
-        """
-        by_stream: dict[int, list[int]] = {}
-        for shard in dict.fromkeys(shards):
-            info = self._info.get(shard) or self.info(shard)
-            if info.local not in self.sources[info.stream]:
-                by_stream.setdefault(info.stream, []).append(info.local)
-        for stream, locals_ in by_stream.items():
-            src = self.sources[stream]
-            if src.cold and len(locals_) > 1:
-                src.get(locals_[0])
-                warm_sidecars(src, locals_[1:])
-
-    def want(self, shard: int, indices: np.ndarray, open_cold: bool = False, spread: bool = False) -> None:
-        """Fetch now the bytes of samples ``indices`` of global ``shard`` if it is read over its download.
-
-        With ``open_cold``, a shard not open yet is opened first while its stream is in its
-        cold start (a batch's shards, all wanted before any is read). ``spread``: the batch
-        reads several shards, whose downloads' leads wait for each other's parts: its
-        samples there are wanted too.
-        """
-        info = self._info.get(shard) or self.info(shard)
-        src = self.sources[info.stream]
-        if open_cold and src.cold:
-            src.get(info.local)
-        src.want(info.local, indices, spread)
 
     def recover(self, shard: int, error: StreamloadError) -> ShardReader | None:
         """Global ``shard`` read corrupt: a reader over a fresh copy, or ``None`` (see ``ShardSource.recover``)."""
@@ -382,11 +352,6 @@ class MixedSource:
     def streaming(self) -> bool:
         """True if some stream is read by ranged GETs (see :mod:`streamload.ahead`)."""
         return any(src.streaming for src in self.sources)
-
-    def started(self) -> None:
-        """The reader's first item is made (see :meth:`ShardSource.started`)."""
-        for src in self.sources:
-            src.started()
 
     def close(self) -> None:
         """Close every stream's readers and release their files (the storages stay open)."""

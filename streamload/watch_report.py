@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ._errors import ConfigError
-from ._stages import STAGES
+from .timing import STAGES
 
 __all__ = ["DataReport", "percent", "verdict"]
 

@@ -16,7 +16,7 @@ Two things are measured, apart:
   time after the first batch, ``wait_fraction`` is the share spent waiting.
 * **The stages**, in whoever reads: DataLoader workers, or the main process's threads.
   Each reader times its own fetch, read, transform and collate (see
-  :mod:`streamload._stages`) into a row of a small table; a worker's row is shared
+  :mod:`streamload.timing`) into a row of a small table; a worker's row is shared
   memory made when the loader is watched, so nothing is sent per sample or per batch.
 
 Under ``torch.distributed``, ``report(all_ranks=True)`` gathers every rank's figures (a
@@ -38,8 +38,8 @@ import numpy as np
 
 from ._errors import ConfigError
 from ._gil import GilProbe, contention
-from ._stages import FIELDS, LOADER_COLLATE, STAGES, StageTable, stage_seconds
 from .dataset import StreamingDataset
+from .timing import FIELDS, LOADER_COLLATE, STAGES, StageTable, stage_seconds
 from .watch_report import DataReport, percent, verdict
 
 __all__ = ["DataReport", "Mark", "Watch", "attached_watch", "watch"]

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload._files",
         "streamload._batchmem",
         "streamload._validate",
-        "streamload._stages",
+        "streamload.timing",
         "streamload._cstderr",
         "streamload._shared",
         "streamload._atexit",
@@ -370,10 +370,7 @@ def test_watch_changes_no_class() -> None:
 
 
 #: Public class names still defined twice, each with where (a name says one thing: remove, never add).
-SHARED_CLASS_NAMES_ALLOWED: dict[str, set[str]] = {
-    # the GPU side's Protocol of the public DeviceDecode (the class and a Protocol of it, as RemoteFiles was)
-    "DeviceDecode": {"streamload/_gpudecode.py", "streamload/devicedecode.py"},
-}
+SHARED_CLASS_NAMES_ALLOWED: dict[str, set[str]] = {}
 
 
 def public_class_names(sources: dict[str, str]) -> dict[str, set[str]]:
@@ -448,3 +445,74 @@ def test_remote_storage_is_composed_of_parts_not_mixins() -> None:
     sources = {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "streamload" / "storage").rglob("*.py")}
     found = [f"{name}: {field}" for name, text in sorted(sources.items()) for field in mixin_fields(text)]
     assert not found, f"classes that read another object's private state (pass it to their constructor): {found}"
+
+
+#: The read path's rooms below its nodes (the fetch and read nodes call them; they call nothing above).
+BELOW_THE_NODES = ("streamload.storage", "streamload.shards", "streamload.formats")
+
+
+def _below_the_nodes(module: str) -> bool:
+    return any(module == room or module.startswith(room + ".") for room in BELOW_THE_NODES)
+
+
+def test_nothing_below_the_read_nodes_knows_of_a_clock() -> None:
+    """The watch's clocks are entered by the nodes around their calls, never from ``storage/`` or ``shards.py``."""
+    mods = _modules()
+    clocks = [
+        name
+        for name, path in mods.items()
+        if any(isinstance(n, ast.ClassDef) and n.name == "Clock" for n in ast.walk(ast.parse(path.read_text())))
+    ]
+    graph = import_graph()
+    knowing = sorted(m for m, targets in graph.items() if _below_the_nodes(m) and targets & set(clocks))
+    assert not knowing, f"these rooms below the read path's nodes import the watch's clocks: {knowing}"
+    assert clocks == ["streamload.timing"], f"the clocks' module is named for them: {clocks}"
+
+
+def _calls_of(path: Path, names: set[str]) -> list[str]:
+    """``x.name(...)`` calls in ``path`` of a method in ``names``, as ``name@line``."""
+    return [
+        f"{node.func.attr}@{node.lineno}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names
+    ]
+
+
+def test_the_fetch_node_owns_the_cold_start() -> None:
+    """Opening a cold batch's shards, asking for its bytes and ending the cold start: the fetch node's calls only.
+
+    ``ShardSource`` is the readers' cache and ``MixedSource`` addresses its streams: neither
+    relays ``open_cold``, ``want`` or ``started``, nor names or cancels read-ahead; the read
+    node (``stages.Read``) only reads, and the pipeline's top tells the fetch node (not the
+    readers) that its first item is out.
+    """
+    cold = {"open_cold", "want", "started"}
+    for module, classes in (("shards", {"ShardSource"}), ("streams", {"MixedSource"})):
+        tree = ast.parse((ROOT / "streamload" / f"{module}.py").read_text())
+        relays = [
+            f"{c.name}.{f.name}"
+            for c in ast.walk(tree)
+            if isinstance(c, ast.ClassDef) and c.name in classes
+            for f in c.body
+            if isinstance(f, ast.FunctionDef) and f.name in cold
+        ]
+        assert not relays, f"the readers relay the cold start: {relays}"
+    callers = {
+        str(path.relative_to(ROOT)): calls
+        for name, path in _modules().items()
+        if not name.startswith("streamload.storage")  # the storage's own internals (its download's want)
+        and (calls := _calls_of(path, cold))
+    }
+    assert set(callers) == {"streamload/ahead.py", "streamload/stages.py"}, callers
+    assert [c.split("@")[0] for c in callers["streamload/stages.py"]] == ["started"], callers  # ahead.started()
+    stages = ast.parse((ROOT / "streamload" / "stages.py").read_text())
+    read = next(c for c in ast.walk(stages) if isinstance(c, ast.ClassDef) and c.name == "Read")
+    fetching = [
+        f"{n.func.attr}@{n.lineno}"
+        for n in ast.walk(read)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in cold | {"prepare"}
+    ]
+    assert not fetching, f"the read node does fetch work: {fetching}"
+    for module in ("shards", "streams"):  # the read-ahead it names is the fetch node's to cancel too
+        calls = _calls_of(ROOT / "streamload" / f"{module}.py", {"fetch_ahead", "ahead_depth"})
+        assert not calls, f"{module}.py drives the storage's read-ahead: {calls}"

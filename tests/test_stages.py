@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 
-from streamload import StreamingDataset
-from streamload._stages import StageTable
+from streamload import StorageConfig, StreamingDataset
 from streamload.plan import World
 from streamload.resume import Position
 from streamload.skips import SkipLog, Substitute
 from streamload.stages import Pipeline, Steps
+from streamload.timing import FETCH, StageTable
 from tests.helpers.datasets import make_dataset
+from tests.s3server import SeaweedS3
 
 COUNTS = [7, 5, 9, 4]
 
@@ -100,3 +101,27 @@ def test_a_forked_child_starts_with_no_stage_rows_of_its_parent() -> None:
     os.waitpid(pid, 0)
     assert out == "0 0.0"
     assert table.fields()[0] == 1.5
+
+
+def test_a_watched_streamed_read_times_its_ranged_reads_as_fetch(
+    root: Path, s3_server: SeaweedS3, s3_bucket: str, tmp_path: Path
+) -> None:
+    """Streaming, the reads of fetched ranges are the fetch stage's: the nodes time them, nothing in storage/.
+
+    The whole epoch is one fetch-ahead unit: every shard's reader is opened (its sidecar
+    fetched) before the first sample is read, so what fetch gains after the first item is
+    the reads of ranged bytes alone.
+    """
+    fs = s3_server.filesystem()
+    for path in sorted(root.iterdir()):
+        fs.put_file(str(path), f"{s3_bucket}/stages-streamed/{path.name}")
+    storage = StorageConfig(storage_options=s3_server.storage_options(), cache_dir=tmp_path, cache="none")  # type: ignore[arg-type]
+    ds = StreamingDataset(f"s3://{s3_bucket}/stages-streamed", storage=storage)
+    ds.stage_table = table = StageTable(0)
+    it = iter(ds)
+    first = next(it)
+    opened = table.fields()[FETCH]
+    keys = [first["__key__"]] + [s["__key__"] for s in it]
+    assert sorted(keys) == sorted(f"s{i}_{j}" for i, n in enumerate(COUNTS) for j in range(n))
+    assert opened > 0  # the shards' opens
+    assert table.fields()[FETCH] > opened  # 24 more samples' ranged reads

@@ -213,8 +213,8 @@ def read_decoded(
     that is not an integer: the dict path raises its own error for it).
     """
     from .._errors import SampleError
-    from .._stages import current
     from ..batch import serves_batches
+    from ..timing import current
 
     where = None if places is None else places.tolist()
     spots = [(shard, int(i)) for shard, idx in parts for i in np.asarray(idx).tolist()]

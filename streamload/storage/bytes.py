@@ -22,7 +22,6 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .._errors import CorruptShardError
-from .._stages import fetching
 from .parts import FIRST_PART, merge_range
 
 if TYPE_CHECKING:
@@ -404,16 +403,11 @@ class StreamedFile:
     def pread(self, n: int, offset: int) -> bytes:
         """Return ``n`` bytes at ``offset`` (fewer only at the end of the object)."""
         buf = bytearray(max(0, min(n, self.size - offset)))
-        with fetching():  # a watched loader's "fetch" stage
-            got = self.fetcher.read_into(self.name, self.size, memoryview(buf), offset)
+        got = self.fetcher.read_into(self.name, self.size, memoryview(buf), offset)
         return bytes(buf[:got]) if got != len(buf) else bytes(buf)
 
     def preadv(self, buffers: list[memoryview], offset: int) -> int:
         """Fill ``buffers`` in order from ``offset``; return the bytes read."""
-        with fetching():  # a watched loader's "fetch" stage
-            return self._preadv(buffers, offset)
-
-    def _preadv(self, buffers: list[memoryview], offset: int) -> int:
         total = sum(len(b) for b in buffers)
         whole = self.fetcher.span_bytes(self.name, offset, offset + total)
         if whole is not None:  # the usual case: one fetched span holds the whole run

@@ -1,12 +1,13 @@
-"""Stage clocks: the seconds each reader of a watched loader spends per stage of the pipeline.
+"""Timing: the clocks of the seconds each reader of a watched loader spends per stage of the pipeline.
 
 Nothing here runs unless a loader is watched (:func:`streamload.watch` gives the dataset a
 :class:`StageTable`); an unwatched dataset pays one ``is None`` test per sample.
 
 Where the time goes, and who charges it::
 
-    fetch      ShardSource opening a shard: its download or cache wait, its reader   -- exact
-               StreamedFile reads (streaming mode: the ranged GETs and the waits)    -- exact
+    fetch      a shard opened by the fetch or read node: its download or cache wait,  -- exact
+               its reader; the reads of streamed bytes (streaming mode: the ranged
+               GETs and the waits), through the view the read node puts over them
     read       the dataset's iteration (time inside ``next()``), less the rest        -- sampled
     transform  the per-sample transform                                               -- sampled
     collate    the dataset's ``collate`` (DecodeBatch, RawCollate of dicts)          -- exact
@@ -22,6 +23,11 @@ workers is watched), so the main process reads every worker's figures without a 
 in the main process (``num_workers=0``, or a loader whose readers are threads) each
 thread adds into a row of its own, in the process's memory. A row has one writer, so
 no lock is taken.
+
+Nothing below the read path's nodes knows of a clock: the nodes
+(:class:`~streamload.ahead.FetchAhead`, :class:`~streamload.stages.Read`) wrap the calls
+they make into the shards' cache and storage in the clock's :attr:`Clock.fetch` context,
+which :class:`~streamload.stages.Pipeline` installs when the dataset is watched.
 """
 
 from __future__ import annotations
@@ -50,7 +56,6 @@ __all__ = [
     "Clock",
     "StageTable",
     "current",
-    "fetching",
     "stage_seconds",
 ]
 
@@ -111,19 +116,6 @@ class _Fetching:
             self._clock.row[FETCH] += perf_counter() - self._start
 
 
-class _Nothing:
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NOTHING = _Nothing()
-
-
 class Clock:
     """One reader's stage seconds (a row of a :class:`StageTable`); used by one thread only.
 
@@ -144,7 +136,7 @@ class Clock:
 
         The time inside ``next()`` is the dataset's own work; fetches inside it are
         charged to ``fetch`` by their own contexts and left out here. While it runs,
-        this clock is the thread's :func:`current` one (for the fetch hooks).
+        this clock is the thread's :func:`current` one (a collate that times its decode finds it).
         """
         row = self.row
         _local.clock = self
@@ -190,14 +182,6 @@ def current() -> Clock | None:
         return None
     clock: Clock | None = getattr(_local, "clock", None)
     return clock
-
-
-def fetching() -> Any:
-    """A context charging its time to the current clock's ``fetch`` (nothing when unwatched)."""
-    if not _active:
-        return _NOTHING
-    clock: Clock | None = getattr(_local, "clock", None)
-    return _NOTHING if clock is None else clock.fetch
 
 
 class StageTable:
