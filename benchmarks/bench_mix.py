@@ -106,7 +106,7 @@ def planner(streams: int, shards: int, repeat: int) -> None:
         upsampled = epoch_counts(sizes, weights=none, repeats=[2.5] * streams, samples=none)
         cases: list[tuple[str, Callable[[], EpochPlan]]] = []
         for shuffle in (False, True):
-            split = Split(shuffle=shuffle, seed=1, chunk=256)
+            split = Split(shuffle=shuffle, seed=1, batch_size=256)
             tag = "shuffle" if shuffle else "in order"
             cases.append((f"single dataset, {len(flat):,} shards, {tag}", plan_maker(flat, split)))
             for name, counts in (("weights", weighted), ("repeat=2.5", upsampled)):

@@ -77,7 +77,7 @@ def footprint(counts: list[int], world_size: int, batch: int, rule: str) -> tupl
     """(most shards one worker needs at once, most the node needs at once) for one epoch."""
     kwargs = rule_kwargs(rule, world_size, counts)
     split = Split(
-        shuffle=True, seed=1, chunk=batch, partitions=kwargs.get("partitions"), window=kwargs.get("shuffle_window")
+        shuffle=True, seed=1, batch_size=batch, partitions=kwargs.get("partitions"), window=kwargs.get("shuffle_window")
     )
     plan = EpochPlan(counts, world_size, split)
     worker_best = 0

@@ -82,9 +82,9 @@ def main() -> None:
         counts = shard_counts(total)
         cases: list[tuple[str, Split, bool, int]] = [
             ("sequential, chunk=None", Split(), False, RANKS),
-            ("sequential, chunk=256 (batch)", Split(chunk=256), False, RANKS),
-            ("shuffle, chunk=256", Split(shuffle=True, seed=1, chunk=256), False, RANKS),
-            ("shuffle, resumed half-way on 256 x 512", Split(shuffle=True, seed=1, chunk=512), True, 256),
+            ("sequential, chunk=256 (batch)", Split(batch_size=256), False, RANKS),
+            ("shuffle, chunk=256", Split(shuffle=True, seed=1, batch_size=256), False, RANKS),
+            ("shuffle, resumed half-way on 256 x 512", Split(shuffle=True, seed=1, batch_size=512), True, 256),
         ]
         for name, split, resumed, world_size in cases:
             r = measure(counts, split, resumed, world_size, args.repeat)

@@ -34,7 +34,7 @@ BATCH = 256
 
 
 def streamload_order(counts: list[int], window: int | None, seed: int = 1, partitions: int | None = None) -> np.ndarray:
-    plan = EpochPlan(counts, 1, Split(shuffle=True, seed=seed, window=window, chunk=BATCH, partitions=partitions))
+    plan = EpochPlan(counts, 1, Split(shuffle=True, seed=seed, window=window, batch_size=BATCH, partitions=partitions))
     shards, locals_ = plan.locate(plan.rank_positions(0, 0, plan.per_rank))
     start = np.concatenate([[0], np.cumsum(counts)])
     return np.asarray(start[shards] + locals_, dtype=np.int64)
@@ -88,7 +88,7 @@ def main() -> None:
             ("streamload default (8 partitions)", streamload_order(counts, None)),
             (f"streamload window={16 * size}", streamload_order(counts, 16 * size)),
         ]
-        default = EpochPlan(counts, 1, Split(shuffle=True, chunk=BATCH)).window
+        default = EpochPlan(counts, 1, Split(shuffle=True, batch_size=BATCH)).window
         for name, order in rows:
             assert len(order) - n < BATCH and sorted(set(order.tolist())) == list(range(n)), name
             order = order[:n]  # whole batches: the padding (the fewest repeats) left out of the metrics

@@ -34,7 +34,7 @@ from .formats import Format, Sample
 from .iterations import Iterations, ThreadReaders
 from .manifest import Manifest
 from .plan import EpochPlan, Split, World, detect_rank_world, detect_world, distributed_world, rank_samples
-from .resume import Planner, Position
+from .plan_stage import Planner, Position
 from .shardlist import open_shard_list
 from .skips import MAX_NAMED_SKIPS, SkipCounts, SkipLog, SkippedSample
 from .stages import OnError, Pipeline, Steps
@@ -357,7 +357,7 @@ def _split(args: DatasetArgs, pad: bool) -> Split:
         shuffle=args.shuffle,
         drop_last=args.drop_last,
         window=args.shuffle_window,
-        chunk=args.batch_size,
+        batch_size=args.batch_size,
         partitions=args.partitions,
         pad=pad,
     )

@@ -5,7 +5,7 @@ one :class:`streamload.Loader` iteration) share its epoch (:class:`~streamload.e
 claimed when the first sample is asked for; a Loader's threads and a DataLoader never
 read one dataset at once (:class:`~streamload.epochs.Users`). Each reader runs one
 :class:`~streamload.stages.Pipeline` from its place in the plan
-(:class:`~streamload.resume.Planner`).
+(:class:`~streamload.plan_stage.Planner`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ._atexit import close_at_exit
 from ._errors import PlanError, StreamloadError
 from .epochs import ITERATOR, LOADER, EpochTable, Users
 from .plan import EpochPlan, World
-from .resume import Planner, Position
+from .plan_stage import Planner, Position
 
 __all__ = ["Iterations", "ThreadReaders"]
 
@@ -171,9 +171,9 @@ class ThreadReaders:
         self._slot = slot
 
     @property
-    def chunk(self) -> int:
+    def chunk_size(self) -> int:
         """Samples of each batch a reader makes (the plan's chunk for this many readers)."""
-        return self.progress.chunk
+        return self.progress.chunk_size
 
     def state(self, samples_seen: int) -> dict[str, Any]:
         """The dataset's plain state of this epoch after ``samples_seen`` global samples (all ranks)."""

@@ -256,7 +256,7 @@ class _Run:
         try:
             self.progress = iteration.progress
             self.world_size = iteration.world.world_size
-            self.chunk = iteration.chunk
+            self.chunk_size = iteration.chunk_size
             self.queues: list[queue.Queue[Any]] = [queue.Queue(loader.prefetch) for _ in readers]
             self.gate = threading.BoundedSemaphore(_cores())
             collate = ds.collate is None
@@ -305,7 +305,7 @@ class _Run:
         """A reader thread: its batches, in its order, into its queue."""
         from torch.utils.data import default_collate, default_convert
 
-        size = self.chunk
+        size = self.chunk_size
         stopped = self.stopped
         # The first round of batches: no more at once than there are cores, so that batch 0
         # is not slowed down by every other thread's first batch (the first batch comes as
@@ -419,7 +419,7 @@ class _Run:
         try:
             if self.out is None:
                 for batch in self._ordered():
-                    progress.next_item += self.chunk
+                    progress.next_item += self.chunk_size
                     yield batch
                 return
             while True:
@@ -435,7 +435,7 @@ class _Run:
                     for tensor in _tensors(batch):
                         if tensor.is_cuda:
                             tensor.record_stream(current)
-                progress.next_item += self.chunk
+                progress.next_item += self.chunk_size
                 yield batch
         except _Stopped:
             return

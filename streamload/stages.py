@@ -39,8 +39,8 @@ from .ahead import FetchAhead
 from .formats import ShardBytes, ShardReader
 from .plan import EpochPlan, Run, World
 from .plan.world import local_ranks
+from .plan_stage import Position
 from .recovery import Failed, key_of, raise_located, read_batch, recovering_samples, skippable
-from .resume import Position
 from .skips import SkipLog, Substitute, batch_errors
 from .storage import Storage
 from .streams import MixedSource, Mixture
@@ -410,7 +410,7 @@ class Pipeline:
     def _items(self, read: Read, ahead: FetchAhead, runs: Iterator[Run]) -> Iterator[Any]:
         from .plan import group_runs
 
-        chunk = self.position.chunk
+        chunk = self.position.chunk_size
         if self.steps.collate is not None:
             for batch in ahead.batches(group_runs(runs, chunk)):
                 yield read.batch(batch)

@@ -64,7 +64,7 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload.dataref",
         "streamload.streams",
         "streamload.ahead",
-        "streamload.resume",
+        "streamload.plan_stage",
         "streamload.stages",
         "streamload.iterations",
         "streamload.dataset",

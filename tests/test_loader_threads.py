@@ -225,13 +225,13 @@ def test_thread_readers_is_the_loaders_public_seam(keys_root: Path) -> None:
     ds = keyed(keys_root)
     expected = list(Loader(keyed(keys_root), threads=2))
     iteration = ds.thread_readers(2)
-    assert len(iteration.readers) == 2 and iteration.chunk == BATCH and iteration.world.num_workers == 1
+    assert len(iteration.readers) == 2 and iteration.chunk_size == BATCH and iteration.world.num_workers == 1
     with pytest.raises(ConfigError, match="streamload.Loader"):  # registered: no DataLoader meanwhile
         next(iter(DataLoader(ds, batch_size=None, num_workers=0)))
     first, second = (list(reader) for reader in iteration.readers)
     turns = [b for pair in zip(first, second, strict=False) for b in pair] + first[len(second) :]
     assert turns == expected  # the readers' batches taken in turn: the Loader's (and the DataLoader's)
-    iteration.progress.next_item += 3 * iteration.chunk  # the caller consumed three batches
+    iteration.progress.next_item += 3 * iteration.chunk_size  # the caller consumed three batches
     assert ds.state_dict(samples_seen=3 * BATCH)["samples_seen"] == iteration.state(3 * BATCH)["samples_seen"]
     iteration.leave()
     iteration.leave()  # once

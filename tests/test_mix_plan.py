@@ -41,7 +41,7 @@ split_st = st.builds(
     shuffle=st.booleans(),
     drop_last=st.booleans(),
     window=st.none() | st.integers(1, 40),
-    chunk=st.none() | st.integers(1, 9),
+    batch_size=st.none() | st.integers(1, 9),
 )
 
 
@@ -185,7 +185,7 @@ def test_equal_per_rank_and_every_item_once_plus_padding(
     layout = MixLayout(shards, counts, split)
     plan = EpochPlan(flat_counts(shards), world_size, split, layout=layout)
     n = layout.total
-    batch = world_size * (split.chunk or 1)
+    batch = world_size * (split.batch_size or 1)
     per_rank = (n // batch if split.drop_last else -(-n // batch)) * batch // world_size
     seqs = rank_sequences(plan, num_workers)
     assert [len(s) for s in seqs] == [per_rank] * world_size
@@ -264,7 +264,7 @@ def test_two_streams_interleave_exactly() -> None:
 def test_mixture_batches_follow_the_weights() -> None:
     """No shuffle: every batch of 10 from a 70/30 mixture holds 7 and 3, on every rank."""
     layout = MixLayout([[100] * 7, [50] * 6], [700, 300], Split())
-    plan = EpochPlan([100] * 7 + [50] * 6, 2, Split(chunk=10), layout=layout)
+    plan = EpochPlan([100] * 7 + [50] * 6, 2, Split(batch_size=10), layout=layout)
     for seq in rank_sequences(plan, 3):
         for b in range(0, len(seq), 10):
             assert sum(1 for s, _ in seq[b : b + 10] if s >= 7) == 3
@@ -295,7 +295,7 @@ def test_a_mixture_has_the_same_global_batches_on_any_world(
     flat = flat_counts(shards)
 
     def steps(world_size: int, workers: int) -> list[list[Item]]:
-        split = Split(seed=seed, shuffle=True, chunk=batch // world_size)
+        split = Split(seed=seed, shuffle=True, batch_size=batch // world_size)
         seqs = rank_sequences(EpochPlan(flat, world_size, split, layout=MixLayout(shards, counts, split)), workers)
         chunk = batch // world_size
         n = len(seqs[0]) // chunk
@@ -335,7 +335,7 @@ def test_planner_memory_is_per_shard_not_per_sample() -> None:
     counts = [150 * 10**6] * 10
     tracemalloc.start()
     layout = MixLayout(shards, counts, Split(shuffle=True, seed=3))
-    plan = EpochPlan(flat_counts(shards), 64, Split(shuffle=True, seed=3, chunk=256), layout=layout)
+    plan = EpochPlan(flat_counts(shards), 64, Split(shuffle=True, seed=3, batch_size=256), layout=layout)
     runs = plan.runs(World(5, 64, 1, 8))
     for _ in range(50):
         next(runs)

@@ -49,7 +49,7 @@ def test_dataset_smaller_than_world(n: int, world_size: int, per_rank: int) -> N
 
 
 def test_chunks_go_round_robin_to_workers() -> None:
-    plan = EpochPlan([10, 10], 1, Split(chunk=3))
+    plan = EpochPlan([10, 10], 1, Split(batch_size=3))
     positions = [[int(p) for run in plan.runs(World(0, 1, w, 2)) for p in run.positions] for w in range(2)]
     # 20 samples padded to 7 whole batches of 3 (one repeat)
     assert positions == [[0, 1, 2, 6, 7, 8, 12, 13, 14, 18, 19, 20], [3, 4, 5, 9, 10, 11, 15, 16, 17]]
@@ -100,11 +100,11 @@ def test_default_window_is_wider_than_a_shard_and_bounded() -> None:
     assert EpochPlan([0, 0], 1, Split(shuffle=True)).window == 1
     assert EpochPlan([10**7], 1, Split(shuffle=True)).window == 2**20
     # partitioned (shuffled and batched): the whole window shared, never below the largest shard
-    assert EpochPlan([1000] * 50, 1, Split(shuffle=True, chunk=64)).window == 1000
+    assert EpochPlan([1000] * 50, 1, Split(shuffle=True, batch_size=64)).window == 1000
     # 32 shards of 10 shared by 8 windows, less the 7 extra boundaries: (320 - 7 * 10) // 8
-    assert EpochPlan([10] * 1000, 4, Split(shuffle=True, chunk=64)).window == 31
-    assert EpochPlan([10] * 1000, 4, Split(shuffle=True, chunk=64, partitions=2)).window == 155
-    assert EpochPlan([10] * 1000, 4, Split(shuffle=True, chunk=1, partitions=2)).window == 155  # min(P, B) = 2
+    assert EpochPlan([10] * 1000, 4, Split(shuffle=True, batch_size=64)).window == 31
+    assert EpochPlan([10] * 1000, 4, Split(shuffle=True, batch_size=64, partitions=2)).window == 155
+    assert EpochPlan([10] * 1000, 4, Split(shuffle=True, batch_size=1, partitions=2)).window == 155  # min(P, B) = 2
 
 
 # -- world detection ---------------------------------------------------------------

@@ -30,7 +30,7 @@ split_st = st.builds(
     shuffle=st.booleans(),
     drop_last=st.booleans(),
     window=st.none() | st.integers(1, 40),
-    chunk=st.none() | st.integers(1, 9),
+    batch_size=st.none() | st.integers(1, 9),
 )
 
 
@@ -39,7 +39,7 @@ split_st = st.builds(
 def test_exactly_once_equal_per_rank(counts: list[int], world_size: int, num_workers: int, split: Split) -> None:
     plan = EpochPlan(counts, world_size, split)
     n = sum(counts)
-    batch = world_size * (split.chunk or 1)
+    batch = world_size * (split.batch_size or 1)
     per_rank = (n // batch if split.drop_last else -(-n // batch)) * batch // world_size
     seqs = rank_sequences(plan, num_workers)
     assert [len(s) for s in seqs] == [per_rank] * world_size
@@ -84,8 +84,8 @@ def test_resume_same_world_continues_each_rank_order(
 
 
 def global_steps(counts: list[int], world_size: int, num_workers: int, split: Split) -> list[list[Item]]:
-    """The samples of each global step: every rank's k-th batch of ``split.chunk``, in rank order."""
-    chunk = split.chunk
+    """The samples of each global step: every rank's k-th batch of ``split.batch_size``, in rank order."""
+    chunk = split.batch_size
     assert chunk is not None
     seqs = rank_sequences(EpochPlan(counts, world_size, split), num_workers)
     steps = len(seqs[0]) // chunk if seqs else 0
@@ -110,14 +110,14 @@ def test_global_batches_do_not_depend_on_the_world(
 ) -> None:
     """The same global batch on any world (ranks x workers): the same sequence of global steps."""
     worlds = divisors(batch)
-    reference = global_steps(counts, 1, 1, Split(**{**split.__dict__, "chunk": batch}))
+    reference = global_steps(counts, 1, 1, Split(**{**split.__dict__, "batch_size": batch}))
     assert sum(len(step) for step in reference) == (
         (sum(counts) // batch if split.drop_last else -(-sum(counts) // batch)) * batch
     )
     for world_size in data.draw(st.lists(st.sampled_from(worlds), min_size=1, max_size=3)):
         workers = data.draw(st.integers(1, 4))
         chunk = batch // world_size
-        assert global_steps(counts, world_size, workers, Split(**{**split.__dict__, "chunk": chunk})) == reference
+        assert global_steps(counts, world_size, workers, Split(**{**split.__dict__, "batch_size": chunk})) == reference
 
 
 @SETTINGS
@@ -136,10 +136,10 @@ def test_resume_on_another_world_continues_the_same_global_batches(
         data.draw(st.sampled_from(divisors(batch))),
     )
     workers = data.draw(st.integers(1, 3))
-    reference = global_steps(counts, 1, 1, Split(**{**split.__dict__, "chunk": batch}))
+    reference = global_steps(counts, 1, 1, Split(**{**split.__dict__, "batch_size": batch}))
     k = data.draw(st.integers(0, len(reference)))
     chunk = batch // resumed_world
-    plan = EpochPlan(counts, resumed_world, Split(**{**split.__dict__, "chunk": chunk}))
+    plan = EpochPlan(counts, resumed_world, Split(**{**split.__dict__, "batch_size": chunk}))
     state = EpochState(
         split.epoch,
         split.seed,
@@ -179,7 +179,7 @@ def test_ranks_that_divide_the_partitions_read_only_their_own(
 ) -> None:
     """Locality: with R dividing P, rank r reads only a contiguous run of the padded sequence (its partitions)."""
     world_size = data.draw(st.sampled_from(divisors(parts)))
-    split = Split(seed=seed, shuffle=True, chunk=chunk, partitions=parts)
+    split = Split(seed=seed, shuffle=True, batch_size=chunk, partitions=parts)
     plan = EpochPlan(counts, world_size, split)
     spans = []
     for rank in range(world_size):

@@ -12,7 +12,7 @@ import pytest
 
 from streamload import StorageConfig, StreamingDataset
 from streamload.plan import World
-from streamload.resume import Position
+from streamload.plan_stage import Position
 from streamload.skips import SkipLog, Substitute
 from streamload.stages import Pipeline, Steps
 from streamload.timing import FETCH, StageTable
@@ -39,7 +39,7 @@ def test_a_pipeline_reads_what_the_dataset_reads_and_its_state_is_plain_data(roo
     ds = StreamingDataset(str(root), shuffle=True, seed=3, shuffle_window=6)
     expected = [s["__key__"] for s in ds]
     stages = pipeline(ds)
-    assert stages.state() == {"position": {"epoch": 0, "chunk": 25, "next_item": 0, "first": 0, "origin": 0}}
+    assert stages.state() == {"position": {"epoch": 0, "chunk_size": 25, "next_item": 0, "first": 0, "origin": 0}}
     it = iter(stages)
     head = [next(it)["__key__"] for _ in range(10)]
     state = stages.state()

@@ -24,7 +24,7 @@ global batch ``B = b * R``; without a batch, ``b = 1``)::
                       iteration resumed at chunk f deals from there: (c - f) mod W)
 
 **The same training on any cluster shape.** With ``shuffle`` and a batch size
-(``Split.chunk``) the partitions are the *canonical* ones: ``P = min(partitions, B)``
+(``Split.batch_size``) the partitions are the *canonical* ones: ``P = min(partitions, B)``
 (default :data:`DEFAULT_PARTITIONS`), a number that depends on the global batch only. So
 the padded sequence, its partitions and their orders, and therefore every global batch,
 are functions of (dataset, seed, epoch, global batch size, partitions, window): the same
@@ -147,7 +147,7 @@ class EpochPlan:
         self.split = split
         self.world_size = world_size
         #: The global batch ``B`` (the per-rank batch, or 1, times the ranks).
-        self.global_batch = global_batch(world_size, split.chunk)
+        self.global_batch = global_batch(world_size, split.batch_size)
         #: Partitions of the padded sequence (canonical, or one per rank).
         self.partitions = partition_count(split, world_size)
         self.layout: Layout = ShardLayout(counts, split) if layout is None else layout
@@ -168,7 +168,7 @@ class EpochPlan:
         self.segments: tuple[tuple[int, int, int], ...] = ()
         #: True if this plan starts a new segment (the world changed the global batch).
         self.reshaped = False
-        self._rank_batch = split.chunk or 1
+        self._rank_batch = split.batch_size or 1
         self._parts = Partitions(
             self.padded,
             self.global_batch,
@@ -245,8 +245,8 @@ class EpochPlan:
 
     def chunk_size(self, num_workers: int) -> int:
         """Items per chunk handed to a worker."""
-        if self.split.chunk is not None:
-            return self.split.chunk
+        if self.split.batch_size is not None:
+            return self.split.batch_size
         most = self.per_rank + -(-self.tail // self.world_size)
         return max(1, math.ceil(most / num_workers))
 

@@ -54,7 +54,7 @@ class Split:
             padding to whole global batches by repeating the fewest samples.
         window: Shuffle window of each partition in items; ``None`` picks the default
             (see the module docstring).
-        chunk: The per-rank batch size ``b``: items of a rank's order handed to a worker
+        batch_size: The per-rank batch size ``b``: items of a rank's order handed to a worker
             at a time (``None``: each worker gets one contiguous block). Set it to the
             DataLoader batch size so batches leave the workers in the rank's order, and
             so that a shuffled epoch follows the world-independent order.
@@ -69,7 +69,7 @@ class Split:
     shuffle: bool = False
     drop_last: bool = False
     window: int | None = None
-    chunk: int | None = None
+    batch_size: int | None = None
     partitions: int | None = None
     pad: bool = True
 
@@ -78,15 +78,15 @@ class Split:
             raise PlanError(f"epoch={self.epoch} must be >= 0")
         if self.window is not None and self.window < 1:
             raise PlanError(f"window={self.window} must be >= 1")
-        if self.chunk is not None and self.chunk < 1:
-            raise PlanError(f"chunk={self.chunk} must be >= 1")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise PlanError(f"batch_size={self.batch_size} must be >= 1")
         if self.partitions is not None and self.partitions < 1:
             raise PlanError(f"partitions={self.partitions} must be >= 1")
 
     @property
     def canonical(self) -> bool:
         """True if the epoch follows the world-independent order (shuffled and batched)."""
-        return self.shuffle and self.chunk is not None
+        return self.shuffle and self.batch_size is not None
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ def partition_count(split: Split, world_size: int) -> int:
     ``split.partitions`` names the count (an epoch resumed on another world keeps the
     partitions it started with, so its remaining global batches are the uninterrupted ones).
     """
-    batch = global_batch(world_size, split.chunk)
+    batch = global_batch(world_size, split.batch_size)
     if split.canonical:
         return min(split.partitions or DEFAULT_PARTITIONS, batch)
     return min(split.partitions or world_size, batch)

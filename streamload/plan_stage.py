@@ -1,4 +1,4 @@
-"""The plan stage: an epoch's plan for a world, where each reader starts in it, and where it stands.
+"""The plan stage (the plan node): an epoch's plan for a world, where each reader starts in it, and where it stands.
 
 :class:`Planner` holds the dataset's order settings (seed, shuffle, window, batch,
 partitions, padding) and the one piece of state a dataset carries between iterations:
@@ -29,14 +29,14 @@ class Position:
 
     Attributes:
         epoch: The iteration's epoch.
-        chunk: Items a worker takes at a time (its batches).
+        chunk_size: Items a worker takes at a time (its batches: the batch size, when batched).
         next_item: Rank-order index of this reader's next item.
         first: The chunk from which this iteration dealt chunks to the readers.
         origin: The rank item this reader's iteration started from (``None``: unknown, an earlier state).
     """
 
     epoch: int
-    chunk: int
+    chunk_size: int
     next_item: int
     first: int = 0
     origin: int | None = 0
@@ -45,7 +45,7 @@ class Position:
         """This position as a plain dict."""
         return {
             "epoch": self.epoch,
-            "chunk": self.chunk,
+            "chunk_size": self.chunk_size,
             "next_item": self.next_item,
             "first": self.first,
             "origin": self.origin,
@@ -83,7 +83,7 @@ class Planner:
         resume = self.resume
         if resume is None or resume.epoch != epoch:
             return EpochPlan(counts, world_size, split, self.streams.layout(split))
-        batch = world_size * (split.chunk or 1)
+        batch = world_size * (split.batch_size or 1)
         reshaped = resume.reshaped(batch, partition_count(split, world_size), split.canonical)
         segments = resume.segments + ((resume.new_segment(),) if reshaped else ())
         if not segments:
@@ -91,13 +91,13 @@ class Planner:
                 split = replace(split, partitions=resume.partitions)
             return EpochPlan(counts, world_size, split, self.streams.layout(split))
         first_batch, first_parts, _ = segments[0]
-        base = replace(split, chunk=first_batch, partitions=first_parts, window=resume.window)
+        base = replace(split, batch_size=first_batch, partitions=first_parts, window=resume.window)
         rest = Remainder(EpochPlan(counts, 1, base, self.streams.layout(base)), segments[0][2] // first_batch)
         plain = Split(epoch=epoch, seed=split.seed, drop_last=split.drop_last, pad=split.pad)
         for (_, _, begin), (batch_i, parts_i, end) in zip(segments, segments[1:], strict=False):
-            part = replace(plain, chunk=batch_i, partitions=parts_i)
+            part = replace(plain, batch_size=batch_i, partitions=parts_i)
             rest = Remainder(EpochPlan(counts, 1, part, rest), (end - begin) // batch_i)
-        final = replace(plain, chunk=split.chunk, partitions=None if reshaped else resume.partitions)
+        final = replace(plain, batch_size=split.batch_size, partitions=None if reshaped else resume.partitions)
         plan = EpochPlan(counts, world_size, final, rest)
         if not reshaped and resume.rest != rest.total:
             raise PlanError(
@@ -185,7 +185,7 @@ class Planner:
                 world.world_size,
                 world.worker,
                 world.num_workers,
-                position.chunk,
+                position.chunk_size,
                 position.next_item,
                 position.first,
                 None if done is None else origin,
