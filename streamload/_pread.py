@@ -123,8 +123,9 @@ class Gather:
             :func:`hashes`) when a read came back short or failed, a digest differs, or
             there are no digests to compare; raises, naming the shard and sample, for a
             short, failed or damaged read (without digests: checks them itself).
-        live: Whether :attr:`fd` is still the shard's open descriptor (its reader not
-            closed since: a reader cache may close one reader to open another).
+        owner: What holds :attr:`fd` open (the shard's bytes): its ``fd`` attribute is
+            still :attr:`fd` while open (a reader cache may close one reader to open another,
+            and a closed descriptor's number may name another file by then).
     """
 
     fd: int
@@ -135,7 +136,7 @@ class Gather:
     at: np.ndarray
     digests: np.ndarray
     check: Callable[[np.ndarray, np.ndarray | None], None]
-    live: Callable[[], bool]
+    owner: Any
 
 
 def gather_all(plans: Sequence[Gather]) -> bool:
@@ -148,7 +149,7 @@ def gather_all(plans: Sequence[Gather]) -> bool:
         closed after it was planned (its descriptor may name another file by now): the
         caller reads another way.
     """
-    if not available() or not all(plan.live() for plan in plans):
+    if not available() or not all(getattr(plan.owner, "fd", -1) == plan.fd for plan in plans):
         return False
     if len(plans) == 1:
         plan = plans[0]

@@ -48,7 +48,7 @@ from .storage.executor import io_executor
 from .storage.ranges import Ticket
 from .streams import MixedSource
 
-__all__ = ["FetchAhead", "ShardsAhead"]
+__all__ = ["FetchAhead", "ShardsAhead", "group_runs"]
 
 #: How many shard changes ahead a reader looks for shards to name to the read-ahead.
 _SCAN = 64
@@ -477,3 +477,29 @@ class FetchAhead:
             fetcher = self.readers.sources[s].fetcher
             if ticket is not None and fetcher is not None:
                 fetcher.forget(ticket)
+
+
+def group_runs(runs: Iterable[Run], chunk: int) -> Iterator[list[Run]]:
+    """Cut a worker's plan runs at batch boundaries; yield each batch's runs, in order.
+
+    A batch is the items whose rank position ``p`` share ``p // chunk``; the planner
+    hands a worker whole chunks (``chunk == batch_size``), so this follows its batches
+    exactly, including a partial first batch after a mid-batch resume.
+    """
+    parts: list[Run] = []
+    current = -1
+    for run in runs:
+        batch_of = run.positions // chunk
+        cuts = np.flatnonzero(np.diff(batch_of)) + 1
+        bounds = [0, *cuts.tolist(), len(batch_of)]
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            if a == b:
+                continue
+            batch = int(batch_of[a])
+            if batch != current and parts:
+                yield parts
+                parts = []
+            current = batch
+            parts.append(Run(run.shard, run.locals[a:b], run.positions[a:b], run.items[a:b]))
+    if parts:
+        yield parts

@@ -24,11 +24,13 @@ counts, interleaved) and the readers (:class:`~streamload.streams.MixedSource`: 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterableDataset
 
+from ._atexit import close_at_exit
+from ._errors import PlanError
 from ._validate import DatasetArgs, check_epoch, dataset_args, warn_remote_only
 from .formats import Format, Sample
 from .iterations import Iterations, ThreadReaders
@@ -301,7 +303,7 @@ class StreamingDataset(IterableDataset[Any]):
 
     def __iter__(self) -> Iterator[Any]:
         world = detect_world(self.rank, self.world_size, self._inherited_world)
-        return self._iterations.iterator(world, self._pipeline)
+        return _reader(self._iterations, world, self._pipeline)
 
     def thread_readers(self, threads: int) -> ThreadReaders:
         """Start an iteration of this rank read by ``threads`` threads of this process (see :class:`ThreadReaders`).
@@ -310,7 +312,7 @@ class StreamingDataset(IterableDataset[Any]):
             ConfigError: If a DataLoader iterates this dataset now.
         """
         rank, world_size = detect_rank_world(self.rank, self.world_size, self._inherited_world)
-        return self._iterations.threads(rank, world_size, threads, self._pipeline, self._get_storages)
+        return _thread_readers(self._iterations, rank, world_size, threads, self._pipeline, self._get_storages)
 
     def loaded_state(self) -> dict[str, Any] | None:
         """The state :meth:`load_state_dict` loaded, until an iteration starts; else ``None``."""
@@ -361,3 +363,61 @@ def _split(args: DatasetArgs, pad: bool) -> Split:
         partitions=args.partitions,
         pad=pad,
     )
+
+
+#: One reader's stages over a plan (:meth:`StreamingDataset._pipeline`).
+_Stages = Callable[[EpochPlan, World, Position], Iterable[Any]]
+
+
+def _reader(iterations: Iterations, world: World, stages: _Stages) -> Iterator[Any]:
+    """One reader's iteration (the dataset's ``__iter__``): planned now, its epoch claimed with its first sample."""
+    try:
+        key, plan, progress = iterations.prepare(world)
+    except PlanError as exc:
+        if world.num_workers == 1:
+            raise
+        # In a DataLoader worker, raise with the first sample: the loader then hands the error to
+        # the main process at once (raised here, it kills the worker and is seen only after a timeout).
+        return _refused(exc)
+    iterator = _read(iterations, world, key, plan, progress, stages)
+    close_at_exit(iterator)  # closed before the interpreter's teardown if still alive then
+    return iterator
+
+
+def _read(
+    iterations: Iterations, world: World, key: int, plan: EpochPlan, progress: Position, stages: _Stages
+) -> Generator[Any, None, None]:
+    with iterations.running(world, key, plan, progress) as (plan, progress):
+        yield from stages(plan, world, progress)
+
+
+def _thread_readers(
+    iterations: Iterations,
+    rank: int,
+    world_size: int,
+    threads: int,
+    stages: _Stages,
+    open_storages: Callable[[], object],
+) -> ThreadReaders:
+    """:meth:`StreamingDataset.thread_readers`: a thread iteration registered, its readers planned.
+
+    The storages are opened once (not by the readers at once), then the epoch claimed
+    and a reader planned per thread; the iteration is unregistered if anything fails.
+    """
+    slot = iterations.enter_threads()
+    try:
+        open_storages()
+        plan, starts = iterations.plan_threads(rank, world_size, threads)
+        readers = [iter(stages(plan, world, position)) for world, position in starts]
+    except BaseException:
+        iterations.leave(slot)
+        raise
+    progress = iterations.progress
+    assert progress is not None
+    return ThreadReaders(plan, progress, readers, World(rank, world_size, 0, 1), iterations, slot)
+
+
+def _refused(exc: PlanError) -> Iterator[Any]:
+    """An iterator that raises ``exc`` when asked for its first item."""
+    raise exc
+    yield  # a generator

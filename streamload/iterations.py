@@ -3,29 +3,26 @@
 An iteration's readers (the DataLoader workers of one ``iter(loader)``, or the threads of
 one :class:`streamload.Loader` iteration) share its epoch (:class:`~streamload.epochs.EpochTable`),
 claimed when the first sample is asked for; a Loader's threads and a DataLoader never
-read one dataset at once (:class:`~streamload.epochs.Users`). Each reader runs one
-:class:`~streamload.stages.Pipeline` from its place in the plan
-(:class:`~streamload.plan_stage.Planner`).
+read one dataset at once (:class:`~streamload.epochs.Users`). This module plans and
+registers them; the dataset runs each reader's :class:`~streamload.stages.Pipeline` from
+its place in the plan (:class:`~streamload.plan_stage.Planner`): nothing here calls back
+up into the dataset.
 """
 
 from __future__ import annotations
 
 import secrets
 import sys
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
-from ._atexit import close_at_exit
-from ._errors import PlanError, StreamloadError
 from .epochs import ITERATOR, LOADER, EpochTable, Users
 from .plan import EpochPlan, World
 from .plan_stage import Planner, Position
 
 __all__ = ["Iterations", "ThreadReaders"]
-
-#: Builds one reader's stages over a plan (the dataset's :class:`~streamload.stages.Pipeline`).
-Stages = Callable[[EpochPlan, World, Position], Iterable[Any]]
 
 
 class Iterations:
@@ -65,28 +62,28 @@ class Iterations:
         self.progress = self.planner.position(world, plan)
         return plan, self.progress
 
-    def iterator(self, world: World, stages: Stages) -> Iterator[Any]:
-        """One iteration of this reader (the dataset's ``__iter__``)."""
+    def prepare(self, world: World) -> tuple[int, EpochPlan, Position]:
+        """A reader's iteration about to start: its key, plan and start (this process's progress).
+
+        Planned before the first sample is asked for (``state_dict()`` may ask meanwhile);
+        the epoch is claimed by :meth:`running`.
+
+        Raises:
+            PlanError: If the resume state does not fit this reader's plan.
+        """
         key = self.epochs.iteration_key()
-        try:
-            plan, progress = self.start(world, self.epochs.find(key))  # state_dict() may ask before the first sample
-        except PlanError as exc:
-            if world.num_workers == 1:
-                raise
-            # In a DataLoader worker, raise with the first sample: the loader then hands the error to
-            # the main process at once (raised here, it kills the worker and is seen only after a timeout).
-            return _refused(exc)
-        iterator = self._iterate(world, key, plan, progress, stages)
-        close_at_exit(iterator)  # closed before the interpreter's teardown if still alive then
-        return iterator
+        plan, progress = self.start(world, self.epochs.find(key))
+        return key, plan, progress
 
-    def _iterate(
-        self, world: World, key: int, plan: EpochPlan, progress: Position, stages: Stages
-    ) -> Generator[Any, None, None]:
-        """One iteration: its epoch is claimed when its first sample is asked for.
+    @contextmanager
+    def running(
+        self, world: World, key: int, plan: EpochPlan, progress: Position
+    ) -> Generator[tuple[EpochPlan, Position], None, None]:
+        """The iteration of :meth:`prepare` while its reader reads: its epoch claimed, itself registered.
 
-        An iterator still alive at interpreter exit is closed after the modules' globals
-        are gone: what its cleanup raises then is dropped, not printed.
+        Yields the plan and start it reads (planned again if another iteration claimed
+        the epoch meanwhile). An iteration still alive at interpreter exit is closed after
+        the modules' globals are gone: what its cleanup raises then is dropped.
         """
         finalizing = sys.is_finalizing  # bound now: the module's globals may be gone at exit
         slot = self.users.enter(ITERATOR, self.source)
@@ -96,7 +93,7 @@ class Iterations:
                 plan, progress = self.start(world, epoch)
             self.planner.warn_locality(plan, world)
             try:
-                yield from stages(plan, world, progress)
+                yield plan, progress
             except Exception:
                 if not finalizing():
                     raise
@@ -107,35 +104,37 @@ class Iterations:
                 if not finalizing():
                     raise
 
-    def threads(
-        self, rank: int, world_size: int, threads: int, stages: Stages, prepare: Callable[[], object]
-    ) -> ThreadReaders:
-        """One iteration read by ``threads`` readers of this process (:class:`streamload.Loader`).
+    def enter_threads(self) -> int:
+        """Register an iteration read by threads of this process (a DataLoader iterating the dataset now refuses it).
 
-        Registers the iteration (a DataLoader iterating the dataset now refuses it), calls
-        ``prepare`` (the storages opened once, not by the readers at once), claims the
-        epoch and plans it as if this rank had ``threads`` DataLoader workers: reader
-        ``w`` reads exactly what worker ``w`` would, so taking their batches in turn gives
-        the DataLoader's batches for any number of workers. If anything fails, the
-        iteration is unregistered before the error is raised.
+        Returns:
+            Its slot, for :meth:`plan_threads`, :class:`ThreadReaders` and :meth:`leave`.
         """
-        slot = self.users.enter(LOADER, self.source)
-        try:
-            prepare()
-            plan = self.planner.plan(self.epochs.claim(secrets.randbits(62) | 1), world_size)
-            readers: list[Iterator[Any]] = []
-            position = Position(plan.split.epoch, plan.chunk_size(threads), 0)
-            for worker in range(threads):
-                world = World(rank, world_size, worker, threads)
-                position = self.planner.position(world, plan)
-                if worker == 0:
-                    self.planner.warn_locality(plan, world)
-                readers.append(iter(stages(plan, world, position)))
-            self.progress = replace(position)  # the last reader's start (advanced by the Loader)
-        except BaseException:
-            self.users.leave(slot)
-            raise
-        return ThreadReaders(plan, self.progress, readers, World(rank, world_size, 0, 1), self, slot)
+        return self.users.enter(LOADER, self.source)
+
+    def leave(self, slot: int) -> None:
+        """Unregister the iteration of ``slot``."""
+        self.users.leave(slot)
+
+    def plan_threads(self, rank: int, world_size: int, threads: int) -> tuple[EpochPlan, list[tuple[World, Position]]]:
+        """Claim the epoch of a thread iteration and plan it: each reader's world and start.
+
+        Planned as if this rank had ``threads`` DataLoader workers: reader ``w`` reads
+        exactly what worker ``w`` would, so taking their batches in turn gives the
+        DataLoader's batches for any number of workers. The last reader's start becomes this
+        process's progress (advanced by the :class:`streamload.Loader`).
+        """
+        plan = self.planner.plan(self.epochs.claim(secrets.randbits(62) | 1), world_size)
+        starts: list[tuple[World, Position]] = []
+        position = Position(plan.split.epoch, plan.chunk_size(threads), 0)
+        for worker in range(threads):
+            world = World(rank, world_size, worker, threads)
+            position = self.planner.position(world, plan)
+            if worker == 0:
+                self.planner.warn_locality(plan, world)
+            starts.append((world, position))
+        self.progress = replace(position)
+        return plan, starts
 
 
 class ThreadReaders:
@@ -184,10 +183,4 @@ class ThreadReaders:
         """Unregister the iteration from its dataset (once; later calls do nothing)."""
         slot, self._slot = self._slot, -1
         if slot >= 0:
-            self._iterations.users.leave(slot)
-
-
-def _refused(exc: StreamloadError) -> Iterator[Any]:
-    """An iterator that raises ``exc`` when asked for its first item."""
-    raise exc
-    yield  # a generator
+            self._iterations.leave(slot)

@@ -8,7 +8,7 @@ and all three come here:
   the shard opened again over a fresh download (:class:`Refetch`);
 * reading a run of samples (:func:`recovering_samples`): the rest of the run is read from
   a reader over a fresh copy;
-* reading a whole batch straight from the readers (:func:`read_batch`): the batch is read
+* reading a whole batch straight from the readers (:func:`recover_batch`): the batch is read
   again once its shards' bad copies are dropped.
 
 Each shard is fetched again at most once per reader set: a shard still bad then is bad at
@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NoReturn, Protocol, TypeVar
+from typing import NoReturn, Protocol
 
 import numpy as np
 
@@ -34,11 +34,9 @@ from .formats import Sample, ShardReader
 from .manifest import ShardEntry
 from .plan import Run
 
-__all__ = ["Failed", "Refetch", "key_of", "raise_located", "read_batch", "recovering_samples", "skippable"]
+__all__ = ["Failed", "Refetch", "key_of", "raise_located", "recover_batch", "recovering_samples", "skippable"]
 
 log = logging.getLogger("streamload")
-
-T = TypeVar("T")
 
 
 def skippable(exc: BaseException) -> bool:
@@ -166,22 +164,21 @@ class _Recovers(Protocol):
     def recover_any(self, shards: Iterable[int], error: StreamloadError) -> bool: ...  # pragma: no cover
 
 
-def read_batch(read: Callable[[], T], shards: list[int], readers: _Recovers) -> T:
-    """Return ``read()``; a corrupt copy of one of ``shards`` met there is dropped and the batch read again, once.
+def recover_batch(error: CorruptShardError, shards: list[int], readers: _Recovers, again: bool) -> None:
+    """A batch read from ``shards`` met a corrupt copy: drop it and return (read the batch again, once), or raise.
+
+    The caller reads the batch, and on :class:`CorruptShardError` calls this with
+    ``again=False``; if its second read meets one too, with ``again=True``.
 
     Raises:
-        CorruptShardError: If a shard is bad at its source (its copy fetched again is bad too).
+        CorruptShardError: ``error``, when no cached copy could be dropped, or on the
+            second read (a shard bad at its source: ``recover_any`` names it).
     """
-    try:
-        return read()
-    except CorruptShardError as exc:  # a corrupt cached copy: read the batch again from fresh ones
-        if not readers.recover_any(shards, exc):
-            raise
-    try:
-        return read()
-    except CorruptShardError as again:  # bad at the source: say so (recover_any raises)
-        readers.recover_any(shards, again)
-        raise
+    if again:
+        readers.recover_any(shards, error)  # bad at the source: say so (it raises)
+        raise error
+    if not readers.recover_any(shards, error):
+        raise error
 
 
 @dataclass

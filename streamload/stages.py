@@ -30,17 +30,17 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import numpy as np
 
-from ._errors import SampleError, StreamloadError
-from .ahead import FetchAhead
+from ._errors import CorruptShardError, SampleError, StreamloadError
+from .ahead import FetchAhead, group_runs
 from .formats import ShardBytes, ShardReader
 from .plan import EpochPlan, Run, World
 from .plan.world import local_ranks
 from .plan_stage import Position
-from .recovery import Failed, key_of, raise_located, read_batch, recovering_samples, skippable
+from .recovery import Failed, key_of, raise_located, recover_batch, recovering_samples, skippable
 from .skips import SkipLog, Substitute, batch_errors
 from .storage import Storage
 from .streams import MixedSource, Mixture
@@ -220,13 +220,17 @@ class Read:
         if isinstance(collate, BatchReader) and steps.transform is None and steps.on_error == "raise":
             parts = [(run.shard, run.locals) for run in runs]
             shards = [s for s, _ in parts]
+            where = _batch_places(self.position.epoch, runs) if wants_places(collate) else None
             with batch_errors(partial(self._read_failed, runs)):  # a sample the collate names: located
-                if wants_places(collate):  # each sample's (epoch, position) too
-                    placed: Any = collate
-                    where = _batch_places(self.position.epoch, runs)
-                    batch = read_batch(lambda: placed.read_batch(get, parts, where), shards, readers)
-                else:
-                    batch = read_batch(lambda: collate.read_batch(get, parts), shards, readers)
+                for again in (False, True):  # a corrupt cached copy: dropped, the batch read again once
+                    try:
+                        if where is not None:  # each sample's (epoch, position) too
+                            batch = cast(Any, collate).read_batch(get, parts, where)
+                        else:
+                            batch = collate.read_batch(get, parts)
+                        break
+                    except CorruptShardError as exc:
+                        recover_batch(exc, shards, readers, again)
         else:
             kept = {id(item) for item in self.substitute.last.values()}
             self.origins = {k: v for k, v in self.origins.items() if k in kept}
@@ -408,8 +412,6 @@ class Pipeline:
                 readers.close()
 
     def _items(self, read: Read, ahead: FetchAhead, runs: Iterator[Run]) -> Iterator[Any]:
-        from .plan import group_runs
-
         chunk = self.position.chunk_size
         if self.steps.collate is not None:
             for batch in ahead.batches(group_runs(runs, chunk)):

@@ -16,9 +16,10 @@ from torch.utils.data import DataLoader
 
 from streamload import CorruptShardError, SampleError, StreamingDataset
 from streamload._batchmem import BufferPool, pack, unpack
+from streamload.ahead import group_runs
 from streamload.batch import RawBatch, RawCollate
 from streamload.decode import IMAGE_FIELDS
-from streamload.plan import Run, group_runs
+from streamload.plan import Run
 from tests.helpers.memory import in_shared_memory
 
 

@@ -383,7 +383,7 @@ class TarShardReader(ShardReader):
             at=starts.ravel(),
             digests=digests,
             check=check,
-            live=lambda: self._bytes is source,
+            owner=source,
         )
 
     def _preadv(self, source: ShardBytes, iov: list[memoryview], offset: int, expected: int) -> None:

@@ -18,7 +18,6 @@ from .planner import (
     rank_samples,
     samples_per_rank,
 )
-from .split import group_runs
 from .world import World, detect_rank_world, detect_world, distributed_world
 
 __all__ = [
@@ -38,7 +37,6 @@ __all__ = [
     "distributed_world",
     "epoch_counts",
     "global_batch",
-    "group_runs",
     "locality_warning",
     "mixture_fingerprint",
     "partition_count",

@@ -9,7 +9,7 @@ them (its module docstring tells the whole walk, from shards to a worker's chunk
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +23,6 @@ __all__ = [
     "Split",
     "default_window",
     "global_batch",
-    "group_runs",
     "locality_warning",
     "padded_total",
     "partition_count",
@@ -222,29 +221,3 @@ def locality_warning(split: Split, world_size: int) -> str | None:
 def seeded_rng(*words: int) -> np.random.Generator:
     """Return a numpy generator seeded by ``words`` (each taken modulo 2**64): the planner's one source of order."""
     return np.random.default_rng(np.random.SeedSequence([w & 0xFFFFFFFFFFFFFFFF for w in words]))
-
-
-def group_runs(runs: Iterable[Run], chunk: int) -> Iterator[list[Run]]:
-    """Cut a worker's plan runs at batch boundaries; yield each batch's runs, in order.
-
-    A batch is the items whose rank position ``p`` share ``p // chunk``; the planner
-    hands a worker whole chunks (``chunk == batch_size``), so this follows its batches
-    exactly, including a partial first batch after a mid-batch resume.
-    """
-    parts: list[Run] = []
-    current = -1
-    for run in runs:
-        batch_of = run.positions // chunk
-        cuts = np.flatnonzero(np.diff(batch_of)) + 1
-        bounds = [0, *cuts.tolist(), len(batch_of)]
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            if a == b:
-                continue
-            batch = int(batch_of[a])
-            if batch != current and parts:
-                yield parts
-                parts = []
-            current = batch
-            parts.append(Run(run.shard, run.locals[a:b], run.positions[a:b], run.items[a:b]))
-    if parts:
-        yield parts
