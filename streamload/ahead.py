@@ -32,7 +32,7 @@ the shard opens it makes are timed as the fetch stage.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, cast
 
@@ -82,8 +82,8 @@ class ShardsAhead:
         """Where it stands: the current shard, the shards read early from the plan, whether none was opened yet."""
         return {"current": self.current, "upcoming": list(self.upcoming), "first": self.first}
 
-    def reset(self) -> None:
-        """Forget the shards read early (the plan's iterator is the caller's)."""
+    def reset(self, state: Mapping[str, Any] | None = None) -> None:
+        """Forget the shards read early, whatever ``state`` says (the plan's iterator is the caller's)."""
         self.upcoming.clear()
         self.current = -1
         self.first = True
@@ -246,8 +246,11 @@ class FetchAhead:
             "bytes": self.fetching(),
         }
 
-    def reset(self) -> None:
-        """Drop the ranges fetched ahead and forget the shards read early."""
+    def reset(self, state: Mapping[str, Any] | None = None) -> None:
+        """Drop the ranges fetched ahead and forget the shards read early, whatever ``state`` says.
+
+        The fetch node holds only what it fetched ahead: a resumed chain fetches it again.
+        """
         while self._batches:
             self.forget(self._batches.popleft()[1])
         for ahead in self.shards.values():

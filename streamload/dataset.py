@@ -293,11 +293,12 @@ class StreamingDataset(IterableDataset[Any]):
         Raises:
             PlanError: If the state is malformed or belongs to a differently configured dataset.
         """
-        state = self.planner.load(state_dict)
+        self.planner.reset(state_dict)  # the plan node takes the state, checked
         self._iterations.progress = None
         # Every reader of the next iteration (this process, or each worker restored by
         # StatefulDataLoader before it iterates) gets the saved epoch.
-        self.set_epoch(state.epoch)
+        assert self.planner.resume is not None
+        self.set_epoch(self.planner.resume.epoch)
 
     # -- iteration -----------------------------------------------------------------
 

@@ -51,6 +51,32 @@ class Position:
             "origin": self.origin,
         }
 
+    def reset(self, state: Mapping[str, Any] | None = None) -> None:
+        """Stand where ``state`` (from :meth:`state` of a position of the same plan) says; ``None``: stay.
+
+        Raises:
+            PlanError: If ``state`` is malformed, or of another epoch or chunk size.
+        """
+        if state is None:
+            return
+        if not isinstance(state, Mapping):
+            raise PlanError(f"a position's state must be a mapping, not {type(state).__name__}")
+        values = {}
+        for name in ("epoch", "chunk_size", "next_item", "first"):
+            value = state.get(name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PlanError(f"position state {name}={value!r} must be an integer >= 0")
+            values[name] = value
+        origin = state.get("origin")
+        if origin is not None and (isinstance(origin, bool) or not isinstance(origin, int)):
+            raise PlanError(f"position state origin={origin!r} must be an integer or None")
+        if (values["epoch"], values["chunk_size"]) != (self.epoch, self.chunk_size):
+            raise PlanError(
+                f"position state of epoch {values['epoch']} with chunk_size={values['chunk_size']} cannot "
+                f"resume this reader (epoch {self.epoch}, chunk_size={self.chunk_size})"
+            )
+        self.next_item, self.first, self.origin = values["next_item"], values["first"], origin
+
 
 class Planner:
     """The dataset's epoch plans, and the state it was asked to resume from.
@@ -72,9 +98,17 @@ class Planner:
         """The resume point as a plain dict, ``None`` if none was loaded."""
         return None if self.resume is None else self.resume.to_dict()
 
-    def reset(self) -> None:
-        """Forget the resume point (iterations start at their epoch's first sample)."""
-        self.resume = None
+    def reset(self, state: Mapping[str, Any] | None = None) -> None:
+        """Forget the resume point (``None``: iterations start at their epoch's first sample), or load ``state``.
+
+        Raises:
+            PlanError: If ``state`` is malformed or belongs to a differently configured
+                dataset (:meth:`load`).
+        """
+        if state is None:
+            self.resume = None
+        else:
+            self.load(state)
 
     def plan(self, epoch: int, world_size: int) -> EpochPlan:
         """The plan of ``epoch`` in a world of ``world_size`` (see :meth:`StreamingDataset.plan`)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -172,8 +172,11 @@ class Substitute:
         """Plain data: the items owed per stream, and the streams that have a stand-in."""
         return {"owed": dict(self.owed), "stand_ins": list(self.last)}
 
-    def reset(self) -> None:
-        """Forget the stand-ins and what is owed (a new iteration)."""
+    def reset(self, state: Mapping[str, Any] | None = None) -> None:
+        """Forget the stand-ins and what is owed (a new iteration), whatever ``state`` says.
+
+        Stand-ins are samples, not plain data: a resumed skip stage starts without them.
+        """
         self.last.clear()
         self.owed.clear()
 

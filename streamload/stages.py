@@ -26,7 +26,7 @@ fetch context (the fetch and read nodes' shard opens, the reads of streamed byte
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
@@ -192,8 +192,8 @@ class Read:
             "substitute": self.substitute.state(),
         }
 
-    def reset(self) -> None:
-        """Forget the skip stage's stand-ins."""
+    def reset(self, state: Mapping[str, Any] | None = None) -> None:
+        """Forget the skip stage's stand-ins (the read node holds nothing else to take back)."""
         self.substitute.reset()
 
     def get(self, shard: int) -> ShardReader:
@@ -370,20 +370,35 @@ class Pipeline:
         self.read: Read | None = None
 
     def state(self) -> dict[str, Any]:
-        """Every stage's plain-data state (position; fetch ahead, read and skip once started)."""
-        state: dict[str, Any] = {"position": self.position.state()}
+        """The chain's state: its nodes' plain-data states under their names.
+
+        ``plan``: this reader's position in the epoch's plan (where it resumes); ``fetch``
+        and ``read`` (with the skip stage's), once started: what they hold ahead.
+        """
+        state: dict[str, Any] = {"plan": self.position.state()}
         if self.ahead is not None:
-            state["fetch_ahead"] = self.ahead.state()
+            state["fetch"] = self.ahead.state()
         if self.read is not None:
             state["read"] = self.read.state()
         return state
 
-    def reset(self) -> None:
-        """Drop what the stages hold ahead (ranges fetched, stand-ins); the position stays."""
+    def reset(self, state: Mapping[str, Any] | None = None) -> None:
+        """Drop what the nodes hold ahead (ranges fetched, stand-ins); with ``state``, stand where it says.
+
+        ``state`` (from :meth:`state`): its ``plan`` part puts this reader's position
+        there (checked against this chain's plan), so a chain reset before it is iterated
+        reads from that item on; the other nodes start empty.
+
+        Raises:
+            PlanError: If the state is not this chain's (another epoch or chunk size, a
+                malformed position).
+        """
         if self.ahead is not None:
-            self.ahead.reset()
+            self.ahead.reset(None if state is None else state.get("fetch"))
         if self.read is not None:
-            self.read.reset()
+            self.read.reset(None if state is None else state.get("read"))
+        if state is not None:
+            self.position.reset(state.get("plan"))
 
     def __iter__(self) -> Iterator[Any]:
         steps, plan, world, position = self.steps, self.plan, self.world, self.position

@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
         "streamload._jpeghead",
         "streamload._resample",
         "streamload._pread",
+        "streamload.node",
     ),
     (
         "streamload.sample",

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from streamload import StorageConfig, StreamingDataset
+from streamload import PlanError, StorageConfig, StreamingDataset
 from streamload.plan import World
 from streamload.plan_stage import Position
 from streamload.skips import SkipLog, Substitute
@@ -39,15 +39,68 @@ def test_a_pipeline_reads_what_the_dataset_reads_and_its_state_is_plain_data(roo
     ds = StreamingDataset(str(root), shuffle=True, seed=3, shuffle_window=6)
     expected = [s["__key__"] for s in ds]
     stages = pipeline(ds)
-    assert stages.state() == {"position": {"epoch": 0, "chunk_size": 25, "next_item": 0, "first": 0, "origin": 0}}
+    assert stages.state() == {"plan": {"epoch": 0, "chunk_size": 25, "next_item": 0, "first": 0, "origin": 0}}
     it = iter(stages)
     head = [next(it)["__key__"] for _ in range(10)]
     state = stages.state()
     assert json.loads(json.dumps(state)) == state  # plain data, all the way down
-    assert state["position"]["next_item"] == 10
+    assert state["plan"]["next_item"] == 10
     assert sum(state["read"]["opens"]) >= 1 and state["read"]["recovered"] == [[]]
     assert state["read"]["substitute"] == {"owed": {}, "stand_ins": [None]}  # the last good sample, kept
     assert head + [s["__key__"] for s in it] == expected
+
+
+def test_a_chain_reset_to_anothers_nested_state_reads_the_rest(root: Path) -> None:
+    # The nodes' nested state is the resume state: a fresh chain reset to it (through the JSON
+    # it would be saved as) reads exactly what the first had left.
+    ds = StreamingDataset(str(root), shuffle=True, seed=3, shuffle_window=6)
+    expected = [s["__key__"] for s in ds]
+    first = pipeline(ds)
+    it = iter(first)
+    head = [next(it)["__key__"] for _ in range(13)]
+    saved = json.loads(json.dumps(first.state()))
+    again = pipeline(ds)
+    again.reset(saved)
+    assert again.state()["plan"] == saved["plan"]
+    assert head + [s["__key__"] for s in again] == expected
+    fresh = pipeline(ds)
+    fresh.reset()  # None: afresh
+    assert [s["__key__"] for s in fresh] == expected
+
+
+def test_a_chain_refuses_a_state_that_is_not_its_own(root: Path) -> None:
+    ds = StreamingDataset(str(root), shuffle=True, seed=3, shuffle_window=6)
+    good = pipeline(ds).state()
+    for bad, match in [
+        ({**good["plan"], "epoch": 4}, "epoch 4"),
+        ({**good["plan"], "chunk_size": 7}, "chunk_size=7"),
+        ({**good["plan"], "next_item": -1}, "next_item=-1"),
+        ({**good["plan"], "first": "0"}, "first='0'"),
+        ({**good["plan"], "origin": 1.5}, "origin=1.5"),
+    ]:
+        with pytest.raises(PlanError, match=match):
+            pipeline(ds).reset({"plan": bad})
+
+
+def test_every_node_keeps_the_one_state_protocol(root: Path) -> None:
+    # state() as plain data, reset(state=None): the plan, fetch, read and skip nodes and the chain.
+    import inspect
+
+    from streamload.ahead import FetchAhead, ShardsAhead
+    from streamload.node import Node
+    from streamload.plan_stage import Planner
+    from streamload.stages import Read
+
+    ds = StreamingDataset(str(root), shuffle=True, seed=3, shuffle_window=6)
+    chain = pipeline(ds)
+    next(iter(chain))
+    nodes = [chain.position, ds.planner, chain.ahead, chain.read, chain.read.substitute, chain]  # type: ignore[union-attr]
+    for node in nodes:
+        assert isinstance(node, Node), type(node)
+        assert json.loads(json.dumps(node.state())) == node.state()
+    for cls in (Position, Planner, FetchAhead, ShardsAhead, Read, Substitute, Pipeline):
+        parameter = inspect.signature(cls.reset).parameters.get("state")
+        assert parameter is not None and parameter.default is None, cls
 
 
 def test_a_pipeline_started_at_a_position_reads_the_rest(root: Path) -> None:
