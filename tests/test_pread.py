@@ -1,4 +1,4 @@
-"""``pread_gather``: a batch's positioned reads of one file in one call, and the tar reader's batch reads through it."""
+"""`streamload._pread`: a batch's positioned reads in one call, and the tar reader's batch reads through it."""
 
 from __future__ import annotations
 
