@@ -36,38 +36,6 @@ sys.path.insert(0, str(ROOT))
 PACKAGE = ROOT / "streamload"
 
 
-def _module_names() -> dict[str, Path]:
-    out = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(ROOT).with_suffix("").parts
-        out[".".join(parts).removesuffix(".__init__")] = path
-    return out
-
-
-def _imports(mods: dict[str, Path]) -> dict[str, set[str]]:
-    """Each module's imports of the package (function-level imports included)."""
-    graph: dict[str, set[str]] = {}
-    for name, path in mods.items():
-        is_package = path.name == "__init__.py"
-        found: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets: list[str] = []
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = name.split(".")
-                    base = base[: len(base) - node.level + (1 if is_package else 0)]
-                    module = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    module = node.module or ""
-                targets = [module] + [f"{module}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            # (a module's own parent packages are not imports of it: ``from . import x`` names x)
-            found |= {t for t in targets if t in mods and t != name and not name.startswith(t + ".")}
-        graph[name] = found
-    return graph
-
-
 def _above(graph: dict[str, set[str]]) -> Callable[[str, str], bool]:
     """``above(a, b)``: whether module ``a`` imports ``b``, directly or not (``a`` is the higher room)."""
     memo: dict[str, set[str]] = {}
@@ -158,9 +126,9 @@ def main() -> None:
     from streamload import StreamingDataset
     from streamload.batch import RawCollate
     from streamload.storageconfig import StorageConfig
+    from tests.helpers.imports import import_graph
 
-    mods = _module_names()
-    above = _above(_imports(mods))
+    above = _above(import_graph())
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         ds_path = _dataset(tmp)

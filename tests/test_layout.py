@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.imports import import_graph, package_modules
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"streamload": ROOT / "streamload"}
 CONVERTERS = ROOT / "streamload" / "converters"
@@ -88,44 +90,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("streamload.lightning", "streamload.bench", "streamload.demo"),
     ("streamload.cli", "streamload.__main__", "streamload"),
 ]
-
-
-def _modules() -> dict[str, Path]:
-    mods: dict[str, Path] = {}
-    for package, directory in PACKAGES.items():
-        for path in directory.rglob("*.py"):
-            rel = path.relative_to(directory).with_suffix("").parts
-            name = ".".join((package, *rel))
-            mods[name.removesuffix(".__init__")] = path
-    return mods
-
-
-def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
-    """Return the modules of the package that ``name`` imports (anywhere in the file)."""
-    out: set[str] = set()
-    is_package = path.name == "__init__.py"
-    for node in ast.walk(ast.parse(path.read_text())):
-        targets: list[str] = []
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".")
-                base = base[: len(base) - node.level + (1 if is_package else 0)]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            targets = [module] + [f"{module}.{alias.name}" for alias in node.names]
-        elif isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        for target in targets:
-            if target in mods and target != name and not name.startswith(target + "."):
-                out.add(target)
-    return out
-
-
-def import_graph() -> dict[str, set[str]]:
-    """Return module -> modules it imports, for every module of the package."""
-    mods = _modules()
-    return {name: _imports(name, path, mods) for name, path in mods.items()}
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -212,7 +176,7 @@ PRIVATE_IMPORTS_ALLOWED: set[tuple[str, str]] = set()
 
 def private_imports() -> set[tuple[str, str]]:
     """Return ``(module, imported name)`` for every ``_name`` a module imports from another module."""
-    mods = _modules()
+    mods = package_modules()
     out: set[tuple[str, str]] = set()
     for name, path in mods.items():
         is_package = path.name == "__init__.py"
@@ -234,7 +198,7 @@ def private_imports() -> set[tuple[str, str]]:
     return out
 
 
-def test_no_private_name_is_imported_across_modules() -> None:
+def test_no_private_name_is_imported_acrosspackage_modules() -> None:
     found = private_imports() - PRIVATE_IMPORTS_ALLOWED
     listed = "; ".join(f"{m} imports {n}" for m, n in sorted(found))
     assert not found, f"make these public where they are shared: {listed}"
@@ -458,7 +422,7 @@ def _below_the_nodes(module: str) -> bool:
 
 def test_nothing_below_the_read_nodes_knows_of_a_clock() -> None:
     """The watch's clocks are entered by the nodes around their calls, never from ``storage/`` or ``shards.py``."""
-    mods = _modules()
+    mods = package_modules()
     clocks = [
         name
         for name, path in mods.items()
@@ -500,7 +464,7 @@ def test_the_fetch_node_owns_the_cold_start() -> None:
         assert not relays, f"the readers relay the cold start: {relays}"
     callers = {
         str(path.relative_to(ROOT)): calls
-        for name, path in _modules().items()
+        for name, path in package_modules().items()
         if not name.startswith("streamload.storage")  # the storage's own internals (its download's want)
         and (calls := _calls_of(path, cold))
     }
