@@ -179,16 +179,10 @@ def private_imports() -> set[tuple[str, str]]:
     mods = package_modules()
     out: set[tuple[str, str]] = set()
     for name, path in mods.items():
-        is_package = path.name == "__init__.py"
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            if node.level:
-                base = name.split(".")
-                base = base[: len(base) - node.level + (1 if is_package else 0)]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
+            module = imported_module(name, path, node)
             if module not in mods or module == name:
                 continue
             for alias in node.names:

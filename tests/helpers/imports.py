@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent.parent
 PACKAGES = {"streamload": ROOT / "streamload"}
 
-__all__ = ["PACKAGES", "ROOT", "import_graph", "module_imports", "package_modules"]
+__all__ = ["PACKAGES", "ROOT", "import_graph", "imported_module", "module_imports", "package_modules"]
 
 
 def package_modules() -> dict[str, Path]:
@@ -26,22 +26,25 @@ def package_modules() -> dict[str, Path]:
     return mods
 
 
+def imported_module(name: str, path: Path, node: ast.ImportFrom) -> str:
+    """The module a ``from ... import`` in module ``name`` (at ``path``) imports from, made absolute."""
+    if not node.level:
+        return node.module or ""
+    base = name.split(".")
+    base = base[: len(base) - node.level + (1 if path.name == "__init__.py" else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def module_imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
     """Return the modules of the package that ``name`` imports (anywhere in the file).
 
     A module's own parent packages are not imports of it (``from . import x`` names ``x``).
     """
     out: set[str] = set()
-    is_package = path.name == "__init__.py"
     for node in ast.walk(ast.parse(path.read_text())):
         targets: list[str] = []
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".")
-                base = base[: len(base) - node.level + (1 if is_package else 0)]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
+            module = imported_module(name, path, node)
             targets = [module] + [f"{module}.{alias.name}" for alias in node.names]
         elif isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
