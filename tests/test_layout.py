@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.imports import import_graph, package_modules
+from tests.helpers.imports import import_graph, imported_module, package_modules
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"streamload": ROOT / "streamload"}
