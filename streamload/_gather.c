@@ -227,8 +227,10 @@ static PyObject *pread_gather(PyObject *self, PyObject *args) {
          * Python (up to the switch interval). The rest, if any, is read with the GIL released. */
         int64_t total = 0;
         for (i = 0; i < n; i++) total += lengths[i];
-        int left = read_entries(order, n, offsets, lengths, at, which, outs, got, sums,
-                                cached_first && total <= CACHED_LIMIT ? 1 : 0);
+        /* (over the limit, or asked not to: every read with the GIL released) */
+        int left = cached_first && total <= CACHED_LIMIT
+                       ? read_entries(order, n, offsets, lengths, at, which, outs, got, sums, 1)
+                       : (int)(n > 0);
         if (left) {
             Py_BEGIN_ALLOW_THREADS
             read_entries(order, n, offsets, lengths, at, which, outs, got, sums, 0);

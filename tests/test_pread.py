@@ -414,3 +414,21 @@ def test_damage_in_a_batchs_later_shard_is_named_and_the_first_bad_shard_comes_f
     both = _damage(three_shards, tmp_path / "b", {2: "s2-1", 1: "s1-3"}, set())
     with pytest.raises(CorruptShardError, match=r"shard-000002\.tar, sample 's2-1'"):
         _read_batch(both)
+
+
+def test_a_read_over_the_cached_limit_reads_whole(tmp_path: Path) -> None:
+    # Past 16 MiB a call reads everything with the GIL released (no cached pass first): the
+    # same bytes, with and without cached_first.
+    path, data = _file(tmp_path, 40 << 20)
+    n, size = 32, 1 << 20
+    lengths, offsets, at = np.full(n, size), np.arange(n) * size + 11, np.arange(n)[::-1] * size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for cached_first in (True, False):
+            out = np.zeros(n * size, dtype=np.uint8)
+            got = pread_gather(fd, offsets, lengths, [out], np.zeros(n), at, cached_first=cached_first)
+            assert got is not None and got.tolist() == lengths.tolist()
+            for o, a in zip(offsets.tolist(), at.tolist(), strict=True):
+                assert out[a : a + size].tobytes() == data[o : o + size]
+    finally:
+        os.close(fd)
