@@ -432,3 +432,39 @@ def test_a_read_over_the_cached_limit_reads_whole(tmp_path: Path) -> None:
                 assert out[a : a + size].tobytes() == data[o : o + size]
     finally:
         os.close(fd)
+
+
+def test_random_batches_over_many_files_read_what_the_files_hold(tmp_path: Path) -> None:
+    # Fuzzed calls: several files (one empty, one closed), entries past their end, zero-length
+    # ones, in any order, cached first or not; every entry comes back as Python's own read of
+    # it says (bytes, a short count at the end, -EBADF for the closed one), nothing else written.
+    rng = np.random.default_rng(21)
+    datas = [b"", *(rng.integers(0, 256, int(rng.integers(1, 20_000)), dtype=np.uint8).tobytes() for _ in range(4))]
+    fds = []
+    for k, data in enumerate(datas):
+        (tmp_path / f"f{k}").write_bytes(data)
+        fds.append(os.open(tmp_path / f"f{k}", os.O_RDONLY))
+    closed = os.open(tmp_path / "f1", os.O_RDONLY)
+    os.close(closed)
+    try:
+        for case in range(2000):
+            n = int(rng.integers(0, 40))
+            files = rng.integers(0, len(datas) + 1, n)  # len(datas): the closed descriptor
+            lengths = rng.integers(0, 3000, n)
+            offsets = rng.integers(0, 25_000, n)
+            at = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if n else np.zeros(0, np.int64)
+            out = np.full(int(lengths.sum()) + 16, 0xAB, dtype=np.uint8)
+            fd_of = np.array([fds[f] if f < len(datas) else closed for f in files], dtype=np.int32)
+            got = pread_gather(fd_of, offsets, lengths, [out], np.zeros(n), at, cached_first=bool(case % 2))
+            assert got is not None and len(got) == n
+            for i in range(n):
+                if files[i] == len(datas):  # (an empty entry needs no read)
+                    assert got[i] == (-errno.EBADF if lengths[i] else 0)
+                    continue
+                want = datas[files[i]][offsets[i] : offsets[i] + lengths[i]]
+                assert got[i] == len(want)
+                assert out[at[i] : at[i] + len(want)].tobytes() == want
+            assert out[int(lengths.sum()) :].tolist() == [0xAB] * 16  # nothing past the last entry
+    finally:
+        for fd in fds:
+            os.close(fd)
