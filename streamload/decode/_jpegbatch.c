@@ -48,6 +48,15 @@ static void on_message(j_common_ptr cinfo, int level) {
     }
 }
 
+/* Route libjpeg's errors and warnings of `cinfo` to `err` (the caller sets its jump with setjmp). */
+static void use_errors(struct jpeg_decompress_struct *cinfo, error_mgr *err) {
+    cinfo->err = jpeg_std_error(&err->pub);
+    err->pub.error_exit = on_error;
+    err->pub.emit_message = on_message;
+    err->strict = 0;
+    err->message[0] = 0;
+}
+
 /* Growable scratch memory of one batch call (freed at its end). */
 typedef struct {
     void *ptr;
@@ -427,11 +436,7 @@ static PyObject *headers(PyObject *self, PyObject *args) {
     }
     dims = (int32_t *)dims_view.buf;
     if (batch_scratch(seq, n, &views, &status, &messages) != 0) goto done;
-    cinfo.err = jpeg_std_error(&err.pub);
-    err.pub.error_exit = on_error;
-    err.pub.emit_message = on_message;
-    err.strict = 0;
-    err.message[0] = 0;
+    use_errors(&cinfo, &err);
     if (setjmp(err.jump)) {
         PyErr_Format(PyExc_MemoryError, "libjpeg: %s", err.message);
         goto done;
@@ -530,11 +535,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         error_mgr err;
         scratch s;
         memset(&s, 0, sizeof s);
-        cinfo.err = jpeg_std_error(&err.pub);
-        err.pub.error_exit = on_error;
-        err.pub.emit_message = on_message;
-        err.strict = 0;
-        err.message[0] = 0;
+        use_errors(&cinfo, &err);
         if (setjmp(err.jump)) {
             failed = 1;
         } else {

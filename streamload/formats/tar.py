@@ -312,9 +312,7 @@ class TarShardReader(ShardReader):
         plan = self.gather_plan(indices, [(f, out, sz, starts[:, j]) for j, (f, out, sz) in enumerate(groups)])
         if plan is not None and gather_all([plan]):
             return
-        members = np.stack([self._batch_members(indices, fields) for fields, _, _ in groups], axis=1)
-        sizes = np.stack([np.asarray(sz, dtype=np.int64) for _, _, sz in groups], axis=1)
-        offsets = np.frombuffer(self._offset, dtype=np.uint64)[members].astype(np.int64)
+        members, sizes, offsets = self._member_table(indices, [(f, sz) for f, _, sz in groups])
         # (after the gathered read, which needs neither: a numpy sort lets go of the GIL)
         order = np.argsort(offsets, axis=1, kind="stable")  # file order within each sample
         take = np.arange(n)[:, None]
@@ -332,6 +330,13 @@ class TarShardReader(ShardReader):
         )
         gather(segments, scratch, lambda iov, offset, expected: self._preadv(source, iov, offset, expected))
         self._check_digests(indices, members, groups, starts)
+
+    def _member_table(self, indices: np.ndarray, groups: _FieldSizes) -> _MemberTable:
+        """``int64[n, groups]`` each sample's member of each group's fields, its size and its offset in the shard."""
+        members = np.stack([self._batch_members(indices, fields) for fields, _ in groups], axis=1)
+        sizes = np.stack([np.asarray(sz, dtype=np.int64) for _, sz in groups], axis=1)
+        offsets = np.frombuffer(self._offset, dtype=np.uint64)[members].astype(np.int64)
+        return members, sizes, offsets
 
     def gather_plan(self, indices: np.ndarray, groups: Sequence[PlacedGroup]) -> Gather | None:
         """This shard's part of a batch's gathered read (:class:`~streamload._pread.Gather`), or ``None``.
@@ -351,9 +356,7 @@ class TarShardReader(ShardReader):
             return None
         n, g = len(indices), len(groups)
         starts = _places(self.entry.name, n, groups)
-        members = np.stack([self._batch_members(indices, fields) for fields, _, _, _ in groups], axis=1)
-        sizes = np.stack([np.asarray(sz, dtype=np.int64) for _, _, sz, _ in groups], axis=1)
-        offsets = np.frombuffer(self._offset, dtype=np.uint64)[members].astype(np.int64)
+        members, sizes, offsets = self._member_table(indices, [(f, sz) for f, _, sz, _ in groups])
         flat_offsets, flat_sizes = offsets.ravel(), sizes.ravel()
         digests = np.frombuffer(self._hash, dtype=np.uint64)[members].ravel()
 
@@ -423,6 +426,11 @@ class TarShardReader(ShardReader):
         source, self._bytes = getattr(self, "_bytes", None), None
         if source is not None:
             source.close()
+
+
+#: ``(fields, sizes)`` of each group of a batch read; its members, sizes and offsets (``int64[n, groups]``).
+_FieldSizes = Sequence[tuple[Sequence[str], np.ndarray]]
+_MemberTable = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _places(
