@@ -24,5 +24,13 @@ setup(
             extra_compile_args=["-O3"],
             optional=True,
         ),
+        # A batch's random crops and flips, drawn as numpy draws them (streamload.decode.native); no library needed.
+        Extension(
+            "streamload._draws",
+            sources=["streamload/_draws.c"],
+            libraries=["m"],
+            extra_compile_args=["-O2", "-ffp-contract=off", "-fno-fast-math"],
+            optional=True,
+        ),
     ]
 )

@@ -48,6 +48,23 @@ def _words(seed: int, epoch: int, position: int) -> list[int]:
     return [_DOMAIN, seed & 0xFFFFFFFFFFFFFFFF, (seed >> 64) & 0xFFFFFFFFFFFFFFFF, epoch, position]
 
 
+def seed_words(seed: int) -> list[int]:
+    """The 32-bit words numpy's SeedSequence makes of ``place_generator``'s key before epoch and position.
+
+    Each of the domain and the seed's two 64-bit halves becomes its 32-bit words, lowest
+    first (``0``: one word ``0``), as ``SeedSequence`` reads a list of ints; the native crop
+    draws (``streamload._draws``) append the sample's epoch and position the same way.
+    """
+    out: list[int] = []
+    for value in _words(seed, 0, 0)[:3]:
+        out.append(value & 0xFFFFFFFF)
+        value >>= 32
+        while value:
+            out.append(value & 0xFFFFFFFF)
+            value >>= 32
+    return out
+
+
 def sample_seed(sample: Mapping[str, Any], seed: int = 0) -> int:
     """Return a 63-bit seed for ``sample``, keyed by ``(seed, epoch, position)``.
 

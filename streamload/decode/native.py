@@ -6,8 +6,10 @@ switch interval (5 ms). :func:`decode_batch` makes a batch's JPEG work one call 
 releases the GIL once, whatever the batch size::
 
     headers     _jpegbatch.headers          -- C, GIL held (microseconds a sample)
-    geometry    ImageDecoder.box, flip      -- Python: the same draws, from the same
-                _reduction                     generator, as the per-sample path
+    geometry    draw_crops (_draws.crops)   -- C, GIL held (~10 us a batch of 64): the
+                                               numbers ImageDecoder.box and the flip draw
+                                               from each sample's generator, bit for bit
+                                               (Python's own draws where it cannot)
     decode      _jpegbatch.decode           -- C, GIL released once for the batch:
                                                libjpeg-turbo at 1/factor, Pillow's
                                                bilinear resample of the box, the flip,
@@ -26,6 +28,7 @@ same box and flip, counted in the decoder's ``fallbacks`` like simplejpeg's refu
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import threading
@@ -44,7 +47,19 @@ if TYPE_CHECKING:
     from . import DecodeBatch
     from .image import ImageDecoder
 
-__all__ = ["DONE", "Refusal", "available", "decode_batch", "kernel", "read_decoded", "refused_into", "use_native"]
+__all__ = [
+    "DONE",
+    "Drawn",
+    "Refusal",
+    "agrees_with_numpy",
+    "available",
+    "decode_batch",
+    "draw_crops",
+    "kernel",
+    "read_decoded",
+    "refused_into",
+    "use_native",
+]
 
 _log = logging.getLogger("streamload.decode")
 _LOCK = threading.Lock()
@@ -122,23 +137,68 @@ def decode_batch(
         Pillow: :func:`refused_into`), or ``None`` (not taken: the per-sample path, which
         draws from the sample's generator itself).
     """
-    return _decode(batch, lambda i: batch.sample_rng(samples[i]), datas, slots)
+    return _decode(batch, lambda i: batch.sample_rng(samples[i]), datas, slots, _places_of(samples))
+
+
+def _places_of(samples: Sequence[Mapping[str, Any]]) -> np.ndarray | None:
+    """The samples' ``(epoch, position)`` when every one has them, else ``None``.
+
+    With them, each sample's generator is :func:`~streamload.randomness.place_generator`'s.
+    """
+    where = []
+    for sample in samples:
+        epoch, position = sample.get("__epoch__"), sample.get("__position__")
+        if type(epoch) is not int or type(position) is not int or epoch < 0 or position < 0:
+            return None
+        where.append((epoch, position))
+    return np.array(where, dtype=np.int64).reshape(-1, 2)
 
 
 def _decode(
-    batch: DecodeBatch, rng_of: Callable[[int], np.random.Generator], datas: Sequence[Any], slots: np.ndarray
+    batch: DecodeBatch,
+    rng_of: Callable[[int], np.random.Generator],
+    datas: Sequence[Any],
+    slots: np.ndarray,
+    where: np.ndarray | None = None,
 ) -> list[Any]:
-    """:func:`decode_batch` with sample ``i``'s generator from ``rng_of(i)`` (asked for in sample order)."""
+    """:func:`decode_batch` with sample ``i``'s generator from ``rng_of(i)`` (asked for in sample order).
+
+    ``where``: the samples' ``(epoch, position)`` (``int64[n, 2]``) when ``rng_of(i)`` is
+    their :func:`~streamload.randomness.place_generator`: the draws are then made in C for
+    the whole batch (:func:`draw_crops`), the same numbers without a generator a sample.
+    """
     module = kernel()
     assert module is not None
     decoder = batch.decoder
     n = len(datas)
     dims = np.zeros((n, 3), dtype=np.int32)
     module.headers(datas, dims)
+    drawn = None if where is None else draw_crops(decoder, dims, where, batch.seed or 0)
+    if drawn is None:
+        drawn = _draw_python(decoder, dims, rng_of)
+    boxes, params, full, taken = drawn
+    reasons = module.decode(datas, boxes, params, slots, decoder.height, decoder.width, _pillow13())
+    out: list[Any] = [None] * n
+    for i in np.flatnonzero(taken).tolist():
+        if reasons[i] is None:
+            out[i] = DONE
+        else:
+            left, top, right, bottom = full[i].tolist()
+            out[i] = Refusal((left, top, right, bottom), bool(params[i, 1]), reasons[i])
+    return out
+
+
+#: Crop boxes on the reduced decode, boxes on the full image, (reduction, flip), taken.
+Drawn = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _draw_python(decoder: ImageDecoder, dims: np.ndarray, rng_of: Callable[[int], np.random.Generator]) -> Drawn:
+    """Each taken sample's box and flip, drawn in Python from its generator (:func:`draw_crops` without C)."""
+    n = len(dims)
     boxes = np.zeros((n, 4), dtype=np.float32)
     params = np.zeros((n, 2), dtype=np.int32)
-    full: list[tuple[float, float, float, float] | None] = [None] * n
-    flips = [False] * n
+    full = np.zeros((n, 4), dtype=np.float64)
+    taken = np.zeros(n, dtype=np.uint8)
     random = decoder.crop == "random" or decoder.flip
     max_pixels = decoder.max_pixels
     for i, (width, height, kind) in enumerate(dims.tolist()):
@@ -152,13 +212,130 @@ def _decode(
         flip = decoder.flip and (rng if rng is not None else np.random.default_rng()).random() < 0.5
         params[i] = (factor, 1 if flip else 0)
         full[i] = box
-        flips[i] = flip
-    reasons = module.decode(datas, boxes, params, slots, decoder.height, decoder.width, _pillow13())
-    out: list[Any] = [None] * n
-    for i, drawn in enumerate(full):
-        if drawn is not None:
-            out[i] = DONE if reasons[i] is None else Refusal(drawn, flips[i], reasons[i])
-    return out
+        taken[i] = 1
+    return boxes, params, full, taken
+
+
+def draw_crops(decoder: ImageDecoder, dims: np.ndarray, where: np.ndarray, seed: int) -> Drawn | None:
+    """Every taken sample's crop box and flip for the kernel, drawn in C for the whole batch.
+
+    The numbers :func:`_draw_python` draws from each sample's
+    ``place_generator(epoch, position, seed)``, bit for bit: numpy's SeedSequence, Philox and
+    its ``uniform``/``integers``/``random``, and :meth:`ImageDecoder.box`'s arithmetic, made
+    in C (``streamload/_draws.c``) in one call holding the GIL for microseconds, not one
+    generator a sample (~20 us each of Python). Checked against numpy once per process
+    before first use.
+
+    Args:
+        decoder: The geometry (size, crop, scale, ratio, flip, DCT scaling, ``max_pixels``).
+        dims: ``int32[n, 3]`` width, height and kind (0: not the kernel's) from its headers.
+        where: ``int64[n, 2]`` the samples' ``(epoch, position)``.
+        seed: The decode's seed.
+
+    Returns:
+        ``(boxes, full, params, taken)`` as :func:`_decode` passes them on, or ``None``
+        where the extension is not built, disagrees with numpy, the seed does not fit, or
+        the decoder's geometry is its own (a subclass's or an instance's ``box``): the
+        caller draws in Python.
+    """
+    module = _draws_module()
+    if module is None or not 0 <= seed < 1 << 128 or not _own_geometry(decoder):
+        return None
+    return _crops(module, decoder, dims, where, seed)
+
+
+def _own_geometry(decoder: ImageDecoder) -> bool:
+    """Whether ``decoder`` draws with ImageDecoder's own geometry (not a subclass's or an instance's own)."""
+    from .image import ImageDecoder
+
+    return all(
+        getattr(type(decoder), name) is getattr(ImageDecoder, name) and name not in vars(decoder)
+        for name in ("box", "_random_box", "_reduction")
+    )
+
+
+def _crops(module: ModuleType, decoder: ImageDecoder, dims: np.ndarray, where: np.ndarray, seed: int) -> Drawn:
+    """:func:`draw_crops` by ``module`` (``streamload._draws``)."""
+    n = len(dims)
+    boxes = np.zeros((n, 4), dtype=np.float32)
+    params = np.zeros((n, 2), dtype=np.int32)
+    full = np.zeros((n, 4), dtype=np.float64)
+    taken = np.empty(n, dtype=np.uint8)
+    lo, hi = decoder.log_ratio
+    geometry = (
+        decoder.crop == "random",
+        decoder.flip,
+        decoder.dct_scaling,
+        decoder.width,
+        decoder.height,
+        float(decoder.scale[0]),
+        float(decoder.scale[1]),
+        lo,
+        hi,
+        float(decoder.resize),
+    )
+    limit = -1 if decoder.max_pixels is None else decoder.max_pixels
+    module.crops(
+        _prefix(seed), np.ascontiguousarray(where, dtype=np.int64), dims, geometry, limit, boxes, full, params, taken
+    )
+    return boxes, params, full, taken
+
+
+@functools.lru_cache(maxsize=16)
+def _prefix(seed: int) -> np.ndarray:
+    """The SeedSequence words of ``place_generator``'s key before the sample's epoch and position."""
+    from ..randomness import seed_words
+
+    words = np.asarray(seed_words(seed), dtype=np.uint32)
+    words.flags.writeable = False  # shared by every batch of this seed
+    return words
+
+
+def _draws_module() -> ModuleType | None:
+    """``streamload._draws`` once it has drawn what numpy draws for a few keys (else ``None``, logged once)."""
+    if "draws" in _STATE:
+        return _STATE["draws"]  # type: ignore[no-any-return]
+    with _LOCK:
+        if "draws" not in _STATE:
+            _STATE["draws"] = _checked_draws()
+    return _STATE["draws"]  # type: ignore[no-any-return]
+
+
+def _checked_draws() -> ModuleType | None:
+    try:
+        module = importlib.import_module(f"{__package__.rsplit('.', 1)[0]}._draws")
+    except ImportError:
+        return None  # the kernel's notice covers the build; its boxes are drawn in Python
+    if not agrees_with_numpy(module):
+        _log.warning("streamload._draws does not draw what numpy draws here: crop boxes are drawn in Python")
+        return None
+    return module
+
+
+def agrees_with_numpy(module: Any) -> bool:
+    """Whether ``module.crops`` draws what numpy's generators draw, on a few keys, sizes and geometries."""
+    from ..randomness import place_generator
+    from .image import ImageDecoder
+
+    dims = np.array([[500, 375, 1], [1, 1, 1], [4000, 30, 1], [333, 777, 1], [64, 64, 1]], dtype=np.int32)
+    where = np.array([[0, 0], [3, 123456], [1 << 33, 7], [9, 1 << 40], [2, 2]], dtype=np.int64)
+    for decoder in (
+        ImageDecoder(160, crop="random", flip=True),
+        ImageDecoder(224, crop="center", resize=256, flip=True),
+    ):
+        for seed in (0, 17, (1 << 64) + 3):
+            try:
+                got = _crops(module, decoder, dims, where, seed)
+            except (TypeError, ValueError):
+                return False
+
+            def generator(i: int, seed: int = seed) -> np.random.Generator:
+                return place_generator(int(where[i, 0]), int(where[i, 1]), seed)
+
+            want = _draw_python(decoder, dims, generator)
+            if not all(np.array_equal(a, b) for a, b in zip(got, want, strict=True)):
+                return False
+    return True
 
 
 def _pillow13() -> bool:
@@ -234,12 +411,16 @@ def read_decoded(
         return batch([sample_of(i) for i in range(len(spots))])  # type: ignore[no-any-return]
     clock = current()  # a watched iteration: the decode is the collate stage, the read before it the read's
     if clock is None:
-        return _decoded(batch, raw, where, sample_of)
-    return clock.collate(lambda read: _decoded(batch, read, where, sample_of), raw)
+        return _decoded(batch, raw, where, places, sample_of)
+    return clock.collate(lambda read: _decoded(batch, read, where, places, sample_of), raw)
 
 
 def _decoded(
-    batch: DecodeBatch, raw: RawBatch, where: list[list[int]] | None, sample_of: Callable[[int], dict[str, Any]]
+    batch: DecodeBatch,
+    raw: RawBatch,
+    where: list[list[int]] | None,
+    places: np.ndarray | None,
+    sample_of: Callable[[int], dict[str, Any]],
 ) -> ImageBatch:
     """The kernel over a read batch (:func:`read_decoded`), the samples it leaves decoded one by one."""
     import torch
@@ -262,7 +443,7 @@ def _decoded(
     datas = [view[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     seed = batch.seed or 0
     if where is not None:
-        taken = _decode(batch, lambda i: place_generator(where[i][0], where[i][1], seed), datas, slots)
+        taken = _decode(batch, lambda i: place_generator(where[i][0], where[i][1], seed), datas, slots, places)
     else:
         taken = _decode(batch, lambda i: batch.rng(), datas, slots)
     labels = None
