@@ -1,7 +1,7 @@
 """The GIL: the thread Loader beside a Python training loop, with and without the native kernel.
 
 Usage: ``python benchmarks/bench_gil.py [--images 1280] [--batch 64] [--paths per_sample,kernel_dicts,kernel]
-[--seconds 5] [--rounds 3] [--out FILE.json]``
+[--seconds 5] [--rounds 3] [--neighbor] [--out FILE.json]``
 
 On the photo-like JPEGs of ``bench_threads.py`` (~500x375, shuffled, batch 64,
 ``DecodeBatch(160, crop="random", flip=True)``), side by side in one run, with the load
@@ -15,10 +15,13 @@ average:
    the kernel fed by the batch read (``native=True``: ``DecodeBatch.read_batch``, the
    batch's bytes in one gathered read a shard, then one kernel call).
 2. ``DataLoader(num_workers=2)`` + ``DecodeBatch``: decode rate on each of the three paths.
+   With ``--neighbor``, also the busy loop beside a separate *process* running the kernel
+   path (alone, beside, alone again): the machine's share of the loop's loss, with no GIL shared.
 3. The cost of ``watch``'s GIL probe to a loop that runs Python all along.
 4. Per core, one process, the same files: today's ``ImageDecoder`` (one ``decode_into`` a
    sample) against the kernel (one call a batch), images per CPU-second, and where the time
-   goes (the kernel's Python part: headers, boxes, flips; its C call; the per-sample path's
+   goes (the kernel's Python part: headers, boxes, flips, drawn in one C call for the batch,
+   and, for comparison, by a numpy generator a sample; its C call; the per-sample path's
    decode and its resize + pack).
 """
 
@@ -176,6 +179,41 @@ def loop_alone(seconds: float) -> float:
     return n / (time.perf_counter() - start)
 
 
+_NEIGHBOR = """
+import sys, time
+sys.path.insert(0, sys.argv[3])
+from bench_gil import _BATCH, _dataset
+import streamload
+_BATCH[0] = int(sys.argv[4])
+loader = streamload.Loader(_dataset(sys.argv[1], "kernel"), threads=1)
+end = time.time() + float(sys.argv[2])
+while time.time() < end:
+    for _batch in loader:
+        if time.time() > end:
+            break
+"""
+
+
+def loop_beside_process(root: str, seconds: float) -> dict[str, float]:
+    """The busy loop alone, beside a *process* decoding with the kernel, alone again (loop count/s).
+
+    The machine's share, without the GIL: if the loop keeps its rate beside a process doing
+    the loader's work, what it loses beside the loader's thread is the process's own (the GIL).
+    """
+    import subprocess
+
+    before = loop_alone(seconds)
+    here = os.path.dirname(os.path.abspath(__file__))
+    child = subprocess.Popen([sys.executable, "-c", _NEIGHBOR, root, str(seconds + 3.5), here, str(_BATCH[0])])
+    try:
+        time.sleep(2.5)  # its imports and first batch out of the window
+        beside = loop_alone(seconds)
+    finally:
+        child.wait()
+    after = loop_alone(seconds)
+    return {"alone": before, "beside_process": beside, "alone_again": after}
+
+
 def dataloader_rate(root: str, path: str, workers: int = 2) -> float:
     from torch.utils.data import DataLoader
 
@@ -204,44 +242,51 @@ def per_core(root: str, batches: int = 10) -> dict[str, float]:
         if len(samples) >= BATCH * batches:
             break
     parts = [samples[i : i + BATCH] for i in range(0, len(samples), BATCH)]
+    # each sample with its (epoch, position), as the dataset hands them to a collate
+    placed = [
+        [dict(s, __epoch__=0, __position__=k * BATCH + j) for j, s in enumerate(part)] for k, part in enumerate(parts)
+    ]
     out: dict[str, float] = {}
     for name, flag in (("per_sample", False), ("kernel", True)):
         collate = DecodeBatch(SIZE, crop="random", flip=True, native=flag)
-        collate(parts[0])
+        collate(placed[0])
         cpu = time.thread_time()
-        for part in parts:
+        for part in placed:
             collate(part)
         out[f"{name}_images_per_cpu_s"] = len(samples) / (time.thread_time() - cpu)
-    # Where the kernel's time goes: its Python (headers, boxes, flips) and its one C call.
+    # Where the kernel's time goes: its Python (headers, boxes, flips) and its one C call; the
+    # boxes and flips drawn in one C call for the batch (samples with their epoch and position,
+    # as a dataset's batch read has them) and, for comparison, by a generator a sample in Python.
     collate = DecodeBatch(SIZE, crop="random", flip=True, native=True)
     module = native.kernel()
     assert module is not None
     slots = np.empty((BATCH, *collate.decoder.shape), dtype=np.uint8)
-    python_s = c_s = 0.0
     real_decode = module.decode
-    for part in parts:
-        datas = [s["jpg"] for s in part]
-        timing: dict[str, float] = {}
+    for label, batches_of in (("", placed), ("_python_draws", parts)):
+        python_s = c_s = 0.0
+        for part in batches_of:
+            datas = [s["jpg"] for s in part]
+            timing: dict[str, float] = {}
 
-        def timed(*args: Any, _t: dict[str, float] = timing) -> Any:
-            t = time.thread_time()
+            def timed(*args: Any, _t: dict[str, float] = timing) -> Any:
+                t = time.thread_time()
+                try:
+                    return real_decode(*args)
+                finally:
+                    _t["c"] = time.thread_time() - t
+
+            module.decode = timed
             try:
-                return real_decode(*args)
+                t0 = time.thread_time()
+                native.decode_batch(collate, part, datas, slots[: len(part)])
+                total = time.thread_time() - t0
             finally:
-                _t["c"] = time.thread_time() - t
-
-        module.decode = timed
-        try:
-            t0 = time.thread_time()
-            native.decode_batch(collate, part, datas, slots[: len(part)])
-            total = time.thread_time() - t0
-        finally:
-            module.decode = real_decode
-        c_s += timing["c"]
-        python_s += total - timing["c"]
-    n = len(samples)
-    out["kernel_python_us_per_image"] = python_s / n * 1e6
-    out["kernel_c_us_per_image"] = c_s / n * 1e6
+                module.decode = real_decode
+            c_s += timing["c"]
+            python_s += total - timing["c"]
+        n = len(samples)
+        out[f"kernel{label}_python_us_per_image"] = python_s / n * 1e6
+        out[f"kernel{label}_c_us_per_image"] = c_s / n * 1e6
     # The per-sample path's parts: libjpeg-turbo decode (simplejpeg, DCT-scaled as it is) and the rest.
     decoder = collate.decoder
     t0 = time.thread_time()
@@ -264,6 +309,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds, the three paths interleaved in each")
     parser.add_argument("--batch", type=int, default=BATCH, help="samples a batch")
     parser.add_argument("--paths", default=",".join(PATHS), help="the paths to measure, comma-separated")
+    parser.add_argument(
+        "--neighbor", action="store_true", help="also: the busy loop beside a decoding process (no GIL shared)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     _BATCH[0] = args.batch
@@ -294,6 +342,14 @@ def main() -> None:
     )
     for r in range(args.rounds):
         row: dict[str, Any] = {"load": os.getloadavg()}
+        if args.neighbor:
+            near = loop_beside_process(root, args.seconds)
+            row["loop_beside_process"] = near
+            print(
+                f"round {r + 1} busy loop beside a decoding process (kernel, Loader(threads=1)): "
+                f"{2 * near['beside_process'] / (near['alone'] + near['alone_again']):.2f} of its rate alone "
+                f"({near['alone'] / 1e6:.1f}, {near['beside_process'] / 1e6:.1f}, {near['alone_again'] / 1e6:.1f} M/s)"
+            )
         for key in paths:
             loop = loop_alone(args.seconds)
             alone = loader_beside_loop(root, key, args.seconds, busy=False)
@@ -329,7 +385,8 @@ def main() -> None:
         f"per core: per-sample {core['per_sample_images_per_cpu_s']:.0f} img/CPU-s "
         f"(decode {core['per_sample_decode_us_per_image']:.0f} us + resize/pack/Python "
         f"{core['per_sample_rest_us_per_image']:.0f} us an image); kernel {core['kernel_images_per_cpu_s']:.0f} "
-        f"img/CPU-s (C {core['kernel_c_us_per_image']:.0f} us + Python {core['kernel_python_us_per_image']:.0f} us)"
+        f"img/CPU-s (C {core['kernel_c_us_per_image']:.0f} us + Python {core['kernel_python_us_per_image']:.0f} us; "
+        f"with a generator a sample in Python: {core['kernel_python_draws_python_us_per_image']:.0f} us)"
     )
     result["load_after"] = os.getloadavg()
     print(f"load average after: {result['load_after']}")
