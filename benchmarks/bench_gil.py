@@ -164,6 +164,72 @@ def loader_beside_loop(root: str, path: str, seconds: float, busy: bool) -> dict
     }
 
 
+def interleaved(root: str, path: str, windows: int, seconds: float) -> dict[str, Any]:
+    """The loop alone, the loop beside the loader, the loader alone: short windows in turn, one loader.
+
+    One ``Loader(threads=1)`` all along; it is paused by not taking its batches (its queue
+    fills, its thread waits) and resumed by taking them again, 0.3 s before each window. The
+    three modes alternate ``windows`` times, so the machine's drift over a run (the loop's
+    rate alone swings by ~10 % between separate measurements here) falls on all three alike.
+    Returns each window's loop count/s and images/s, per mode, and the ratios of the medians.
+    """
+    import streamload
+
+    loader = streamload.Loader(_dataset(root, path), threads=1)
+    take = threading.Event()
+    done = threading.Event()
+    counts = [0]
+
+    def consume() -> None:
+        while not done.is_set():
+            for images, _labels in loader:
+                counts[0] += len(images)
+                while not take.is_set() and not done.is_set():
+                    take.wait(0.05)
+                if done.is_set():
+                    break
+
+    take.set()
+    reader = threading.Thread(target=consume, daemon=True)
+    reader.start()
+    time.sleep(1.0)  # start-up and the first batches out of the windows
+    rows: dict[str, list[dict[str, float]]] = {"loop": [], "both": [], "loader": []}
+    try:
+        for _ in range(windows):
+            for mode in ("loop", "both", "loader"):
+                if mode == "loop":
+                    take.clear()
+                else:
+                    take.set()
+                time.sleep(0.3)
+                first, start = counts[0], time.perf_counter()
+                if mode == "loader":
+                    time.sleep(seconds)
+                    loop = 0
+                else:
+                    stop = threading.Event()
+                    timer = threading.Timer(seconds, stop.set)
+                    timer.start()
+                    loop = _busy(stop)
+                wall = time.perf_counter() - start
+                rows[mode].append({"loop_s": loop / wall, "images_s": (counts[0] - first) / wall})
+    finally:
+        done.set()
+        take.set()
+        reader.join(30)
+        loader.close()
+    median = {
+        mode: {k: float(np.median([r[k] for r in rs])) for k in ("loop_s", "images_s")} for mode, rs in rows.items()
+    }
+    return {
+        "windows": rows,
+        "median": median,
+        "loop_kept": median["both"]["loop_s"] / median["loop"]["loop_s"],
+        "loader_kept": median["both"]["images_s"] / median["loader"]["images_s"],
+        "loop_kept_per_window": [b["loop_s"] / a["loop_s"] for a, b in zip(rows["loop"], rows["both"], strict=True)],
+    }
+
+
 def _schedstat(tid: int) -> tuple[float, float]:
     """A thread's seconds on a CPU and runnable without one (Linux schedstat)."""
     with open(f"/proc/self/task/{tid}/schedstat") as f:
@@ -312,6 +378,13 @@ def main() -> None:
     parser.add_argument(
         "--neighbor", action="store_true", help="also: the busy loop beside a decoding process (no GIL shared)"
     )
+    parser.add_argument(
+        "--interleaved",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only: N windows each of the loop alone, beside the loader, the loader alone, in turn (one loader)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     _BATCH[0] = args.batch
@@ -323,6 +396,26 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()}, switch interval {sys.getswitchinterval() * 1e3:.0f} ms")
     result: dict[str, Any] = {"load_before": os.getloadavg(), "batch": args.batch, "rounds": []}
     print(f"batch {args.batch}, {args.images} images")
+    if args.interleaved:
+        result["interleaved"] = {}
+        for key in paths:
+            got = interleaved(root, key, args.interleaved, args.seconds)
+            result["interleaved"][key] = got
+            m = got["median"]
+            per = got["loop_kept_per_window"]
+            print(
+                f"{key:12s} interleaved, {args.interleaved} windows of {args.seconds:g} s each: the loop keeps "
+                f"{got['loop_kept']:.3f} of its rate alone (median {m['loop']['loop_s'] / 1e6:.1f} -> "
+                f"{m['both']['loop_s'] / 1e6:.1f} M/s; windows {min(per):.2f}-{max(per):.2f}), the loader "
+                f"{got['loader_kept']:.3f} of its rate alone ({m['loader']['images_s']:.0f} -> "
+                f"{m['both']['images_s']:.0f} img/s)"
+            )
+        result["load_after"] = os.getloadavg()
+        print(f"load average after: {result['load_after']}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=2)
+        return
     # The cost of watch's GIL probe to a thread that runs Python all along (alone, probed, alone).
     from streamload._gil import GilProbe
 
