@@ -368,6 +368,22 @@ def per_core(root: str, batches: int = 10) -> dict[str, float]:
     return out
 
 
+def _hold_longer(seconds: float) -> None:
+    """Make each kernel batch hold the GIL ``seconds`` longer after its decode (``--extra-hold``)."""
+    from streamload.decode import native
+
+    decoded = native._decoded
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        out = decoded(*args, **kwargs)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+        return out
+
+    native._decoded = held  # type: ignore[assignment]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=1280)
@@ -385,8 +401,18 @@ def main() -> None:
         metavar="N",
         help="only: N windows each of the loop alone, beside the loader, the loader alone, in turn (one loader)",
     )
+    parser.add_argument(
+        "--extra-hold",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="a diagnostic: hold the GIL MS ms longer after each batch's decode (a pure-Python wait), to see "
+        "what the loader's per-batch GIL time costs the loop",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.extra_hold > 0:
+        _hold_longer(args.extra_hold / 1e3)
     _BATCH[0] = args.batch
     paths = [p for p in args.paths.split(",") if p]
     unknown = sorted(set(paths) - set(PATHS))
