@@ -11,8 +11,10 @@ setup(
         Extension(
             "streamload.decode._jpegbatch",
             sources=["streamload/decode/_jpegbatch.c"],
-            libraries=["jpeg"],
-            extra_compile_args=["-O3"],
+            depends=["streamload/_draws_core.h", "streamload/_then.h"],
+            libraries=["jpeg", "m"],
+            # (-ffp-contract=off: its crop draws round as Python's, see streamload/_draws_core.h)
+            extra_compile_args=["-O3", "-ffp-contract=off"],
             optional=True,
         ),
         # A batch's preads in one call without the GIL (streamload._pread); no library needed.
@@ -20,6 +22,7 @@ setup(
         Extension(
             "streamload._gather",
             sources=["streamload/_gather.c"],
+            depends=["streamload/_then.h"],
             libraries=["dl"],
             extra_compile_args=["-O3"],
             optional=True,
@@ -28,6 +31,7 @@ setup(
         Extension(
             "streamload._draws",
             sources=["streamload/_draws.c"],
+            depends=["streamload/_draws_core.h"],
             libraries=["m"],
             extra_compile_args=["-O2", "-ffp-contract=off", "-fno-fast-math"],
             optional=True,

@@ -12,8 +12,8 @@ fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 # The stamp covers what the install builds: a changed pyproject, setup.py or native kernel
-# source (streamload/*.c, streamload/decode/*.c) reinstalls, which rebuilds the kernel in place.
-stamp=".venv/.streamload-$(cat pyproject.toml setup.py streamload/*.c streamload/decode/*.c | sha256sum | cut -c1-16)-$extras"
+# source (streamload/*.c, *.h, streamload/decode/*.c) reinstalls, which rebuilds the kernel in place.
+stamp=".venv/.streamload-$(cat pyproject.toml setup.py streamload/*.c streamload/*.h streamload/decode/*.c | sha256sum | cut -c1-16)-$extras"
 if [ ! -f "$stamp" ]; then
   python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
   # torch first and pinned: an unpinned torch would pull gigabytes of CUDA packages.

@@ -23,6 +23,8 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "_then.h"
+
 /* The system's xxHash (libxxhash.so.0), looked up when the module loads: XXH3_64bits is
  * what the tar sidecar's member digests are (python-xxhash's xxh3_64 with seed 0). Absent:
  * NULL, and the caller checks the digests itself. */
@@ -125,10 +127,14 @@ PyDoc_STRVAR(pread_gather_doc,
              "the end of the file) or -errno when a read failed. sums (uint64, one an entry, or None): each\n"
              "entry's XXH3_64bits digest, of the entry's full read (left alone when short); needs has_xxh3().\n"
              "cached_first: what the page cache holds is read first holding the GIL (RWF_NOWAIT, up to 16 MiB a\n"
-             "call), the rest with it released (one release, none for a cached batch).");
+             "call), the rest with it released (one release, none for a cached batch). then: a continuation\n"
+             "(a PyCapsule named 'streamload.then') run right after the reads, in the same release of the GIL\n"
+             "(every read is then made with the GIL released; the continuation runs once, even for no entries).");
 
 static PyObject *pread_gather(PyObject *self, PyObject *args) {
     PyObject *fd_obj, *outs_obj, *offsets_obj, *lengths_obj, *which_obj, *at_obj, *got_obj, *sums_obj = Py_None, *seq;
+    PyObject *then_obj = Py_None;
+    streamload_then *then = NULL;
     PyObject *result = NULL;
     Py_buffer fds_view, offsets_view, lengths_view, which_view, at_view, got_view, sums_view, *outs = NULL;
     uint64_t *sums = NULL;
@@ -139,9 +145,14 @@ static PyObject *pread_gather(PyObject *self, PyObject *args) {
     (void)self;
 
     int cached_first = 1;
-    if (!PyArg_ParseTuple(args, "OOOOOOO|Op", &fd_obj, &offsets_obj, &lengths_obj, &outs_obj, &which_obj, &at_obj,
-                          &got_obj, &sums_obj, &cached_first))
+    if (!PyArg_ParseTuple(args, "OOOOOOO|OpO", &fd_obj, &offsets_obj, &lengths_obj, &outs_obj, &which_obj, &at_obj,
+                          &got_obj, &sums_obj, &cached_first, &then_obj))
         return NULL;
+    if (then_obj != Py_None) {
+        then = (streamload_then *)PyCapsule_GetPointer(then_obj, STREAMLOAD_THEN);
+        if (then == NULL) return NULL; /* not a continuation: TypeError/ValueError from the capsule API */
+        cached_first = 0;             /* one release for the reads and what follows them */
+    }
     if (sums_obj != Py_None && xxh3 == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "sums need the system's xxHash (libxxhash.so.0), which is not there");
         return NULL;
@@ -231,9 +242,10 @@ static PyObject *pread_gather(PyObject *self, PyObject *args) {
         int left = cached_first && total <= CACHED_LIMIT
                        ? read_entries(order, n, offsets, lengths, at, which, outs, got, sums, 1)
                        : (int)(n > 0);
-        if (left) {
+        if (left || then != NULL) {
             Py_BEGIN_ALLOW_THREADS
-            read_entries(order, n, offsets, lengths, at, which, outs, got, sums, 0);
+            if (left) read_entries(order, n, offsets, lengths, at, which, outs, got, sums, 0);
+            if (then != NULL) then->run(then->ctx);
             Py_END_ALLOW_THREADS
         }
     }

@@ -56,6 +56,7 @@ def pread_gather(
     at: np.ndarray,
     sums: np.ndarray | None = None,
     cached_first: bool = True,
+    then: Any = None,
 ) -> np.ndarray | None:
     """Read ``lengths[i]`` bytes at ``offsets[i]`` of ``fd`` into ``outs[which[i]]`` at byte ``at[i]``, for every i.
 
@@ -79,6 +80,10 @@ def pread_gather(
             the same call: a batch's checksums without a call a member.
         cached_first: Read what is cached holding the GIL first (``False``: every read
             with the GIL released).
+        then: A continuation (a ``streamload.then`` capsule, e.g. the JPEG kernel's
+            ``Job.then``) run right after the reads in the same release of the GIL: every
+            read is then made with the GIL released, and the batch's read and its decode are
+            one release, not two.
 
     Returns:
         ``int64`` bytes read per entry (fewer than asked only at the end of the file; a
@@ -103,6 +108,7 @@ def pread_gather(
         got,
         sums,
         cached_first,
+        then,
     )
     return got
 
@@ -139,10 +145,12 @@ class Gather:
     owner: Any
 
 
-def gather_all(plans: Sequence[Gather]) -> bool:
+def gather_all(plans: Sequence[Gather], then: Any = None) -> bool:
     """Read every plan's entries in one :func:`pread_gather` call, then check each plan in turn.
 
     The checks run in the plans' order, so an error names the first bad shard of the batch.
+    ``then``: :func:`pread_gather`'s continuation, run after the reads and before the checks
+    (it must stand bytes that fail them: the kernel's decode does).
 
     Returns:
         False (nothing read) when the extension is not built, or when a plan's reader was
@@ -154,7 +162,7 @@ def gather_all(plans: Sequence[Gather]) -> bool:
     if len(plans) == 1:
         plan = plans[0]
         sums = np.empty(len(plan.offsets), dtype=np.uint64) if hashes() else None
-        got = pread_gather(plan.fd, plan.offsets, plan.lengths, plan.outs, plan.which, plan.at, sums)
+        got = pread_gather(plan.fd, plan.offsets, plan.lengths, plan.outs, plan.which, plan.at, sums, then=then)
         assert got is not None
         if sums is None or not np.array_equal(got, plan.lengths) or not np.array_equal(sums, plan.digests):
             plan.check(got, sums)
@@ -183,6 +191,7 @@ def gather_all(plans: Sequence[Gather]) -> bool:
         np.concatenate(remaps),
         np.concatenate([plan.at for plan in plans]),
         sums,
+        then=then,
     )
     assert got is not None
     if sums is not None and np.array_equal(got, lengths):

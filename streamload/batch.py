@@ -395,6 +395,7 @@ class RawCollate:
         parts: Parts,
         places: np.ndarray | None = None,
         shared: bool | None = None,
+        then: Callable[[np.ndarray, np.ndarray], Any] | None = None,
     ) -> RawBatch:
         """Read a batch straight into one buffer: sizes from the index, then one read per shard.
 
@@ -411,6 +412,11 @@ class RawCollate:
                 passes them when :attr:`places` is set); kept in :attr:`RawBatch.places`.
             shared: The batch's buffer in shared memory (``None``: inside a DataLoader
                 worker); ``False`` for a batch that stays in its process (a decode's input).
+            then: Called with the batch's data buffer and offsets (``uint8``, ``int64[B+1]``)
+                once they are made; what it returns (a ``streamload.then`` continuation, e.g.
+                the JPEG kernel's ``Job.then``) runs right after the batch's one gathered
+                read, in the same release of the GIL. Not called where the batch is read
+                another way (the caller runs its work itself then).
         """
         where = places if self.places else None
         if not all(serves_batches(open_reader(shard)) for shard, _ in parts):
@@ -435,7 +441,8 @@ class RawCollate:
         offsets, flat = offsets_t.numpy(), data.numpy()
         keys = tuple(k for shard, idx in parts for k in open_reader(shard).keys_of(idx)) if self.keys else None
         if all(values is None for values in label_values):  # every shard's reads in one call, where they can be
-            read = _gathered(open_reader, groups, self.fields, label, label_sizes, flat, sizes)
+            after = None if then is None else lambda: then(flat, offsets)
+            read = _gathered(open_reader, groups, self.fields, label, label_sizes, flat, sizes, after)
             if read is not None:
                 if labels is not None and label is not None:
                     parse_labels(*read, lambda i: _key_at(open_reader, parts, i), label[0], out=labels)
@@ -485,6 +492,7 @@ def _gathered(
     label_sizes: Sequence[np.ndarray | None],
     flat: np.ndarray,
     sizes: np.ndarray,
+    then: Callable[[], Any] | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Every shard's reads of a batch in one call (:func:`streamload._pread.gather_all`), into their places.
 
@@ -518,7 +526,7 @@ def _gathered(
         if plan is None:
             return None
         plans.append(plan)
-    return (raw, label_at) if gather_all(plans) else None
+    return (raw, label_at) if gather_all(plans, None if then is None else then()) else None
 
 
 def _key_at(open_reader: Callable[[int], ShardReader], parts: Parts, i: int) -> str:

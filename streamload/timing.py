@@ -175,6 +175,10 @@ class Clock:
         self.row[field] += perf_counter() - start
         return out
 
+    def charge(self, seconds: float, field: int = COLLATE) -> None:
+        """Charge ``seconds`` measured elsewhere (inside another stage's call) to ``field``."""
+        self.row[field] += seconds
+
 
 def current() -> Clock | None:
     """The clock of the watched iteration running in this thread, if any."""

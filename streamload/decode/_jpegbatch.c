@@ -2,9 +2,11 @@
  * streamload.decode._jpegbatch: decode a batch of JPEGs into one uint8 buffer, in one call
  * that releases the GIL once.
  *
- * The geometry (each sample's crop box, DCT reduction and flip) is computed in Python by
- * ImageDecoder (the single source of truth for the random crops); this file only carries
- * it out: libjpeg-turbo decode at 1/factor, Pillow's bilinear resample of the box (the same
+ * The geometry (each sample's crop box, DCT reduction and flip) is ImageDecoder's: computed
+ * in Python and handed to decode(), or drawn in C by a prepare()d job (../_draws_core.h, the
+ * same numbers bit for bit) that also reads the headers and decodes, run without the GIL by
+ * the batch's read (pread_gather's continuation, ../_then.h) or by Job.finish(). Either way:
+ * libjpeg-turbo decode at 1/factor, Pillow's bilinear resample of the box (the same
  * coefficients and fixed-point arithmetic as Pillow's Resample.c, re-implemented), a
  * horizontal flip, and the write into the sample's HWC RGB slot.
  *
@@ -22,8 +24,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <time.h>
+
 #include <jerror.h>
 #include <jpeglib.h>
+
+#include "../_draws_core.h"
+#include "../_then.h"
 
 #define PRECISION_BITS (32 - 8 - 2)
 
@@ -577,9 +584,277 @@ done:
     return result;
 }
 
+
+/* -- a batch's headers, draws and decode as one job: run after its read, in the same release ---- */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer data, offsets, prefix, where, dims, boxes, full, params, taken, out;
+    int acquired; /* how many of the buffers above are held, in that order */
+    Py_ssize_t n;
+    int height, width, pillow13, state, failed;
+    geometry g;
+    long long max_pixels;
+    const char *bad;
+    double seconds;
+    int *status;
+    char (*messages)[JMSG_LENGTH_MAX];
+    streamload_then then;
+} Job;
+
+enum { PREPARED = 0, RAN = 1, FINISHED = 2 };
+
+static void job_release(Job *job) {
+    Py_buffer *views[] = {&job->data,   &job->offsets, &job->prefix, &job->where, &job->dims,
+                          &job->boxes,  &job->full,    &job->params, &job->taken, &job->out};
+    for (int i = 0; i < job->acquired; i++) PyBuffer_Release(views[i]);
+    job->acquired = 0;
+    PyMem_Free(job->status);
+    PyMem_Free(job->messages);
+    job->status = NULL;
+    job->messages = NULL;
+}
+
+static void job_dealloc(Job *job) {
+    job_release(job);
+    Py_TYPE(job)->tp_free((PyObject *)job);
+}
+
+/* Headers, draws, decode: no Python object touched (the buffers are held by the job). */
+static void job_run(void *ctx) {
+    Job *job = (Job *)ctx;
+    if (job->state != PREPARED) return;
+    job->state = RAN;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    const uint8_t *data = (const uint8_t *)job->data.buf;
+    const int64_t *offsets = (const int64_t *)job->offsets.buf;
+    int32_t *dims = (int32_t *)job->dims.buf;
+    const float *boxes = (const float *)job->boxes.buf;
+    const int32_t *params = (const int32_t *)job->params.buf;
+    uint8_t *out = (uint8_t *)job->out.buf;
+    size_t slot = (size_t)job->height * job->width * 3;
+    Py_ssize_t n = job->n, i;
+    struct jpeg_decompress_struct cinfo;
+    error_mgr err;
+    scratch s;
+    memset(&s, 0, sizeof s);
+    use_errors(&cinfo, &err);
+    if (setjmp(err.jump)) {
+        job->failed = 1;
+        scratch_free(&s);
+        return;
+    }
+    jpeg_create_decompress(&cinfo);
+    for (i = 0; i < n; i++) { /* the headers (headers()) */
+        const unsigned char *p = data + offsets[i];
+        size_t len = (size_t)(offsets[i + 1] - offsets[i]);
+        dims[i * 3 + 0] = dims[i * 3 + 1] = dims[i * 3 + 2] = 0;
+        if (len < 2 || p[0] != 0xFF || p[1] != 0xD8) continue;
+        if (setjmp(err.jump)) {
+            dims[i * 3 + 0] = dims[i * 3 + 1] = dims[i * 3 + 2] = 0;
+            jpeg_abort_decompress(&cinfo);
+            continue;
+        }
+        jpeg_mem_src(&cinfo, p, (unsigned long)len);
+        jpeg_read_header(&cinfo, TRUE);
+        dims[i * 3 + 0] = (int32_t)cinfo.image_width;
+        dims[i * 3 + 1] = (int32_t)cinfo.image_height;
+        if (cinfo.jpeg_color_space == JCS_YCbCr || cinfo.jpeg_color_space == JCS_RGB)
+            dims[i * 3 + 2] = 3;
+        else if (cinfo.jpeg_color_space == JCS_GRAYSCALE)
+            dims[i * 3 + 2] = 1;
+        else
+            dims[i * 3 + 0] = dims[i * 3 + 1] = 0;
+        jpeg_abort_decompress(&cinfo);
+    }
+    job->bad = draw_batch((const uint32_t *)job->prefix.buf, (int)(job->prefix.len / 4), (const int64_t *)job->where.buf,
+                          dims, n, &job->g, job->max_pixels, (float *)job->boxes.buf, (double *)job->full.buf,
+                          (int32_t *)job->params.buf, (uint8_t *)job->taken.buf);
+    if (job->bad == NULL) {
+        for (i = 0; i < n; i++) { /* the decode (decode()) */
+            int factor = params[i * 2], flip = params[i * 2 + 1];
+            if (factor == 0) {
+                job->status[i] = SKIPPED;
+                continue;
+            }
+            err.message[0] = 0;
+            if (setjmp(err.jump)) { /* (decode_one sets its own; this one only guards the loop) */
+                job->status[i] = REFUSED;
+                memcpy(job->messages[i], err.message, JMSG_LENGTH_MAX);
+                continue;
+            }
+            job->status[i] = decode_one(&cinfo, &err, &s, data + offsets[i], (size_t)(offsets[i + 1] - offsets[i]),
+                                        factor, &boxes[i * 4], flip, job->pillow13, out + slot * (size_t)i,
+                                        job->height, job->width);
+            if (job->status[i] == REFUSED) memcpy(job->messages[i], err.message, JMSG_LENGTH_MAX);
+        }
+    }
+    jpeg_destroy_decompress(&cinfo);
+    scratch_free(&s);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    job->seconds = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+}
+
+static PyObject *job_then(Job *job, void *closure) {
+    (void)closure;
+    if (job->state != PREPARED) {
+        PyErr_SetString(PyExc_RuntimeError, "this job has run");
+        return NULL;
+    }
+    return PyCapsule_New(&job->then, STREAMLOAD_THEN, NULL); /* the job outlives the call it is passed to */
+}
+
+PyDoc_STRVAR(job_finish_doc,
+             "finish() -> (reasons, seconds)\n\n"
+             "Run the job if no read ran it (the GIL released), then give each sample's refusal (None: decoded\n"
+             "or not taken) and the seconds its headers, draws and decode took; the buffers are let go.");
+
+static PyObject *job_finish(Job *job, PyObject *unused) {
+    (void)unused;
+    if (job->state == FINISHED) {
+        PyErr_SetString(PyExc_RuntimeError, "this job has finished");
+        return NULL;
+    }
+    if (job->state == PREPARED) {
+        Py_BEGIN_ALLOW_THREADS
+        job_run(job);
+        Py_END_ALLOW_THREADS
+    }
+    job->state = FINISHED;
+    PyObject *result = NULL;
+    if (job->failed)
+        PyErr_SetString(PyExc_MemoryError, "libjpeg could not start");
+    else if (job->bad != NULL)
+        PyErr_SetString(PyExc_ValueError, job->bad);
+    else {
+        PyObject *reasons = messages_list(job->n, job->status, job->messages);
+        if (reasons != NULL) result = Py_BuildValue("(Nd)", reasons, job->seconds);
+    }
+    job_release(job);
+    return result;
+}
+
+static PyMethodDef job_methods[] = {
+    {"finish", (PyCFunction)job_finish, METH_NOARGS, job_finish_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef job_getset[] = {
+    {"then", (getter)job_then, NULL, "The continuation to hand a batch's read (pread_gather's then).", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject JobType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "streamload.decode._jpegbatch.Job",
+    .tp_basicsize = sizeof(Job),
+    .tp_dealloc = (destructor)job_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A batch's headers, crop draws and decode, to run once without the GIL (prepare()).",
+    .tp_methods = job_methods,
+    .tp_getset = job_getset,
+};
+
+/* An exact C-contiguous buffer of `need` bytes (writable if asked), held by the job. */
+static int job_get(Job *job, Py_buffer *view, PyObject *obj, Py_ssize_t need, int writable, const char *what) {
+    if (PyObject_GetBuffer(obj, view, writable ? (PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) : PyBUF_C_CONTIGUOUS) != 0)
+        return -1;
+    job->acquired++;
+    if (need >= 0 && view->len != need) {
+        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, %zd needed", what, view->len, need);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(prepare_doc,
+             "prepare(data, offsets, prefix, where, geometry, max_pixels, dims, boxes, full, params, taken, out,\n"
+             "        height, width, pillow13) -> Job\n\n"
+             "A batch's decode to run once without the GIL, after its bytes are read into data (sample i at\n"
+             "data[offsets[i]:offsets[i + 1]], int64 offsets): each JPEG's header into dims (int32[n, 3]), its\n"
+             "crop box and flip drawn as streamload._draws.crops draws them (prefix, where, geometry, max_pixels,\n"
+             "boxes, full, params, taken: the same meaning and sizes), and its decode into out (uint8,\n"
+             "n x height x width x 3) as decode() does. Hand job.then to pread_gather to run it right after\n"
+             "the read, in the same release of the GIL; job.finish() runs it if no read did.");
+
+static PyObject *prepare(PyObject *self, PyObject *args) {
+    PyObject *data_o, *offsets_o, *prefix_o, *where_o, *dims_o, *boxes_o, *full_o, *params_o, *taken_o, *out_o;
+    geometry g;
+    long long max_pixels;
+    int height, width, pillow13 = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOO(pppiiddddd)LOOOOOOiip", &data_o, &offsets_o, &prefix_o, &where_o,
+                          &g.random_crop, &g.flip, &g.dct_scaling, &g.out_w, &g.out_h, &g.scale_lo, &g.scale_hi,
+                          &g.ratio_lo, &g.ratio_hi, &g.resize, &max_pixels, &dims_o, &boxes_o, &full_o, &params_o,
+                          &taken_o, &out_o, &height, &width, &pillow13))
+        return NULL;
+    if (height < 1 || width < 1 || height > 65535 || width > 65535) {
+        PyErr_SetString(PyExc_ValueError, "height and width must be in 1..65535");
+        return NULL;
+    }
+    if (g.out_w != width || g.out_h != height) {
+        PyErr_SetString(PyExc_ValueError, "the geometry's output size must be height x width");
+        return NULL;
+    }
+    Job *job = PyObject_New(Job, &JobType);
+    if (job == NULL) return NULL;
+    job->acquired = 0;
+    job->status = NULL;
+    job->messages = NULL;
+    job->state = PREPARED;
+    job->failed = 0;
+    job->bad = NULL;
+    job->seconds = 0.0;
+    job->g = g;
+    job->max_pixels = max_pixels;
+    job->height = height;
+    job->width = width;
+    job->pillow13 = pillow13;
+    job->then.run = job_run;
+    job->then.ctx = job;
+    if (job_get(job, &job->data, data_o, -1, 0, "data") != 0) goto fail;
+    if (job_get(job, &job->offsets, offsets_o, -1, 0, "offsets") != 0) goto fail;
+    if (job->offsets.len < 8 || job->offsets.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "offsets: int64, one a sample and one more");
+        goto fail;
+    }
+    Py_ssize_t n = job->offsets.len / 8 - 1;
+    job->n = n;
+    const int64_t *offsets = (const int64_t *)job->offsets.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (offsets[0] < 0 || offsets[i + 1] < offsets[i] || offsets[i + 1] > (int64_t)job->data.len) {
+            PyErr_Format(PyExc_ValueError, "offsets: sample %zd does not lie inside data", i);
+            goto fail;
+        }
+    }
+    if (job_get(job, &job->prefix, prefix_o, -1, 0, "prefix") != 0) goto fail;
+    if (job->prefix.len % 4 || job->prefix.len / 4 > 60) {
+        PyErr_SetString(PyExc_ValueError, "prefix: uint32 words, at most 60, are needed");
+        goto fail;
+    }
+    if (job_get(job, &job->where, where_o, n * 16, 0, "where") != 0) goto fail;
+    if (job_get(job, &job->dims, dims_o, n * 12, 1, "dims") != 0) goto fail;
+    if (job_get(job, &job->boxes, boxes_o, n * 16, 1, "boxes") != 0) goto fail;
+    if (job_get(job, &job->full, full_o, n * 32, 1, "full") != 0) goto fail;
+    if (job_get(job, &job->params, params_o, n * 8, 1, "params") != 0) goto fail;
+    if (job_get(job, &job->taken, taken_o, n, 1, "taken") != 0) goto fail;
+    if (job_get(job, &job->out, out_o, n * (Py_ssize_t)height * width * 3, 1, "out") != 0) goto fail;
+    job->status = (int *)PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(int));
+    job->messages = PyMem_Calloc((size_t)(n > 0 ? n : 1), JMSG_LENGTH_MAX);
+    if (job->status == NULL || job->messages == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    return (PyObject *)job;
+fail:
+    Py_DECREF(job);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"headers", headers, METH_VARARGS, headers_doc},
     {"decode", decode, METH_VARARGS, decode_doc},
+    {"prepare", prepare, METH_VARARGS, prepare_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -589,6 +864,7 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__jpegbatch(void) {
+    if (PyType_Ready(&JobType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "LIBJPEG_TURBO_VERSION", LIBJPEG_TURBO_VERSION_NUMBER) != 0) {

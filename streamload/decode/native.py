@@ -15,6 +15,11 @@ releases the GIL once, whatever the batch size::
                                                bilinear resample of the box, the flip,
                                                the write into each slot
 
+A batch the dataset reads itself (:func:`read_decoded`: local tar shards, every sample's
+``(epoch, position)`` known) goes further: the three steps are one job
+(``_jpegbatch.prepare``) that the batch's gathered read (``_gather.pread_gather``) runs
+right after its reads, so reading and decoding the batch is a single release of the GIL.
+
 The kernel is a CPython extension (``streamload/decode/_jpegbatch.c``) linked against the
 system's libjpeg-turbo and built by the package's install when a C compiler and
 ``jpeglib.h`` are there (optional: without them the install still succeeds). Where it is
@@ -178,13 +183,19 @@ def _decode(
         drawn = _draw_python(decoder, dims, rng_of)
     boxes, params, full, taken = drawn
     reasons = module.decode(datas, boxes, params, slots, decoder.height, decoder.width, _pillow13())
-    out: list[Any] = [None] * n
+    return _outcomes(taken, full, params, reasons)
+
+
+def _outcomes(taken: np.ndarray, full: np.ndarray, params: np.ndarray, reasons: Sequence[str | None]) -> list[Any]:
+    """Per sample: :data:`DONE`, a :class:`Refusal` (its box, flip and reason), or ``None`` (not taken)."""
+    out: list[Any] = [None] * len(taken)
     for i in np.flatnonzero(taken).tolist():
-        if reasons[i] is None:
+        reason = reasons[i]
+        if reason is None:
             out[i] = DONE
         else:
             left, top, right, bottom = full[i].tolist()
-            out[i] = Refusal((left, top, right, bottom), bool(params[i, 1]), reasons[i])
+            out[i] = Refusal((left, top, right, bottom), bool(params[i, 1]), reason)
     return out
 
 
@@ -261,8 +272,18 @@ def _crops(module: ModuleType, decoder: ImageDecoder, dims: np.ndarray, where: n
     params = np.zeros((n, 2), dtype=np.int32)
     full = np.zeros((n, 4), dtype=np.float64)
     taken = np.empty(n, dtype=np.uint8)
+    geometry = _geometry(decoder)
+    limit = -1 if decoder.max_pixels is None else decoder.max_pixels
+    module.crops(
+        _prefix(seed), np.ascontiguousarray(where, dtype=np.int64), dims, geometry, limit, boxes, full, params, taken
+    )
+    return boxes, params, full, taken
+
+
+def _geometry(decoder: ImageDecoder) -> tuple[bool, bool, bool, int, int, float, float, float, float, float]:
+    """The decoder's crop geometry as the C draws take it."""
     lo, hi = decoder.log_ratio
-    geometry = (
+    return (
         decoder.crop == "random",
         decoder.flip,
         decoder.dct_scaling,
@@ -274,11 +295,6 @@ def _crops(module: ModuleType, decoder: ImageDecoder, dims: np.ndarray, where: n
         hi,
         float(decoder.resize),
     )
-    limit = -1 if decoder.max_pixels is None else decoder.max_pixels
-    module.crops(
-        _prefix(seed), np.ascontiguousarray(where, dtype=np.int64), dims, geometry, limit, boxes, full, params, taken
-    )
-    return boxes, params, full, taken
 
 
 @functools.lru_cache(maxsize=16)
@@ -405,14 +421,94 @@ def read_decoded(
 
     if not batch.native or not all(serves_batches(open_reader(shard)) for shard, _ in parts):
         return batch([sample_of(i) for i in range(len(spots))])  # type: ignore[no-any-return]
+    fused = _Fused.make(batch, places, len(spots))
     try:
-        raw = batch.raw.read_batch(open_reader, parts, shared=False)
+        raw = batch.raw.read_batch(open_reader, parts, shared=False, then=None if fused is None else fused.then)
     except SampleError:
         return batch([sample_of(i) for i in range(len(spots))])  # type: ignore[no-any-return]
     clock = current()  # a watched iteration: the decode is the collate stage, the read before it the read's
+    if fused is not None:
+        outcomes, seconds = fused.finish(raw)
+        if clock is not None:
+            clock.charge(seconds)  # run inside the read's call: its time is the collate stage's all the same
+        return _decoded(batch, raw, where, places, sample_of, fused, outcomes)
     if clock is None:
         return _decoded(batch, raw, where, places, sample_of)
     return clock.collate(lambda read: _decoded(batch, read, where, places, sample_of), raw)
+
+
+class _Fused:
+    """A batch's headers, crop draws and decode run by its read: one release of the GIL for both.
+
+    The kernel's job (``_jpegbatch.prepare``) is made once the batch's buffer is (the read
+    calls :meth:`then`) and handed to the gathered read as its continuation, so the read,
+    the draws (:func:`draw_crops`'s, in C) and the decode are one GIL-free call. Where the
+    batch is read another way, :meth:`finish` runs the job itself after the read.
+    """
+
+    def __init__(self, batch: DecodeBatch, places: np.ndarray, n: int, module: ModuleType) -> None:
+        import torch
+
+        from ..batch import batch_tensors
+
+        decoder = batch.decoder
+        shapes: list[tuple[Sequence[int], torch.dtype]] = [((n, *decoder.shape), torch.uint8)]
+        if batch.label_field is not None:
+            shapes.append(((n,), torch.int64))
+        self.tensors, self.lease = batch_tensors(shapes)
+        self.slots = self.tensors[0].numpy()
+        self.batch, self.module, self.places = batch, module, np.ascontiguousarray(places, dtype=np.int64)
+        self.dims = np.zeros((n, 3), dtype=np.int32)
+        self.boxes = np.zeros((n, 4), dtype=np.float32)
+        self.full = np.zeros((n, 4), dtype=np.float64)
+        self.params = np.zeros((n, 2), dtype=np.int32)
+        self.taken = np.zeros(n, dtype=np.uint8)
+        self.job: Any = None
+
+    @classmethod
+    def make(cls, batch: DecodeBatch, places: np.ndarray | None, n: int) -> _Fused | None:
+        """A fused decode for the batch, or ``None`` where its draws cannot be made in C."""
+        module = kernel()
+        seed = batch.seed or 0
+        if (
+            places is None
+            or module is None
+            or not hasattr(module, "prepare")
+            or _draws_module() is None
+            or not 0 <= seed < 1 << 128
+            or not _own_geometry(batch.decoder)
+        ):
+            return None
+        return cls(batch, places, n, module)
+
+    def then(self, data: np.ndarray, offsets: np.ndarray) -> Any:
+        """The job over the batch's buffer: its continuation, for the read to run."""
+        decoder = self.batch.decoder
+        self.job = self.module.prepare(
+            data,
+            offsets,
+            _prefix(self.batch.seed or 0),
+            self.places,
+            _geometry(decoder),
+            -1 if decoder.max_pixels is None else decoder.max_pixels,
+            self.dims,
+            self.boxes,
+            self.full,
+            self.params,
+            self.taken,
+            self.slots,
+            decoder.height,
+            decoder.width,
+            _pillow13(),
+        )
+        return self.job.then
+
+    def finish(self, raw: RawBatch) -> tuple[list[Any], float]:
+        """Each sample's outcome (as :func:`_decode`'s) and the job's seconds, running it if the read did not."""
+        if self.job is None:
+            self.then(raw.data.numpy(), raw.offsets.numpy())
+        reasons, seconds = self.job.finish()
+        return _outcomes(self.taken, self.full, self.params, reasons), seconds
 
 
 def _decoded(
@@ -421,8 +517,13 @@ def _decoded(
     where: list[list[int]] | None,
     places: np.ndarray | None,
     sample_of: Callable[[int], dict[str, Any]],
+    fused: _Fused | None = None,
+    outcomes: list[Any] | None = None,
 ) -> ImageBatch:
-    """The kernel over a read batch (:func:`read_decoded`), the samples it leaves decoded one by one."""
+    """The kernel over a read batch (:func:`read_decoded`), the samples it leaves decoded one by one.
+
+    ``fused``, ``outcomes``: the batch already decoded by its read (:class:`_Fused`).
+    """
     import torch
 
     from .._batchmem import channels_first
@@ -433,19 +534,22 @@ def _decoded(
 
     n = raw.batch_size
     decoder = batch.decoder
-    shapes: list[tuple[Sequence[int], torch.dtype]] = [((n, *decoder.shape), torch.uint8)]
-    if batch.label_field is not None:
-        shapes.append(((n,), torch.int64))
-    tensors, lease = batch_tensors(shapes)
-    slots = tensors[0].numpy()
-    bounds = raw.offsets.tolist()
-    view = raw.data.numpy().data
-    datas = [view[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-    seed = batch.seed or 0
-    if where is not None:
-        taken = _decode(batch, lambda i: place_generator(where[i][0], where[i][1], seed), datas, slots, places)
+    if fused is not None and outcomes is not None:
+        tensors, lease, slots, taken = fused.tensors, fused.lease, fused.slots, outcomes
     else:
-        taken = _decode(batch, lambda i: batch.rng(), datas, slots)
+        shapes: list[tuple[Sequence[int], torch.dtype]] = [((n, *decoder.shape), torch.uint8)]
+        if batch.label_field is not None:
+            shapes.append(((n,), torch.int64))
+        tensors, lease = batch_tensors(shapes)
+        slots = tensors[0].numpy()
+        bounds = raw.offsets.tolist()
+        view = raw.data.numpy().data
+        datas = [view[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        seed = batch.seed or 0
+        if where is not None:
+            taken = _decode(batch, lambda i: place_generator(where[i][0], where[i][1], seed), datas, slots, places)
+        else:
+            taken = _decode(batch, lambda i: batch.rng(), datas, slots)
     labels = None
     if batch.label_field is not None and raw.labels is not None:
         labels = tensors[1]
