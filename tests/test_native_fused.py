@@ -19,7 +19,9 @@ from streamload import CorruptShardError, StreamingDataset
 from streamload._pread import available as pread_available
 from streamload._pread import pread_gather
 from streamload.decode import DecodeBatch, native
-from tests.test_native_kernel import _corpus, _mutants, _photo
+from tests.helpers.jpegs import corpus as _corpus
+from tests.helpers.jpegs import mutants as _mutants
+from tests.helpers.jpegs import photo as _photo
 
 pytestmark = pytest.mark.skipif(
     not native.available() or not hasattr(native.kernel(), "prepare") or native._draws_module() is None,

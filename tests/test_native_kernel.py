@@ -19,31 +19,14 @@ from PIL import Image
 from streamload import SampleError
 from streamload.decode import DecodeBatch, native
 from streamload.synthetic import synthetic_jpeg
+from tests.helpers.jpegs import corpus as _corpus
+from tests.helpers.jpegs import mutants as _mutants
+from tests.helpers.jpegs import photo as _photo
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernel is not built here")
 
 #: The largest pixel difference allowed between the kernel and the per-sample path.
 BOUND = 0
-
-
-def _photo(rng: np.random.Generator, width: int, height: int, **save: object) -> bytes:
-    """A photo-like JPEG (smooth colour fields + noise) re-saved by Pillow with ``save`` options."""
-    mode = str(save.pop("mode", "RGB"))
-    img = Image.open(io.BytesIO(synthetic_jpeg(rng, width, height))).convert(mode)
-    buf = io.BytesIO()
-    img.save(buf, format="JPEG", quality=int(save.pop("quality", 88)), **save)
-    return buf.getvalue()
-
-
-def _corpus() -> list[bytes]:
-    rng = np.random.default_rng(7)
-    out = []
-    for width, height in [(500, 375), (375, 500), (1900, 1300), (999, 333), (33, 47), (224, 224), (7, 5), (640, 481)]:
-        for subsampling in (0, 1, 2):
-            out.append(_photo(rng, width, height, subsampling=subsampling))
-        out.append(_photo(rng, width, height, mode="L"))
-        out.append(_photo(rng, width, height, progressive=True, subsampling=2))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -162,31 +145,6 @@ def test_native_is_off_for_an_explicit_backend_and_required_when_asked() -> None
 
 
 # -- fuzz ----------------------------------------------------------------------------------
-
-
-def _mutants(seeds: list[bytes], count: int, rng: np.random.Generator) -> list[bytes]:
-    """Truncated, bit-flipped, zero-filled and garbage-headed variants of ``seeds``."""
-    out: list[bytes] = []
-    while len(out) < count:
-        data = bytearray(seeds[int(rng.integers(len(seeds)))])
-        kind = int(rng.integers(5))
-        if kind == 0:  # truncated anywhere
-            data = data[: int(rng.integers(0, len(data)))]
-        elif kind == 1:  # bits flipped
-            for _ in range(int(rng.integers(1, 12))):
-                pos = int(rng.integers(len(data)))
-                data[pos] ^= 1 << int(rng.integers(8))
-        elif kind == 2:  # a range zero-filled
-            start = int(rng.integers(len(data)))
-            data[start : start + int(rng.integers(1, 512))] = b"\x00" * len(data[start : start + 512])
-        elif kind == 3:  # the header region garbled (markers, tables, sizes)
-            end = min(len(data), 700)
-            for _ in range(int(rng.integers(1, 8))):
-                data[int(rng.integers(2, end))] = int(rng.integers(256))
-        else:  # random bytes after a JPEG magic
-            data = bytearray(b"\xff\xd8" + rng.bytes(int(rng.integers(0, 2000))))
-        out.append(bytes(data))
-    return out
 
 
 def _fuzz(count: int, seed: int) -> dict[str, int]:
