@@ -1,7 +1,7 @@
 """The GIL: the thread Loader beside a Python training loop, with and without the native kernel.
 
 Usage: ``python benchmarks/bench_gil.py [--images 1280] [--batch 64] [--paths per_sample,kernel_dicts,kernel]
-[--seconds 5] [--rounds 3] [--neighbor] [--out FILE.json]``
+[--seconds 5] [--rounds 3] [--neighbor] [--interleaved N] [--extra-hold MS] [--unfused] [--out FILE.json]``
 
 On the photo-like JPEGs of ``bench_threads.py`` (~500x375, shuffled, batch 64,
 ``DecodeBatch(160, crop="random", flip=True)``), side by side in one run, with the load
@@ -381,7 +381,7 @@ def _hold_longer(seconds: float) -> None:
             pass
         return out
 
-    native._decoded = held  # type: ignore[assignment]
+    native._decoded = held
 
 
 def main() -> None:
@@ -409,10 +409,20 @@ def main() -> None:
         help="a diagnostic: hold the GIL MS ms longer after each batch's decode (a pure-Python wait), to see "
         "what the loader's per-batch GIL time costs the loop",
     )
+    parser.add_argument(
+        "--unfused",
+        action="store_true",
+        help="a diagnostic: the kernel's decode as its own call after the batch's read (as before the two were "
+        "one), for an A/B against the default",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.extra_hold > 0:
         _hold_longer(args.extra_hold / 1e3)
+    if args.unfused:
+        from streamload.decode import native
+
+        native._Fused.make = classmethod(lambda cls, *_args: None)  # type: ignore[assignment]
     _BATCH[0] = args.batch
     paths = [p for p in args.paths.split(",") if p]
     unknown = sorted(set(paths) - set(PATHS))

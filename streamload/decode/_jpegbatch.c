@@ -696,13 +696,27 @@ static void job_run(void *ctx) {
     job->seconds = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
 }
 
+static void then_gone(PyObject *capsule) {
+    PyObject *job = (PyObject *)PyCapsule_GetContext(capsule);
+    Py_XDECREF(job);
+}
+
 static PyObject *job_then(Job *job, void *closure) {
     (void)closure;
     if (job->state != PREPARED) {
         PyErr_SetString(PyExc_RuntimeError, "this job has run");
         return NULL;
     }
-    return PyCapsule_New(&job->then, STREAMLOAD_THEN, NULL); /* the job outlives the call it is passed to */
+    /* The capsule keeps the job alive as long as it is (the call it is passed to may outlive
+     * every other reference), and lets go of it when it goes. */
+    PyObject *capsule = PyCapsule_New(&job->then, STREAMLOAD_THEN, then_gone);
+    if (capsule == NULL) return NULL;
+    if (PyCapsule_SetContext(capsule, job) != 0) {
+        Py_DECREF(capsule);
+        return NULL;
+    }
+    Py_INCREF(job);
+    return capsule;
 }
 
 PyDoc_STRVAR(job_finish_doc,
