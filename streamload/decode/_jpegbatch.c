@@ -417,6 +417,41 @@ static PyObject *messages_list(Py_ssize_t n, const int *status, char (*messages)
     return out;
 }
 
+/* Read one JPEG's header into dims[0..2] (width, height, 3 colour / 1 grey; all 0 when the
+ * kernel does not decode it). Returns OK, or REFUSED with why in `message` (JMSG_LENGTH_MAX).
+ * Its own jump target: a libjpeg error while reading lands here, never in the caller. */
+static int read_header(struct jpeg_decompress_struct *cinfo, error_mgr *err, const unsigned char *p, size_t len,
+                       int32_t *dims, char *message) {
+    dims[0] = dims[1] = dims[2] = 0;
+    if (len < 2 || p[0] != 0xFF || p[1] != 0xD8) {
+        snprintf(message, JMSG_LENGTH_MAX, "not a JPEG");
+        return REFUSED;
+    }
+    if (setjmp(err->jump)) {
+        memcpy(message, err->message, JMSG_LENGTH_MAX);
+        jpeg_abort_decompress(cinfo);
+        dims[0] = dims[1] = dims[2] = 0;
+        return REFUSED;
+    }
+    jpeg_mem_src(cinfo, p, (unsigned long)len);
+    jpeg_read_header(cinfo, TRUE);
+    int status = OK;
+    if (cinfo->jpeg_color_space == JCS_YCbCr || cinfo->jpeg_color_space == JCS_RGB) {
+        dims[2] = 3;
+    } else if (cinfo->jpeg_color_space == JCS_GRAYSCALE) {
+        dims[2] = 1;
+    } else {
+        snprintf(message, JMSG_LENGTH_MAX, "colour space %d is not decoded here", (int)cinfo->jpeg_color_space);
+        status = REFUSED;
+    }
+    if (status == OK) {
+        dims[0] = (int32_t)cinfo->image_width;
+        dims[1] = (int32_t)cinfo->image_height;
+    }
+    jpeg_abort_decompress(cinfo);
+    return status;
+}
+
 PyDoc_STRVAR(headers_doc,
              "headers(datas, dims) -> list\n\n"
              "Read each JPEG's header: dims (int32, 3 a sample) gets width, height and 3 (colour) or 1 (grey),\n"
@@ -450,35 +485,12 @@ static PyObject *headers(PyObject *self, PyObject *args) {
     }
     jpeg_create_decompress(&cinfo);
     /* Headers only: a few microseconds each, so the GIL stays held (no wait to take it back). */
-    for (i = 0; i < n; i++) {
-        const unsigned char *p = (const unsigned char *)views[i].buf;
-        dims[i * 3 + 0] = dims[i * 3 + 1] = dims[i * 3 + 2] = 0;
-        status[i] = REFUSED;
-        if (views[i].len < 2 || p[0] != 0xFF || p[1] != 0xD8) {
-            snprintf(messages[i], JMSG_LENGTH_MAX, "not a JPEG");
-            continue;
-        }
-        if (setjmp(err.jump)) {
-            memcpy(messages[i], err.message, JMSG_LENGTH_MAX);
-            jpeg_abort_decompress(&cinfo);
-            continue;
-        }
-        jpeg_mem_src(&cinfo, p, (unsigned long)views[i].len);
-        jpeg_read_header(&cinfo, TRUE);
-        dims[i * 3 + 0] = (int32_t)cinfo.image_width;
-        dims[i * 3 + 1] = (int32_t)cinfo.image_height;
-        if (cinfo.jpeg_color_space == JCS_YCbCr || cinfo.jpeg_color_space == JCS_RGB) {
-            dims[i * 3 + 2] = 3;
-            status[i] = OK;
-        } else if (cinfo.jpeg_color_space == JCS_GRAYSCALE) {
-            dims[i * 3 + 2] = 1;
-            status[i] = OK;
-        } else {
-            snprintf(messages[i], JMSG_LENGTH_MAX, "colour space %d is not decoded here", (int)cinfo.jpeg_color_space);
-        }
-        jpeg_abort_decompress(&cinfo);
-    }
-    jpeg_destroy_decompress(&cinfo);
+    for (i = 0; i < n; i++)
+        status[i] = views[i].len < 0 ? (snprintf(messages[i], JMSG_LENGTH_MAX, "not a JPEG"), REFUSED)
+                                      : read_header(&cinfo, &err, (const unsigned char *)views[i].buf,
+                                                    (size_t)views[i].len, &dims[i * 3], messages[i]);
+    if (setjmp(err.jump) == 0) /* (read_header's jump target is gone: an error letting go lands here) */
+        jpeg_destroy_decompress(&cinfo);
     result = messages_list(n, status, messages);
 done:
     if (views != NULL) release_buffers(views, n);
@@ -646,28 +658,9 @@ static void job_run(void *ctx) {
         return;
     }
     jpeg_create_decompress(&cinfo);
-    for (i = 0; i < n; i++) { /* the headers (headers()) */
-        const unsigned char *p = data + offsets[i];
-        size_t len = (size_t)(offsets[i + 1] - offsets[i]);
-        dims[i * 3 + 0] = dims[i * 3 + 1] = dims[i * 3 + 2] = 0;
-        if (len < 2 || p[0] != 0xFF || p[1] != 0xD8) continue;
-        if (setjmp(err.jump)) {
-            dims[i * 3 + 0] = dims[i * 3 + 1] = dims[i * 3 + 2] = 0;
-            jpeg_abort_decompress(&cinfo);
-            continue;
-        }
-        jpeg_mem_src(&cinfo, p, (unsigned long)len);
-        jpeg_read_header(&cinfo, TRUE);
-        dims[i * 3 + 0] = (int32_t)cinfo.image_width;
-        dims[i * 3 + 1] = (int32_t)cinfo.image_height;
-        if (cinfo.jpeg_color_space == JCS_YCbCr || cinfo.jpeg_color_space == JCS_RGB)
-            dims[i * 3 + 2] = 3;
-        else if (cinfo.jpeg_color_space == JCS_GRAYSCALE)
-            dims[i * 3 + 2] = 1;
-        else
-            dims[i * 3 + 0] = dims[i * 3 + 1] = 0;
-        jpeg_abort_decompress(&cinfo);
-    }
+    for (i = 0; i < n; i++) /* the headers (as headers() reads them) */
+        read_header(&cinfo, &err, data + offsets[i], (size_t)(offsets[i + 1] - offsets[i]), &dims[i * 3],
+                    job->messages[i]);
     job->bad = draw_batch((const uint32_t *)job->prefix.buf, (int)(job->prefix.len / 4), (const int64_t *)job->where.buf,
                           dims, n, &job->g, job->max_pixels, (float *)job->boxes.buf, (double *)job->full.buf,
                           (int32_t *)job->params.buf, (uint8_t *)job->taken.buf);
@@ -690,7 +683,8 @@ static void job_run(void *ctx) {
             if (job->status[i] == REFUSED) memcpy(job->messages[i], err.message, JMSG_LENGTH_MAX);
         }
     }
-    jpeg_destroy_decompress(&cinfo);
+    if (setjmp(err.jump) == 0) /* (the last jump target may be read_header's, gone by now) */
+        jpeg_destroy_decompress(&cinfo);
     scratch_free(&s);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     job->seconds = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
