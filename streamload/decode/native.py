@@ -199,7 +199,7 @@ def _outcomes(taken: np.ndarray, full: np.ndarray, params: np.ndarray, reasons: 
     return out
 
 
-#: Crop boxes on the reduced decode, boxes on the full image, (reduction, flip), taken.
+#: Crop boxes on the reduced decode, (reduction, flip), boxes on the full image, taken.
 Drawn = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
@@ -244,7 +244,7 @@ def draw_crops(decoder: ImageDecoder, dims: np.ndarray, where: np.ndarray, seed:
         seed: The decode's seed.
 
     Returns:
-        ``(boxes, full, params, taken)`` as :func:`_decode` passes them on, or ``None``
+        ``(boxes, params, full, taken)`` as :func:`_decode` passes them on, or ``None``
         where the extension is not built, disagrees with numpy, the seed does not fit, or
         the decoder's geometry is its own (a subclass's or an instance's ``box``): the
         caller draws in Python.
