@@ -417,6 +417,23 @@ static PyObject *messages_list(Py_ssize_t n, const int *status, char (*messages)
     return out;
 }
 
+/* One sample of a batch's decode into its slot: SKIPPED (reduction 0: not the kernel's), OK,
+ * or REFUSED with why in `message`. What decode() and a prepared job both run a sample. */
+static int decode_sample(struct jpeg_decompress_struct *cinfo, error_mgr *err, scratch *s, const unsigned char *p,
+                         Py_ssize_t len, const int32_t params[2], const float box[4], int pillow13, uint8_t *slot,
+                         int height, int width, char *message) {
+    int factor = params[0], flip = params[1];
+    if (factor == 0) return SKIPPED;
+    err->message[0] = 0;
+    if (len < 2 || (factor != 1 && factor != 2 && factor != 4 && factor != 8)) {
+        snprintf(message, JMSG_LENGTH_MAX, len < 2 ? "no bytes" : "bad reduction");
+        return REFUSED;
+    }
+    int status = decode_one(cinfo, err, s, p, (size_t)len, factor, box, flip, pillow13, slot, height, width);
+    if (status == REFUSED) memcpy(message, err->message, JMSG_LENGTH_MAX);
+    return status;
+}
+
 /* Read one JPEG's header into dims[0..2] (width, height, 3 colour / 1 grey; all 0 when the
  * kernel does not decode it). Returns OK, or REFUSED with why in `message` (JMSG_LENGTH_MAX).
  * Its own jump target: a libjpeg error while reading lands here, never in the caller. */
@@ -559,23 +576,12 @@ static PyObject *decode(PyObject *self, PyObject *args) {
             failed = 1;
         } else {
             jpeg_create_decompress(&cinfo);
-            for (i = 0; i < n; i++) {
-                int factor = params[i * 2], flip = params[i * 2 + 1];
-                if (factor == 0) {
-                    status[i] = SKIPPED;
-                    continue;
-                }
-                err.message[0] = 0;
-                if (views[i].len < 2 || (factor != 1 && factor != 2 && factor != 4 && factor != 8)) {
-                    status[i] = REFUSED;
-                    snprintf(messages[i], JMSG_LENGTH_MAX, views[i].len < 2 ? "no bytes" : "bad reduction");
-                    continue;
-                }
-                status[i] = decode_one(&cinfo, &err, &s, (const unsigned char *)views[i].buf, (size_t)views[i].len,
-                                       factor, &boxes[i * 4], flip, pillow13, out + slot * (size_t)i, height, width);
-                if (status[i] == REFUSED) memcpy(messages[i], err.message, JMSG_LENGTH_MAX);
-            }
-            jpeg_destroy_decompress(&cinfo);
+            for (i = 0; i < n; i++)
+                status[i] = decode_sample(&cinfo, &err, &s, (const unsigned char *)views[i].buf, views[i].len,
+                                          &params[i * 2], &boxes[i * 4], pillow13, out + slot * (size_t)i, height,
+                                          width, messages[i]);
+            if (setjmp(err.jump) == 0) /* (decode_one's jump target is gone: an error letting go lands here) */
+                jpeg_destroy_decompress(&cinfo);
         }
         scratch_free(&s);
         Py_END_ALLOW_THREADS
@@ -665,25 +671,13 @@ static void job_run(void *ctx) {
                           dims, n, &job->g, job->max_pixels, (float *)job->boxes.buf, (double *)job->full.buf,
                           (int32_t *)job->params.buf, (uint8_t *)job->taken.buf);
     if (job->bad == NULL) {
-        for (i = 0; i < n; i++) { /* the decode (decode()) */
-            int factor = params[i * 2], flip = params[i * 2 + 1];
-            if (factor == 0) {
-                job->status[i] = SKIPPED;
-                continue;
-            }
-            err.message[0] = 0;
-            if (setjmp(err.jump)) { /* (decode_one sets its own; this one only guards the loop) */
-                job->status[i] = REFUSED;
-                memcpy(job->messages[i], err.message, JMSG_LENGTH_MAX);
-                continue;
-            }
-            job->status[i] = decode_one(&cinfo, &err, &s, data + offsets[i], (size_t)(offsets[i + 1] - offsets[i]),
-                                        factor, &boxes[i * 4], flip, job->pillow13, out + slot * (size_t)i,
-                                        job->height, job->width);
-            if (job->status[i] == REFUSED) memcpy(job->messages[i], err.message, JMSG_LENGTH_MAX);
-        }
+        for (i = 0; i < n; i++) /* the decode (as decode() runs it) */
+            job->status[i] =
+                decode_sample(&cinfo, &err, &s, data + offsets[i], (Py_ssize_t)(offsets[i + 1] - offsets[i]),
+                              &params[i * 2], &boxes[i * 4], job->pillow13, out + slot * (size_t)i, job->height,
+                              job->width, job->messages[i]);
     }
-    if (setjmp(err.jump) == 0) /* (the last jump target may be read_header's, gone by now) */
+    if (setjmp(err.jump) == 0) /* (the last jump target may be read_header's or decode_one's, gone by now) */
         jpeg_destroy_decompress(&cinfo);
     scratch_free(&s);
     clock_gettime(CLOCK_MONOTONIC, &t1);
