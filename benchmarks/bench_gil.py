@@ -1,7 +1,8 @@
 """The GIL: the thread Loader beside a Python training loop, with and without the native kernel.
 
 Usage: ``python benchmarks/bench_gil.py [--images 1280] [--batch 64] [--paths per_sample,kernel_dicts,kernel]
-[--seconds 5] [--rounds 3] [--neighbor] [--interleaved N] [--extra-hold MS] [--unfused] [--out FILE.json]``
+[--seconds 5] [--rounds 3] [--neighbor] [--interleaved N] [--extra-hold MS] [--unfused] [--python-open]
+[--out FILE.json]``
 
 On the photo-like JPEGs of ``bench_threads.py`` (~500x375, shuffled, batch 64,
 ``DecodeBatch(160, crop="random", flip=True)``), side by side in one run, with the load
@@ -415,8 +416,18 @@ def main() -> None:
         help="a diagnostic: the kernel's decode as its own call after the batch's read (as before the two were "
         "one), for an A/B against the default",
     )
+    parser.add_argument(
+        "--python-open",
+        action="store_true",
+        help="a diagnostic: each shard opened by Python's own system calls (a dozen GIL releases), as before "
+        "the one-call open, for an A/B against the default",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.python_open:
+        from streamload.storage import base
+
+        base.open_files = lambda *_args: None  # type: ignore[assignment]
     if args.extra_hold > 0:
         _hold_longer(args.extra_hold / 1e3)
     if args.unfused:

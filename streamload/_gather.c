@@ -18,8 +18,11 @@
 
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -272,6 +275,162 @@ release_got:
     return result;
 }
 
+/* One file of open_files(): its path, and what came of it. */
+typedef struct {
+    const char *path;
+    int read;      /* read it whole and close it (else: keep it open, return the descriptor) */
+    int64_t limit; /* read: most bytes read (a larger file is not read: its size tells) */
+    int err;       /* errno of the step that failed, 0 */
+    int fd;
+    int link;
+    unsigned mode;
+    int64_t size;
+    char *data;
+    int64_t got;
+} opening;
+
+/* lstat (a link: stat, followed), a regular file only: open non-blocking (a FIFO put there
+ * cannot block the open), fstat the descriptor (what was opened is what is checked), then
+ * blocking reads; read whole and close, or keep open. Anything not a regular file is
+ * never opened (err 0, fd -1: its mode tells the caller). */
+static void open_one(opening *o) {
+    struct stat st;
+    o->fd = -1;
+    if (lstat(o->path, &st) != 0) {
+        o->err = errno;
+        return;
+    }
+    if (S_ISLNK(st.st_mode)) {
+        o->link = 1;
+        if (stat(o->path, &st) != 0) {
+            o->err = errno;
+            return;
+        }
+    }
+    o->mode = (unsigned)st.st_mode;
+    o->size = (int64_t)st.st_size;
+    if (!S_ISREG(st.st_mode)) return;
+    int fd = open(o->path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) {
+        o->err = errno;
+        return;
+    }
+    int flags;
+    if (fstat(fd, &st) != 0 || (flags = fcntl(fd, F_GETFL)) < 0) {
+        o->err = errno;
+        close(fd);
+        return;
+    }
+    o->mode = (unsigned)st.st_mode;
+    o->size = (int64_t)st.st_size;
+    if (!S_ISREG(st.st_mode)) {
+        close(fd);
+        return;
+    }
+    if (fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+        o->err = errno;
+        close(fd);
+        return;
+    }
+    if (!o->read) {
+        o->fd = fd;
+        return;
+    }
+    if (o->size <= o->limit) {
+        o->data = (char *)malloc((size_t)(o->size > 0 ? o->size : 1));
+        if (o->data == NULL) o->err = ENOMEM;
+        while (o->data != NULL && o->got < o->size) {
+            ssize_t r = pread(fd, o->data + o->got, (size_t)(o->size - o->got), (off_t)o->got);
+            if (r < 0 && errno == EINTR) continue;
+            if (r < 0) o->err = errno;
+            if (r <= 0) break; /* failed, or the end of the file: short (the caller's checks see it) */
+            o->got += r;
+        }
+    }
+    close(fd);
+}
+
+PyDoc_STRVAR(open_files_doc,
+             "open_files(paths, reads, limits) -> list[tuple[int, int, int, int, bool, bytes | None]]\n\n"
+             "Open local files in one call that releases the GIL once (a shard and its sidecar: otherwise a\n"
+             "dozen system calls, each a release). paths: a list of bytes (file system paths); reads: one bool\n"
+             "each, read the file whole and close it (else keep it open); limits: one int each, the most bytes\n"
+             "read (a larger file is not read). Each file is lstat'ed (a symbolic link then stat'ed: the caller\n"
+             "checks where it leads), opened only if a regular file (non-blocking, so a FIFO cannot block),\n"
+             "fstat'ed and checked again. Returns (errno, fd, st_mode, st_size, is_link, data) a file: errno 0\n"
+             "or the failed step's; fd the open descriptor (-1 when read, refused or failed: the caller owns\n"
+             "it); data the bytes read (None unless read; shorter than st_size only when the file shrank).");
+
+static PyObject *open_files(PyObject *self, PyObject *args) {
+    PyObject *paths_obj, *reads_obj, *limits_obj, *paths = NULL, *reads = NULL, *limits = NULL, *result = NULL;
+    opening *files = NULL;
+    Py_ssize_t n = 0, i;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOO", &paths_obj, &reads_obj, &limits_obj)) return NULL;
+    paths = PySequence_Fast(paths_obj, "paths must be a sequence of bytes");
+    reads = paths == NULL ? NULL : PySequence_Fast(reads_obj, "reads must be a sequence of bools");
+    limits = reads == NULL ? NULL : PySequence_Fast(limits_obj, "limits must be a sequence of ints");
+    if (limits == NULL) goto done;
+    n = PySequence_Fast_GET_SIZE(paths);
+    if (PySequence_Fast_GET_SIZE(reads) != n || PySequence_Fast_GET_SIZE(limits) != n) {
+        PyErr_SetString(PyExc_ValueError, "paths, reads and limits must have the same length");
+        goto done;
+    }
+    files = (opening *)PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(opening));
+    if (files == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (i = 0; i < n; i++) {
+        PyObject *path = PySequence_Fast_GET_ITEM(paths, i);
+        if (!PyBytes_Check(path) || (Py_ssize_t)strlen(PyBytes_AS_STRING(path)) != PyBytes_GET_SIZE(path)) {
+            PyErr_Format(PyExc_ValueError, "path %zd must be bytes without NUL", i);
+            goto done;
+        }
+        files[i].path = PyBytes_AS_STRING(path); /* the list holds it for the call */
+        int read = PyObject_IsTrue(PySequence_Fast_GET_ITEM(reads, i));
+        long long limit = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(limits, i));
+        if (read < 0 || (limit == -1 && PyErr_Occurred())) goto done;
+        files[i].read = read;
+        files[i].limit = limit;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (i = 0; i < n; i++) open_one(&files[i]);
+    Py_END_ALLOW_THREADS
+    result = PyList_New(n);
+    for (i = 0; result != NULL && i < n; i++) {
+        opening *o = &files[i];
+        PyObject *data = Py_None;
+        if (o->data != NULL && o->err == 0) {
+            data = PyBytes_FromStringAndSize(o->data, (Py_ssize_t)o->got);
+            if (data == NULL) Py_CLEAR(result);
+        } else {
+            Py_INCREF(data);
+        }
+        if (result == NULL) break;
+        PyObject *row = Py_BuildValue("(iiILNN)", o->err, o->fd, o->mode, (long long)o->size,
+                                      PyBool_FromLong(o->link), data);
+        if (row == NULL) {
+            Py_CLEAR(result);
+            break;
+        }
+        if (o->fd >= 0) o->fd = -1; /* the caller's now */
+        PyList_SET_ITEM(result, i, row);
+    }
+done:
+    if (files != NULL) {
+        for (i = 0; i < n; i++) {
+            free(files[i].data);
+            if (files[i].fd >= 0) close(files[i].fd); /* not handed over (an error building the result) */
+        }
+        PyMem_Free(files);
+    }
+    Py_XDECREF(paths);
+    Py_XDECREF(reads);
+    Py_XDECREF(limits);
+    return result;
+}
+
 static PyObject *has_xxh3(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
@@ -280,12 +439,13 @@ static PyObject *has_xxh3(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"pread_gather", pread_gather, METH_VARARGS, pread_gather_doc},
+    {"open_files", open_files, METH_VARARGS, open_files_doc},
     {"has_xxh3", has_xxh3, METH_NOARGS, "has_xxh3() -> bool: whether pread_gather can hash (the system's xxHash)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_gather", "A batch's positioned reads of one file in one call without the GIL.", -1,
+    PyModuleDef_HEAD_INIT, "_gather", "A batch's positioned reads, and a shard's opening, each in one call that releases the GIL once.", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 

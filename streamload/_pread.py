@@ -15,6 +15,7 @@ as before.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Gather", "available", "gather_all", "hashes", "pread_gather"]
+__all__ = ["Gather", "Opened", "available", "gather_all", "hashes", "open_files", "pread_blocks", "pread_gather"]
 
 _STATE: dict[str, ModuleType | None] = {}
 
@@ -111,6 +112,75 @@ def pread_gather(
         then,
     )
     return got
+
+
+def pread_blocks(fd: int, offsets: Sequence[int], size: int) -> list[bytes] | None:
+    """Read ``size`` bytes at each of ``offsets`` of ``fd`` in one :func:`pread_gather` call.
+
+    What the page cache holds is read holding the GIL (no release at all), the rest in one
+    release. Returns the blocks (shorter at the end of the file), or ``None`` when the
+    extension is not built.
+
+    Raises:
+        OSError: If a read failed.
+    """
+    n = len(offsets)
+    buffer = bytearray(n * size)
+    got = pread_gather(
+        fd,
+        np.asarray(offsets, dtype=np.int64),
+        np.full(n, size, dtype=np.int64),
+        [buffer],
+        np.zeros(n, dtype=np.int32),
+        np.arange(n, dtype=np.int64) * size,
+    )
+    if got is None:
+        return None
+    if n and int(got.min()) < 0:
+        code = -int(got.min())
+        raise OSError(code, os.strerror(code))
+    return [bytes(buffer[i * size : i * size + int(got[i])]) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class Opened:
+    """What :func:`open_files` found of one file.
+
+    Attributes:
+        error: ``errno`` of the step that failed (``0``: none).
+        fd: The open descriptor, the caller's to close (``-1`` when read, refused or failed).
+        mode: ``st_mode`` (of the link's target for a symbolic link).
+        size: ``st_size``.
+        link: The path is a symbolic link (the caller checks where it leads).
+        data: The file's bytes when read, else ``None``.
+    """
+
+    error: int
+    fd: int
+    mode: int
+    size: int
+    link: bool
+    data: bytes | None
+
+
+def open_files(paths: Sequence[str], reads: Sequence[bool], limits: Sequence[int]) -> list[Opened] | None:
+    """Check, open and (``reads``) read whole local files, all in one call that releases the GIL once.
+
+    A shard opened in Python makes a dozen system calls (stat, lstat, open, fstat, fcntl,
+    read, close...), each a release of the GIL, and beside a thread running Python each may
+    cost a wait of up to the switch interval: here they are one. Each file is opened only
+    if a regular file (non-blocking: a FIFO cannot block the open). ``limits``: the most
+    bytes read of each (a larger file is not read: its size tells the caller).
+
+    Returns:
+        One :class:`Opened` a path, or ``None`` when the extension is not built (or is an
+        older build without it): the caller opens them another way.
+    """
+    module = _module()
+    if module is None or not hasattr(module, "open_files"):
+        return None
+    rows = module.open_files([os.fsencode(p) for p in paths], [bool(r) for r in reads], [int(n) for n in limits])
+    return [Opened(*row) for row in rows]
 
 
 @dataclass

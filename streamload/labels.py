@@ -48,5 +48,10 @@ def _digits_only(raw: np.ndarray, offsets: np.ndarray, values: np.ndarray) -> bo
         return False
     # each digit times ten to the power of its place from its label's end
     place = np.repeat(offsets[1:] - offsets[0], lengths) - np.arange(len(digits)) - 1
-    values[:] = np.add.reduceat(digits * _POWERS[17 - place], offsets[:-1] - offsets[0])
+    # each label's sum as a difference of running sums (int64 wraps, and the differences,
+    # each a label below 2**63, come out exact); not np.add.reduceat, which lets go of the
+    # GIL (a wait beside a thread running Python)
+    sums = np.zeros(len(digits) + 1, dtype=np.int64)
+    np.cumsum(digits * _POWERS[17 - place], out=sums[1:])
+    values[:] = sums[offsets[1:] - offsets[0]] - sums[offsets[:-1] - offsets[0]]
     return True

@@ -29,7 +29,7 @@ from .formats.base import RangedReads
 from .manifest import Manifest, ShardEntry
 from .recovery import Refetch
 from .storage import Storage
-from .storage.bytes import Landing
+from .storage.bytes import FileBytes, Landing
 from .storage.executor import io_executor
 from .storage.ranges import RangeFetcher
 from .storageconfig import StorageConfig, can_stream, largest_sidecar
@@ -169,7 +169,7 @@ class ShardSource:
 
     def _open_files(self, shard: int) -> ShardReader:
         """Acquire ``shard``'s files and build its reader (not kept in the LRU); release them on failure."""
-        early = self._open_early(shard)
+        early = self._open_early(shard) if self._copies is not None else _open_in_place(self, shard)
         if early is not None:
             return early
         vanished = False
@@ -368,3 +368,30 @@ class ShardSource:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _open_in_place(shards: ShardSource, shard: int) -> ShardReader | None:
+    """A local shard read in place: its files checked, opened and its sidecar read in one native call.
+
+    Opened the usual way, a shard makes a dozen system calls, each a release of the GIL
+    (beside a thread running Python, each may wait up to the switch interval to take it
+    back): here one. ``None``: not a local dataset, a format that reads its sidecar
+    itself, or the native helper not built (the caller acquires and opens as usual).
+    """
+    entry = shards.ref.manifest.shards[shard]
+    if shards._copies is not None or entry.sidecar is None or not shards._format.takes_sidecar:
+        return None
+    opened = shards.storage.open_in_place(entry, entry.sidecar)
+    if opened is None:
+        return None
+    source = FileBytes(opened.fd, size=opened.size)
+    try:
+        reader = shards._format.open_reader(
+            opened.path, entry, opened.sidecar_path, source=source, sidecar=opened.sidecar
+        )
+    except BaseException:
+        source.close()  # (a reader that failed closes it too: closing twice is harmless)
+        raise
+    reader.num_classes = len(shards.ref.manifest.classes) or None
+    shards.opens += 1
+    return reader

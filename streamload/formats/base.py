@@ -416,6 +416,10 @@ class Format:
             byte extents a batch needs (:class:`RangedReads`): its shards, with their
             sidecars, can be streamed instead of cached.
         tables: How files read in place are indexed (:class:`TableIndexing`), or ``None``.
+        takes_sidecar: The reader takes its sidecar's bytes read by the caller
+            (``sidecar=``, with a local shard's open descriptor as ``source=``): a local
+            shard's files are then opened and read in one native call
+            (:meth:`~streamload.storage.Storage.open_in_place`).
     """
 
     name: str
@@ -426,6 +430,7 @@ class Format:
     indexer: Indexer | None = None
     ranged: bool = False
     tables: TableIndexing | None = None
+    takes_sidecar: bool = False
 
     @property
     def writable(self) -> bool:
@@ -460,12 +465,14 @@ class Format:
         *,
         source: ShardBytes | None = None,
         check_headers: bool = True,
+        sidecar: bytes | None = None,
     ) -> ShardReader:
         """Open a reader of shard ``entry``: the local file ``path``, or ``source``'s bytes.
 
         ``source`` (ranged formats only) reads the shard's bytes instead of ``path``;
         ``check_headers=False`` lets the reader skip the reads that only check the shard's
-        own headers against its index when it opens (round trips, when streamed).
+        own headers against its index when it opens (round trips, when streamed);
+        ``sidecar`` (with :attr:`takes_sidecar`): the sidecar's bytes, already read.
 
         Raises:
             ConfigError: If ``source`` is given for a format that cannot read from it.
@@ -475,7 +482,12 @@ class Format:
         if not self.ranged:
             raise ConfigError(f"the {self.name} format reads local files only: its shards cannot be streamed")
         ranged: Any = self.reader  # a ranged format's reader takes source= and check_headers=
-        opened: ShardReader = ranged(path, entry, sidecar_path, source=source, check_headers=check_headers)
+        if sidecar is None:
+            opened: ShardReader = ranged(path, entry, sidecar_path, source=source, check_headers=check_headers)
+            return opened
+        if not self.takes_sidecar:
+            raise ConfigError(f"the {self.name} format's reader reads its sidecar itself")
+        opened = ranged(path, entry, sidecar_path, source=source, check_headers=check_headers, sidecar=sidecar)
         return opened
 
     def shard_name(self, index: int) -> str:

@@ -126,6 +126,31 @@ class TarShardWriter(ShardWriter):
         self._file.close()
 
 
+def _check_headers(name: str, source: ShardBytes | None, offset: Sequence[int], msize: Sequence[int]) -> None:
+    """Check the tar headers of shard ``name``'s first and last members against its sidecar.
+
+    Two 512-byte reads per opened shard (one call, holding the GIL when cached, for a local
+    file) catch a shard that was overwritten, damaged at either end, or paired with another
+    shard's sidecar.
+    """
+    m = len(offset)
+    members = sorted({0, m - 1}) if m else []
+    places = [offset[j] - BLOCK for j in members]
+    if isinstance(source, FileBytes) and all(at >= 0 for at in places):
+        blocks = source.pread_blocks(BLOCK, places)
+    else:
+        blocks = [source.pread(BLOCK, at) if at >= 0 and source is not None else b"" for at in places]
+    for j, at, block in zip(members, places, blocks, strict=True):
+        where = f"{name}: tar header at byte {at}"
+        if len(block) != BLOCK or block == ZERO_BLOCK:
+            raise CorruptShardError(f"{where} is missing: the shard does not match its sidecar index")
+        if parse_octal(block[148:156], where) != sum(block[:148]) + 256 + sum(block[156:]):
+            raise CorruptShardError(f"{where} is damaged (checksum mismatch)")
+        size = parse_octal(block[124:136], where)
+        if size != msize[j] and msize[j] < HEADER_SIZE_LIMIT:  # larger sizes live in PAX records
+            raise CorruptShardError(f"{where} says {size} bytes, the sidecar index says {msize[j]}")
+
+
 class TarShardReader(ShardReader):
     """Reads samples of a tar shard with ``pread`` at the offsets its sidecar gives."""
 
@@ -137,17 +162,20 @@ class TarShardReader(ShardReader):
         *,
         source: ShardBytes | None = None,
         check_headers: bool = True,
+        sidecar: bytes | None = None,
     ) -> None:
         """Open a shard: ``source`` reads its bytes (default: the local file ``path``).
 
         ``check_headers=False`` skips reading the first and last tar headers when the
         shard opens (two round trips for a shard read by ranged GETs); a shard that does
         not match its sidecar still fails its samples' checksums on the first read.
+        ``sidecar``: the sidecar's bytes, read by the caller (default: read from
+        ``sidecar_path``); they are checked as the file's would be.
         """
         super().__init__(path, entry, sidecar_path)
         if sidecar_path is None:
             raise CorruptShardError(f"{entry.name}: tar shard has no sidecar index in the manifest")
-        raw = _read_regular_file(sidecar_path, entry.name)
+        raw = _read_regular_file(sidecar_path, entry.name) if sidecar is None else sidecar
         # The shard's bytes: the local file, or (``source``) ranged reads of a remote object.
         self._bytes: ShardBytes | None = (
             source if source is not None else FileBytes(open_regular_file(path, entry.name))
@@ -162,7 +190,7 @@ class TarShardReader(ShardReader):
             #: Samples whose keys break the tar member name rules (refused when read, by index).
             self._unsafe_keys = index.unsafe_keys
             if check_headers:
-                self._check_headers()
+                _check_headers(entry.name, self._bytes, self._offset, self._msize)
         except BaseException:
             self.close()
             raise
@@ -189,25 +217,6 @@ class TarShardReader(ShardReader):
                 )
             sample[names[field[j]]] = data
         return sample
-
-    def _check_headers(self) -> None:
-        """Check the tar headers of the first and last members against the sidecar.
-
-        Two 512-byte reads per opened shard catch a shard that was overwritten, damaged
-        at either end, or paired with another shard's sidecar.
-        """
-        m = len(self._offset)
-        for j in sorted({0, m - 1}) if m else ():
-            at = self._offset[j] - BLOCK
-            block = self._bytes.pread(BLOCK, at) if at >= 0 and self._bytes is not None else b""
-            where = f"{self.entry.name}: tar header at byte {at}"
-            if len(block) != BLOCK or block == ZERO_BLOCK:
-                raise CorruptShardError(f"{where} is missing: the shard does not match its sidecar index")
-            if parse_octal(block[148:156], where) != sum(block[:148]) + 256 + sum(block[156:]):
-                raise CorruptShardError(f"{where} is damaged (checksum mismatch)")
-            size = parse_octal(block[124:136], where)
-            if size != self._msize[j] and self._msize[j] < HEADER_SIZE_LIMIT:  # larger sizes live in PAX records
-                raise CorruptShardError(f"{where} says {size} bytes, the sidecar index says {self._msize[j]}")
 
     def sample_extents(self, indices: np.ndarray) -> np.ndarray:
         """Return the ``[start, end)`` byte extents of samples ``indices`` in the shard, as ``int64[n, 2]``.
@@ -452,4 +461,5 @@ FORMAT = Format(
     sidecar_suffix=".idx",
     indexer=index_tar,
     ranged=True,
+    takes_sidecar=True,
 )

@@ -21,16 +21,18 @@ import os
 import stat
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .._errors import CorruptShardError, ManifestNotFoundError, ShardNotFoundError, StorageError, UnsafeShardError
 from .._files import FileEntry, check_file_name, is_local, local_path_of
+from .._pread import open_files
 from .bytes import FileBytes, ShardBytes, StreamedFile
 
 if TYPE_CHECKING:
     from .ranges import RangeFetcher
 
-__all__ = ["LocalStorage", "Storage", "is_local", "local_path_of"]
+__all__ = ["InPlace", "LocalStorage", "Storage", "is_local", "local_path_of"]
 
 
 class Storage(ABC):
@@ -65,6 +67,14 @@ class Storage(ABC):
 
     def release(self, entry: FileEntry) -> None:  # noqa: B027 - optional hook
         """Tell the storage the local copy of ``entry`` is no longer in use."""
+
+    def open_in_place(self, shard: FileEntry, sidecar: FileEntry) -> InPlace | None:
+        """Open a local shard read in place and read its sidecar, in one call that releases the GIL once.
+
+        ``None`` (the default): not a local dataset, or the native helper is not built; the
+        caller acquires the files and opens them itself. No :meth:`release` pairs with it.
+        """
+        return None
 
     def open_bytes(self, entry: FileEntry, *, early: bool = False, ranges: RangeFetcher | None = None) -> ShardBytes:
         """Return ``entry``'s bytes as positioned reads; pair with :meth:`release` (except with ``ranges``).
@@ -147,6 +157,25 @@ class Storage(ABC):
         return self.url
 
 
+@dataclass(frozen=True)
+class InPlace:
+    """A local shard opened and its sidecar read (:meth:`Storage.open_in_place`).
+
+    Attributes:
+        path: The shard's path.
+        fd: Its open descriptor (the caller's to close).
+        size: Its size in bytes (the manifest's).
+        sidecar_path: The sidecar's path.
+        sidecar: The sidecar's bytes.
+    """
+
+    path: str
+    fd: int
+    size: int
+    sidecar_path: str
+    sidecar: bytes
+
+
 class LocalStorage(Storage):
     """A dataset in a local directory: files are used in place.
 
@@ -172,13 +201,53 @@ class LocalStorage(Storage):
             raise missing from None
         except OSError as exc:
             raise StorageError(f"cannot read {path}: {exc}") from exc
-        if not stat.S_ISREG(st.st_mode):
+        self._check_kind(path, st.st_mode, os.path.islink(path))
+        return path, st.st_size
+
+    def _check_kind(self, path: str, mode: int, link: bool) -> None:
+        """A regular file, and a symbolic link only to a place inside the dataset directory."""
+        if not stat.S_ISREG(mode):
             raise UnsafeShardError(f"{path} is not a regular file (a FIFO, device, socket or directory); refused")
-        if os.path.islink(path):
+        if link:
             real, root = os.path.realpath(path), os.path.realpath(self.root)
             if os.path.commonpath([real, root]) != root:
                 raise UnsafeShardError(f"{path} is a symbolic link out of the dataset directory (to {real}); refused")
-        return path, st.st_size
+
+    def open_in_place(self, shard: FileEntry, sidecar: FileEntry) -> InPlace | None:
+        """Check, open and read the shard's files in one native call (:func:`streamload._pread.open_files`).
+
+        The checks are :meth:`acquire`'s: each a regular file of the dataset (a link only
+        inside it), of the manifest's size. ``None`` when the native helper is not built.
+
+        Raises:
+            ShardNotFoundError: If a file does not exist.
+            UnsafeShardError: If one is not a regular file, or links out of the directory.
+            CorruptShardError: If one's size is not the manifest's.
+            StorageError: If one cannot be read.
+        """
+        paths = [self.path(shard.name), self.path(sidecar.name)]
+        opened = open_files(paths, [False, True], [0, sidecar.num_bytes])
+        if opened is None:
+            return None
+        fd = opened[0].fd
+        try:
+            for path, got in zip(paths, opened, strict=True):
+                if got.error == errno.ENOENT:
+                    raise ShardNotFoundError(f"{path} does not exist (listed in the manifest)")
+                if got.error:
+                    raise StorageError(f"cannot read {path}: {os.strerror(got.error)}")
+                self._check_kind(path, got.mode, got.link)
+            for path, got, entry in zip(paths, opened, (shard, sidecar), strict=True):
+                if got.size != entry.num_bytes or (got.data is not None and len(got.data) != entry.num_bytes):
+                    size = got.size if got.data is None else len(got.data)
+                    raise CorruptShardError(f"{path}: {size} bytes on disk, the manifest says {entry.num_bytes}")
+            data = opened[1].data
+            assert data is not None and fd >= 0
+            return InPlace(paths[0], fd, shard.num_bytes, paths[1], data)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            raise
 
     def read_bytes(self, name: str, max_bytes: int | None = None, *, not_found: str | None = None) -> bytes:
         """Return the content of file ``name`` (at most ``max_bytes``)."""

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .._errors import CorruptShardError
+from .._pread import pread_blocks
 from .parts import FIRST_PART, merge_range
 
 if TYPE_CHECKING:
@@ -75,9 +76,10 @@ class ShardBytes(Protocol):
 class FileBytes:
     """A local file's bytes through its descriptor (``os.pread``/``os.preadv``; one copy, no page-cache RSS)."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, size: int | None = None) -> None:
+        """Read ``fd``; ``size``: its size when known (else ``fstat``)."""
         self.fd = fd
-        self.size = os.fstat(fd).st_size
+        self.size = os.fstat(fd).st_size if size is None else size
 
     def pread(self, n: int, offset: int) -> bytes:
         """``os.pread``."""
@@ -86,6 +88,11 @@ class FileBytes:
     def preadv(self, buffers: list[memoryview], offset: int) -> int:
         """``os.preadv``."""
         return os.preadv(self.fd, buffers, offset)
+
+    def pread_blocks(self, n: int, offsets: list[int]) -> list[bytes]:
+        """``n`` bytes at each of ``offsets``, in one native call (cached: holding the GIL), else ``os.pread`` each."""
+        blocks = pread_blocks(self.fd, offsets, n)
+        return [os.pread(self.fd, n, at) for at in offsets] if blocks is None else blocks
 
     def close(self, _close: Callable[[int], None] = os.close) -> None:
         """Close the descriptor (once).
