@@ -10,9 +10,10 @@ average:
 
 1. ``Loader(threads=1)`` alone, and beside a pure-Python busy loop in the main thread (the
    loader iterated by a second thread, as a training step's data fetch is); the busy loop
-   alone. Each as a rate and as a ratio (beside / alone). Three paths: per sample
-   (``native=False``); the kernel fed sample dicts (``native=True`` with ``on_error="skip"``,
-   which keeps a dataset on the dict path: each sample read by its own ``pread`` calls);
+   alone, before and after (its share is taken against the mean of the two). Each as a
+   rate and as a ratio (beside / alone). Three paths: per sample (``native=False``); the
+   kernel fed sample dicts (``native=True`` with ``on_error="skip"``, which keeps a
+   dataset on the dict path: each sample read by its own ``pread`` calls);
    the kernel fed by the batch read (``native=True``: ``DecodeBatch.read_batch``, the
    batch's bytes in one gathered read a shard, then one kernel call).
 2. ``DataLoader(num_workers=2)`` + ``DecodeBatch``: decode rate on each of the three paths.
@@ -172,7 +173,9 @@ def interleaved(root: str, path: str, windows: int, seconds: float) -> dict[str,
     fills, its thread waits) and resumed by taking them again, 0.3 s before each window. The
     three modes alternate ``windows`` times, so the machine's drift over a run (the loop's
     rate alone swings by ~10 % between separate measurements here) falls on all three alike.
-    Returns each window's loop count/s and images/s, per mode, and the ratios of the medians.
+    Returns each window's loop count/s and images/s, per mode, and the ratios of the medians;
+    and, beside the loop and alone, the median time between two batches of an epoch and what
+    an epoch's turn adds to it (a new thread, the epoch's plan, its shards opened again).
     """
     import streamload
 
@@ -180,11 +183,17 @@ def interleaved(root: str, path: str, windows: int, seconds: float) -> dict[str,
     take = threading.Event()
     done = threading.Event()
     counts = [0]
+    # when each batch came, and whether it was its epoch's first (the loader starts a thread,
+    # plans the epoch and opens its shards again: the turn between two epochs)
+    stamps: list[tuple[float, bool]] = []
 
     def consume() -> None:
         while not done.is_set():
+            first = True
             for images, _labels in loader:
                 counts[0] += len(images)
+                stamps.append((time.perf_counter(), first))
+                first = False
                 while not take.is_set() and not done.is_set():
                     take.wait(0.05)
                 if done.is_set():
@@ -195,6 +204,7 @@ def interleaved(root: str, path: str, windows: int, seconds: float) -> dict[str,
     reader.start()
     time.sleep(1.0)  # start-up and the first batches out of the windows
     rows: dict[str, list[dict[str, float]]] = {"loop": [], "both": [], "loader": []}
+    gaps: dict[str, list[tuple[float, bool]]] = {"both": [], "loader": []}
     try:
         for _ in range(windows):
             for mode in ("loop", "both", "loader"):
@@ -203,7 +213,7 @@ def interleaved(root: str, path: str, windows: int, seconds: float) -> dict[str,
                 else:
                     take.set()
                 time.sleep(0.3)
-                first, start = counts[0], time.perf_counter()
+                first, start, mark = counts[0], time.perf_counter(), len(stamps)
                 if mode == "loader":
                     time.sleep(seconds)
                     loop = 0
@@ -214,6 +224,9 @@ def interleaved(root: str, path: str, windows: int, seconds: float) -> dict[str,
                     loop = _busy(stop)
                 wall = time.perf_counter() - start
                 rows[mode].append({"loop_s": loop / wall, "images_s": (counts[0] - first) / wall})
+                if mode != "loop":
+                    got = stamps[mark:]
+                    gaps[mode] += [(b[0] - a[0], b[1]) for a, b in zip(got, got[1:], strict=False)]
     finally:
         done.set()
         take.set()
@@ -222,9 +235,18 @@ def interleaved(root: str, path: str, windows: int, seconds: float) -> dict[str,
     median = {
         mode: {k: float(np.median([r[k] for r in rs])) for k in ("loop_s", "images_s")} for mode, rs in rows.items()
     }
+    turns = {}
+    for mode, got in gaps.items():
+        within = [g for g, turned in got if not turned]
+        across = [g for g, turned in got if turned]
+        if within and across:
+            batch = float(np.median(within))
+            turns[mode] = {"batch_ms": batch * 1e3, "turn_extra_ms": (float(np.mean(across)) - batch) * 1e3,
+                           "turns": len(across), "batches_a_turn": len(got) / len(across)}  # fmt: skip
     return {
         "windows": rows,
         "median": median,
+        "turns": turns,
         "loop_kept": median["both"]["loop_s"] / median["loop"]["loop_s"],
         "loader_kept": median["both"]["images_s"] / median["loader"]["images_s"],
         "loop_kept_per_window": [b["loop_s"] / a["loop_s"] for a, b in zip(rows["loop"], rows["both"], strict=True)],
@@ -457,6 +479,12 @@ def main() -> None:
                 f"{got['loader_kept']:.3f} of its rate alone ({m['loader']['images_s']:.0f} -> "
                 f"{m['both']['images_s']:.0f} img/s)"
             )
+            for mode, t in got["turns"].items():
+                print(
+                    f"{'':12s} {'beside the loop' if mode == 'both' else 'alone':15s}: a batch every "
+                    f"{t['batch_ms']:.1f} ms within an epoch; an epoch's turn adds {t['turn_extra_ms']:.0f} ms "
+                    f"({t['turns']} turns, one every {t['batches_a_turn']:.0f} batches)"
+                )
         result["load_after"] = os.getloadavg()
         print(f"load average after: {result['load_after']}")
         if args.out:
@@ -491,14 +519,19 @@ def main() -> None:
                 f"({near['alone'] / 1e6:.1f}, {near['beside_process'] / 1e6:.1f}, {near['alone_again'] / 1e6:.1f} M/s)"
             )
         for key in paths:
-            loop = loop_alone(args.seconds)
+            # The loop alone before and after (its rate drifts by up to ~10 % between
+            # measurements here): the loop's share is taken against the mean of the two.
+            first = loop_alone(args.seconds)
             alone = loader_beside_loop(root, key, args.seconds, busy=False)
             beside = loader_beside_loop(root, key, args.seconds, busy=True)
-            row[key] = {"loop_alone": loop, "alone": alone, "beside": beside}
+            after = loop_alone(args.seconds)
+            loop = (first + after) / 2
+            row[key] = {"loop_alone": loop, "loop_before": first, "loop_after": after, "alone": alone, "beside": beside}
             print(
                 f"round {r + 1} Loader(threads=1) {key:12s}: alone {alone['images_s']:5.0f} img/s; beside a busy "
                 f"loop {beside['images_s']:5.0f} img/s ({beside['images_s'] / alone['images_s']:.2f} of alone); "
-                f"the loop keeps {beside['loop_s'] / loop:.2f} of its {loop / 1e6:.1f} M/s (load "
+                f"the loop keeps {beside['loop_s'] / loop:.2f} of its {loop / 1e6:.1f} M/s (alone before and "
+                f"after: {first / 1e6:.1f}, {after / 1e6:.1f}; load "
                 f"{os.getloadavg()[0]:.1f}); the loader's threads, alone / beside: on a CPU "
                 f"{alone['loader_cpu']:.2f} / "
                 f"{beside['loader_cpu']:.2f}, waiting for a CPU {alone['loader_queued']:.2f} / "
