@@ -24,7 +24,7 @@ counts, interleaved) and the readers (:class:`~streamload.streams.MixedSource`: 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterableDataset
@@ -43,7 +43,7 @@ from .stages import OnError, Pipeline, Steps
 from .storage import Storage
 from .storage.ranges import DEFAULT_STREAM_BUFFER
 from .storageconfig import StorageConfig, StorageKeywords, config_from_arguments
-from .streams import Mixture, StreamSource
+from .streams import Mixture, ReaderKeep, StreamSource
 from .timing import StageTable
 
 if TYPE_CHECKING:
@@ -306,14 +306,16 @@ class StreamingDataset(IterableDataset[Any]):
         world = detect_world(self.rank, self.world_size, self._inherited_world)
         return _reader(self._iterations, world, self._pipeline)
 
-    def thread_readers(self, threads: int) -> ThreadReaders:
+    def thread_readers(self, threads: int, keeps: Sequence[ReaderKeep] | None = None) -> ThreadReaders:
         """Start an iteration of this rank read by ``threads`` threads of this process (see :class:`ThreadReaders`).
+
+        ``keeps``: a :class:`~streamload.streams.ReaderKeep` a thread (its open shards kept between epochs).
 
         Raises:
             ConfigError: If a DataLoader iterates this dataset now.
         """
-        rank, world_size = detect_rank_world(self.rank, self.world_size, self._inherited_world)
-        return _thread_readers(self._iterations, rank, world_size, threads, self._pipeline, self._get_storages)
+        world = detect_rank_world(self.rank, self.world_size, self._inherited_world)
+        return _thread_readers(self._iterations, *world, threads, self._pipeline, self._get_storages, keeps)
 
     def loaded_state(self) -> dict[str, Any] | None:
         """The state :meth:`load_state_dict` loaded, until an iteration starts; else ``None``."""
@@ -321,8 +323,7 @@ class StreamingDataset(IterableDataset[Any]):
 
     def _pipeline(self, plan: EpochPlan, world: World, progress: Position) -> Pipeline:
         """The stages of one reader's iteration (opened when its first item is asked for)."""
-        budget = self.storage.stream_buffer or DEFAULT_STREAM_BUFFER
-        plain = self.streams.plain
+        budget, plain = self.storage.stream_buffer or DEFAULT_STREAM_BUFFER, self.streams.plain
         steps = Steps(self.transform, self.collate, self.on_error, self._skips, budget, plain, self.stage_table)
         return Pipeline(steps, self.streams, self._get_storages(), plan, world, progress)
 
@@ -399,6 +400,7 @@ def _thread_readers(
     threads: int,
     stages: _Stages,
     open_storages: Callable[[], object],
+    keeps: Sequence[ReaderKeep] | None = None,
 ) -> ThreadReaders:
     """:meth:`StreamingDataset.thread_readers`: a thread iteration registered, its readers planned.
 
@@ -409,7 +411,11 @@ def _thread_readers(
     try:
         open_storages()
         plan, starts = iterations.plan_threads(rank, world_size, threads)
-        readers = [iter(stages(plan, world, position)) for world, position in starts]
+        pipes = [stages(plan, world, position) for world, position in starts]
+        for pipe, keep in zip(pipes, keeps or (), strict=False):
+            if isinstance(pipe, Pipeline):
+                pipe.keep = keep
+        readers = [iter(pipe) for pipe in pipes]
     except BaseException:
         iterations.leave(slot)
         raise

@@ -44,6 +44,7 @@ from ._errors import ConfigError
 from .dataset import StreamingDataset
 from .device import check_device
 from .loader_state import dataset_state
+from .streams import ReaderKeep
 from .timing import LOADER_COLLATE
 
 __all__ = ["Loader"]
@@ -158,6 +159,9 @@ class Loader:
             log.warning("Loader(pin_memory=True): no accelerator present, batches are not pinned")
         self._run: _Run | None = None
         self._loaded: dict[str, Any] | None = None  # a state loaded and not iterated yet
+        # Each thread's open shards (a local dataset's), left by one epoch for the next:
+        # an epoch's turn then opens no shard again.
+        self._keeps = [ReaderKeep() for _ in range(threads)]
 
     # -- epochs and state ----------------------------------------------------------
 
@@ -222,7 +226,7 @@ class Loader:
         return self._iterate()
 
     def _iterate(self) -> Iterator[Any]:
-        run = _Run(self)
+        run = _Run(self, self._keeps)
         self._run = run
         self._loaded = None
         try:
@@ -231,9 +235,15 @@ class Loader:
             run.stop()
 
     def close(self) -> None:
-        """Stop the latest iteration's threads (dropping or exhausting an iteration does it too)."""
+        """Stop the latest iteration's threads (dropping or exhausting an iteration does it too), close kept shards.
+
+        The threads leave a local dataset's open shards at the end of each epoch for the
+        next epoch's threads; closing closes them (a later iteration opens them again).
+        """
         if self._run is not None:
             self._run.stop()
+        for keep in self._keeps:
+            keep.close()
 
     def __repr__(self) -> str:
         return f"Loader({self.dataset!r}, threads={self.threads}, prefetch={self.prefetch})"
@@ -242,7 +252,7 @@ class Loader:
 class _Run:
     """One iteration: the reader threads, their queues and the optional transfer thread."""
 
-    def __init__(self, loader: Loader) -> None:
+    def __init__(self, loader: Loader, keeps: list[ReaderKeep]) -> None:
         self.loader = loader
         self.stopped = threading.Event()
         self.threads: list[threading.Thread] = []
@@ -251,7 +261,7 @@ class _Run:
         self.stream: Any = None
         ds = loader.dataset
         # Registered with the dataset, its storages opened once, one reader per thread (left if any of it fails).
-        self.iteration = iteration = ds.thread_readers(loader.threads)
+        self.iteration = iteration = ds.thread_readers(loader.threads, keeps)
         readers = iteration.readers
         try:
             self.progress = iteration.progress

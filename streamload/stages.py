@@ -43,7 +43,7 @@ from .plan_stage import Position
 from .recovery import Failed, key_of, raise_located, recover_batch, recovering_samples, skippable
 from .skips import SkipLog, Substitute, batch_errors
 from .storage import Storage
-from .streams import MixedSource, Mixture
+from .streams import MixedSource, Mixture, ReaderKeep
 from .timing import SAMPLE_EVERY, Clock, StageTable
 
 __all__ = ["Pipeline", "Read", "Steps", "TimedBytes", "open_readers"]
@@ -83,8 +83,12 @@ class Steps:
     table: StageTable | None
 
 
-def open_readers(streams: Mixture, storages: list[Storage], plan: EpochPlan, world: World) -> MixedSource:
+def open_readers(
+    streams: Mixture, storages: list[Storage], plan: EpochPlan, world: World, keep: ReaderKeep | None = None
+) -> MixedSource:
     """This reader's shard readers of every stream, sized to what ``plan`` keeps open; cached or streamed.
+
+    ``keep``: the shards the previous epoch's reader of this place left open, taken if they fit.
 
     Each stream keeps the shards one shuffle window spans open (its share of the window in
     a mixture; without shuffling, shard after shard). ``cache="auto"`` streams a stream
@@ -105,7 +109,8 @@ def open_readers(streams: Mixture, storages: list[Storage], plan: EpochPlan, wor
     streaming = [
         ref.streams(storage, machine * n) for ref, storage, n in zip(streams.refs, storages, spans, strict=True)
     ]
-    return streams.source(storages, capacities, streaming)
+    kept = None if keep is None else keep.take(storages, capacities, streaming)
+    return kept if kept is not None else streams.source(storages, capacities, streaming)
 
 
 class _Origin(NamedTuple):
@@ -368,6 +373,9 @@ class Pipeline:
         self.position = position
         self.ahead: FetchAhead | None = None
         self.read: Read | None = None
+        #: Where a thread's open shards are left at the end of its epoch for the next one (a
+        #: :class:`~streamload.Loader`'s), else ``None``: closed.
+        self.keep: ReaderKeep | None = None
 
     def state(self) -> dict[str, Any]:
         """The chain's state: its nodes' plain-data states under their names.
@@ -402,8 +410,10 @@ class Pipeline:
 
     def __iter__(self) -> Iterator[Any]:
         steps, plan, world, position = self.steps, self.plan, self.world, self.position
-        readers = open_readers(self.streams, self.storages, plan, world)
+        keep = self.keep
+        readers = open_readers(self.streams, self.storages, plan, world, keep)
         start, first = position.next_item, position.first
+        finished = False
         self.ahead = ahead = FetchAhead(readers, steps.budget)
         try:
             self.read = read = Read(steps, readers, position)
@@ -420,11 +430,15 @@ class Pipeline:
                 yield item
                 ahead.started()  # the first item is out: the cold start ends, read-ahead may share the link now
                 yield from items
+            finished = True
         finally:
             try:
                 ahead.close()  # the read-ahead it named cancelled
             finally:
-                readers.close()
+                if finished and keep is not None:
+                    keep.give(readers)  # kept for the next epoch (a local dataset's), else closed
+                else:
+                    readers.close()
 
     def _items(self, read: Read, ahead: FetchAhead, runs: Iterator[Run]) -> Iterator[Any]:
         chunk = self.position.chunk_size

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any
@@ -295,6 +296,8 @@ class MixedSource:
     ) -> None:
         self.mixture = mixture
         modes = list(streaming) if streaming is not None else [False] * len(mixture.refs)
+        #: What it was opened with (a :class:`ReaderKeep` hands it on only for the same).
+        self.opened_with = (tuple(storages), tuple(capacities), tuple(modes))
         self.sources: list[ShardSource] = []
         try:
             for ref, storage, capacity, streams in zip(mixture.refs, storages, capacities, modes, strict=True):
@@ -353,6 +356,11 @@ class MixedSource:
         """True if some stream is read by ranged GETs (see :mod:`streamload.ahead`)."""
         return any(src.streaming for src in self.sources)
 
+    @property
+    def local(self) -> bool:
+        """Every stream read in place from local files: its readers hold descriptors and indexes, nothing else."""
+        return all(not src.storage.cached and not src.streaming for src in self.sources)
+
     def close(self) -> None:
         """Close every stream's readers and release their files (the storages stay open)."""
         errors: list[BaseException] = []
@@ -363,3 +371,55 @@ class MixedSource:
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+
+class ReaderKeep:
+    """One reader thread's open shards, kept from one of a :class:`~streamload.Loader`'s epochs to the next.
+
+    An epoch's turn beside a thread running Python is slow: each step that lets go of the
+    GIL waits for it, and opening a shard is one such step (and some Python). A local
+    dataset's open shards hold only descriptors and parsed sidecars, so the thread that
+    finished an epoch leaves them here (:meth:`give`) and the next epoch's thread of the
+    same place takes them (:meth:`take`) instead of opening them again. Cached and streamed
+    datasets are not kept (their readers pin cache space and hold fetches): they close.
+    Thread-safe; each :meth:`take` hands what was kept over to one taker.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: MixedSource | None = None
+
+    def take(
+        self, storages: Sequence[Storage], capacities: Sequence[int], streaming: Sequence[bool]
+    ) -> MixedSource | None:
+        """What was kept, if opened with the same storages, capacities and modes (else it is closed); else ``None``."""
+        with self._lock:
+            kept, self._kept = self._kept, None
+        if kept is None:
+            return None
+        want = (tuple(storages), tuple(capacities), tuple(streaming))
+        same = len(want[0]) == len(kept.opened_with[0]) and all(
+            a is b for a, b in zip(want[0], kept.opened_with[0], strict=True)
+        )
+        if not same or want[1:] != kept.opened_with[1:]:
+            kept.close()
+            return None
+        for src in kept.sources:
+            src.opens = 0  # this iteration's count
+        return kept
+
+    def give(self, source: MixedSource) -> None:
+        """Keep ``source`` for the next epoch (a local one; any other is closed, as is what was kept before)."""
+        old: MixedSource | None = source
+        if source.local:
+            with self._lock:
+                old, self._kept = self._kept, source
+        if old is not None:
+            old.close()
+
+    def close(self) -> None:
+        """Close what is kept (a later :meth:`give` keeps again)."""
+        with self._lock:
+            kept, self._kept = self._kept, None
+        if kept is not None:
+            kept.close()
