@@ -379,7 +379,7 @@ def _open_in_place(shards: ShardSource, shard: int) -> ShardReader | None:
     itself, or the native helper not built (the caller acquires and opens as usual).
     """
     entry = shards.ref.manifest.shards[shard]
-    if shards._copies is not None or entry.sidecar is None or not shards._format.takes_sidecar:
+    if entry.sidecar is None or not shards._format.takes_sidecar:  # (the caller asks for local datasets only)
         return None
     opened = shards.storage.open_in_place(entry, entry.sidecar)
     if opened is None:

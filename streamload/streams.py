@@ -397,11 +397,9 @@ class ReaderKeep:
             kept, self._kept = self._kept, None
         if kept is None:
             return None
-        want = (tuple(storages), tuple(capacities), tuple(streaming))
-        same = len(want[0]) == len(kept.opened_with[0]) and all(
-            a is b for a, b in zip(want[0], kept.opened_with[0], strict=True)
-        )
-        if not same or want[1:] != kept.opened_with[1:]:
+        had, sizes, modes = kept.opened_with
+        same = len(had) == len(storages) and all(a is b for a, b in zip(had, storages, strict=False))
+        if not same or (sizes, modes) != (tuple(capacities), tuple(streaming)):
             kept.close()
             return None
         for src in kept.sources:
