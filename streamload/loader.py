@@ -159,7 +159,7 @@ class Loader:
             log.warning("Loader(pin_memory=True): no accelerator present, batches are not pinned")
         self._run: _Run | None = None
         self._loaded: dict[str, Any] | None = None  # a state loaded and not iterated yet
-        # Each thread's open shards (a local dataset's), left by one epoch for the next:
+        # Each thread's open shards (a local tar dataset's), left by one epoch for the next:
         # an epoch's turn then opens no shard again.
         self._keeps = [ReaderKeep() for _ in range(threads)]
 

@@ -358,8 +358,14 @@ class MixedSource:
 
     @property
     def local(self) -> bool:
-        """Every stream read in place from local files: its readers hold descriptors and indexes, nothing else."""
-        return all(not src.storage.cached and not src.streaming for src in self.sources)
+        """Every stream read in place from local files by readers that hold descriptors and their sidecars only.
+
+        (A format whose reader reads its sidecar whole, ``takes_sidecar``: tar. A Parquet
+        reader's row groups in the process's table cache, or an LMDB environment, are more.)
+        """
+        return all(
+            not src.storage.cached and not src.streaming and src.ref.format.takes_sidecar for src in self.sources
+        )
 
     def close(self) -> None:
         """Close every stream's readers and release their files (the storages stay open)."""
@@ -380,8 +386,9 @@ class ReaderKeep:
     GIL waits for it, and opening a shard is one such step (and some Python). A local
     dataset's open shards hold only descriptors and parsed sidecars, so the thread that
     finished an epoch leaves them here (:meth:`give`) and the next epoch's thread of the
-    same place takes them (:meth:`take`) instead of opening them again. Cached and streamed
-    datasets are not kept (their readers pin cache space and hold fetches): they close.
+    same place takes them (:meth:`take`) instead of opening them again. Only what
+    :attr:`MixedSource.local` says: cached and streamed datasets (their readers pin cache
+    space and hold fetches) and other formats (Parquet row groups, LMDB maps) close.
     Thread-safe; each :meth:`take` hands what was kept over to one taker.
     """
 

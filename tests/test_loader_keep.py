@@ -10,15 +10,20 @@ the end of each epoch, as before. Closing the loader closes what it kept.
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import Any
 
 import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 
 from streamload import Loader, StorageConfig, StreamingDataset
 from streamload.batch import RawCollate
+from streamload.indexing import index_directory
 from streamload.shards import ShardSource
 from streamload.storage.base import LocalStorage
 from tests.helpers.datasets import write_dataset
@@ -129,3 +134,38 @@ def test_a_cached_dataset_is_not_kept_between_epochs(tmp_path: Path, monkeypatch
         assert got == _fresh(url, 2, threads=1, storage=config)
     finally:
         fsspec.filesystem("memory").rm(url.removeprefix("memory://"), recursive=True)
+
+
+def test_a_parquet_dataset_read_in_place_is_not_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Parquet reader holds row groups in the process's table cache: closed at each epoch's end, as before."""
+    blobs = []
+    for i in range(40):
+        out = io.BytesIO()
+        Image.new("RGB", (4, 4), (i, 0, 0)).save(out, "PNG")
+        blobs.append(out.getvalue())
+    table = pa.table({"image": pa.array(blobs, pa.binary()), "label": pa.array([i % 3 for i in range(40)])})
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=10)
+    index_directory(str(tmp_path), "parquet")
+
+    def epochs(loader: Loader) -> list[list[bytes]]:
+        out = []
+        for epoch in range(2):
+            loader.set_epoch(epoch)
+            out.append([bytes(batch.data.numpy()) for batch in loader])
+        return out
+
+    def dataset() -> StreamingDataset:
+        return StreamingDataset(str(tmp_path), shuffle=True, seed=3, batch_size=8, collate=RawCollate())
+
+    closes = _counting(monkeypatch, ShardSource, "close")
+    loader = Loader(dataset(), threads=1)
+    try:
+        got = epochs(loader)
+    finally:
+        loader.close()
+    assert len(closes) == 2  # each epoch's readers closed when it ended
+    fresh = Loader(dataset(), threads=1)
+    try:
+        assert got == epochs(fresh)
+    finally:
+        fresh.close()
